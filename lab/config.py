@@ -1,0 +1,238 @@
+"""Run configuration: nested dataclasses, TOML files, dotted command-line overrides.
+
+Resolution order (later wins): dataclass defaults → model preset → TOML file → command line.
+Every field is reachable as ``--section.field VALUE`` (``--model.d_model 256``,
+``--train.tokens 2e6``); ``--strategy`` is short for ``--parallel.strategy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line meant for the user."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    preset: str | None = _f(None, "named shape to start from (see lab.model.PRESETS); explicit fields override it")
+    arch: str = _f("gpt2", "gpt2 (LayerNorm, GELU, learned positions) or modern (RMSNorm, RoPE, SwiGLU, GQA)")
+    n_layer: int = _f(4, "transformer blocks")
+    n_head: int = _f(4, "query heads")
+    n_kv_head: int | None = _f(None, "key/value heads for grouped-query attention (default: n_head)")
+    d_model: int = _f(128, "residual width")
+    d_ff: int | None = _f(None, "MLP hidden width (default: 4·d for GELU, 8/3·d rounded up to 64 for SwiGLU)")
+    block_size: int = _f(256, "context length in tokens")
+    vocab_size: int | None = _f(None, "vocabulary size (default: the tokenizer's)")
+    pad_vocab_to: int = _f(1, "round the embedding table up to a multiple of this (64 helps GPUs)")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output head")
+    bias: bool | None = _f(None, "biases in linear layers and norms (default: True for gpt2, False for modern)")
+    dropout: float = _f(0.0, "dropout probability")
+    rope_theta: float = _f(10000.0, "RoPE base (modern only)")
+    norm_eps: float = _f(1e-5, "epsilon of LayerNorm/RMSNorm")
+
+
+@dataclass
+class DataConfig:
+    corpus: str = _f("sotu", "built-in corpus name (sotu) or a path: folder of .txt, .jsonl, .parquet")
+    text_field: str = _f("text", "field holding the text in .jsonl and parquet inputs")
+    tokenizer: str = _f("bpe", "bpe (byte-level BPE trained on the corpus) or bytes (raw UTF-8 bytes)")
+    vocab_size: int = _f(4096, "BPE vocabulary size, including special tokens")
+    eval_fraction: float = _f(0.05, "fraction of documents held out for evaluation (by a hash of the document id)")
+    cache_dir: str = _f("data/prepared", "where prepared shards and tokenizers are kept")
+
+
+@dataclass
+class TrainConfig:
+    tokens: int = _f(2_000_000, "token budget; the schedule's length is set by it")
+    batch_tokens: int = _f(16_384, "global batch in tokens (all ranks and accumulation micro-steps together)")
+    micro_batch: int = _f(16, "sequences per rank per micro-step")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
+    schedule: str = _f("cosine", "cosine (warmup then cosine decay) or wsd (warmup, stable, decay)")
+    warmup: float = _f(0.05, "fraction of steps spent warming up")
+    decay: float = _f(0.2, "fraction of steps spent decaying (wsd only)")
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms, biases)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    seed: int = _f(1337, "seed for initialisation and data order")
+    device: str = _f("auto", "auto, cpu or cuda")
+    dtype: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
+    compile: bool = _f(False, "torch.compile the model")
+    log_every: int = _f(10, "steps between metric records")
+    eval_every: int = _f(0, "steps between held-out evaluations (0: only at the end)")
+    eval_tokens: int = _f(65_536, "held-out tokens per evaluation")
+    checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end)")
+    keep_checkpoints: int = _f(2, "how many checkpoints to keep")
+    stop_after: int = _f(0, "stop after this many steps, keeping the full schedule (0: run the whole budget)")
+    peak_flops: float = _f(0.0, "peak FLOP/s for MFU (0: the GPU table, or a measured matmul peak on CPU)")
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = _f("single", "parallelism strategy (see lab.parallel.STRATEGIES)")
+    timeout_s: float = _f(600.0, "collective timeout in seconds")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        cfg = cls()
+        _apply(cfg, d, source="config")
+        return cfg
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+
+# ---------------------------------------------------------------- value parsing
+
+
+def _field_kind(section_cls: type, name: str) -> tuple[type, bool]:
+    """(scalar type, optional?) of a dataclass field, from its annotation."""
+    hints = typing.get_type_hints(section_cls)
+    tp = hints[name]
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return tp, False
+
+
+def _coerce(value: Any, tp: type, optional: bool, where: str) -> Any:
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{where} cannot be empty")
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool):
+                raise ValueError
+            x = float(value)
+            if not math.isfinite(x) or x != int(x):
+                raise ValueError
+            return int(x)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _apply(cfg: RunConfig, tree: dict[str, Any], source: str) -> None:
+    for section, values in tree.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section '{section}' (known: {', '.join(SECTIONS)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: '{section}' must be a table")
+        target = getattr(cfg, section)
+        names = {f.name for f in dataclasses.fields(target)}
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(f"{source}: unknown option '{section}.{key}'")
+            tp, optional = _field_kind(type(target), key)
+            setattr(target, key, _coerce(value, tp, optional, f"{section}.{key}"))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML ({e})") from None
+
+
+def resolve(tree: dict[str, Any]) -> RunConfig:
+    """Build a config from a nested dict (TOML and CLI merged), applying the model preset first."""
+    from lab.model import PRESETS  # presets live beside the model they describe
+
+    cfg = RunConfig()
+    preset = tree.get("model", {}).get("preset")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})")
+        _apply(cfg, {"model": PRESETS[preset]}, source=f"preset {preset}")
+    _apply(cfg, tree, source="config")
+    return cfg
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser with --config, --run-dir, --resume, --strategy and one --section.field per option."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="TOML file with [model], [data], [train], [parallel] tables")
+    p.add_argument("--run-dir", default="runs/default", help="output folder (config, metrics, checkpoints)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--strategy", dest="parallel.strategy", default=argparse.SUPPRESS,
+                   help="short for --parallel.strategy")
+    defaults = RunConfig()
+    for section in SECTIONS:
+        obj = getattr(defaults, section)
+        group = p.add_argument_group(f"[{section}]")
+        for f in dataclasses.fields(obj):
+            group.add_argument(f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                               metavar=_field_kind(type(obj), f.name)[0].__name__.upper(),
+                               help=f"{f.metadata.get('help', '')} (default: {getattr(obj, f.name)})")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Merge --config TOML and dotted overrides into a resolved RunConfig."""
+    tree: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
+    for key, value in vars(args).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            tree.setdefault(section, {})[name] = value
+    return resolve(tree)
+
+
+def save_json(path: str | Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    tmp.replace(p)
