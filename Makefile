@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) launch/run.py --config configs/demo.toml --run-dir runs/demo
+	$(PY) launch/run.py --config configs/demo.toml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

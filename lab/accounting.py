@@ -1,4 +1,4 @@
-"""Pure arithmetic of training: parameters, FLOPs, hardware peaks, time (and memory, below).
+"""Pure arithmetic of training: parameters, FLOPs, hardware peaks, time and memory.
 
 No torch here: every function takes a shape or plain numbers, so the analysis package and the
 planner can use it without a model. ``tests/test_accounting.py`` checks each formula against a
@@ -7,6 +7,7 @@ hand computation and against the parameters of a real ``lab.model.GPT``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -114,11 +115,17 @@ GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
 GPU_MEMORY_BYTES: dict[str, float] = {"A100": 80e9, "H100": 80e9, "H200": 141e9}
 
 
-def gpu_peak_flops(gpu: str, dtype: str = "bf16") -> float:
-    """Dense peak FLOP/s of a GPU by name (case-insensitive; 'NVIDIA H100 80GB HBM3' works too)."""
+def gpu_model(gpu: str) -> str:
+    """The table key a GPU name refers to (case-insensitive; 'NVIDIA H100 80GB HBM3' gives 'H100')."""
     key = next((k for k in GPU_PEAK_FLOPS if k.lower() in gpu.lower()), None)
     if key is None:
         raise ValueError(f"unknown GPU '{gpu}' (known: {', '.join(GPU_PEAK_FLOPS)})")
+    return key
+
+
+def gpu_peak_flops(gpu: str, dtype: str = "bf16") -> float:
+    """Dense peak FLOP/s of a GPU by name (case-insensitive; 'NVIDIA H100 80GB HBM3' works too)."""
+    key = gpu_model(gpu)
     table = GPU_PEAK_FLOPS[key]
     if dtype not in table:
         raise ValueError(f"no {dtype} peak for {key} (known: {', '.join(table)})")
@@ -130,3 +137,166 @@ def training_seconds(flops: float, gpu: str, n_gpus: int, mfu: float, dtype: str
     if n_gpus <= 0 or not 0 < mfu <= 1:
         raise ValueError("need n_gpus > 0 and 0 < mfu <= 1")
     return flops / (n_gpus * gpu_peak_flops(gpu, dtype) * mfu)
+
+
+def gpu_memory_bytes(gpu: str) -> float:
+    """Memory of one GPU in bytes (decimal: 80 GB = 80e9), by name as in ``gpu_peak_flops``."""
+    return GPU_MEMORY_BYTES[gpu_model(gpu)]
+
+
+def training_days(params: float, tokens: float, gpu: str, n_gpus: int, mfu: float, dtype: str = "bf16") -> float:
+    """Wall-clock days to train ``params`` on ``tokens`` (C = 6·N·D) on ``n_gpus`` at ``mfu``."""
+    return training_seconds(training_flops(params, tokens), gpu, n_gpus, mfu, dtype) / 86_400
+
+
+# ---------------------------------------------------------------- memory: model states
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+PRECISIONS = ("mixed", "fp32")
+
+# Bytes per parameter of (weights, gradients, optimizer states) held by a rank before sharding.
+# mixed: 16-bit weights and gradients, fp32 master weights + two AdamW moments (K = 12);
+# fp32: 4-byte weights and gradients, the two moments (K = 8).
+_STATE_WIDTHS: dict[str, tuple[int, int, int]] = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+# Which of (weights, gradients, optimizer states) each strategy shards over the data-parallel ranks.
+_SHARDED: dict[str, tuple[bool, bool, bool]] = {
+    "ddp": (False, False, False),
+    "zero1": (False, False, True),
+    "zero2": (False, True, True),
+    "zero3": (True, True, True),
+}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes one rank holds: on its GPU, and in host memory when the optimizer is offloaded."""
+
+    gpu: float
+    cpu: float = 0.0
+
+
+def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precision: str = "mixed",
+                      offload: bool = False) -> StateBytes:
+    """Per-rank bytes of weights, gradients and AdamW states for Ψ = ``params`` over N_d = ``n_devices``.
+
+    ZeRO (Rajbhandari et al. 2019, §5), mixed precision, K = 12 (fp32 master weights + two moments):
+    ddp (2 + 2 + K)·Ψ; zero1 2Ψ + 2Ψ + K·Ψ/N_d; zero2 2Ψ + (2 + K)·Ψ/N_d; zero3 (2 + 2 + K)·Ψ/N_d.
+    ``precision="fp32"`` keeps the structure with 4-byte weights and gradients and K = 8, so fp32 ddp
+    is the naive 4 + 4 + 8 = 16 B/param. ``offload`` moves the optimizer states (and the update) to
+    host memory as in ZeRO-Offload (Ren et al. 2021), sharded as the strategy shards them; ``cpu`` is
+    then this rank's share. Activations, communication buckets and allocator slack are not included.
+    """
+    if strategy not in _SHARDED:
+        raise ValueError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
+    if precision not in _STATE_WIDTHS:
+        raise ValueError(f"unknown precision '{precision}' (known: {', '.join(PRECISIONS)})")
+    if params < 0 or n_devices < 1:
+        raise ValueError("need params >= 0 and n_devices >= 1")
+    weights, grads, optim = (params * width / (n_devices if sharded else 1)
+                             for width, sharded in zip(_STATE_WIDTHS[precision], _SHARDED[strategy]))
+    if offload:
+        return StateBytes(gpu=weights + grads, cpu=optim)
+    return StateBytes(gpu=weights + grads + optim)
+
+
+def comm_elements_per_step(params: float, strategy: str) -> float:
+    """Elements each rank sends (and receives) per optimizer step, after Rajbhandari et al. 2019 §7.
+
+    ddp: an all-reduce of the gradients = reduce-scatter + all-gather, Ψ each (a ring moves
+    2·(N_d − 1)/N_d·Ψ ≈ 2Ψ); zero1 and zero2: reduce-scatter the gradients, all-gather the updated
+    weights, also 2Ψ; zero3: all-gather the weights in the forward and again in the backward, and
+    reduce-scatter the gradients, 3Ψ. Multiply by the element size (2 bytes in mixed precision).
+    """
+    if strategy not in _SHARDED:
+        raise ValueError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
+    return (3.0 if strategy == "zero3" else 2.0) * params
+
+
+# ---------------------------------------------------------------- memory: activations
+
+
+def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_act: int = 2, checkpointing: bool = False,
+                     flash: bool = True) -> float:
+    """Bytes of activations one rank keeps for the backward pass of one micro-batch: an estimate.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4),
+    with s = block_size, b = micro_batch, h = d_model, a = n_head, L = n_layer, V = padded vocab,
+    16-bit activations, no tensor or sequence parallelism: each layer stores s·b·h·(34 + 5·a·s/h)
+    bytes. Of the 34, 32 are 16 values per token and channel (norm inputs, Q, K, V, attention
+    output, 4h MLP input and GELU output, …) and 2 are one-byte dropout masks; the 5·a·s/h term is
+    the a×s×s softmax output, its dropout output and mask. With ``bytes_per_act`` = p the layer
+    stores s·b·h·(16·p + 2) + a·s²·b·(2·p + 1). A fused (flash) attention kernel, as with this
+    project's ``scaled_dot_product_attention``, never stores the s×s matrices, so the default drops
+    that term. Full activation checkpointing keeps each layer's input (p·s·b·h) plus one layer's
+    full activations while it is recomputed. The fp32 logits for the loss add 4·s·b·V.
+
+    Assumptions: GPT-2-style blocks (GELU MLP of width 4h, full multi-head attention, dropout masks
+    counted even at dropout 0); SwiGLU, GQA or another d_ff shift the count somewhat. Embedding
+    output, final norm, temporaries and the allocator's slack are left out.
+    """
+    if micro_batch <= 0 or bytes_per_act <= 0:
+        raise ValueError("need micro_batch > 0 and bytes_per_act > 0")
+    s, b, h, a, p = cfg.block_size, micro_batch, cfg.d_model, cfg.n_head, bytes_per_act
+    layer = s * b * h * (16 * p + 2)
+    if not flash:
+        layer += a * s * s * b * (2 * p + 1)
+    kept = cfg.n_layer * p * s * b * h + layer if checkpointing else cfg.n_layer * layer
+    return float(kept + 4 * s * b * padded_vocab(cfg))
+
+
+# ---------------------------------------------------------------- memory: what fits
+
+
+def largest_model(memory_bytes: float, n_devices: int, strategy: str, precision: str = "mixed",
+                  usable: float = 1.0, offload: bool = False) -> int:
+    """The most parameters whose model states fit ``usable``·``memory_bytes`` on each of ``n_devices`` GPUs.
+
+    States only (``model_state_bytes``), no activations. ``usable`` defaults to 1.0: the whole memory,
+    with no headroom for the CUDA context, buffers or fragmentation (0.9 is a more honest planning
+    figure). With ``offload`` only the GPU side limits; host memory is assumed sufficient.
+    """
+    if memory_bytes <= 0 or not 0 < usable <= 1:
+        raise ValueError("need memory_bytes > 0 and 0 < usable <= 1")
+    per_param = model_state_bytes(1.0, strategy, n_devices, precision, offload).gpu
+    return math.floor(usable * memory_bytes / per_param)
+
+
+@dataclass(frozen=True)
+class DepthFit:
+    """The deepest model at a given width that fits, its parameters, and its per-GPU bytes."""
+
+    n_layer: int
+    params: int
+    gpu_bytes: float  # model states + activations on one GPU
+
+
+def largest_depth(shape: ModelConfig, micro_batch: int, memory_bytes: float, n_devices: int, strategy: str,
+                  precision: str = "mixed", usable: float = 1.0, offload: bool = False, bytes_per_act: int = 2,
+                  checkpointing: bool = False, flash: bool = True) -> DepthFit | None:
+    """The largest ``n_layer`` at the width of ``shape`` whose states and activations fit each GPU.
+
+    ``shape`` gives everything but the depth (its ``n_layer`` is ignored); parameters come from
+    ``param_counts``, states from ``model_state_bytes``, activations of ``micro_batch`` sequences of
+    ``block_size`` tokens from ``activation_bytes`` (data parallelism does not shard activations).
+    None when not even one layer fits.
+    """
+    if memory_bytes <= 0 or not 0 < usable <= 1:
+        raise ValueError("need memory_bytes > 0 and 0 < usable <= 1")
+    budget = usable * memory_bytes
+
+    def footprint(n_layer: int) -> tuple[int, float]:
+        cfg = dataclasses.replace(shape, n_layer=n_layer)
+        params = param_counts(cfg).total
+        states = model_state_bytes(params, strategy, n_devices, precision, offload).gpu
+        return params, states + activation_bytes(cfg, micro_batch, bytes_per_act, checkpointing, flash)
+
+    if footprint(1)[1] > budget:
+        return None
+    lo, hi = 1, 2  # footprint grows with depth: double past the budget, then bisect
+    while footprint(hi)[1] <= budget:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if footprint(mid)[1] <= budget else (lo, mid)
+    params, used = footprint(lo)
+    return DepthFit(n_layer=lo, params=params, gpu_bytes=used)

@@ -1,0 +1,221 @@
+"""The GPT: GPT-2 style or modern, chosen by ``ModelConfig.arch``.
+
+- ``gpt2``: learned positions, LayerNorm, GELU MLP, biases (Radford et al. 2019).
+- ``modern``: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases
+  (the Llama family).
+
+Pre-norm residual blocks, ``scaled_dot_product_attention``, optional tied embeddings, and the
+GPT-2 init with residual projections scaled by 1/√(2·n_layer). The model knows nothing of
+devices, ranks or strategies. Parameter and FLOP formulas live in ``lab.accounting`` and are
+tested against ``GPT.param_counts()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from lab import accounting
+from lab.config import ConfigError, ModelConfig
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(arch="gpt2", n_layer=4, n_head=4, d_model=128, block_size=256),
+    "tiny-modern": dict(arch="modern", n_layer=4, n_head=4, n_kv_head=2, d_model=128, block_size=256),
+    "small": dict(arch="gpt2", n_layer=6, n_head=6, d_model=384, block_size=512),
+    "small-modern": dict(arch="modern", n_layer=6, n_head=6, n_kv_head=2, d_model=384, block_size=512),
+    "gpt2-124m": dict(arch="gpt2", n_layer=12, n_head=12, d_model=768, block_size=1024, vocab_size=50257,
+                      tie_embeddings=True),
+    "gpt2-350m": dict(arch="gpt2", n_layer=24, n_head=16, d_model=1024, block_size=1024, vocab_size=50257,
+                      tie_embeddings=True),
+}
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Raise ConfigError for a shape the model cannot be built with."""
+    if cfg.arch not in ("gpt2", "modern"):
+        raise ConfigError(f"model.arch must be gpt2 or modern, got '{cfg.arch}'")
+    for name in ("n_layer", "n_head", "d_model", "block_size", "pad_vocab_to"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"model.{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.d_model % cfg.n_head:
+        raise ConfigError(f"model.n_head ({cfg.n_head}) must divide model.d_model ({cfg.d_model})")
+    kv = accounting.kv_heads(cfg)
+    if kv <= 0 or cfg.n_head % kv:
+        raise ConfigError(f"model.n_kv_head ({kv}) must divide model.n_head ({cfg.n_head})")
+    if cfg.arch == "modern" and accounting.head_dim(cfg) % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got {accounting.head_dim(cfg)}")
+    if cfg.d_ff is not None and cfg.d_ff <= 0:
+        raise ConfigError(f"model.d_ff must be positive, got {cfg.d_ff}")
+    if cfg.vocab_size is not None and cfg.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size must be positive, got {cfg.vocab_size}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.dropout}")
+
+
+# ---------------------------------------------------------------- rotary positions
+
+
+def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [length, head_dim/2] for rotating pairs (x_i, x_{i+d/2})."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, hd] by position; cos/sin are [T, hd/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+# ---------------------------------------------------------------- blocks
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch == "modern":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=accounting.uses_bias(cfg))
+
+
+class Attention(nn.Module):
+    """Causal self-attention; grouped-query when n_kv_head < n_head; RoPE in the modern arch."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, accounting.kv_heads(cfg)
+        self.head_dim = accounting.head_dim(cfg)
+        bias = accounting.uses_bias(cfg)
+        self.qkv = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=bias)
+        self.proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=bias)
+        self.proj.is_residual_output = True
+        self.dropout = cfg.dropout
+        self.rotary = cfg.arch == "modern"
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        T = x.shape[1]
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+        q = rearrange(q, "b t (h d) -> b h t d", h=self.n_head)
+        k = rearrange(k, "b t (h d) -> b h t d", h=self.n_kv_head)
+        v = rearrange(v, "b t (h d) -> b h t d", h=self.n_kv_head)
+        if self.rotary:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.proj(rearrange(y, "b h t d -> b t (h d)"))
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU (modern): down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        ff, bias = accounting.ffn_width(cfg), accounting.uses_bias(cfg)
+        self.gated = cfg.arch == "modern"
+        self.up = nn.Linear(cfg.d_model, 2 * ff if self.gated else ff, bias=bias)
+        self.down = nn.Linear(ff, cfg.d_model, bias=bias)
+        self.down.is_residual_output = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.down(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), rope))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+# ---------------------------------------------------------------- the model
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        validate(cfg)
+        self.cfg = cfg
+        self.vocab_size, padded = cfg.vocab_size, accounting.padded_vocab(cfg)
+        self.wte = nn.Embedding(padded, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.arch == "gpt2" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, padded, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if cfg.arch == "modern":
+            cos, sin = rope_tables(accounting.head_dim(cfg), cfg.block_size, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 init: N(0, 0.02), residual outputs scaled by 1/√(2·n_layer), zero biases."""
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "is_residual_output", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for ``idx`` [B, T], or the mean cross-entropy when targets are given."""
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        x = self.drop(x)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "modern" else None
+        for block in self.blocks:
+            x = block(x, rope)
+        logits = self.lm_head(self.norm_f(x))[..., : self.vocab_size]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def param_counts(self) -> accounting.ParamCounts:
+        """Counts from the live parameters (tied weights once), to check ``accounting.param_counts``."""
+        total = sum(p.numel() for p in self.parameters())
+        position = self.wpe.weight.numel() if self.wpe is not None else 0
+        embedding = self.wte.weight.numel() + position
+        head = 0 if self.cfg.tie_embeddings else self.lm_head.weight.numel()
+        return accounting.ParamCounts(total=total, non_embedding=total - embedding - head, embedding=embedding,
+                                      head=head, position=position)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` [B, T] (greedy when temperature is 0)."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx

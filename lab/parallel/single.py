@@ -1,0 +1,8 @@
+"""One process, no communication: the reference every other strategy must reproduce."""
+
+from lab.parallel.base import Strategy
+
+
+class Single(Strategy):
+    name = "single"
+    max_world_size = 1

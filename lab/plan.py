@@ -1,0 +1,236 @@
+"""Plan a training run on paper: time from compute, memory from model states and activations.
+
+    python launch/plan.py time --params 70e9 --tokens 15e12 --gpu H100 --n-gpus 1024 --mfu 0.5
+    python launch/plan.py memory --gpu H100 --n-gpus 8 [--micro-batch 8 --seq-len 2048 --d-model 8192 --n-head 64]
+    python launch/plan.py peaks
+
+All arithmetic is ``lab.accounting``; this module parses, checks and prints. Units: GB = 1e9 bytes,
+B = 1e9 parameters, T = 1e12 tokens. Bad input prints one ``error: ...`` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import NoReturn
+
+from lab import accounting
+from lab.config import ModelConfig
+
+
+class PlanError(Exception):
+    """Input the planner cannot use; the message is one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise PlanError(message)
+
+
+# ---------------------------------------------------------------- argument types
+
+
+def _number(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got '{text}'")
+    return x
+
+
+def _positive(text: str) -> float:
+    x = _number(text)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return x
+
+
+def _count(text: str) -> int:
+    x = _positive(text)
+    if x != int(x):
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}")
+    return int(x)
+
+
+def _fraction(text: str) -> float:
+    x = _number(text)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return x
+
+
+def _gpu(text: str) -> str:
+    try:
+        return accounting.gpu_model(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def _si(x: float, units: Sequence[tuple[float, str]]) -> str:
+    """``x`` with the largest unit it reaches, two decimals (``_si(7e10, _COUNT)`` → '70.00 B')."""
+    for scale, unit in units:
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}".rstrip()
+    return f"{x:g}"
+
+
+_COUNT = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1.0, ""))
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Aligned columns: the first ``left`` columns flush left, the others (numbers) flush right."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+# ---------------------------------------------------------------- subcommands
+
+
+def _time(args: argparse.Namespace) -> str:
+    flops = accounting.training_flops(args.params, args.tokens)
+    peak = accounting.gpu_peak_flops(args.gpu)
+    seconds = accounting.training_seconds(flops, args.gpu, args.n_gpus, args.mfu)
+    achieved = args.n_gpus * peak * args.mfu
+    rows = [
+        ["model", f"{_si(args.params, _COUNT)} params"],
+        ["data", f"{_si(args.tokens, _COUNT)} tokens"],
+        ["compute", f"6·N·D = {flops:.3e} FLOPs"],
+        ["hardware", f"{args.n_gpus} × {args.gpu} at {peak / 1e12:g} TFLOP/s dense bf16 peak"],
+        ["throughput", f"{args.mfu:.1%} MFU → {achieved:.3e} FLOP/s"],
+        ["GPU-hours", f"{args.n_gpus * seconds / 3600:,.0f}"],
+        ["wall clock", f"{seconds:,.0f} s = {seconds / 3600:,.1f} hours = {seconds / 86_400:,.1f} days"],
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+_SHAPE = ("micro_batch", "seq_len", "d_model", "n_head")
+
+
+def _shape(args: argparse.Namespace) -> ModelConfig | None:
+    """The width/batch shape from the command line, or None when none of it was given."""
+    given = [name for name in _SHAPE if getattr(args, name) is not None]
+    if not given:
+        return None
+    if len(given) < len(_SHAPE):
+        raise PlanError("a shape needs --micro-batch, --seq-len, --d-model and --n-head together")
+    if args.d_model % args.n_head:
+        raise PlanError(f"--n-head ({args.n_head}) must divide --d-model ({args.d_model})")
+    return ModelConfig(arch=args.arch, n_layer=1, n_head=args.n_head, d_model=args.d_model,
+                       block_size=args.seq_len, vocab_size=args.vocab)
+
+
+def _memory(args: argparse.Namespace) -> str:
+    memory = args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)
+    shape = _shape(args)
+    lines = [f"model states per GPU on {args.n_gpus} × {args.gpu} ({_gb(memory)} each, "
+             f"{args.usable:.0%} usable); GB = 1e9 bytes, B = 1e9 params, Ψ = params"]
+    header = ["strategy", "precision", "GPU B/param"]
+    if args.offload:
+        header.append("host B/param")
+    header += ["comm/step", "largest model"]
+    if shape is not None:
+        one, two = (accounting.activation_bytes(replace(shape, n_layer=n), args.micro_batch,
+                                                checkpointing=args.checkpointing, flash=not args.naive_attention)
+                    for n in (1, 2))
+        fixed = "logits and one recomputed layer" if args.checkpointing else "logits"
+        lines.append(f"activations ({'naive' if args.naive_attention else 'flash'} attention, "
+                     f"{'full checkpointing' if args.checkpointing else 'no checkpointing'}): "
+                     f"micro-batch {args.micro_batch} × {args.seq_len} tokens, {args.arch} d_model {args.d_model}, "
+                     f"{args.n_head} heads, vocab {args.vocab}: {_gb(two - one)} per layer + {_gb(2 * one - two)} "
+                     f"({fixed})")
+        header += ["layers", "params", "GB/GPU"]
+    rows = []
+    for strategy in accounting.STRATEGIES:
+        for precision in accounting.PRECISIONS:
+            per_param = accounting.model_state_bytes(1.0, strategy, args.n_gpus, precision, args.offload)
+            row = [strategy, precision, f"{per_param.gpu:.4g}"]
+            if args.offload:
+                row.append(f"{per_param.cpu:.4g}")
+            row.append(f"{accounting.comm_elements_per_step(1.0, strategy):g}Ψ")
+            row.append(_si(accounting.largest_model(memory, args.n_gpus, strategy, precision, args.usable,
+                                                    args.offload), _COUNT))
+            if shape is not None:
+                fit = accounting.largest_depth(shape, args.micro_batch, memory, args.n_gpus, strategy, precision,
+                                               args.usable, args.offload, checkpointing=args.checkpointing,
+                                               flash=not args.naive_attention)
+                row += ["-", "-", "-"] if fit is None else [
+                    str(fit.n_layer), _si(fit.params, _COUNT), f"{fit.gpu_bytes / 1e9:.2f}"]
+            rows.append(row)
+    lines.append(_table(header, rows, left=2))
+    lines.append("mixed: 2 B weights + 2 B grads + 12 B fp32 master/moments; fp32: 4 + 4 + 8 (Rajbhandari et al. 2019)")
+    if shape is not None:
+        lines.append("layers: deepest model at this width whose states + activations fit; '-': not even one layer")
+    return "\n".join(lines)
+
+
+def _peaks(args: argparse.Namespace) -> str:
+    dtypes = list(next(iter(accounting.GPU_PEAK_FLOPS.values())))
+    rows = [[gpu, *(f"{table[d] / 1e12:g}" for d in dtypes), f"{accounting.GPU_MEMORY_BYTES[gpu] / 1e9:g}"]
+            for gpu, table in accounting.GPU_PEAK_FLOPS.items()]
+    return ("dense tensor-core peaks in TFLOP/s (not the 2:4-sparsity figures), SXM parts; memory in GB = 1e9 bytes\n"
+            + _table(["gpu", *dtypes, "memory GB"], rows))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan", description="Training time and memory on paper (see lab.accounting).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,peaks}")
+
+    t = sub.add_parser("time", help="training FLOPs, GPU-hours and wall-clock days")
+    t.add_argument("--params", type=_positive, required=True, help="parameters N (e.g. 70e9)")
+    t.add_argument("--tokens", type=_positive, required=True, help="training tokens D (e.g. 15e12)")
+    t.add_argument("--gpu", type=_gpu, default="H100", help="A100, H100 or H200 (default: H100)")
+    t.add_argument("--n-gpus", type=_count, default=1, help="number of GPUs (default: 1)")
+    t.add_argument("--mfu", type=_fraction, default=0.5, help="model-FLOPs utilisation in (0, 1] (default: 0.5)")
+    t.set_defaults(run=_time)
+
+    m = sub.add_parser("memory", help="largest model per ZeRO strategy and precision")
+    m.add_argument("--gpu", type=_gpu, default="H100", help="A100, H100 or H200 (default: H100)")
+    m.add_argument("--n-gpus", type=_count, default=1, help="data-parallel GPUs N_d (default: 1)")
+    m.add_argument("--memory-gb", type=_positive, help="memory per GPU in GB (default: the GPU's)")
+    m.add_argument("--usable", type=_fraction, default=1.0, help="fraction of memory to plan with (default: 1.0)")
+    m.add_argument("--offload", action="store_true", help="optimizer states on the host (ZeRO-Offload)")
+    m.add_argument("--micro-batch", type=_count, help="sequences per GPU per micro-step")
+    m.add_argument("--seq-len", type=_count, help="tokens per sequence")
+    m.add_argument("--d-model", type=_count, help="residual width")
+    m.add_argument("--n-head", type=_count, help="attention heads")
+    m.add_argument("--vocab", type=_count, default=50257, help="vocabulary size (default: 50257)")
+    m.add_argument("--arch", choices=("gpt2", "modern"), default="gpt2", help="parameter layout (default: gpt2)")
+    m.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    m.add_argument("--naive-attention", action="store_true", help="store the s×s attention matrices (no flash)")
+    m.set_defaults(run=_memory)
+
+    k = sub.add_parser("peaks", help="dense peak FLOP/s per GPU")
+    k.set_defaults(run=_peaks)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the planner; 0 on success, 2 (and one ``error:`` line on stderr) on bad input."""
+    try:
+        args = build_parser().parse_args(argv)
+        run: Callable[[argparse.Namespace], str] = args.run
+        print(run(args))
+    except (PlanError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

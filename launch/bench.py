@@ -1,0 +1,8 @@
+"""Entry point: see `python launch/bench.py --help`."""
+
+import sys
+
+from lab.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""Entry point: see `python launch/sample.py --help`."""
+
+import sys
+
+from lab.cli import sample_main
+
+if __name__ == "__main__":
+    sys.exit(sample_main())

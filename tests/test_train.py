@@ -1,0 +1,223 @@
+"""The training loop end to end on real text: the run directory, determinism, bitwise resume,
+gradient accumulation, divergence handling, bad input, torchrun, sampling."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab import accounting
+from lab.cli import run_main, sample_main
+from lab.config import RunConfig
+from lab.model import GPT
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = ["--model.n_layer", "2", "--model.d_model", "32", "--model.n_head", "2", "--model.block_size", "32"]
+# 8 steps of 8 sequences × 32 tokens, 2 micro-steps of 4 sequences each.
+TINY_TRAIN = ["--train.tokens", "2048", "--train.batch_tokens", "256", "--train.micro_batch", "4",
+              "--train.log_every", "1", "--train.eval_tokens", "512", "--train.lr", "1e-2"]
+
+
+@pytest.fixture
+def args(tiny_data_config):
+    cfg = tiny_data_config
+    data = ["--data.corpus", str(cfg.corpus), "--data.cache_dir", str(cfg.cache_dir),
+            "--data.vocab_size", str(cfg.vocab_size)]
+    return TINY_MODEL + TINY_TRAIN + data
+
+
+def run(run_dir: Path, *argv: str) -> int:
+    return run_main([*argv, "--run-dir", str(run_dir)])
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in metrics(run_dir) if "loss" in r]
+
+
+def final_state(run_dir: Path) -> dict:
+    last = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return torch.load(last / "rank-0.pt", weights_only=True)
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for pid, sa in a["optimizer"]["state"].items():
+        for k, v in sa.items():
+            assert torch.equal(v, b["optimizer"]["state"][pid][k]), (pid, k)
+
+
+def test_run_directory_contract(tmp_path, args):
+    assert run(tmp_path / "r", *args) == 0
+    r = tmp_path / "r"
+    cfg = RunConfig.from_dict(json.loads((r / "config.json").read_text()))
+    assert cfg.model.vocab_size == 512 and cfg.model.d_model == 32  # fully resolved
+    records = metrics(r)
+    steps = [x for x in records if "loss" in x]
+    assert [x["step"] for x in steps] == list(range(1, 9))
+    for field in ("step", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
+                  "mem_peak_bytes"):
+        assert all(field in x for x in steps), field
+    assert steps[-1]["tokens"] == 2048 and 0 < steps[-1]["mfu"] < 1
+    evals = [x for x in records if "eval_loss" in x]
+    assert evals and evals[-1]["step"] == 8
+    s = json.loads((r / "summary.json").read_text())
+    counts = accounting.param_counts(cfg.model)
+    assert s["status"] == "completed" and s["strategy"] == "single" and s["world_size"] == 1
+    assert (s["params"], s["params_non_embedding"]) == (counts.total, counts.non_embedding)
+    assert s["tokens"] == 2048 and s["flops"] == accounting.flops_per_token(cfg.model) * 2048
+    assert s["final_eval_loss"] == evals[-1]["eval_loss"] and s["final_train_loss"] > 0 and s["wall_time_s"] > 0
+    assert (r / "checkpoints" / "step-000008" / "rank-0.pt").is_file()
+    assert (r / "tokenizer").is_dir()
+
+
+def test_same_seed_gives_the_same_losses(tmp_path, args):
+    assert run(tmp_path / "a", *args) == 0
+    assert run(tmp_path / "b", *args) == 0
+    assert run(tmp_path / "c", *args, "--train.seed", "2") == 0
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
+    assert_states_equal(final_state(tmp_path / "a"), final_state(tmp_path / "b"))
+    assert train_losses(tmp_path / "a") != train_losses(tmp_path / "c")
+
+
+def test_interrupted_then_resumed_run_is_bitwise_identical(tmp_path, args):
+    assert run(tmp_path / "full", *args) == 0
+    part = tmp_path / "part"
+    assert run(part, *args, "--train.stop_after", "3") == 0
+    assert json.loads((part / "summary.json").read_text())["status"] == "stopped"
+    assert run(part, *args, "--resume") == 0
+    assert json.loads((part / "summary.json").read_text())["status"] == "completed"
+    assert train_losses(part) == train_losses(tmp_path / "full")
+    assert [x["step"] for x in metrics(part) if "loss" in x] == list(range(1, 9))
+    assert_states_equal(final_state(part), final_state(tmp_path / "full"))
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, args):
+    assert run(tmp_path / "accum1", *args, "--train.micro_batch", "8") == 0
+    assert run(tmp_path / "accum4", *args, "--train.micro_batch", "2") == 0
+    a, b = train_losses(tmp_path / "accum1"), train_losses(tmp_path / "accum4")
+    assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_wsd_schedule_and_modern_arch_train(tmp_path, args):
+    assert run(tmp_path / "m", *args, "--model.arch", "modern", "--model.n_kv_head", "1",
+               "--train.schedule", "wsd") == 0
+    losses = train_losses(tmp_path / "m")
+    assert losses[-1] < losses[0]
+    lrs = [x["lr"] for x in metrics(tmp_path / "m") if "lr" in x]
+    assert lrs[-1] == pytest.approx(1e-3)  # min_lr_ratio 0.1 of 1e-2
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, args, monkeypatch, capsys):
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        calls["n"] += 1
+        out = forward(self, idx, targets)
+        return out * float("nan") if targets is not None and calls["n"] > 2 * 5 else out  # step 6 onward
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    r = tmp_path / "nan"
+    assert run(r, *args, "--train.checkpoint_every", "2") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: loss is nan at step 6")
+    assert "step-000004" in err[0]
+    assert json.loads((r / "summary.json").read_text())["status"] == "diverged"
+    assert [p.name for p in sorted((r / "checkpoints").glob("step-*"))] == ["step-000002", "step-000004"]
+    torch.load(r / "checkpoints" / "step-000004" / "rank-0.pt", weights_only=True)  # intact
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model.n_head", "3"], "model.n_head (3) must divide model.d_model (32)"),
+    (["--train.batch_tokens", "100"], "train.batch_tokens (100) must be a multiple of"),
+    (["--model.preset", "gpt-5"], "unknown model preset 'gpt-5'"),
+    (["--strategy", "zero9"], "unknown strategy 'zero9'"),
+    (["--data.corpus", "/nonexistent/corpus"], "/nonexistent/corpus"),
+    (["--data.tokenizer", "wordpiece"], "wordpiece"),
+    (["--train.schedule", "step"], "train.schedule must be one of"),
+    (["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer's (512)"),
+    (["--resume"], "no complete checkpoint"),
+])
+def test_bad_input_fails_before_training_with_one_line(tmp_path, args, capsys, extra, message):
+    r = tmp_path / "bad"
+    assert run(r, *args, *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not (r / "metrics.jsonl").exists() and not (r / "checkpoints").exists()
+
+
+def test_single_strategy_refuses_several_processes(tmp_path, args, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run(tmp_path / "r", *args) == 2
+    assert "strategy 'single' runs on at most 1 process(es), got world size 2" in capsys.readouterr().err
+
+
+def test_existing_runs_are_never_overwritten_and_resume_checks_the_config(tmp_path, args, capsys):
+    r = tmp_path / "r"
+    assert run(r, *args) == 0
+    before = (r / "metrics.jsonl").read_text()
+    assert run(r, *args) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert run(r, *args, "--resume", "--model.d_model", "64") == 2
+    assert "--resume with a different config (model.d_model)" in capsys.readouterr().err
+    assert (r / "metrics.jsonl").read_text() == before
+
+
+def test_torchrun_and_plain_python_train_the_same_model(tmp_path, args):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    plain = subprocess.run([sys.executable, "launch/run.py", *args, "--run-dir", str(tmp_path / "plain")],
+                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    assert "step     8/8 | loss" in plain.stdout and "held-out loss" in plain.stdout
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                               "launch/run.py", "--strategy", "single", *args, "--run-dir", str(tmp_path / "tr")],
+                              cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert torchrun.returncode == 0, torchrun.stderr
+    assert train_losses(tmp_path / "plain") == train_losses(tmp_path / "tr")
+
+
+def test_sample_continues_a_prompt(tmp_path, args, capsys):
+    r = tmp_path / "r"
+    assert run(r, *args) == 0
+    capsys.readouterr()
+    assert sample_main(["--run-dir", str(r), "--prompt", "Fellow citizens", "--tokens", "20", "--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("Fellow citizens") and len(first) > len("Fellow citizens")
+    assert sample_main(["--run-dir", str(r), "--prompt", "Fellow citizens", "--tokens", "20", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == first
+    assert sample_main(["--run-dir", str(tmp_path / "missing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def test_bf16_autocast_path_runs_on_cpu(tmp_path, args):
+    assert run(tmp_path / "bf16", *args, "--train.dtype", "bf16") == 0
+    losses = train_losses(tmp_path / "bf16")
+    fp32 = tmp_path / "fp32"
+    assert run(fp32, *args) == 0
+    assert losses == pytest.approx(train_losses(fp32), rel=0.05)
+
+
+@pytest.mark.slow
+def test_compiled_model_matches_eager(tmp_path, args):
+    short = ["--train.tokens", "768"]
+    assert run(tmp_path / "eager", *args, *short) == 0
+    assert run(tmp_path / "compiled", *args, *short, "--train.compile", "true") == 0
+    assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(tmp_path / "eager"), rel=1e-4)
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, args, capsys):
+    r = tmp_path / "r"
+    assert run(r, *args) == 0
+    summary = (r / "summary.json").read_text()
+    assert run(r, *args, "--resume") == 2
+    assert "already complete (8 steps)" in capsys.readouterr().err
+    assert (r / "summary.json").read_text() == summary
