@@ -1,0 +1,68 @@
+"""Approach 1: the lower envelope of training curves.
+
+Each run's curve (loss against FLOPs spent so far) is interpolated linearly in log C onto a
+shared log-spaced grid of FLOP counts, only within the span the run covers. At every grid point
+the run with the lowest loss gives N_opt(C), and D_opt(C) is the tokens that run had seen at C.
+Power laws N_opt = k_N C^a and D_opt = k_D C^b are fitted to those points by least squares in
+log space. As with the IsoFLOP analysis, everything is computed for a matrix of run weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from analysis.isoflop import PowerLaws, fit_power_law
+from analysis.table import Curve
+
+
+@dataclass
+class Envelope:
+    """Curves sampled on a shared FLOP grid."""
+
+    grid: np.ndarray  # (K,) FLOP counts
+    loss: np.ndarray  # (R, K) interpolated loss, NaN outside each run's span
+    rows: np.ndarray  # (R,) run index in the table of each curve
+    params: np.ndarray  # (R,)
+    tokens_per_flop: np.ndarray  # (R,)
+
+    def winners(self, weights: np.ndarray, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+        """Index of the lowest curve at each grid point (B, K) and whether any curve covers it.
+
+        Resamples are taken ``chunk`` at a time to bound the (chunk, R, K) intermediate.
+        """
+        present = np.atleast_2d(weights)[:, self.rows] > 0
+        loss = np.where(np.isfinite(self.loss), self.loss, np.inf)
+        best = np.empty((len(present), loss.shape[1]), int)
+        valid = np.empty(best.shape, bool)
+        for lo in range(0, len(present), chunk):
+            masked = np.where(present[lo:lo + chunk, :, None], loss[None], np.inf)
+            best[lo:lo + chunk] = np.argmin(masked, axis=1)
+            valid[lo:lo + chunk] = np.isfinite(np.min(masked, axis=1))
+        return best, valid
+
+    def power_laws(self, weights: np.ndarray) -> PowerLaws:
+        best, valid = self.winners(weights)
+        log_c = np.log(self.grid)
+        log_n = np.where(valid, np.log(self.params[best]), 0.0)
+        log_d = np.where(valid, log_c[None, :] + np.log(self.tokens_per_flop[best]), 0.0)
+        a, k_n = fit_power_law(log_c, log_n, valid)
+        b, k_d = fit_power_law(log_c, log_d, valid)
+        return PowerLaws(a=a, k_n=k_n, b=b, k_d=k_d, n_budgets=valid.sum(axis=1))
+
+
+def build_envelope(curves: list[Curve], n_points: int = 40) -> Envelope:
+    """Interpolate every curve onto ``n_points`` log-spaced FLOP counts spanning all curves."""
+    lo = min(float(c.flops[0]) for c in curves)
+    hi = max(float(c.flops[-1]) for c in curves)
+    grid = np.geomspace(lo, hi, n_points)
+    log_grid = np.log(grid)
+    loss = np.full((len(curves), n_points), np.nan)
+    for i, c in enumerate(curves):
+        log_f = np.log(c.flops)
+        inside = (log_grid >= log_f[0]) & (log_grid <= log_f[-1])
+        loss[i, inside] = np.interp(log_grid[inside], log_f, c.loss)
+    return Envelope(grid=grid, loss=loss, rows=np.array([c.row for c in curves]),
+                    params=np.array([c.params for c in curves]),
+                    tokens_per_flop=np.array([c.tokens[-1] / c.flops[-1] for c in curves]))

@@ -1,0 +1,224 @@
+"""Approach 3: fit L(N, D) = E + A/N^alpha + B/D^beta as in Hoffmann et al. (2022), appendix D.
+
+With theta = (a, b, e, alpha, beta), A = e^a, B = e^b, E = e^e, the objective is
+
+    sum_i w_i * Huber_delta( LSE(a - alpha log N_i, b - beta log D_i, e) - log L_i ),  delta = 1e-3,
+
+minimised by L-BFGS. The paper starts L-BFGS from every point of a 4,500-point grid. Here the
+objective is evaluated on the whole grid at once (vectorised over grid points and runs), and
+L-BFGS (scipy, analytic gradient) runs only from the ``n_starts`` best grid points; the best
+result is kept. Internally log N and log D are centred on their means, which leaves the
+minimiser unchanged but makes a and alpha (b and beta) far less correlated, so L-BFGS needs
+fewer iterations. Convergence is reported, with whether the winning start lay on the grid's edge.
+
+Bootstrap refits (``fit_weighted``) start from the full-data optimum instead of the grid: each
+resample is a reweighting of the same runs, so its optimum lies close by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import OptimizeResult, minimize
+
+HUBER_DELTA = 1e-3
+# Hoffmann et al.'s grid of starting points, in theta order (a, b, e, alpha, beta).
+GRID_AXES: tuple[np.ndarray, ...] = (
+    np.arange(0.0, 25.1, 5.0),  # a
+    np.arange(0.0, 25.1, 5.0),  # b
+    np.arange(-1.0, 1.01, 0.5),  # e
+    np.arange(0.0, 2.01, 0.5),  # alpha
+    np.arange(0.0, 2.01, 0.5),  # beta
+)
+# L-BFGS stopping: the objective is tiny (residuals near delta), so scipy's default relative
+# tolerance on it (floored at an absolute 2.2e-9) stops far too early.
+_LBFGS_OPTIONS = {"ftol": 1e-15, "gtol": 1e-12, "maxiter": 3000, "maxfun": 6000}
+
+
+def huber_lse_objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
+                        weights: np.ndarray | None = None, delta: float = HUBER_DELTA
+                        ) -> tuple[float, np.ndarray]:
+    """Objective and gradient at theta = (a, b, e, alpha, beta), with x = log N, y = log D.
+
+    The log-sum-exp subtracts the largest term and the gradient uses the softmax weights of the
+    three terms, so neither overflows for any finite theta.
+    """
+    a, b, e, alpha, beta = theta
+    u1 = a - alpha * x
+    u2 = b - beta * y
+    top = np.maximum(np.maximum(u1, u2), e)
+    s1, s2, s3 = np.exp(u1 - top), np.exp(u2 - top), np.exp(e - top)
+    total = s1 + s2 + s3
+    r = top + np.log(total) - log_loss
+    abs_r = np.abs(r)
+    h = np.where(abs_r <= delta, 0.5 * r * r, delta * (abs_r - 0.5 * delta))
+    dh = np.clip(r, -delta, delta)
+    if weights is not None:
+        h = h * weights
+        dh = dh * weights
+    g = dh / total
+    g1, g2, g3 = g * s1, g * s2, g * s3
+    grad = np.array([g1.sum(), g2.sum(), g3.sum(), -(g1 * x).sum(), -(g2 * y).sum()])
+    return float(h.sum()), grad
+
+
+def grid_objective(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: float = HUBER_DELTA,
+                   chunk: int = 400) -> tuple[np.ndarray, np.ndarray]:
+    """Objective at every grid point at once: returns (points (G, 5), values (G,)).
+
+    a - alpha*x depends only on (a, alpha) and b - beta*y only on (b, beta), so their
+    exponentials are computed once per pair and combined by broadcasting; a per-run shift by the
+    largest exponent keeps them finite. Runs are taken ``chunk`` at a time to bound memory.
+    """
+    a, b, e, alpha, beta = GRID_AXES
+    values = np.zeros(np.prod([len(ax) for ax in GRID_AXES]))
+    for lo in range(0, len(x), chunk):
+        xs, ys, ls = x[lo:lo + chunk], y[lo:lo + chunk], log_loss[lo:lo + chunk]
+        u1 = a[:, None, None] - alpha[None, :, None] * xs  # (a, alpha, run)
+        u2 = b[:, None, None] - beta[None, :, None] * ys  # (b, beta, run)
+        top = np.maximum(np.maximum(u1.max(axis=(0, 1)), u2.max(axis=(0, 1))), e.max())
+        e1, e2, e3 = np.exp(u1 - top), np.exp(u2 - top), np.exp(e[:, None] - top)
+        # Axes (a, b, e, alpha, beta, run), matching the theta order of the points below.
+        total = (e1[:, None, None, :, None, :] + e2[None, :, None, None, :, :]) + e3[None, None, :, None, None, :]
+        r = np.log(total) + (top - ls)
+        abs_r = np.abs(r)
+        values += np.where(abs_r <= delta, 0.5 * r * r, delta * (abs_r - 0.5 * delta)).sum(axis=-1).ravel()
+    points = np.stack([m.ravel() for m in np.meshgrid(*GRID_AXES, indexing="ij")], axis=1)
+    return points, values
+
+
+def _on_edge(point: np.ndarray) -> bool:
+    return any(np.isclose(v, ax[0]) or np.isclose(v, ax[-1]) for v, ax in zip(point, GRID_AXES))
+
+
+@dataclass(frozen=True)
+class Centring:
+    """Shift of log N and log D by their means; maps theta to and from the centred coordinates."""
+
+    x0: float
+    y0: float
+
+    def to_centred(self, theta: np.ndarray) -> np.ndarray:
+        a, b, e, alpha, beta = theta
+        return np.array([a - alpha * self.x0, b - beta * self.y0, e, alpha, beta])
+
+    def from_centred(self, theta: np.ndarray) -> np.ndarray:
+        a, b, e, alpha, beta = theta
+        return np.array([a + alpha * self.x0, b + beta * self.y0, e, alpha, beta])
+
+
+@dataclass
+class ParametricFit:
+    """Fitted L(N, D) with the optimiser's diagnostics."""
+
+    theta: np.ndarray  # (a, b, e, alpha, beta) = (log A, log B, log E, alpha, beta)
+    objective: float
+    converged: bool
+    message: str
+    n_iter: int
+    n_starts: int
+    starts_agreeing: int  # starts that reached the best objective (relative 1e-6)
+    best_start: np.ndarray  # the grid point the winning L-BFGS run started from
+    best_start_on_edge: bool
+
+    @property
+    def params(self) -> dict[str, float]:
+        return params_from_theta(self.theta)
+
+    @property
+    def optimum_inside_grid(self) -> bool:
+        """Whether the optimum lies within the box spanned by the grid of starts."""
+        return all(ax[0] <= v <= ax[-1] for v, ax in zip(self.theta, GRID_AXES))
+
+
+def params_from_theta(theta: np.ndarray) -> dict[str, float]:
+    """Named parameters of one theta (see named_samples); a, b, G, k_N, k_D are NaN unless alpha, beta > 0."""
+    return {k: float(v[0]) for k, v in named_samples(np.asarray(theta, float)[None]).items()}
+
+
+def named_samples(thetas: np.ndarray) -> dict[str, np.ndarray]:
+    """E, A, B, alpha, beta and the allocation a = beta/(alpha+beta), b = alpha/(alpha+beta),
+    G = (alpha A / (beta B))^(1/(alpha+beta)), k_N, k_D for each row of thetas (K, 5)."""
+    th = np.asarray(thetas, float)
+    alpha, beta = th[:, 3], th[:, 4]
+    with np.errstate(all="ignore"):
+        ok = (alpha > 0) & (beta > 0)
+        s = np.where(ok, alpha + beta, np.nan)
+        log_g = (np.log(np.where(ok, alpha, np.nan)) + th[:, 0]
+                 - np.log(np.where(ok, beta, np.nan)) - th[:, 1]) / s
+        a, b = beta / s, alpha / s
+        # N_opt = G (C/6)^a = k_N C^a and D_opt = k_D C^b, comparable with the other approaches.
+        k_n, k_d = np.exp(log_g - a * np.log(6.0)), np.exp(-log_g - b * np.log(6.0))
+    return {"E": np.exp(th[:, 2]), "A": np.exp(th[:, 0]), "B": np.exp(th[:, 1]), "alpha": alpha,
+            "beta": beta, "a": a, "b": b, "G": np.exp(log_g), "k_N": k_n, "k_D": k_d}
+
+
+def predict_loss(thetas: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """L(N, D) for each theta row (shape (K, 5) or (5,)) at points n, d; broadcasts to (K, len(n))."""
+    th = np.atleast_2d(np.asarray(thetas, float))
+    n, d = np.asarray(n, float), np.asarray(d, float)
+    out = (np.exp(th[:, 2, None]) + np.exp(th[:, 0, None] - th[:, 3, None] * np.log(n))
+           + np.exp(th[:, 1, None] - th[:, 4, None] * np.log(d)))
+    return out if np.ndim(thetas) == 2 else out[0]
+
+
+def compute_optimal(thetas: np.ndarray, flops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b and L(N_opt, D_opt), each (K, len(flops)).
+
+    NaN where alpha or beta is not positive (no compute-optimal allocation exists).
+    """
+    th = np.atleast_2d(np.asarray(thetas, float))
+    log_c6 = np.log(np.asarray(flops, float) / 6.0)
+    alpha, beta = th[:, 3, None], th[:, 4, None]
+    with np.errstate(all="ignore"):
+        ok = (alpha > 0) & (beta > 0)
+        s = np.where(ok, alpha + beta, np.nan)
+        log_g = (np.log(np.where(ok, alpha, np.nan)) + th[:, 0, None]
+                 - np.log(np.where(ok, beta, np.nan)) - th[:, 1, None]) / s
+        n_opt = np.exp(log_g + beta / s * log_c6)
+        d_opt = np.exp(-log_g + alpha / s * log_c6)
+        loss = (np.exp(th[:, 2, None]) + np.exp(th[:, 0, None] - alpha * np.log(n_opt))
+                + np.exp(th[:, 1, None] - beta * np.log(d_opt)))
+    return n_opt, d_opt, loss
+
+
+def _lbfgs(theta0: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
+           weights: np.ndarray | None, delta: float) -> OptimizeResult:
+    return minimize(huber_lse_objective, theta0, args=(x, y, log_loss, weights, delta), jac=True,
+                    method="L-BFGS-B", options=_LBFGS_OPTIONS)
+
+
+def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int = 8,
+                   delta: float = HUBER_DELTA) -> ParametricFit:
+    """Fit L(N, D) to runs: grid of starts evaluated at once, L-BFGS from the best ``n_starts``."""
+    x, y, log_loss = np.log(n), np.log(d), np.log(loss)
+    points, values = grid_objective(x, y, log_loss, delta)
+    order = np.argsort(values, kind="stable")[:max(1, n_starts)]
+    centring = Centring(float(x.mean()), float(y.mean()))
+    xc, yc = x - centring.x0, y - centring.y0
+    results = [_lbfgs(centring.to_centred(points[i]), xc, yc, log_loss, None, delta) for i in order]
+    finals = np.array([r.fun if np.isfinite(r.fun) else np.inf for r in results])
+    best = int(np.argmin(finals))
+    res = results[best]
+    agreeing = int(np.sum(np.abs(finals - finals[best]) <= 1e-6 * max(abs(finals[best]), 1e-300)))
+    return ParametricFit(theta=centring.from_centred(res.x), objective=float(res.fun),
+                         converged=bool(res.success), message=str(res.message), n_iter=int(res.nit),
+                         n_starts=len(order), starts_agreeing=agreeing, best_start=points[order[best]],
+                         best_start_on_edge=_on_edge(points[order[best]]))
+
+
+def fit_weighted(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray,
+                 weights: np.ndarray, delta: float = HUBER_DELTA) -> tuple[np.ndarray, np.ndarray]:
+    """Refit for each row of ``weights`` (K, n_runs) from theta0; returns thetas (K, 5), converged (K,)."""
+    x, y, log_loss = np.log(n), np.log(d), np.log(loss)
+    centring = Centring(float(x.mean()), float(y.mean()))
+    xc, yc = x - centring.x0, y - centring.y0
+    start = centring.to_centred(np.asarray(theta0, float))
+    thetas = np.empty((len(weights), 5))
+    converged = np.empty(len(weights), bool)
+    for k, w in enumerate(np.asarray(weights, float)):
+        res = _lbfgs(start, xc, yc, log_loss, w, delta)
+        thetas[k] = centring.from_centred(res.x)
+        converged[k] = res.success
+    return thetas, converged

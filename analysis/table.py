@@ -1,0 +1,367 @@
+"""Load a table of training runs, map its columns and validate it.
+
+Accepted inputs: a ``.csv``, ``.parquet``, ``.json`` (a list of records or ``{"runs": [...]}``)
+or ``.jsonl`` file, or a sweep folder. A sweep folder is either read from a ``results.csv`` at
+its top or searched recursively for run directories holding ``summary.json`` (and usually
+``metrics.jsonl``, whose curves feed the envelope approach).
+
+Every problem with the input raises :class:`InputError` with a one-line message, before any
+fitting starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+# Columns a table can provide after mapping; any two of params, tokens and flops suffice.
+CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id")
+PARAMS_COUNTS = ("total", "non_embedding")
+# L(N, D) has five free parameters, so the parametric fit needs at least six runs.
+MIN_RUNS = 6
+SUMMARY_KEYS = ("params", "params_non_embedding", "tokens", "flops")
+
+
+class InputError(ValueError):
+    """Unusable input; the message is one line meant for the user."""
+
+
+@dataclass
+class Curve:
+    """A training curve of one run: loss against the FLOPs spent so far."""
+
+    row: int  # position of the run in RunTable.runs
+    params: float
+    flops: np.ndarray
+    tokens: np.ndarray
+    loss: np.ndarray
+
+
+@dataclass
+class RunTable:
+    """Validated runs (columns run_id, params, tokens, flops, loss) plus what was learnt loading them."""
+
+    runs: pd.DataFrame
+    source: str
+    params_count: str  # "total", "non_embedding", or "derived (C/6D)"
+    curves: list[Curve] = field(default_factory=list)
+    loss_source: str = "column 'loss'"  # where each run's loss came from
+    curve_loss: str | None = None  # "eval" or "train"
+    notes: list[str] = field(default_factory=list)
+    warnings: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
+
+    @property
+    def n(self) -> np.ndarray:
+        return self.runs["params"].to_numpy(float)
+
+    @property
+    def d(self) -> np.ndarray:
+        return self.runs["tokens"].to_numpy(float)
+
+    @property
+    def c(self) -> np.ndarray:
+        return self.runs["flops"].to_numpy(float)
+
+    @property
+    def loss(self) -> np.ndarray:
+        return self.runs["loss"].to_numpy(float)
+
+
+def parse_column_map(items: list[str] | None) -> dict[str, str]:
+    """Parse ``NAME=COLUMN`` items (NAME one of CANONICAL) into ``{NAME: COLUMN}``."""
+    mapping: dict[str, str] = {}
+    for item in items or []:
+        name, sep, column = item.partition("=")
+        name, column = name.strip(), column.strip()
+        if not sep or not name or not column:
+            raise InputError(f"bad column mapping '{item}': expected NAME=COLUMN, e.g. params=n_params")
+        if name not in CANONICAL:
+            raise InputError(f"bad column mapping '{item}': NAME must be one of {', '.join(CANONICAL)}")
+        mapping[name] = column
+    return mapping
+
+
+def load_runs(path: str | Path, columns: dict[str, str] | None = None,
+              params_count: str | None = None) -> RunTable:
+    """Read, map and validate the runs at ``path``.
+
+    ``columns`` maps canonical names to the table's own column names. ``params_count`` picks
+    the parameter count when both ``params`` and ``params_non_embedding`` are present (default
+    total); ``None`` means total if present, else non-embedding.
+    """
+    path = Path(path)
+    if params_count is not None and params_count not in PARAMS_COUNTS:
+        raise InputError(f"--params-count must be one of {', '.join(PARAMS_COUNTS)}, got '{params_count}'")
+    warnings: list[tuple[str, str]] = []
+    notes: list[str] = []
+    run_dirs: list[Path | None] = []
+    if path.is_dir():
+        frame, run_dirs, loss_sources = _read_sweep(path, warnings)
+    elif path.is_file():
+        frame, loss_sources = _read_file(path), None
+    else:
+        raise InputError(f"no such file or directory: {path}")
+    frame = _apply_mapping(frame, columns or {})
+    if "run_id" not in frame.columns:
+        frame["run_id"] = [f"row {i + 1}" for i in range(len(frame))]
+    frame["run_id"] = frame["run_id"].astype(str)
+    keep = _completed(frame, warnings)
+    frame = frame[keep].reset_index(drop=True)
+    if run_dirs:
+        run_dirs = [d for d, k in zip(run_dirs, keep) if k]
+    if loss_sources is not None:
+        loss_sources = [s for s, k in zip(loss_sources, keep) if k]
+        train_only = [r for r, s in zip(frame["run_id"], loss_sources) if s == "train"]
+        if train_only:
+            warnings.append(("eval_loss_missing", f"{len(train_only)} run(s) have no final eval loss; "
+                             f"used their final train loss: {_preview(train_only)}"))
+    runs, count = _validate(frame, params_count, notes)
+    table = RunTable(runs=runs, source=str(path), params_count=count, notes=notes, warnings=warnings)
+    if loss_sources is not None:
+        table.loss_source = "final_eval_loss of summary.json" + (" (final_train_loss where eval was null)"
+                                                                  if "train" in loss_sources else "")
+    elif columns and "loss" in columns:
+        table.loss_source = f"column '{columns['loss']}'"
+    if path.is_dir():
+        _attach_curves(table, run_dirs)
+    return table
+
+
+def _preview(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _read_file(path: Path) -> pd.DataFrame:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".csv":
+            return pd.read_csv(path)
+        if suffix == ".parquet":
+            return pd.read_parquet(path)
+        if suffix == ".jsonl":
+            return pd.DataFrame(_read_jsonl_records(path))
+        if suffix == ".json":
+            data = json.loads(path.read_text())
+            if isinstance(data, dict) and isinstance(data.get("runs"), list):
+                data = data["runs"]
+            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+                raise InputError(f"{path}: expected a list of run records or {{\"runs\": [...]}}")
+            return pd.DataFrame(data)
+    except InputError:
+        raise
+    except (ValueError, OSError, ImportError) as exc:  # parser errors, unreadable files
+        raise InputError(f"cannot read {path}: {_one_line(exc)}") from exc
+    raise InputError(f"{path}: unsupported table format '{suffix}' (use .csv, .parquet, .json or .jsonl)")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _read_jsonl_records(path: Path) -> list[dict]:
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{i}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict):
+            raise InputError(f"{path}:{i}: expected a JSON object per line")
+        records.append(record)
+    return records
+
+
+def _read_sweep(root: Path, warnings: list[tuple[str, str]]
+                ) -> tuple[pd.DataFrame, list[Path | None], list[str] | None]:
+    """A sweep folder as a table, the run directory of each row, and each row's loss source."""
+    results = root / "results.csv"
+    if results.is_file():
+        frame = _read_file(results)
+        if "run_dir" in frame.columns:
+            dirs = [None if pd.isna(d) else _resolve(root, str(d)) for d in frame["run_dir"]]
+        else:
+            dirs = [None] * len(frame)
+        return frame, dirs, None
+    summaries = sorted(root.rglob("summary.json"))
+    if not summaries:
+        raise InputError(f"{root}: no results.csv and no run directories (summary.json) inside")
+    rows, dirs, sources, unusable = [], [], [], []
+    for summary_path in summaries:
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (json.JSONDecodeError, OSError) as exc:
+            raise InputError(f"{summary_path}: cannot read ({_one_line(exc)})") from exc
+        if not isinstance(summary, dict):
+            raise InputError(f"{summary_path}: expected a JSON object")
+        run_id = str(summary_path.parent.relative_to(root))
+        row = {"run_id": run_id, "status": summary.get("status")}
+        loss, source = summary.get("final_eval_loss"), "eval"
+        if loss is None:
+            loss, source = summary.get("final_train_loss"), "train"
+        if summary.get("status") == "completed":
+            missing = [k for k in SUMMARY_KEYS if k not in summary]
+            if missing:
+                raise InputError(f"{summary_path}: missing key(s) {', '.join(missing)}")
+            if loss is None:
+                unusable.append(run_id)
+                continue
+        row.update({k: summary.get(k) for k in SUMMARY_KEYS})
+        row.update(loss=loss, strategy=summary.get("strategy"), world_size=summary.get("world_size"),
+                   wall_time_s=summary.get("wall_time_s"))
+        rows.append(row)
+        dirs.append(summary_path.parent)
+        sources.append(source)
+    if unusable:
+        warnings.append(("runs_skipped", f"skipped {len(unusable)} completed run(s) with neither an eval "
+                         f"nor a train loss: {_preview(unusable)}"))
+    return pd.DataFrame(rows), dirs, sources
+
+
+def _resolve(root: Path, run_dir: str) -> Path:
+    p = Path(run_dir)
+    return p if p.is_absolute() else root / p
+
+
+def _apply_mapping(frame: pd.DataFrame, mapping: dict[str, str]) -> pd.DataFrame:
+    missing = [f"{k}={v}" for k, v in mapping.items() if v not in frame.columns]
+    if missing:
+        raise InputError(f"column mapping {', '.join(missing)}: no such column in the table "
+                         f"(columns: {', '.join(map(str, frame.columns))})")
+    sources = set(mapping.values())
+    # A canonical name that is remapped from another column is replaced, not duplicated.
+    drop = [k for k, v in mapping.items() if k in frame.columns and k != v and k not in sources]
+    frame = frame.drop(columns=drop)
+    selected = frame[list(mapping.values())].copy()
+    selected.columns = list(mapping.keys())
+    rest = frame.drop(columns=[c for c in frame.columns if c in sources or c in mapping])
+    return pd.concat([rest, selected], axis=1)
+
+
+def _completed(frame: pd.DataFrame, warnings: list[tuple[str, str]]) -> np.ndarray:
+    """Rows to keep: those with status 'completed' when the table has a status column."""
+    if "status" not in frame.columns:
+        return np.ones(len(frame), bool)
+    keep = (frame["status"] == "completed").to_numpy()
+    skipped = [f"{r} ({s})" for r, s, k in zip(frame["run_id"], frame["status"], keep) if not k]
+    if skipped:
+        warnings.append(("runs_skipped", f"skipped {len(skipped)} run(s) not completed: {_preview(skipped)}"))
+    return keep
+
+
+def _numeric(frame: pd.DataFrame, column: str) -> np.ndarray:
+    raw = frame[column]
+    values = pd.to_numeric(raw, errors="coerce").to_numpy(float)
+    ids = frame["run_id"].to_numpy()
+    bad_type = np.isnan(values) & raw.notna().to_numpy()
+    if bad_type.any():
+        i = int(np.flatnonzero(bad_type)[0])
+        raise InputError(f"column '{column}' has {int(bad_type.sum())} non-numeric value(s) "
+                         f"({ids[i]}: {raw.iloc[i]!r})")
+    nan = np.isnan(values)
+    if nan.any():
+        raise InputError(f"column '{column}' has {int(nan.sum())} missing or NaN value(s) "
+                         f"({_preview(list(ids[nan]))})")
+    inf = np.isinf(values)
+    if inf.any():
+        raise InputError(f"column '{column}' has {int(inf.sum())} infinite value(s) ({_preview(list(ids[inf]))})")
+    bad = values <= 0
+    if bad.any():
+        raise InputError(f"column '{column}' has {int(bad.sum())} non-positive value(s) "
+                         f"({_preview(list(ids[bad]))}); every value must be > 0")
+    return values
+
+
+def _validate(frame: pd.DataFrame, params_count: str | None, notes: list[str]) -> tuple[pd.DataFrame, str]:
+    cols = set(frame.columns)
+    has_total, has_nonemb = "params" in cols, "params_non_embedding" in cols
+    if params_count == "non_embedding" and not has_nonemb:
+        raise InputError("--params-count non_embedding needs a 'params_non_embedding' column "
+                         "(map one with --column params_non_embedding=NAME)")
+    if params_count == "total" and not has_total and has_nonemb:
+        raise InputError("--params-count total needs a 'params' column (the table only has "
+                         "'params_non_embedding')")
+    if params_count is None:
+        params_count = "total" if has_total or not has_nonemb else "non_embedding"
+    n_col = "params" if params_count == "total" else "params_non_embedding"
+    present = [c for c in (n_col, "tokens", "flops") if c in cols]
+    if "loss" not in cols or len(present) < 2:
+        found = ", ".join(map(str, frame.columns)) or "none"
+        raise InputError(f"missing column(s): need 'loss' and two of 'params', 'tokens', 'flops' "
+                         f"(found: {found}); map other names with --column NAME=COLUMN")
+    if len(frame) < MIN_RUNS:
+        raise InputError(f"need at least {MIN_RUNS} runs for a fit, got {len(frame)}")
+    values = {c: _numeric(frame, c) for c in present + ["loss"]}
+    if n_col != "params":
+        notes.append("N is the non-embedding parameter count")
+    if n_col not in values:
+        values[n_col] = values["flops"] / (6.0 * values["tokens"])
+        params_count = "derived (C/6D)"
+        notes.append("params derived as C/(6D)")
+    if "tokens" not in values:
+        values["tokens"] = values["flops"] / (6.0 * values[n_col])
+        notes.append("tokens derived as C/(6N)")
+    if "flops" not in values:
+        values["flops"] = 6.0 * values[n_col] * values["tokens"]
+        notes.append("flops derived as 6ND")
+    runs = frame.drop(columns=[c for c in ("params", "params_non_embedding", "tokens", "flops", "loss")
+                               if c in cols])
+    runs.insert(0, "params", values[n_col])
+    runs.insert(1, "tokens", values["tokens"])
+    runs.insert(2, "flops", values["flops"])
+    runs.insert(3, "loss", values["loss"])
+    runs.insert(0, "run_id", runs.pop("run_id"))
+    for name in ("params", "tokens"):
+        if len(np.unique(runs[name])) < 2:
+            raise InputError(f"the parametric fit needs at least 2 distinct values of {name}, "
+                             f"got {len(np.unique(runs[name]))}")
+    return runs, params_count
+
+
+def _attach_curves(table: RunTable, run_dirs: list[Path | None]) -> None:
+    """Read metrics.jsonl of each run into table.curves (eval loss when every curve has it)."""
+    raw: list[tuple[int, dict[str, np.ndarray]]] = []
+    bad_lines = 0
+    for row, run_dir in enumerate(run_dirs):
+        metrics = None if run_dir is None else run_dir / "metrics.jsonl"
+        if metrics is None or not metrics.is_file():
+            continue
+        train, evals = [], []
+        for line in metrics.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                bad_lines += 1
+                continue
+            tokens = rec.get("tokens") if isinstance(rec, dict) else None
+            if not isinstance(tokens, (int, float)) or tokens <= 0:
+                continue
+            for key, out in (("loss", train), ("eval_loss", evals)):
+                value = rec.get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+                    out.append((float(tokens), float(value)))
+        raw.append((row, {"train": np.array(train).reshape(-1, 2), "eval": np.array(evals).reshape(-1, 2)}))
+    if bad_lines:
+        table.warnings.append(("metrics_unreadable", f"ignored {bad_lines} unreadable line(s) in metrics.jsonl files"))
+    if not raw:
+        return
+    kind = "eval" if all(len(r["eval"]) >= 2 for _, r in raw) else "train"
+    table.curve_loss = kind
+    for row, records in raw:
+        points = records[kind]
+        if len(points) < 2:
+            continue
+        points = points[np.argsort(points[:, 0], kind="stable")]
+        run = table.runs.iloc[row]
+        flops_per_token = run["flops"] / run["tokens"]
+        table.curves.append(Curve(row=row, params=float(run["params"]), tokens=points[:, 0],
+                                  flops=points[:, 0] * flops_per_token, loss=points[:, 1]))
