@@ -221,7 +221,8 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
         data.tokenizer.save(run_dir / "tokenizer")
         log.say(f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding), "
                 f"{flops_per_token / 1e6:.2f} MFLOP/token | strategy {cfg.parallel.strategy} × {world.world_size} | "
-                f"{plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} micro-steps) | "
+                f"{plan.total_steps} steps of {t.batch_tokens:,} tokens "
+                f"({plan.accum_steps} micro-step{'s' if plan.accum_steps > 1 else ''} per step) | "
                 f"device {device}, {str(dtype).removeprefix('torch.')}"
                 + (f" | resumed at step {start_step}" if resume else ""))
 

@@ -58,3 +58,4 @@ def test_step_updates_parameters_and_clears_gradients():
     strategy.step()
     assert all(p.grad is None for p in model.parameters())
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
