@@ -8,7 +8,6 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)
 
