@@ -17,8 +17,15 @@ import numpy as np
 from analysis.bootstrap import bootstrap_parametric, draw_weights, interval
 from analysis.envelope import Envelope, build_envelope
 from analysis.isoflop import METHODS, MIN_RUNS_PER_BUDGET, BudgetMinima, PowerLaws, budget_minima, group_budgets
-from analysis.parametric import (GRID_AXES, HUBER_DELTA, ParametricFit, compute_optimal, fit_parametric,
-                                 named_samples, predict_loss)
+from analysis.parametric import (
+    GRID_AXES,
+    HUBER_DELTA,
+    ParametricFit,
+    compute_optimal,
+    fit_parametric,
+    named_samples,
+    predict_loss,
+)
 from analysis.table import MIN_RUNS, InputError, RunTable
 
 SCHEMA_VERSION = 1

@@ -11,12 +11,13 @@ import argparse
 import dataclasses
 import json
 import math
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 
 class ConfigError(ValueError):

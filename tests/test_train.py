@@ -221,3 +221,12 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, args, capsys):
     assert run(r, *args, "--resume") == 2
     assert "already complete (8 steps)" in capsys.readouterr().err
     assert (r / "summary.json").read_text() == summary
+
+
+def test_launch_script_exits_2_with_one_line_on_bad_input(tmp_path, args):
+    r = tmp_path / "bad"
+    proc = subprocess.run([sys.executable, "launch/run.py", *args, "--model.n_head", "3", "--run-dir", str(r)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: model.n_head (3) must divide model.d_model (32)"
+    assert not r.exists()

@@ -92,7 +92,3 @@ class Strategy:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights (for export and sampling), gathered if sharded."""
-        return self.model.state_dict()

@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 from scipy.optimize import check_grad
 
-from analysis.parametric import (HUBER_DELTA, compute_optimal, fit_parametric, grid_objective,
-                                 huber_lse_objective, params_from_theta)
+from analysis.parametric import (
+    HUBER_DELTA,
+    compute_optimal,
+    fit_parametric,
+    grid_objective,
+    huber_lse_objective,
+    params_from_theta,
+)
 from analysis.synthetic import CHINCHILLA, isoflop_runs, law_loss, law_optimum
 
 BUDGETS = np.geomspace(1e18, 1e21, 7)
