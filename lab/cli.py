@@ -35,13 +35,27 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """Refuse to overwrite an existing run, and to resume one that is not there."""
-    has_run = (run_dir / "config.json").exists() or checkpoint.latest(run_dir) is not None
-    if resume and checkpoint.latest(run_dir) is None:
+def resume_mode(requested: str | None) -> str:
+    """The --resume mode: as given, else ``auto`` when torchrun restarts a failed group, else ``never``."""
+    if requested is not None:
+        return requested
+    return "auto" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else "never"
+
+
+def check_run_dir(run_dir: Path, mode: str) -> bool:
+    """Whether to resume from ``run_dir``'s newest checkpoint; refuse what ``mode`` does not allow.
+
+    ``latest`` needs a complete checkpoint; ``auto`` resumes from one when there is one and otherwise
+    starts afresh (a run stopped before its first checkpoint has nothing to lose); ``never`` refuses a
+    directory that already holds a run.
+    """
+    has_checkpoint = checkpoint.latest(run_dir) is not None
+    if mode == "latest" and not has_checkpoint:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-    if not resume and has_run:
-        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
+    if mode == "never" and ((run_dir / "config.json").exists() or has_checkpoint):
+        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it (--resume auto also "
+                          f"restarts one stopped before its first checkpoint) or choose another --run-dir")
+    return has_checkpoint and mode != "never"
 
 
 def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
@@ -78,7 +92,7 @@ def run_main(argv: list[str] | None = None) -> int:
         world = _world_from_env(cfg.train.device)
         validate(cfg, world.world_size)
         check_source(cfg.data)
-        check_run_dir(run_dir, args.resume)
+        resume = check_run_dir(run_dir, resume_mode(args.resume))
     except ConfigError as e:
         return _error(str(e))
 
@@ -93,10 +107,10 @@ def run_main(argv: list[str] | None = None) -> int:
         if not world.is_main:
             data_dir = prepare(cfg.data, progress=False)
         resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
-        if args.resume:
+        if resume:
             check_resume_config(run_dir, cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        summary = train(cfg, data_dir, run_dir, world, resume=args.resume)
+        summary = train(cfg, data_dir, run_dir, world, resume=resume)
     except ConfigError as e:
         return _error(str(e))
     except TrainingDiverged as e:

@@ -78,7 +78,8 @@ class TrainConfig:
     log_every: int = _f(10, "steps between metric records")
     eval_every: int = _f(0, "steps between held-out evaluations (0: only at the end)")
     eval_tokens: int = _f(65_536, "held-out tokens per evaluation")
-    checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end)")
+    checkpoint_every: int | None = _f(None, "steps between checkpoints (none: about ten per run, so a killed run "
+                                            "loses at most a tenth of its steps; 0: only at the end)")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
     stop_after: int = _f(0, "stop after this many steps, keeping the full schedule (0: run the whole budget)")
     peak_flops: float = _f(0.0, "peak FLOP/s for MFU (0: the GPU table, or a measured matmul peak on CPU)")
@@ -108,6 +109,7 @@ class RunConfig:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+RESUME_MODES = ("latest", "auto", "never")
 
 
 # ---------------------------------------------------------------- value parsing
@@ -207,7 +209,10 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="TOML file with [model], [data], [train], [parallel] tables")
     p.add_argument("--run-dir", default="runs/default", help="output folder (config, metrics, checkpoints)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--resume", nargs="?", const="latest", choices=RESUME_MODES, default=None,
+                   help="latest (the bare flag): continue from the newest checkpoint in --run-dir, which must exist; "
+                        "auto: continue when there is a complete checkpoint, else start afresh; never: refuse a "
+                        "directory that holds a run (default: never, auto when torchrun restarts the group)")
     p.add_argument("--strategy", dest="parallel.strategy", default=argparse.SUPPRESS,
                    help="short for --parallel.strategy")
     defaults = RunConfig()

@@ -65,7 +65,7 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     if cfg.train.dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.dtype must be auto, fp32 or bf16, got '{cfg.train.dtype}'")
     for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints"):
-        if getattr(cfg.train, name) < 0:
+        if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
     return step_plan(cfg, world_size)
 
@@ -127,7 +127,7 @@ class RunLog:
         self.path, self.enabled = run_dir / "metrics.jsonl", enabled
         if enabled and keep_until_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= keep_until_step]
+                    if (rec := _parse_record(line)) is not None and rec["step"] <= keep_until_step]
             tmp = self.path.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)
@@ -141,6 +141,21 @@ class RunLog:
     def say(self, text: str) -> None:
         if self.enabled:
             print(text, flush=True)
+
+
+def _parse_record(line: str) -> dict | None:
+    """A metrics record, or None for a blank or torn line (a run killed mid-write)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return rec if isinstance(rec, dict) and "step" in rec else None
+
+
+def checkpoint_interval(cfg: RunConfig, total_steps: int) -> int:
+    """Steps between checkpoints: the configured value, or about ten per run when unset (0: only at the end)."""
+    every = cfg.train.checkpoint_every
+    return max(1, math.ceil(total_steps / 10)) if every is None else every
 
 
 def format_step(rec: dict, total_steps: int) -> str:
@@ -215,7 +230,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             raise ConfigError(f"--resume: the run in {run_dir} is already complete ({start_step} steps)")
         if t.stop_after and t.stop_after <= start_step:
             raise ConfigError(f"train.stop_after ({t.stop_after}) is not beyond the checkpoint's step ({start_step})")
-    log = RunLog(run_dir, world.is_main, keep_until_step=start_step if resume else None)
+    log = RunLog(run_dir, world.is_main, keep_until_step=start_step)
     if world.is_main:
         save_json(run_dir / "config.json", cfg.to_dict())
         data.tokenizer.save(run_dir / "tokenizer")
@@ -229,6 +244,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     sampler = BatchSampler(data.train, cfg.model.block_size, t.seed)
     end_step = min(plan.total_steps, t.stop_after) if t.stop_after else plan.total_steps
     per_rank = plan.global_sequences // world.world_size
+    checkpoint_every = checkpoint_interval(cfg, plan.total_steps)
     recent: list[float] = []
     eval_loss = None
 
@@ -274,7 +290,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             eval_loss = evaluate(model, data, cfg, device, autocast)
             log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})
             log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}")
-        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == end_step:
+        if (checkpoint_every and done % checkpoint_every == 0) or done == end_step:
             save_checkpoint(done)
 
     tokens = end_step * t.batch_tokens

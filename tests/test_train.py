@@ -3,6 +3,7 @@ gradient accumulation, divergence handling, bad input, torchrun, sampling."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,27 @@ def test_launch_script_exits_2_with_one_line_on_bad_input(tmp_path, args):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: model.n_head (3) must divide model.d_model (32)"
     assert not r.exists()
+
+
+def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, args, capsys):
+    full, r = tmp_path / "full", tmp_path / "r"
+    assert run(full, *args) == 0
+    assert run(r, *args, "--train.stop_after", "3", "--train.checkpoint_every", "0") == 0
+    shutil.rmtree(r / "checkpoints")  # as if killed before the first checkpoint
+    assert run(r, *args) == 2
+    assert "--resume auto" in capsys.readouterr().err
+    assert run(r, *args, "--resume", "auto") == 0
+    assert train_losses(r) == train_losses(full)
+    assert [x["step"] for x in metrics(r) if "loss" in x] == list(range(1, 9))
+
+
+def test_resume_auto_continues_from_the_newest_checkpoint_and_drops_a_torn_line(tmp_path, args):
+    full, r = tmp_path / "full", tmp_path / "r"
+    assert run(full, *args) == 0
+    assert run(r, *args, "--train.stop_after", "4") == 0
+    assert (r / "checkpoints" / "step-000004").is_dir()  # the default interval: about ten per run
+    with (r / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "tokens": 12')  # killed mid-write
+    assert run(r, *args, "--resume", "auto") == 0
+    assert train_losses(r) == train_losses(full)
+    assert_states_equal(final_state(r), final_state(full))
