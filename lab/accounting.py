@@ -1,7 +1,8 @@
 """Pure arithmetic of training: parameters, FLOPs, hardware peaks, time and memory.
 
-No torch here: every function takes a shape or plain numbers, so the analysis package and the
-planner can use it without a model. ``tests/test_accounting.py`` checks each formula against a
+No torch and nothing else from ``lab`` here: every function takes a shape (any object with the
+``ModelShape`` attributes, such as ``lab.config.ModelShape``) or plain numbers, so the analysis
+package, the sweep planner and the run planner can use it without a model. ``tests/test_accounting.py`` checks each formula against a
 hand computation and against the parameters of a real ``lab.model.GPT``.
 """
 
@@ -10,8 +11,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from lab.config import ModelConfig
+
+class ModelShape(Protocol):
+    """The fields of a model's shape that the formulas read (``lab.config.ModelShape`` has them all)."""
+
+    arch: str
+    n_layer: int
+    n_head: int
+    n_kv_head: int | None
+    d_model: int
+    d_ff: int | None
+    block_size: int
+    vocab_size: int | None
+    pad_vocab_to: int
+    tie_embeddings: bool
+    bias: bool | None
 
 # ---------------------------------------------------------------- shape
 
@@ -20,22 +36,22 @@ def round_up(x: int, multiple: int) -> int:
     return int(math.ceil(x / multiple) * multiple)
 
 
-def padded_vocab(cfg: ModelConfig) -> int:
+def padded_vocab(cfg: ModelShape) -> int:
     """Rows of the embedding table: the vocabulary rounded up to ``pad_vocab_to``."""
     if cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unresolved (set it, or take it from the tokenizer)")
     return round_up(cfg.vocab_size, max(1, cfg.pad_vocab_to))
 
 
-def kv_heads(cfg: ModelConfig) -> int:
+def kv_heads(cfg: ModelShape) -> int:
     return cfg.n_head if cfg.n_kv_head is None else cfg.n_kv_head
 
 
-def head_dim(cfg: ModelConfig) -> int:
+def head_dim(cfg: ModelShape) -> int:
     return cfg.d_model // cfg.n_head
 
 
-def ffn_width(cfg: ModelConfig) -> int:
+def ffn_width(cfg: ModelShape) -> int:
     """MLP hidden width: 4·d for GELU; for SwiGLU 8/3·d rounded up to 64 (same FLOPs as 4·d GELU)."""
     if cfg.d_ff is not None:
         return cfg.d_ff
@@ -44,7 +60,7 @@ def ffn_width(cfg: ModelConfig) -> int:
     return 4 * cfg.d_model
 
 
-def uses_bias(cfg: ModelConfig) -> bool:
+def uses_bias(cfg: ModelShape) -> bool:
     return cfg.bias if cfg.bias is not None else cfg.arch == "gpt2"
 
 
@@ -65,7 +81,7 @@ class ParamCounts:
         return self.non_embedding + self.embedding - self.position
 
 
-def param_counts(cfg: ModelConfig) -> ParamCounts:
+def param_counts(cfg: ModelShape) -> ParamCounts:
     """Parameter counts of ``lab.model.GPT`` built from ``cfg`` (vocab_size resolved)."""
     d, L, V = cfg.d_model, cfg.n_layer, padded_vocab(cfg)
     hd, kv, ff, b = head_dim(cfg), kv_heads(cfg), ffn_width(cfg), uses_bias(cfg)
@@ -89,7 +105,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
 # ---------------------------------------------------------------- FLOPs
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
+def flops_per_token(cfg: ModelShape) -> float:
     """Training FLOPs per token: 6·N_matmul + 12·L·d_attn·T (forward + backward, PaLM appendix B).
 
     N_matmul counts the weights used in matmuls (blocks and output head, not embedding lookups);
@@ -169,10 +185,29 @@ _SHARDED: dict[str, tuple[bool, bool, bool]] = {
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Model-state bytes one rank holds: on its GPU, and in host memory when the optimizer is offloaded."""
+    """Model-state bytes one rank holds, by kind; with ``offload`` the optimizer states sit in host memory."""
 
-    gpu: float
-    cpu: float = 0.0
+    params: float
+    grads: float
+    optimizer: float
+    offload: bool = False
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def gpu(self) -> float:
+        """Bytes on the accelerator (everything but offloaded optimizer states)."""
+        return self.params + self.grads + (0.0 if self.offload else self.optimizer)
+
+    @property
+    def cpu(self) -> float:
+        """Bytes in host memory (the optimizer states, when offloaded)."""
+        return self.optimizer if self.offload else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "total": self.total}
 
 
 def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precision: str = "mixed",
@@ -182,9 +217,10 @@ def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precisio
     ZeRO (Rajbhandari et al. 2019, §5), mixed precision, K = 12 (fp32 master weights + two moments):
     ddp (2 + 2 + K)·Ψ; zero1 2Ψ + 2Ψ + K·Ψ/N_d; zero2 2Ψ + (2 + K)·Ψ/N_d; zero3 (2 + 2 + K)·Ψ/N_d.
     ``precision="fp32"`` keeps the structure with 4-byte weights and gradients and K = 8, so fp32 ddp
-    is the naive 4 + 4 + 8 = 16 B/param. ``offload`` moves the optimizer states (and the update) to
-    host memory as in ZeRO-Offload (Ren et al. 2021), sharded as the strategy shards them; ``cpu`` is
-    then this rank's share. Activations, communication buckets and allocator slack are not included.
+    is the naive 4 + 4 + 8 = 16 B/param (the lab's own runs: fp32 weights, bf16 only inside
+    autocast). ``offload`` moves the optimizer states (and the update) to host memory as in
+    ZeRO-Offload (Ren et al. 2021), sharded as the strategy shards them. Activations,
+    communication buckets and allocator slack are not included.
     """
     if strategy not in _SHARDED:
         raise ValueError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
@@ -194,28 +230,67 @@ def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precisio
         raise ValueError("need params >= 0 and n_devices >= 1")
     weights, grads, optim = (params * width / (n_devices if sharded else 1)
                              for width, sharded in zip(_STATE_WIDTHS[precision], _SHARDED[strategy]))
-    if offload:
-        return StateBytes(gpu=weights + grads, cpu=optim)
-    return StateBytes(gpu=weights + grads + optim)
+    return StateBytes(params=weights, grads=grads, optimizer=optim, offload=offload)
 
 
-def comm_elements_per_step(params: float, strategy: str) -> float:
-    """Elements each rank sends (and receives) per optimizer step, after Rajbhandari et al. 2019 §7.
+# ---------------------------------------------------------------- communication
 
-    ddp: an all-reduce of the gradients = reduce-scatter + all-gather, Ψ each (a ring moves
-    2·(N_d − 1)/N_d·Ψ ≈ 2Ψ); zero1 and zero2: reduce-scatter the gradients, all-gather the updated
-    weights, also 2Ψ; zero3: all-gather the weights in the forward and again in the backward, and
-    reduce-scatter the gradients, 3Ψ. Multiply by the element size (2 bytes in mixed precision).
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def ring_elements_sent(collective: str, elements: float, n_ranks: int) -> float:
+    """Elements one rank sends in a ring implementation of ``collective`` over ``n_ranks``.
+
+    ``elements`` is the full tensor: the all-reduced tensor, the input of a reduce-scatter (all
+    shards), the output of an all-gather, the broadcast tensor. A reduce-scatter or an all-gather
+    sends (N − 1)/N of it per rank, an all-reduce (= reduce-scatter + all-gather) 2(N − 1)/N, a
+    pipelined broadcast (N − 1)/N on average. One rank sends nothing.
     """
-    if strategy not in _SHARDED:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective '{collective}' (known: {', '.join(COLLECTIVES)})")
+    if n_ranks < 1:
+        raise ValueError("need n_ranks >= 1")
+    share = (n_ranks - 1) / n_ranks
+    return (2 * share if collective == "all_reduce" else share) * elements
+
+
+# How many times each strategy moves the Ψ gradient or parameter elements per step, by collective.
+_TRAFFIC: dict[str, dict[str, int]] = {
+    "ddp": {"all_reduce": 1},  # the gradients
+    "zero1": {"reduce_scatter": 1, "all_gather": 1},  # gradients in, updated weights out
+    "zero2": {"reduce_scatter": 1, "all_gather": 1},
+    "zero3": {"reduce_scatter": 1, "all_gather": 2},  # weights gathered for the forward and again for the backward
+}
+
+
+def comm_bytes_per_step(params: float, strategy: str, n_devices: int, bytes_per_element: float = 4.0
+                        ) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step, by collective, for Ψ = ``params`` over N_d ranks.
+
+    Rajbhandari et al. 2019 §7 with the ring's rank count kept: ddp all-reduces the gradients,
+    2(N_d − 1)/N_d·Ψ; zero1 and zero2 reduce-scatter the gradients and all-gather the updated
+    weights, the same 2(N_d − 1)/N_d·Ψ; zero3 all-gathers the weights twice (forward, backward) and
+    reduce-scatters the gradients, 3(N_d − 1)/N_d·Ψ. Elements are fp32 (4 bytes) in the lab's runs.
+    """
+    if strategy not in _TRAFFIC:
         raise ValueError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
-    return (3.0 if strategy == "zero3" else 2.0) * params
+    if n_devices < 1:
+        raise ValueError("need n_devices >= 1")
+    out = dict.fromkeys(COLLECTIVES, 0.0)
+    for collective, times in _TRAFFIC[strategy].items():
+        out[collective] = times * ring_elements_sent(collective, params, n_devices) * bytes_per_element
+    return out
+
+
+def comm_elements_per_step(params: float, strategy: str, n_devices: int) -> float:
+    """Elements each rank sends per step: 2(N_d − 1)/N_d·Ψ for ddp, zero1, zero2; 3(N_d − 1)/N_d·Ψ for zero3."""
+    return sum(comm_bytes_per_step(params, strategy, n_devices, bytes_per_element=1.0).values())
 
 
 # ---------------------------------------------------------------- memory: activations
 
 
-def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_act: int = 2, checkpointing: bool = False,
+def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, checkpointing: bool = False,
                      flash: bool = True) -> float:
     """Bytes of activations one rank keeps for the backward pass of one micro-batch: an estimate.
 
@@ -270,7 +345,7 @@ class DepthFit:
     gpu_bytes: float  # model states + activations on one GPU
 
 
-def largest_depth(shape: ModelConfig, micro_batch: int, memory_bytes: float, n_devices: int, strategy: str,
+def largest_depth(shape: ModelShape, micro_batch: int, memory_bytes: float, n_devices: int, strategy: str,
                   precision: str = "mixed", usable: float = 1.0, offload: bool = False, bytes_per_act: int = 2,
                   checkpointing: bool = False, flash: bool = True) -> DepthFit | None:
     """The largest ``n_layer`` at the width of ``shape`` whose states and activations fit each GPU.

@@ -7,33 +7,37 @@ of this machine; on CUDA it is the data-sheet dense bf16 peak (``lab.accounting`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 
 import torch
 
 from lab import accounting
-from lab.config import ConfigError, resolve, save_json
+from lab.config import ConfigError, resolve
+from lab.device import Precision, peak_flops, peak_memory_bytes, setup_device, synchronize
+from lab.files import save_json
 from lab.model import GPT
-from lab.train import measured_matmul_peak, param_groups, peak_memory_bytes, synchronize
+from lab.optim import param_groups
 
 
 def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: int, device: torch.device,
                bf16: bool, compile: bool) -> dict:
     cfg = resolve({"model": {"preset": preset, "vocab_size": vocab}}).model
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    precision = Precision(device.type, bf16)
+    with torch.device(device):
+        model = GPT(cfg)
     if compile:
         model.compile()
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=True)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    x = torch.randint(0, vocab, (micro_batch, cfg.block_size), device=device)
+    params = dict(model.named_parameters())
+    groups = [{"params": [params[n] for n in g.names], "weight_decay": g.weight_decay}
+              for g in param_groups(model, 0.1)]
+    opt = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    x = torch.randint(0, vocab, (micro_batch, cfg.block_size), generator=torch.Generator().manual_seed(0)).to(device)
     times = []
     for i in range(warmup + steps):
         synchronize(device)
         t0 = time.perf_counter()
-        with autocast():
+        with precision.autocast():
             loss = model(x, x)
         loss.backward()
         opt.step()
@@ -44,10 +48,7 @@ def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: in
     step_time, best = sorted(times)[len(times) // 2], min(times)
     tokens_per_s = micro_batch * cfg.block_size / step_time
     fpt = accounting.flops_per_token(cfg)
-    if device.type == "cuda":
-        peak = accounting.gpu_peak_flops(torch.cuda.get_device_name(device), "bf16" if bf16 else "tf32")
-    else:
-        peak = measured_matmul_peak(torch.bfloat16 if bf16 else torch.float32)
+    peak = peak_flops(device, precision).flops
     return {"model": preset, "params": accounting.param_counts(cfg).total, "dtype": "bf16" if bf16 else "fp32",
             "compile": compile, "micro_batch": micro_batch, "seq_len": cfg.block_size, "step_time_s": step_time,
             "best_step_time_s": best, "tokens_per_s": tokens_per_s,
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --steps must be positive and --warmup >= 0", file=sys.stderr)
         return 2
     if torch.cuda.is_available():
-        device = torch.device("cuda")
-        torch.backends.cuda.matmul.allow_tf32 = True
+        device = torch.device("cuda", 0)
+        setup_device(device)
         cases = [("gpt2-124m", 50304, 16, True, False), ("gpt2-124m", 50304, 16, True, True)]
         where = torch.cuda.get_device_name(device)
     else:

@@ -2,21 +2,25 @@
 
 A folder holds ``rank-K.pt`` per rank (strategy state: model and optimizer, RNG states) and
 ``meta.json`` (step, tokens, world size), which is written last: a folder without it is
-incomplete and ignored. Folders are built under a temporary name and renamed into place.
+incomplete and ignored. Folders are built under a temporary name and renamed into place; a folder
+being replaced is moved aside first and deleted only once its successor is in place.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from lab.config import save_json
+from lab.config import ConfigError
+from lab.files import save_json
 
 META = "meta.json"
+_NAME = re.compile(r"step-(\d+)")
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -24,8 +28,19 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.glob("step-*") if (p / META).is_file() and not p.name.endswith(".tmp")]
+    done = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and (p / META).is_file()]
     return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def clean_stale_temporaries(run_dir: Path) -> None:
+    """Remove what an interrupted run left half-written: checkpoint folders under construction or
+    moved aside, and temporary files beside the run's JSON files."""
+    root = run_dir / "checkpoints"
+    for p in root.iterdir() if root.is_dir() else []:
+        if p.is_dir() and not _NAME.fullmatch(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+    for p in run_dir.glob(".*.tmp"):
+        p.unlink(missing_ok=True)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -65,21 +80,44 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: dict, meta
     _barrier(world_size)
     if rank == 0:
         save_json(tmp / META, {**meta, "step": step, "world_size": world_size})
+        aside = final.with_name(final.name + ".old")
         if final.exists():
-            shutil.rmtree(final)
+            final.replace(aside)
         tmp.replace(final)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     _barrier(world_size)
     return final
 
 
+def read_meta(folder: Path) -> dict:
+    """A checkpoint's meta.json; ConfigError (one line) when it is missing or unreadable."""
+    try:
+        meta = json.loads((folder / META).read_text())
+        if not isinstance(meta.get("step"), int) or not isinstance(meta.get("world_size"), int):
+            raise ValueError("no step or world size")
+        return meta
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"checkpoint {folder} is unreadable ({META}: {e}); delete it to use an earlier one") from None
+
+
+def load_file(path: Path) -> dict:
+    """One rank's state file, weights only; ConfigError (one line) when it is missing or corrupt."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"checkpoint file {path} is unreadable ({reason}); delete its folder to use an "
+                          f"earlier checkpoint") from None
+
+
 def load(folder: Path, rank: int, world_size: int) -> tuple[dict, dict]:
     """This rank's state and the folder's meta; restores RNG states."""
-    meta = json.loads((folder / META).read_text())
+    meta = read_meta(folder)
     if meta["world_size"] != world_size:
-        raise ValueError(f"checkpoint {folder} was written by {meta['world_size']} processes; "
-                         f"resume it with the same world size (got {world_size})")
-    state = torch.load(folder / f"rank-{rank}.pt", map_location="cpu", weights_only=True)
+        raise ConfigError(f"checkpoint {folder} was written by {meta['world_size']} processes; "
+                          f"resume it with the same world size (got {world_size})")
+    state = load_file(folder / f"rank-{rank}.pt")
     set_rng_state(state["rng"])
     return state, meta

@@ -1,23 +1,35 @@
-"""Command-line front ends for training and sampling (``launch/run.py``, ``launch/sample.py``)."""
+"""Command-line front ends for training and sampling (``launch/run.py``, ``launch/sample.py``).
+
+Exit codes of a run: 0 done (or stopped by ``train.stop_after``), 1 diverged, 2 bad input (one
+``error:`` line, before any work where the check allows), 130 / 143 interrupted by SIGINT /
+SIGTERM (a checkpoint and ``summary.json`` with status ``interrupted`` are written first).
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 
 from lab import checkpoint
-from lab.config import ConfigError, RunConfig, build_parser, config_from_args, save_json
+from lab.config import ConfigError, Parser, RunConfig, build_parser, config_from_args
 from lab.data import check_source, load_tokenizer, prepare
+from lab.data.tokenizer import BytesTokenizer
+from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
+from lab.files import dumps, probe_writable, save_json
 from lab.model import GPT
 from lab.parallel import World
-from lab.train import TrainingDiverged, resolve_device, train, validate
+from lab.train import Estimate, TrainingDiverged, check_resources, train, validate
 
 # Options that may change between the segments of one resumed run.
 RESUMABLE_CHANGES = {"train.stop_after", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints"}
@@ -35,6 +47,9 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+# ---------------------------------------------------------------- the run directory
+
+
 def resume_mode(requested: str | None) -> str:
     """The --resume mode: as given, else ``auto`` when torchrun restarts a failed group, else ``never``."""
     if requested is not None:
@@ -49,6 +64,7 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     starts afresh (a run stopped before its first checkpoint has nothing to lose); ``never`` refuses a
     directory that already holds a run.
     """
+    probe_writable(run_dir, "--run-dir")
     has_checkpoint = checkpoint.latest(run_dir) is not None
     if mode == "latest" and not has_checkpoint:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
@@ -58,8 +74,27 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     return has_checkpoint and mode != "never"
 
 
+def default_run_dir(root: Path = Path("runs")) -> Path:
+    """A new folder name under ``root``: the start time, plus torchrun's run id so that a restarted
+    group finds its own run again (every rank computes the same name from the shared run id)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        tag = hashlib.sha256(run_id.encode()).hexdigest()[:8]
+        earlier = sorted(root.glob(f"*-{tag}"))
+        return earlier[-1] if earlier else root / f"{time.strftime('%Y%m%d-%H%M%S')}-{tag}"
+    name = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        candidate = root / (name if n == 1 else f"{name}-{n}")
+        if not candidate.exists():
+            return candidate
+    raise ConfigError(f"no free run directory name under {root}; pass --run-dir")
+
+
 def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
-    old = _flatten(json.loads((run_dir / "config.json").read_text()))
+    try:
+        old = _flatten(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: {run_dir / 'config.json'} is unreadable ({e})") from None
     new = _flatten(cfg.to_dict())
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
     if changed:
@@ -75,6 +110,9 @@ def resolve_vocab(cfg: RunConfig, tokenizer_vocab: int) -> None:
                           f"({tokenizer_vocab})")
 
 
+# ---------------------------------------------------------------- processes and signals
+
+
 def _world_from_env(device_name: str) -> World:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -82,24 +120,66 @@ def _world_from_env(device_name: str) -> World:
                  device=resolve_device(device_name, local_rank))
 
 
+class StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop at the next step boundary; a second SIGINT stops at once."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or signum
+
+    def __call__(self) -> int:
+        return self.received
+
+
+def _preflight(args: argparse.Namespace) -> tuple[RunConfig, World, Path | None, str, Estimate]:
+    """Every check that can run before the process group and the data: ConfigError on bad input."""
+    cfg = config_from_args(args)
+    world = _world_from_env(cfg.train.device)
+    validate(cfg, world.world_size)
+    check_source(cfg.data)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    mode = resume_mode(args.resume)
+    if run_dir is not None:
+        check_run_dir(run_dir, mode)
+    vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
+    precision = resolve_precision(cfg.train.dtype, world.device)
+    estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
+                               vocab, available_memory_bytes(world.device),
+                               int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)))
+    return cfg, world, run_dir, mode, estimate
+
+
 def run_main(argv: list[str] | None = None) -> int:
-    """Train one run. Exit codes: 0 done, 1 diverged, 2 bad input."""
+    """Train one run; see the module docstring for the exit codes."""
     parser = build_parser("launch/run.py", "Train a GPT on prepared text and write a run directory.")
     args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir)
     try:
-        cfg = config_from_args(args)
-        world = _world_from_env(cfg.train.device)
-        validate(cfg, world.world_size)
-        check_source(cfg.data)
-        resume = check_run_dir(run_dir, resume_mode(args.resume))
+        cfg, world, run_dir, mode, estimate = _preflight(args)
     except ConfigError as e:
         return _error(str(e))
+    except KeyboardInterrupt:
+        print("error: interrupted before training started", file=sys.stderr)
+        return 130
 
     if world.world_size > 1:
         dist.init_process_group(backend="nccl" if world.device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=cfg.parallel.timeout_s))
     try:
+        run_dir = run_dir or world.broadcast_from_main(default_run_dir)
+        world.check_same(hashlib.sha256(dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest(), "the config")
+        resume = check_run_dir(run_dir, mode)
         if world.is_main:
             data_dir = prepare(cfg.data, progress=True)
         if world.world_size > 1:
@@ -109,8 +189,12 @@ def run_main(argv: list[str] | None = None) -> int:
         resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
         if resume:
             check_resume_config(run_dir, cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        summary = train(cfg, data_dir, run_dir, world, resume=resume)
+        if world.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if not args.run_dir:
+                print(f"run directory: {run_dir}", flush=True)
+        with StopSignals() as stop:
+            summary = train(cfg, data_dir, run_dir, world, resume=resume, stop_signal=stop, estimate=estimate)
     except ConfigError as e:
         return _error(str(e))
     except TrainingDiverged as e:
@@ -119,10 +203,18 @@ def run_main(argv: list[str] | None = None) -> int:
                                                  "strategy": cfg.parallel.strategy, "world_size": world.world_size})
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("error: interrupted (a second Ctrl-C stops without a checkpoint; the last one is kept)", file=sys.stderr)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    if summary["status"] == "interrupted":
+        if world.is_main:
+            print(f"interrupted by {summary['signal']} after step {summary['steps']} of {summary['total_steps']}; "
+                  f"checkpoint saved; resume with the same command plus --run-dir {run_dir} --resume", flush=True)
+        return 128 + signal.Signals[summary["signal"]].value
     if world.is_main:
         entropy = summary["unigram_entropy_nats"]
         print(f"done ({summary['status']}): {summary['steps']} steps, {summary['tokens']:,} tokens, "
@@ -134,10 +226,12 @@ def run_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- sampling
+
+
 def sample_main(argv: list[str] | None = None) -> int:
     """Generate text from a run's newest (or a given) checkpoint."""
-    p = argparse.ArgumentParser(prog="launch/sample.py", description="Sample text from a trained run.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="launch/sample.py", description="Sample text from a trained run.")
     p.add_argument("--run-dir", required=True, help="a run directory written by launch/run.py")
     p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
     p.add_argument("--prompt", default="\n", help="text to continue")
@@ -148,20 +242,27 @@ def sample_main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)
-    if not (run_dir / "config.json").is_file():
-        return _error(f"{run_dir} is not a run directory (no config.json)")
-    folder = Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir)
-    if folder is None or not (folder / "rank-0.pt").is_file():
-        return _error(f"no checkpoint found in {run_dir}")
     if args.tokens <= 0 or args.num_samples <= 0 or args.temperature < 0:
         return _error("--tokens and --num-samples must be positive and --temperature >= 0")
     if not args.prompt:
         return _error("--prompt must not be empty")
-
-    cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-    tokenizer = load_tokenizer(run_dir / "tokenizer")
+    try:
+        if not (run_dir / "config.json").is_file():
+            raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
+        try:
+            cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+        except ValueError as e:
+            raise ConfigError(f"{run_dir / 'config.json'} is unreadable ({e})") from None
+        folder = Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir)
+        if folder is None:
+            raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'}")
+        if not (folder / "rank-0.pt").is_file():
+            raise ConfigError(f"{folder} is not a checkpoint (no rank-0.pt)")
+        state = checkpoint.load_file(folder / "rank-0.pt")
+        tokenizer = load_tokenizer(run_dir / "tokenizer")
+    except ConfigError as e:
+        return _error(str(e))
     model = GPT(cfg.model)
-    state = torch.load(folder / "rank-0.pt", map_location="cpu", weights_only=True)
     model.load_state_dict(state["model"])
     model.eval()
     prompt = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples, dtype=torch.long)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import difflib
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import tomllib
 
@@ -28,9 +29,22 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+# Named model shapes; explicit fields override them. lab.model builds any of them.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(arch="gpt2", n_layer=4, n_head=4, d_model=128, block_size=256),
+    "tiny-modern": dict(arch="modern", n_layer=4, n_head=4, n_kv_head=2, d_model=128, block_size=256),
+    "small": dict(arch="gpt2", n_layer=6, n_head=6, d_model=384, block_size=512),
+    "small-modern": dict(arch="modern", n_layer=6, n_head=6, n_kv_head=2, d_model=384, block_size=512),
+    "gpt2-124m": dict(arch="gpt2", n_layer=12, n_head=12, d_model=768, block_size=1024, vocab_size=50257,
+                      tie_embeddings=True),
+    "gpt2-350m": dict(arch="gpt2", n_layer=24, n_head=16, d_model=1024, block_size=1024, vocab_size=50257,
+                      tie_embeddings=True),
+}
+
+
 @dataclass
 class ModelConfig:
-    preset: str | None = _f(None, "named shape to start from (see lab.model.PRESETS); explicit fields override it")
+    preset: str | None = _f(None, "named shape to start from (see lab.config.PRESETS); explicit fields override it")
     arch: str = _f("gpt2", "gpt2 (LayerNorm, GELU, learned positions) or modern (RMSNorm, RoPE, SwiGLU, GQA)")
     n_layer: int = _f(4, "transformer blocks")
     n_head: int = _f(4, "query heads")
@@ -82,13 +96,21 @@ class TrainConfig:
                                             "loses at most a tenth of its steps; 0: only at the end)")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
     stop_after: int = _f(0, "stop after this many steps, keeping the full schedule (0: run the whole budget)")
-    peak_flops: float = _f(0.0, "peak FLOP/s for MFU (0: the GPU table, or a measured matmul peak on CPU)")
+    peak_flops: float = _f(0.0, "peak FLOP/s for MFU (0: the GPU table, or a matmul peak measured once per CPU "
+                                "and cached)")
+    nonfinite: str = _f("skip", "when the gradient norm is not finite: skip (leave the weights, log the step) or "
+                                "stop (end the run as diverged)")
 
 
 @dataclass
 class ParallelConfig:
+    """The strategy's own section; each strategy declares which of these options it reads."""
+
     strategy: str = _f("single", "parallelism strategy (see lab.parallel.STRATEGIES)")
-    timeout_s: float = _f(600.0, "collective timeout in seconds")
+    timeout_s: float = _f(600.0, "collective timeout in seconds: a missing rank or a mismatched collective "
+                                 "fails after this long instead of hanging")
+    bucket_mb: float = _f(25.0, "gradient bucket size in MiB (ddp, torch_ddp)")
+    overlap: bool = _f(True, "launch each bucket's all-reduce from backward hooks as soon as it is full (ddp)")
 
 
 @dataclass
@@ -110,6 +132,7 @@ class RunConfig:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
 RESUME_MODES = ("latest", "auto", "never")
+NONFINITE = ("skip", "stop")
 
 
 # ---------------------------------------------------------------- value parsing
@@ -188,8 +211,6 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def resolve(tree: dict[str, Any]) -> RunConfig:
     """Build a config from a nested dict (TOML and CLI merged), applying the model preset first."""
-    from lab.model import PRESETS  # presets live beside the model they describe
-
     cfg = RunConfig()
     preset = tree.get("model", {}).get("preset")
     if preset is not None:
@@ -203,12 +224,28 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
 # ---------------------------------------------------------------- command line
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with whole option names only and one-line errors (with a suggestion) instead of the usage."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.removeprefix("unrecognized arguments: ").split()[0].split("=")[0]
+            known = [o for a in self._actions for o in a.option_strings]
+            close = difflib.get_close_matches(unknown, known, n=1)
+            message = f"unknown option {unknown}" + (f" (did you mean {close[0]}?)" if close else "")
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with --config, --run-dir, --resume, --strategy and one --section.field per option."""
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog=prog, description=description)
     p.add_argument("--config", help="TOML file with [model], [data], [train], [parallel] tables")
-    p.add_argument("--run-dir", default="runs/default", help="output folder (config, metrics, checkpoints)")
+    p.add_argument("--run-dir", help="output folder (config, metrics, checkpoints); default: a new "
+                                     "runs/<date>-<time> folder")
     p.add_argument("--resume", nargs="?", const="latest", choices=RESUME_MODES, default=None,
                    help="latest (the bare flag): continue from the newest checkpoint in --run-dir, which must exist; "
                         "auto: continue when there is a complete checkpoint, else start afresh; never: refuse a "
@@ -234,11 +271,3 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             section, name = key.split(".", 1)
             tree.setdefault(section, {})[name] = value
     return resolve(tree)
-
-
-def save_json(path: str | Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    tmp.replace(p)

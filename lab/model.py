@@ -5,13 +5,16 @@
   (the Llama family).
 
 Pre-norm residual blocks, ``scaled_dot_product_attention``, optional tied embeddings, and the
-GPT-2 init with residual projections scaled by 1/√(2·n_layer). The model knows nothing of
-devices, ranks or strategies. Parameter and FLOP formulas live in ``lab.accounting`` and are
-tested against ``GPT.param_counts()``.
+GPT-2 init with residual projections scaled by 1/√(2·n_layer). The init is a pure function of
+(seed, parameter name): every tensor draws from its own generator, so a strategy that builds the
+model on the meta device and materialises only its shard gets exactly the values a one-process
+run gets. The model knows nothing of devices, ranks or strategies. Parameter and FLOP formulas
+live in ``lab.accounting`` and are tested against ``GPT.param_counts()``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -21,18 +24,6 @@ from einops import rearrange
 
 from lab import accounting
 from lab.config import ConfigError, ModelConfig
-
-PRESETS: dict[str, dict] = {
-    "tiny": dict(arch="gpt2", n_layer=4, n_head=4, d_model=128, block_size=256),
-    "tiny-modern": dict(arch="modern", n_layer=4, n_head=4, n_kv_head=2, d_model=128, block_size=256),
-    "small": dict(arch="gpt2", n_layer=6, n_head=6, d_model=384, block_size=512),
-    "small-modern": dict(arch="modern", n_layer=6, n_head=6, n_kv_head=2, d_model=384, block_size=512),
-    "gpt2-124m": dict(arch="gpt2", n_layer=12, n_head=12, d_model=768, block_size=1024, vocab_size=50257,
-                      tie_embeddings=True),
-    "gpt2-350m": dict(arch="gpt2", n_layer=24, n_head=16, d_model=1024, block_size=1024, vocab_size=50257,
-                      tie_embeddings=True),
-}
-
 
 def validate(cfg: ModelConfig) -> None:
     """Raise ConfigError for a shape the model cannot be built with."""
@@ -148,34 +139,54 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        """Build the model and give it its initial weights (nothing is allocated on the meta device)."""
         super().__init__()
         validate(cfg)
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, seed
         self.vocab_size, padded = cfg.vocab_size, accounting.padded_vocab(cfg)
         self.wte = nn.Embedding(padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.arch == "gpt2" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, padded, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
+        # Tied: the head multiplies by the embedding table itself (one parameter, owned by one module).
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, padded, bias=False)
         if cfg.arch == "modern":
-            cos, sin = rope_tables(accounting.head_dim(cfg), cfg.block_size, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init_weights)
+            self.register_buffer("rope_cos", torch.empty(cfg.block_size, accounting.head_dim(cfg) // 2),
+                                 persistent=False)
+            self.register_buffer("rope_sin", torch.empty_like(self.rope_cos), persistent=False)
+        self.init_weights()
 
-    def _init_weights(self, module: nn.Module) -> None:
-        """GPT-2 init: N(0, 0.02), residual outputs scaled by 1/√(2·n_layer), zero biases."""
-        if isinstance(module, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "is_residual_output", False) else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def initial_value(self, name: str) -> torch.Tensor:
+        """The initial value of parameter or buffer ``name``, full size, on the CPU.
+
+        GPT-2 init: linear and embedding weights N(0, 0.02), residual output projections
+        N(0, 0.02/√(2·n_layer)), biases 0, norm weights 1; RoPE tables computed. Each parameter
+        draws from a generator seeded by (seed, name), independent of every other parameter.
+        """
+        if name in ("rope_cos", "rope_sin"):
+            cos, sin = rope_tables(accounting.head_dim(self.cfg), self.cfg.block_size, self.cfg.rope_theta)
+            return cos if name == "rope_cos" else sin
+        module_name, _, kind = name.rpartition(".")
+        module, shape = self.get_submodule(module_name), self.get_parameter(name).shape
+        if kind == "bias":
+            return torch.zeros(shape, device="cpu")
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return torch.ones(shape, device="cpu")
+        residual = getattr(module, "is_residual_output", False)
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
+        # torch's CPU generator keeps 32 bits of its seed: mix (seed, name) into 32 bits.
+        seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{name}".encode()).digest()[:4], "little")
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Set every parameter and buffer to its initial value, wherever it lives (meta tensors are skipped)."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if not tensor.is_meta:
+                tensor.copy_(self.initial_value(name))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for ``idx`` [B, T], or the mean cross-entropy when targets are given."""
@@ -189,7 +200,8 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "modern" else None
         for block in self.blocks:
             x = block(x, rope)
-        logits = self.lm_head(self.norm_f(x))[..., : self.vocab_size]
+        x = self.norm_f(x)
+        logits = (F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x))[..., : self.vocab_size]
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -199,7 +211,7 @@ class GPT(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         position = self.wpe.weight.numel() if self.wpe is not None else 0
         embedding = self.wte.weight.numel() + position
-        head = 0 if self.cfg.tie_embeddings else self.lm_head.weight.numel()
+        head = 0 if self.lm_head is None else self.lm_head.weight.numel()
         return accounting.ParamCounts(total=total, non_embedding=total - embedding - head, embedding=embedding,
                                       head=head, position=position)
 

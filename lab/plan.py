@@ -163,7 +163,7 @@ def _memory(args: argparse.Namespace) -> str:
             row = [strategy, precision, f"{per_param.gpu:.4g}"]
             if args.offload:
                 row.append(f"{per_param.cpu:.4g}")
-            row.append(f"{accounting.comm_elements_per_step(1.0, strategy):g}Ψ")
+            row.append(f"{accounting.comm_elements_per_step(1.0, strategy, args.n_gpus):.4g}Ψ")
             row.append(_si(accounting.largest_model(memory, args.n_gpus, strategy, precision, args.usable,
                                                     args.offload), _COUNT))
             if shape is not None:
@@ -174,7 +174,8 @@ def _memory(args: argparse.Namespace) -> str:
                     str(fit.n_layer), _si(fit.params, _COUNT), f"{fit.gpu_bytes / 1e9:.2f}"]
             rows.append(row)
     lines.append(_table(header, rows, left=2))
-    lines.append("mixed: 2 B weights + 2 B grads + 12 B fp32 master/moments; fp32: 4 + 4 + 8 (Rajbhandari et al. 2019)")
+    lines.append("mixed: 2 B weights + 2 B grads + 12 B fp32 master/moments; fp32: 4 + 4 + 8 (Rajbhandari et al. 2019); "
+                 "comm/step: elements each rank sends per step in a ring, Ψ = params")
     if shape is not None:
         lines.append("layers: deepest model at this width whose states + activations fit; '-': not even one layer")
     return "\n".join(lines)

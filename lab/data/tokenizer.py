@@ -8,8 +8,6 @@ produced from text: a document that contains the literal string is tokenized as 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -18,24 +16,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from lab.config import ConfigError
+from lab.files import write_atomic
 
 EOT = "<|endoftext|>"
 KINDS = ("bpe", "bytes")
 BPE_FILE = "tokenizer.json"
 BYTES_FILE = "bytes_tokenizer.json"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a text file through a temporary file in the same folder and a rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Tokenizer(ABC):

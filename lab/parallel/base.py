@@ -1,18 +1,48 @@
-"""The interface every parallelism strategy implements; the training loop sees only this."""
+"""The interface every parallelism strategy implements; the training loop sees only this.
+
+A strategy owns everything that differs between backends; the loop owns the schedule, the data
+and the run directory. The loop's side, in order::
+
+    strategy = parallel.create(cfg.parallel, world, precision)   # [parallel] validated up front
+    strategy.build(model_factory, param_group_rule, optimizer_factory)
+    for each step:
+        for each micro-batch:
+            loss = strategy.forward(x, y, sync=last_micro_batch)   # under the strategy's autocast
+            strategy.backward(loss / accumulation_steps)           # gradients synced on the last only
+        norm = strategy.clip_grad_norm(max_norm)                    # global over ranks and shards
+        strategy.step(lr) if norm is finite else strategy.skip_step()
+        comm = strategy.take_step_comm()                            # bytes sent, seconds waited
+    strategy.eval_loss(x, y); strategy.state_dict() / load_state_dict(); strategy.full_state_dict()
+    strategy.meters()                                               # model-state and comm bytes vs theory
+
+- ``build`` makes the model from a factory (called under a ``torch.device`` context, so a
+  sharded strategy can build on ``meta`` and fill only its shard from the model's
+  ``initial_value(name)``; the others build in place, and the model's own init gives every
+  strategy the weights ``single`` gets), decides parameter groups by name with the rule *before*
+  any wrapping or flattening, and builds the optimizer it needs from the factory.
+- A trainable parameter that gets no gradient in a step (unused in the forward) counts as having
+  a zero gradient under every strategy, so a flat-sharded optimizer and a per-tensor one apply the
+  same update (moments and weight decay go on).
+- ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU,
+  on rank 0 (an empty dict elsewhere), whatever the sharding.
+"""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.config import ConfigError
-
-OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+from lab import accounting
+from lab.config import ConfigError, ParallelConfig
+from lab.device import Precision
+from lab.parallel.comm import Comm, CommTotals
 
 
 @dataclass(frozen=True)
@@ -28,67 +58,234 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor of the loop's own figures over ranks (bookkeeping, not counted as strategy traffic)."""
+        if self.world_size == 1:
+            return values
+        values = values.detach().clone()
+        dist.all_reduce(values)
+        return values
+
+    def broadcast_from_main(self, make: Callable[[], Any]) -> Any:
+        """``make()`` evaluated on rank 0 and handed to every rank (a picklable value)."""
+        if self.world_size == 1:
+            return make()
+        box = [make() if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def check_same(self, value: str, what: str) -> None:
+        """Raise ConfigError on every rank when ranks disagree on ``value`` (a digest of ``what``)."""
+        if self.world_size == 1:
+            return
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            raise ConfigError(f"{what} differs between ranks: rank {differ[0]} has {values[differ[0]][:12]}, "
+                              f"rank 0 has {values[0][:12]}")
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters, by name in the unwrapped model, that share optimizer settings."""
+
+    names: tuple[str, ...]
+    weight_decay: float
+
+
+ModelFactory = Callable[[], nn.Module]  # builds on the current default device; offers init_weights(), initial_value()
+ParamGroupRule = Callable[[nn.Module], list[ParamGroup]]
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once)."""
+    sizes = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def layout_digest(module: nn.Module) -> str:
+    """A digest of the parameter names, shapes and dtypes: equal on ranks that hold the same model."""
+    layout = "\n".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters())
+    return hashlib.sha256(layout.encode()).hexdigest()
+
 
 class Strategy:
-    """How a model is placed, how its gradients are synchronised and how the optimizer steps.
+    """Plain one-process training; subclasses change placement, gradient sync and the optimizer step."""
 
-    Subclasses override what they change; the defaults are plain single-process training.
-    Lifecycle: ``wrap`` the model, ``make_optimizer``, then per step: forward/backward inside
-    ``sync_gradients(last_micro_step)``, ``clip_grad_norm``, ``step``.
-    """
-
-    name = "base"
-    max_world_size: int | None = None
+    name: ClassVar[str] = "base"
+    options: ClassVar[frozenset[str]] = frozenset()  # [parallel] options it reads, beyond strategy and timeout_s
+    state_layout: ClassVar[str] = "ddp"  # the lab.accounting.model_state_bytes row its model states follow
+    comm_layout: ClassVar[str | None] = "ddp"  # the lab.accounting.comm_bytes_per_step row; None: no traffic
+    min_world_size: ClassVar[int] = 1
+    max_world_size: ClassVar[int | None] = None
 
     @classmethod
-    def check_world_size(cls, world_size: int) -> None:
+    def validate(cls, cfg: ParallelConfig, world_size: int) -> None:
+        """Raise ConfigError (one line) when this strategy cannot run ``cfg`` on ``world_size`` processes."""
+        if world_size < cls.min_world_size:
+            raise ConfigError(f"strategy '{cls.name}' needs at least {cls.min_world_size} processes, got "
+                              f"world size {world_size} (start it with torchrun --nproc_per_node=N)")
         if cls.max_world_size is not None and world_size > cls.max_world_size:
             raise ConfigError(f"strategy '{cls.name}' runs on at most {cls.max_world_size} process(es), "
                               f"got world size {world_size}")
 
-    def __init__(self, world: World):
-        self.check_world_size(world.world_size)
-        self.world = world
-        self.model: nn.Module | None = None
+    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision):
+        self.validate(cfg, world.world_size)
+        self.world, self.cfg, self.precision = world, cfg, precision
+        self.comm = Comm(world.world_size)
+        self.module: nn.Module | None = None  # the model, under its own parameter names
+        self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._sync = True
+        self._measured: accounting.StateBytes | None = None
+        self._last_comm = CommTotals()
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Place the model on the device (and broadcast or shard it); returns the model to call."""
-        self.model = model.to(self.world.device)
-        return self.model
+    # ------------------------------------------------------------ building
 
-    def make_optimizer(self, factory: OptimizerFactory, param_groups: list[dict]) -> torch.optim.Optimizer:
-        self.optimizer = factory(param_groups)
-        return self.optimizer
+    def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
+              optimizer_factory: OptimizerFactory) -> None:
+        """Make the model, place it, and build the optimizer over groups decided before any wrapping."""
+        with torch.device(self.world.device):
+            module = model_factory()
+        groups = param_group_rule(module)
+        self.world.check_same(layout_digest(module), "the model (parameter names and shapes)")
+        self.module = module
+        self.model = self.wrap(module)
+        self.optimizer = optimizer_factory(self.optimizer_groups(groups))
 
-    @contextlib.contextmanager
-    def sync_gradients(self, enabled: bool) -> Iterator[None]:
-        """Context for one micro-step's forward and backward; ``enabled`` on the last one."""
-        yield
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Prepare the built module for training on this rank; returns what forward calls."""
+        return module
+
+    def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
+        """torch optimizer groups: each ParamGroup's tensors as this strategy holds them."""
+        params = dict(self.module.named_parameters())
+        return [{"params": [params[n] for n in g.names], "weight_decay": g.weight_decay} for g in groups if g.names]
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------ one step
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        """The loss of one micro-batch; ``sync`` says this micro-step's backward synchronises gradients."""
+        self._sync = sync
+        with self.precision.autocast():
+            return self.model(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm before clipping (clipping skipped when max_norm is 0)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
 
-    def step(self) -> None:
+        Replicated strategies hold the full, already averaged gradient on every rank, so the local
+        norm is the global one and no communication is needed.
+        """
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
+        return norm
+
+    def step(self, lr: float) -> None:
+        """Apply the optimizer at learning rate ``lr`` and clear the gradients."""
+        for p in self.trainable:
+            if p.grad is None:  # unused in this step: a zero gradient, as under flat sharding
+                p.grad = torch.zeros_like(p)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
+        if self._measured is None:  # states exist after the first step; gradients until zero_grad
+            self._measured = self.measure_state_bytes()
+        self.zero_grad()
+
+    def skip_step(self) -> None:
+        """Leave the weights as they are (a non-finite gradient) and clear the gradients."""
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def mean_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of a scalar over ranks (the loss everyone logs)."""
-        if self.world.world_size == 1:
-            return value
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value / self.world.world_size
+    def take_step_comm(self) -> CommTotals:
+        """Bytes sent and seconds waited since the last call (the loop calls it once per step)."""
+        self._last_comm = self.comm.take()
+        return self._last_comm
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of a held-out batch, in eval mode, without gradients (every rank must call it alike)."""
+        self.model.eval()
+        try:
+            with self.precision.autocast():
+                return self.model(x, y)
+        finally:
+            self.model.train()
+
+    @torch.no_grad()
+    def params_finite(self) -> bool:
+        """Whether every weight on every rank is finite (checked before a checkpoint is written)."""
+        bad = torch.tensor([float(any(not torch.isfinite(p).all() for p in self.module.parameters()))])
+        return self.world.sum(bad).item() == 0
+
+    # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
         """What a checkpoint needs from this rank: model and optimizer states."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on the CPU, on rank 0 (empty elsewhere)."""
+        if not self.world.is_main:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    # ------------------------------------------------------------ meters
+
+    def measure_state_bytes(self) -> accounting.StateBytes:
+        """Bytes of parameters, gradients and optimizer states this rank holds now (buffers excluded)."""
+        params = list(self.module.parameters())
+        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return accounting.StateBytes(params=storage_bytes(params),
+                                     grads=storage_bytes(p.grad for p in params if p.grad is not None),
+                                     optimizer=storage_bytes(states))
+
+    def param_count(self) -> int:
+        """Ψ: the model's parameters (a tied weight once)."""
+        return sum(p.numel() for p in self.module.parameters())
+
+    def meters(self) -> dict[str, dict[str, float]]:
+        """Model-state bytes (measured at the first step, and theory) and comm bytes per step (last step, and theory).
+
+        Theory: ``lab.accounting`` with fp32 widths (4-byte weights and gradients, two 4-byte
+        AdamW moments; the run's bf16, if any, lives only inside autocast).
+        """
+        world_size, psi = self.world.world_size, self.param_count()
+        theory_comm = (dict.fromkeys(accounting.COLLECTIVES, 0.0) if self.comm_layout is None else
+                       accounting.comm_bytes_per_step(sum(p.numel() for p in self.trainable), self.comm_layout,
+                                                      world_size))
+        measured = self._measured or self.measure_state_bytes()
+        return {
+            "model_state_bytes": measured.as_dict(),
+            "model_state_bytes_theory": accounting.model_state_bytes(psi, self.state_layout, world_size,
+                                                                     "fp32").as_dict(),
+            "comm_bytes_per_step": dict(self._last_comm.bytes),
+            "comm_bytes_per_step_theory": theory_comm,
+        }
+
+
+def changed_options(cfg: ParallelConfig) -> list[str]:
+    """The [parallel] options set to something other than their default (strategy and timeout aside)."""
+    default = ParallelConfig()
+    return [f.name for f in dataclasses.fields(cfg) if f.name not in ("strategy", "timeout_s")
+            and getattr(cfg, f.name) != getattr(default, f.name)]

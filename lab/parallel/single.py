@@ -6,3 +6,4 @@ from lab.parallel.base import Strategy
 class Single(Strategy):
     name = "single"
     max_world_size = 1
+    comm_layout = None

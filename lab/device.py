@@ -1,0 +1,185 @@
+"""Where a run computes and how fast that hardware could go: one place for the loop and the benchmark.
+
+- ``resolve_device``: cuda (this process's local rank) or cpu;
+- ``Precision``: fp32, or bf16 autocast with fp32 weights (the default on CUDA), and its context;
+- ``peak_flops``: the dense data-sheet peak on a GPU (``lab.accounting``), or on a CPU a matmul
+  peak measured once per machine, thread count, torch version and dtype, within a time budget and
+  with a private random generator (the training RNG is never touched), then cached in
+  ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json``;
+- memory: the peak this process used, and what is available before a run starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lab import accounting
+from lab.config import ConfigError
+
+DTYPES = ("auto", "fp32", "bf16")
+PEAK_BUDGET_S = 1.5  # measuring a CPU peak stops before this much time has gone
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """``cuda`` (device ``local_rank``) when asked for or, with ``auto``, when there is one; else the CPU."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got '{name}'")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device is cuda but no CUDA device is available")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup_device(device: torch.device) -> None:
+    """Select the CUDA device and allow TF32 matmuls on it; nothing to do on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+@dataclass(frozen=True)
+class Precision:
+    """fp32 everywhere, or bf16 autocast around forward and loss with fp32 weights, gradients and states."""
+
+    device_type: str
+    bf16: bool
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.bf16 else "fp32"
+
+    @property
+    def activation_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.bf16:
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def resolve_precision(dtype: str, device: torch.device) -> Precision:
+    """``auto`` means bf16 autocast on CUDA and fp32 on the CPU."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    return Precision(device.type, dtype == "bf16" or (dtype == "auto" and device.type == "cuda"))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- peaks
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # FLOP/s of one device
+    source: str  # where the figure comes from, for the summary
+
+
+def peak_flops(device: torch.device, precision: Precision, override: float = 0.0) -> Peak:
+    """The MFU denominator for one device: ``override`` when positive, else the GPU table or the CPU measurement."""
+    if override > 0:
+        return Peak(override, "train.peak_flops")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        kind = "bf16" if precision.bf16 else "tf32"
+        return Peak(accounting.gpu_peak_flops(name, kind), f"data sheet: {name}, dense {kind}")
+    return cpu_peak_flops(torch.bfloat16 if precision.bf16 else torch.float32)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "scaling-lab" / "cpu-peaks.json"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> Peak:
+    """This CPU's matmul FLOP/s in ``dtype``: read from the cache, or measured (< 2 s) and cached."""
+    key = f"{_cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {dtype}"
+    path = _cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache, dict) and isinstance(cache.get(key), (int, float)) and cache[key] > 0:
+        return Peak(float(cache[key]), f"measured matmul peak, cached in {path}")
+    flops = measure_matmul_peak(dtype)
+    with contextlib.suppress(OSError):  # an unwritable cache only costs a measurement next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**(cache if isinstance(cache, dict) else {}), key: flops}, indent=1))
+        tmp.replace(path)
+    return Peak(flops, "measured matmul peak")
+
+
+def measure_matmul_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> float:
+    """Best FLOP/s of square matmuls, growing from 256 to at most 2048 while the budget allows.
+
+    Operands come from a private generator, so the global RNG (dropout, anything seeded by the
+    run) is untouched. Each size runs once to warm up and three times timed; the next size is tried
+    only if its predicted cost (8× the last matmul, four runs) still fits in ``budget_s``.
+    """
+    generator = torch.Generator().manual_seed(0)
+    started, best, n = time.perf_counter(), 0.0, 256
+    while True:
+        a = torch.randn(n, n, generator=generator).to(dtype)
+        b = torch.randn(n, n, generator=generator).to(dtype)
+        a @ b
+        last = min(_timed(lambda: a @ b) for _ in range(3))
+        best = max(best, 2 * n**3 / last)
+        if n >= 2048 or time.perf_counter() - started + 4 * 8 * last > budget_s:
+            return best
+        n *= 2
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- memory
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The CUDA allocator's peak, or this process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of the GPU, or the host's available memory (shared by every process on it)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

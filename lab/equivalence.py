@@ -1,0 +1,169 @@
+"""Do the strategies train the same model as one process? Train and compare.
+
+    python -m lab.equivalence --strategies single,ddp_naive,ddp,torch_ddp --nproc 2 --steps 8 --accum 1
+
+Trains the tiny GPT (dropout 0, fp32, CPU) from one seed under each strategy on ``--nproc`` gloo
+ranks, through the loop's own ``train_step``, on a fixed stream of random token batches (the
+global batch of a step is the same for every world size), and prints a table per strategy: the
+largest relative difference from ``single``'s logged loss and global gradient norm at any step,
+the largest absolute difference of any final parameter, and whether all are bitwise equal. The
+gradient norm matters: AdamW is invariant to the gradient's scale, so a strategy that summed
+instead of averaging would still match losses and weights closely. ``single`` runs
+on every rank alone, with the same micro-batches accumulated in order (``--accum`` × world size
+micro-steps), which is the computation the others distribute.
+
+Where to expect bits: the gradient of a step is a sum of micro-batch gradients. On 2 ranks with one
+micro-batch each, the all-reduce adds two numbers (order-free) and the division by 2 is exact, so
+every strategy here reproduces ``single`` bit for bit. With accumulation (blocks of micro-batches
+summed per rank, then across ranks) or 4 ranks (the ring adds partial sums in a rank-dependent
+order) the additions are regrouped and the results differ in the last bits; AdamW then carries
+those differences forward, so parameters agree to a tolerance, not bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from lab.device import Precision
+from lab.model import GPT
+from lab.optim import adamw_factory, param_groups
+from lab.parallel import STRATEGIES, World, create
+from lab.parallel.spawn import RankFailed, run_ranks
+from lab.train import StepPlan, train_step
+
+TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32, vocab_size=96)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One equivalence experiment: what to train and how the batch is split."""
+
+    steps: int = 8
+    accum: int = 1  # micro-steps per rank per step
+    micro_batch: int = 2
+    lr: float = 1e-2
+    grad_clip: float = 1.0
+    seed: int = 1234
+    model: ModelConfig = dataclasses.field(default_factory=lambda: dataclasses.replace(TINY))
+
+
+@dataclass
+class Trace:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]  # the final weights (rank 0), under the model's names
+
+
+def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: random tokens, the same for every world size."""
+    g = torch.Generator().manual_seed(setup.seed * 100_003 + step)
+    tokens = torch.randint(0, setup.model.vocab_size, (global_sequences, setup.model.block_size + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> Trace:
+    """Train ``setup`` under ``parallel.strategy`` on ``world``; the losses and (on rank 0) the final weights."""
+    strategy = create(parallel, world, Precision("cpu", bf16=False))
+    strategy.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
+                   adamw_factory(TrainConfig(), world.device))
+    plan = StepPlan(global_sequences=setup.micro_batch * setup.accum * world.world_size, accum_steps=setup.accum,
+                    total_steps=setup.steps, micro_batch=setup.micro_batch, world_size=world.world_size)
+    trace = Trace([], [], {})
+    for step in range(setup.steps):
+        x, y = batch(setup, step, plan.global_sequences)
+        micro = [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(world.rank, m) for m in range(plan.accum_steps))]
+        result = train_step(strategy, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
+        trace.losses.append(result.loss)
+        trace.grad_norms.append(result.grad_norm)
+        strategy.take_step_comm()
+    trace.params = strategy.full_state_dict()
+    return trace
+
+
+def reference(world: World, setup: Setup, model_factory=None) -> Trace:
+    """``single`` on this process alone, accumulating every rank's micro-batches in order."""
+    alone = World(rank=0, world_size=1, local_rank=0, device=world.device)
+    return train_tiny(alone, dataclasses.replace(setup, accum=setup.accum * world.world_size),
+                      ParallelConfig(strategy="single"), model_factory)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_rel_loss_diff: float
+    max_rel_grad_norm_diff: float
+    max_param_diff: float
+    bitwise: bool
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
+
+
+def compare(ref: Trace, got: Trace) -> Comparison:
+    if ref.params.keys() != got.params.keys():
+        raise ValueError(f"parameter names differ: {sorted(ref.params.keys() ^ got.params.keys())}")
+    diff = max((ref.params[k] - got.params[k]).abs().max().item() for k in ref.params)
+    bitwise = (ref.losses == got.losses and ref.grad_norms == got.grad_norms
+               and all(torch.equal(ref.params[k], got.params[k]) for k in ref.params))
+    return Comparison(_max_rel(ref.losses, got.losses), _max_rel(ref.grad_norms, got.grad_norms), diff, bitwise)
+
+
+def equivalence(world: World, strategies: list[str], setup: Setup, options: dict | None = None
+                ) -> dict[str, Comparison]:
+    """Every strategy against ``single`` (rank 0's view; run on every rank of ``world``)."""
+    ref = reference(world, setup)
+    out = {}
+    for name in strategies:
+        trace = ref if name == "single" else train_tiny(world, setup, ParallelConfig(
+            strategy=name, **{k: v for k, v in (options or {}).items() if k in STRATEGIES[name].options}))
+        if world.is_main:
+            out[name] = compare(ref, trace)
+    return out
+
+
+def format_table(results: dict[str, Comparison]) -> str:
+    lines = [f"{'strategy':<12} {'max rel loss diff':>18} {'max rel grad-norm diff':>23} {'max |Δparam|':>13} "
+             f"{'bitwise':>8}"]
+    for name, c in results.items():
+        lines.append(f"{name:<12} {c.max_rel_loss_diff:>18.3g} {c.max_rel_grad_norm_diff:>23.3g} "
+                     f"{c.max_param_diff:>13.3g} {'yes' if c.bitwise else 'no':>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lab.equivalence", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("--strategies", default="single,ddp_naive,ddp,torch_ddp", help="comma-separated names")
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--accum", type=int, default=1, help="micro-steps per rank per step")
+    p.add_argument("--bucket-mb", type=float, default=ParallelConfig().bucket_mb, help="parallel.bucket_mb")
+    args = p.parse_args(argv)
+    names = [s for s in args.strategies.split(",") if s]
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown or args.nproc < 1 or args.steps < 1 or args.accum < 1:
+        print(f"error: {'unknown strategy ' + unknown[0] if unknown else 'nproc, steps and accum must be positive'}",
+              file=sys.stderr)
+        return 2
+    setup = Setup(steps=args.steps, accum=args.accum)
+    params = sum(p.numel() for p in GPT(setup.model).parameters())
+    print(f"tiny GPT ({params:,} params), fp32, CPU, {args.nproc} gloo ranks, {setup.steps} steps, "
+          f"{setup.accum} micro-step(s) of {setup.micro_batch} sequences per rank; against single accumulating "
+          f"{setup.accum * args.nproc} micro-steps", flush=True)
+    try:
+        results = run_ranks(equivalence, args.nproc, names, setup, {"bucket_mb": args.bucket_mb})[0]
+    except (RankFailed, ConfigError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The optimizer the loop asks strategies to build: AdamW with weight decay decided by role.
+
+``param_groups`` runs on the freshly built model, before any strategy wraps or flattens it, and
+names parameters as the model does: a flattened shard is 1-D, so a rule based on ``p.dim()``
+after sharding would lose the decay of every matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lab.config import TrainConfig
+from lab.parallel import OptimizerFactory, ParamGroup
+
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[ParamGroup]:
+    """Decay the weights of matmuls and embeddings; not norms, not biases. Frozen weights are left out.
+
+    Decided by the owning module's type and the parameter's name; a parameter of another module
+    decays when it is a matrix. Each parameter appears once (a tied weight has one owner).
+    """
+    decay, no_decay, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or p in seen:
+                continue
+            seen.add(p)
+            full = f"{module_name}.{name}" if module_name else name
+            if isinstance(module, NORMS) or name == "bias":
+                no_decay.append(full)
+            elif isinstance(module, (nn.Linear, nn.Embedding)) or p.dim() >= 2:
+                decay.append(full)
+            else:
+                no_decay.append(full)
+    return [ParamGroup(tuple(decay), weight_decay), ParamGroup(tuple(no_decay), 0.0)]
+
+
+def adamw_factory(cfg: TrainConfig, device: torch.device) -> OptimizerFactory:
+    """AdamW at the run's betas (the fused kernel on CPU and CUDA); the strategy sets the learning rate each step."""
+    def make(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                                 fused=device.type in ("cuda", "cpu"))
+    return make

@@ -1,0 +1,150 @@
+"""Data parallelism by hand: every rank holds the whole model and averages gradients with all-reduce.
+
+- ``ddp_naive``: after the backward, one blocking all-reduce per parameter. The baseline.
+- ``ddp``: gradients live in flat buckets of ``parallel.bucket_mb`` (each parameter's ``.grad`` is a
+  view into its bucket, so nothing is copied), ordered as the backward produces them. A
+  post-accumulate-grad hook counts each parameter in; the moment a bucket is full its all-reduce
+  is launched asynchronously, so communication overlaps the rest of the backward. Buckets are
+  launched strictly in order, the same on every rank; those the hooks did not complete (a
+  parameter unused in this step) are launched when the backward returns, and all are waited for
+  before the backward call returns. Nothing is sent on the non-final micro-steps of an
+  accumulation. The first synced backward records the order gradients arrive in; after that step
+  the buckets are rebuilt in rank 0's recorded order.
+
+Both start from rank 0's weights (broadcast at build) and divide the summed gradient by the world
+size. With two ranks a sum of two numbers does not depend on the order, and halving is exact, so
+both reproduce one process that accumulates the same micro-batches bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lab.parallel.base import Strategy
+
+
+def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            strategy.comm.broadcast(tensor.data, src=0)
+    strategy.comm.take()
+
+
+class NaiveDDP(Strategy):
+    name = "ddp_naive"
+    min_world_size = 1
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        broadcast_from_rank0(self, module)
+        return module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._sync:
+            return
+        for p in self.trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.comm.all_reduce(p.grad)
+            p.grad.div_(self.world.world_size)
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # the flat gradients; each parameter's .grad is a view into it
+    pending: int = 0  # parameters whose gradient has not arrived in this synced backward
+    work: dist.Work | None = None
+    launched: bool = False
+
+
+class BucketedDDP(Strategy):
+    name = "ddp"
+    options = frozenset({"bucket_mb", "overlap"})
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        broadcast_from_rank0(self, module)
+        self._make_buckets(list(reversed(self.trainable)))  # backward roughly reverses registration
+        self._arrivals: list[nn.Parameter] | None = []  # recorded in the first synced backward
+        for p in self.trainable:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+        return module
+
+    def _make_buckets(self, order: list[nn.Parameter]) -> None:
+        cap, size = self.cfg.bucket_mb * 2**20, 0
+        groups: list[list[nn.Parameter]] = [[]]
+        for p in order:
+            nbytes = p.numel() * p.element_size()
+            if groups[-1] and size + nbytes > cap:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        for params in groups:
+            bucket = Bucket(params, torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                                device=params[0].device))
+            offset = 0
+            for p in params:
+                p.grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                self._bucket_of[p] = bucket
+            self.buckets.append(bucket)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        if sync:
+            for bucket in self.buckets:
+                bucket.pending, bucket.work, bucket.launched = len(bucket.params), None, False
+            self._next = 0
+        return super().forward(x, y, sync=sync)
+
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if self._arrivals is not None:
+            self._arrivals.append(p)
+        bucket = self._bucket_of[p]
+        bucket.pending -= 1
+        if bucket.pending == 0 and self.cfg.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self, everything: bool = False) -> None:
+        """Launch buckets in order while the next one is full (or all remaining ones, after the backward)."""
+        while self._next < len(self.buckets) and (everything or self.buckets[self._next].pending == 0):
+            bucket = self.buckets[self._next]
+            bucket.work, bucket.launched = self.comm.all_reduce(bucket.buffer, async_op=True), True
+            self._next += 1
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._sync:
+            return
+        self._launch_ready(everything=True)
+        for bucket in self.buckets:
+            self.comm.wait(bucket.work)
+            bucket.buffer.div_(self.world.world_size)
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()  # in place: the gradients stay views into the buckets
+
+    def step(self, lr: float) -> None:
+        super().step(lr)
+        if self._arrivals is not None:
+            self._rebuild_in_arrival_order()
+
+    def _rebuild_in_arrival_order(self) -> None:
+        """Rebuild the buckets in the order rank 0 saw gradients arrive (once, after the first step)."""
+        index = {p: i for i, p in enumerate(self.trainable)}
+        seen = [index[p] for p in dict.fromkeys(self._arrivals)]
+        order = torch.tensor(seen + [i for i in range(len(index)) if i not in set(seen)], dtype=torch.int64)
+        self.comm.broadcast(order, src=0)
+        self._arrivals = None
+        params = self.trainable
+        self._make_buckets([params[i] for i in order.tolist()])
