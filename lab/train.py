@@ -292,6 +292,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
         torch.manual_seed(rank_seed(cfg.train.seed, world.rank))  # dropout masks: each rank its own
     log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
     if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.clean_stale_temporaries(run_dir)
         save_json(run_dir / "config.json", cfg.to_dict())
         data.tokenizer.save(run_dir / "tokenizer")
