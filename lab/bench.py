@@ -2,6 +2,7 @@
 
     python launch/bench.py                          # tokens/s and MFU of the default models (CPU or CUDA)
     python launch/bench.py --strategies ddp_naive,ddp,torch_ddp --nproc 2 --out benchmarks/parallel
+    python launch/bench.py --strategies single,single:activation_checkpointing=full --nproc 1 --preset tiny
 
 Throughput: forward, backward and fused AdamW on synthetic tokens; the MFU denominator comes from
 ``lab.device`` (a measured matmul peak on a CPU, the data-sheet dense peak on a GPU).
@@ -11,8 +12,8 @@ ranks, through the loop's ``train_step``; rounds interleave the strategies (a fe
 again and again) so that a noisy shared machine slows them alike, and each figure is the median
 over all timed steps. Per strategy: step time, tokens/s, the ratio to ``torch_ddp`` measured in
 the same run, the time a step waited on communication (exposed), the bytes sent per step
-against theory and the model-state bytes per rank against theory. ``--out`` writes a Markdown
-table and a JSON file.
+against theory, the model-state bytes per rank against theory and the activation bytes a
+micro-step saved for its backward. ``--out`` writes a Markdown table, a JSON file and a PNG plot.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from lab.device import Precision, cpu_name, describe, peak_flops, peak_memory_by
 from lab.files import save_json, write_atomic
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import World, create
+from lab.parallel import World, create, parse_spec
 from lab.parallel import validate as validate_parallel
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import train_step
@@ -118,9 +119,7 @@ class Case:
 
     @classmethod
     def parse(cls, text: str) -> Case:
-        name, _, rest = text.partition(":")
-        tree = {"parallel": {"strategy": name, **dict(kv.split("=", 1) for kv in rest.split(",") if kv)}}
-        return cls(text, resolve(tree).parallel)
+        return cls(text, parse_spec(text))
 
 
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
@@ -140,10 +139,10 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
             for _ in range(warmup if r < 0 else steps):
                 t0 = time.perf_counter()
                 train_step(s, world, [(x[:, :-1], x[:, 1:])], 1, 1e-4, 1.0)
-                elapsed, comm = time.perf_counter() - t0, s.take_step_comm()
+                elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
                 if r >= 0:
                     times[case.label].append(elapsed)
-                    waits[case.label].append(comm.wait_s)
+                    waits[case.label].append(meters.comm_wait_s)
             if world.is_main and r >= 0:
                 print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * statistics.median(times[case.label]):8.1f} "
                       f"ms/step so far", flush=True)
@@ -156,16 +155,49 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
     return rows
 
 
+def plot_strategies(rows: list[dict], path: Path) -> None:
+    """Step time, model-state bytes per rank (measured bars, theory ticks) and saved activations, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    y = list(range(len(rows)))
+    fig, (time_ax, state_ax, act_ax) = plt.subplots(1, 3, figsize=(15, 0.45 * len(rows) + 2.4), sharey=True)
+    time_ax.barh(y, [1e3 * r["step_time_s"] for r in rows], color="#4c78a8", label="step")
+    time_ax.barh(y, [1e3 * r["exposed_comm_s"] for r in rows], color="#e45756", label="waiting on communication")
+    time_ax.set_xlabel("step time, ms (median)")
+    left = [0.0] * len(rows)
+    for kind, color in (("params", "#72b7b2"), ("grads", "#f58518"), ("optimizer", "#54a24b")):
+        values = [r["model_state_bytes"][kind] / 2**20 for r in rows]
+        state_ax.barh(y, values, left=left, color=color, label=kind)
+        left = [a + v for a, v in zip(left, values, strict=True)]
+    state_ax.scatter([r["model_state_bytes_theory"]["total"] / 2**20 for r in rows], y, marker="|", s=300,
+                     color="black", label="theory (ZeRO formulas)")
+    state_ax.set_xlabel("model states per rank, MiB")
+    act_ax.barh(y, [r["activation_saved_bytes"] / 2**20 for r in rows], color="#b279a2")
+    act_ax.set_xlabel("activations saved for backward per micro-step, MiB")
+    handles, labels = zip(*[hl for ax in (time_ax, state_ax) for hl in zip(*ax.get_legend_handles_labels())])
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    time_ax.set_yticks(y, [r["label"] for r in rows])
+    time_ax.invert_yaxis()
+    fig.tight_layout(rect=(0, 0.6 / (0.45 * len(rows) + 2.4), 1, 1))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def format_strategies(rows: list[dict], reference: str = "torch_ddp") -> str:
     ref = next((r["step_time_s"] for r in rows if r["label"] == reference), None)
     lines = ["| strategy | step ms | tokens/s | vs torch_ddp (tokens/s) | exposed comm ms | comm MB/step: counted / theory "
-             "| model states MB/rank: measured / theory |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| model states MB/rank: measured / theory | saved activations MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         counted, theory = sum(r["comm_bytes_per_step"].values()), sum(r["comm_bytes_per_step_theory"].values())
         ratio = f"{ref / r['step_time_s']:.3f}×" if ref else "-"
         lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
                      f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
-                     f"{r['model_state_bytes']['total'] / 1e6:.2f} / {r['model_state_bytes_theory']['total'] / 1e6:.2f} |")
+                     f"{r['model_state_bytes']['total'] / 1e6:.2f} / {r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
+                     f"{r['activation_saved_bytes'] / 1e6:.1f} |")
     return "\n".join(lines)
 
 
@@ -177,7 +209,8 @@ def strategies(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    shape = dataclasses.replace(BENCH_MODEL, d_model=args.d_model)
+    shape = (resolve({"model": {"preset": args.preset, "vocab_size": BENCH_MODEL.vocab_size}}).model if args.preset
+             else dataclasses.replace(BENCH_MODEL, d_model=args.d_model))
     params = accounting.param_counts(shape).total
     load = os.getloadavg()[0]
     header = (f"{args.nproc} gloo ranks on {cpu_name()} ({os.cpu_count()} cores), 1 thread each | torch "
@@ -200,6 +233,7 @@ def strategies(args: argparse.Namespace) -> int:
         write_atomic(out.with_suffix(".md"), f"# Strategies side by side\n\n{stamp}: `python launch/bench.py "
                                              f"{' '.join(sys.argv[1:])}`\n\n{header}\n\n{table}\n")
         save_json(out.with_suffix(".json"), {"header": header, "date": stamp, "rows": rows})
+        plot_strategies(rows, out.with_suffix(".png"))
     return 0
 
 
@@ -214,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --strategies")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step for --strategies")
     p.add_argument("--d-model", type=int, default=BENCH_MODEL.d_model, help="width of the --strategies model")
+    p.add_argument("--preset", help="a model preset for --strategies instead (tiny is the demo model), vocab 4096")
     p.add_argument("--out", help="write the results here (JSON; with --strategies also Markdown)")
     args = p.parse_args(argv)
     if args.steps <= 0 or args.warmup < 0 or args.nproc < 1 or args.rounds < 1 or args.micro_batch < 1:

@@ -116,8 +116,8 @@ def _ddp_cases(world: World) -> dict:
             x, y = batch(setup, step, 4)
             train_step(s, world, [(x[2 * world.rank:2 * world.rank + 2], y[2 * world.rank:2 * world.rank + 2])], 1,
                        1e-3, 1.0)
-            comm = s.take_step_comm()
-        out[f"meters {name}"] = (s.meters(), comm.wait_s, sum(p.numel() for p in s.module.parameters()))
+            meters = s.take_step_meters()
+        out[f"meters {name}"] = (s.meters(), meters.comm_wait_s, sum(p.numel() for p in s.module.parameters()))
     return out
 
 

@@ -186,15 +186,15 @@ def _interrupt(run_dir: Path, argv: list[str], sig: int) -> tuple[int, str, str]
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupt_saves_a_checkpoint_and_says_how_to_resume(args, tmp_path, sig, code):
-    long = [*args, "--train.tokens", "10240", "--train.checkpoint_every", "0"]  # 40 steps, no periodic saves
+    long = [*args, "--train.tokens", "2560", "--train.checkpoint_every", "0"]  # 10 steps, no periodic saves
     r = tmp_path / "r"
     returncode, out, err = _interrupt(r, long, sig)
     assert returncode == code, err
     assert "Traceback" not in err
     summary = json.loads((r / "summary.json").read_text())
     name = signal.Signals(sig).name
-    assert summary["status"] == "interrupted" and summary["signal"] == name and summary["steps"] < 40
-    assert f"interrupted by {name} after step {summary['steps']} of 40; checkpoint saved; resume with" in out
+    assert summary["status"] == "interrupted" and summary["signal"] == name and summary["steps"] < 10
+    assert f"interrupted by {name} after step {summary['steps']} of 10; checkpoint saved; resume with" in out
     assert checkpoint.latest(r).name == f"step-{summary['steps']:06d}"
     if sig == signal.SIGINT:  # the resumed run ends where an uninterrupted one does
         assert run(r, *long, "--resume") == 0

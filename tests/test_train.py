@@ -245,13 +245,16 @@ def test_resume_auto_continues_from_the_newest_checkpoint_and_drops_a_torn_line(
     assert_states_equal(final_state(r), final_state(full))
 
 
+TWO_RANK_STRATEGIES = ("ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory, args):
     """The same config under single (plain python) and each data-parallel strategy on 2 torchrun ranks."""
     root = tmp_path_factory.mktemp("two-rank")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     runs = {}
-    for strategy in ("single", "ddp_naive", "ddp", "torch_ddp"):
+    for strategy in ("single", *TWO_RANK_STRATEGIES):
         launcher = [sys.executable, "launch/run.py"] if strategy == "single" else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/run.py"]
         proc = subprocess.run([*launcher, "--strategy", strategy, *args, "--run-dir", str(root / strategy)],
@@ -261,7 +264,7 @@ def two_rank_runs(tmp_path_factory, args):
     return runs
 
 
-@pytest.mark.parametrize("strategy", ["ddp_naive", "ddp", "torch_ddp"])
+@pytest.mark.parametrize("strategy", TWO_RANK_STRATEGIES)
 def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strategy):
     single, got = metrics(two_rank_runs["single"]), metrics(two_rank_runs[strategy])
     assert [r["step"] for r in got if "loss" in r] == [r["step"] for r in single if "loss" in r] == list(range(1, 9))
@@ -274,8 +277,22 @@ def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strateg
     for key in ("comm_bytes_per_step", "comm_bytes_per_step_theory"):
         assert set(summary[key]) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
     assert summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_theory"]
-    assert summary["comm_bytes_per_step"]["all_reduce"] == 4 * summary["params"]  # 2·(2-1)/2·Ψ fp32 elements
+    for kind in ("params", "grads", "optimizer", "total"):  # buffers excluded, step counters included
+        assert summary["model_state_bytes"][kind] == pytest.approx(summary["model_state_bytes_theory"][kind], rel=0.05)
+    assert summary["activation_saved_bytes"] > 0
     assert all(r["comm_time_s"] >= 0 and r["compute_time_s"] > 0 for r in got if "loss" in r)
+
+
+def test_each_zero_stage_shows_its_saving(two_rank_runs):
+    """Per rank on 2 ranks: zero1 halves optimizer states, zero2 also gradients, zero3 also parameters."""
+    state = {s: json.loads((two_rank_runs[s] / "summary.json").read_text())["model_state_bytes"]
+             for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
+    half = lambda strategy, kind: state[strategy][kind] / state["ddp"][kind]  # noqa: E731
+    assert half("zero1", "optimizer") == pytest.approx(0.5, rel=0.02) and half("zero1", "grads") == 1
+    assert half("zero2", "optimizer") == pytest.approx(0.5, rel=0.02) and half("zero2", "grads") == pytest.approx(0.5, rel=0.02)
+    assert half("zero2", "params") == pytest.approx(1, rel=0.01)
+    for strategy in ("zero3", "fsdp"):
+        assert all(half(strategy, kind) == pytest.approx(0.5, rel=0.02) for kind in ("params", "grads", "optimizer"))
 
 
 def test_single_runs_write_the_meters_too(two_rank_runs):
