@@ -9,7 +9,15 @@ objective is evaluated on the whole grid at once (vectorised over grid points an
 L-BFGS (scipy, analytic gradient) runs only from the ``n_starts`` best grid points; the best
 result is kept. Internally log N and log D are centred on their means, which leaves the
 minimiser unchanged but makes a and alpha (b and beta) far less correlated, so L-BFGS needs
-fewer iterations. Convergence is reported, with whether the winning start lay on the grid's edge.
+fewer iterations. Convergence is reported, with how many starts reached the best objective.
+
+Whether the data pin the five parameters down at all is measured by ``gauss_newton_condition``:
+the condition number of J^T J, J the Jacobian of the predicted log loss with respect to theta
+(centred, columns scaled to unit length). It is about 1e3 for IsoFLOP grids over several
+budgets and above 1e8 when all runs share one budget or too few distinct N or D exist.
+
+The compute-optimal allocation minimises L(N, D) along C = k N D: k = 6 by convention, or the
+table's own k (``RunTable.flops_k``), so that approach 3 speaks of the same C as the data.
 
 Bootstrap refits (``fit_weighted``) start from the full-data optimum instead of the grid: each
 resample is a reweighting of the same runs, so its optimum lies close by.
@@ -88,10 +96,6 @@ def grid_objective(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: fl
     return points, values
 
 
-def _on_edge(point: np.ndarray) -> bool:
-    return any(np.isclose(v, ax[0]) or np.isclose(v, ax[-1]) for v, ax in zip(point, GRID_AXES))
-
-
 @dataclass(frozen=True)
 class Centring:
     """Shift of log N and log D by their means; maps theta to and from the centred coordinates."""
@@ -120,11 +124,14 @@ class ParametricFit:
     n_starts: int
     starts_agreeing: int  # starts that reached the best objective (relative 1e-6)
     best_start: np.ndarray  # the grid point the winning L-BFGS run started from
-    best_start_on_edge: bool
 
     @property
     def params(self) -> dict[str, float]:
         return params_from_theta(self.theta)
+
+    def params_at(self, flops_k: float) -> dict[str, float]:
+        """Named parameters with the allocation along C = flops_k N D."""
+        return params_from_theta(self.theta, flops_k)
 
     @property
     def optimum_inside_grid(self) -> bool:
@@ -132,12 +139,12 @@ class ParametricFit:
         return all(ax[0] <= v <= ax[-1] for v, ax in zip(self.theta, GRID_AXES))
 
 
-def params_from_theta(theta: np.ndarray) -> dict[str, float]:
+def params_from_theta(theta: np.ndarray, flops_k: float = 6.0) -> dict[str, float]:
     """Named parameters of one theta (see named_samples); a, b, G, k_N, k_D are NaN unless alpha, beta > 0."""
-    return {k: float(v[0]) for k, v in named_samples(np.asarray(theta, float)[None]).items()}
+    return {k: float(v[0]) for k, v in named_samples(np.asarray(theta, float)[None], flops_k).items()}
 
 
-def named_samples(thetas: np.ndarray) -> dict[str, np.ndarray]:
+def named_samples(thetas: np.ndarray, flops_k: float = 6.0) -> dict[str, np.ndarray]:
     """E, A, B, alpha, beta and the allocation a = beta/(alpha+beta), b = alpha/(alpha+beta),
     G = (alpha A / (beta B))^(1/(alpha+beta)), k_N, k_D for each row of thetas (K, 5)."""
     th = np.asarray(thetas, float)
@@ -148,10 +155,10 @@ def named_samples(thetas: np.ndarray) -> dict[str, np.ndarray]:
         log_g = (np.log(np.where(ok, alpha, np.nan)) + th[:, 0]
                  - np.log(np.where(ok, beta, np.nan)) - th[:, 1]) / s
         a, b = beta / s, alpha / s
-        # N_opt = G (C/6)^a = k_N C^a and D_opt = k_D C^b, comparable with the other approaches.
-        k_n, k_d = np.exp(log_g - a * np.log(6.0)), np.exp(-log_g - b * np.log(6.0))
-    return {"E": np.exp(th[:, 2]), "A": np.exp(th[:, 0]), "B": np.exp(th[:, 1]), "alpha": alpha,
-            "beta": beta, "a": a, "b": b, "G": np.exp(log_g), "k_N": k_n, "k_D": k_d}
+        # N_opt = G (C/k)^a = k_N C^a and D_opt = k_D C^b, comparable with the other approaches.
+        k_n, k_d = np.exp(log_g - a * np.log(flops_k)), np.exp(-log_g - b * np.log(flops_k))
+        return {"E": np.exp(th[:, 2]), "A": np.exp(th[:, 0]), "B": np.exp(th[:, 1]), "alpha": alpha,
+                "beta": beta, "a": a, "b": b, "G": np.exp(log_g), "k_N": k_n, "k_D": k_d}
 
 
 def predict_loss(thetas: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -163,13 +170,14 @@ def predict_loss(thetas: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray
     return out if np.ndim(thetas) == 2 else out[0]
 
 
-def compute_optimal(thetas: np.ndarray, flops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b and L(N_opt, D_opt), each (K, len(flops)).
+def compute_optimal(thetas: np.ndarray, flops: np.ndarray, flops_k: float = 6.0
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """N_opt = G (C/k)^a, D_opt = G^-1 (C/k)^b and L(N_opt, D_opt), each (K, len(flops)).
 
     NaN where alpha or beta is not positive (no compute-optimal allocation exists).
     """
     th = np.atleast_2d(np.asarray(thetas, float))
-    log_c6 = np.log(np.asarray(flops, float) / 6.0)
+    log_c6 = np.log(np.atleast_1d(np.asarray(flops, float)) / flops_k)
     alpha, beta = th[:, 3, None], th[:, 4, None]
     with np.errstate(all="ignore"):
         ok = (alpha > 0) & (beta > 0)
@@ -204,8 +212,25 @@ def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int
     agreeing = int(np.sum(np.abs(finals - finals[best]) <= 1e-6 * max(abs(finals[best]), 1e-300)))
     return ParametricFit(theta=centring.from_centred(res.x), objective=float(res.fun),
                          converged=bool(res.success), message=str(res.message), n_iter=int(res.nit),
-                         n_starts=len(order), starts_agreeing=agreeing, best_start=points[order[best]],
-                         best_start_on_edge=_on_edge(points[order[best]]))
+                         n_starts=len(order), starts_agreeing=agreeing, best_start=points[order[best]])
+
+
+def gauss_newton_condition(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> float:
+    """Condition number of J^T J at theta (see the module docstring); inf when J is rank-deficient."""
+    x, y = np.log(n), np.log(d)
+    centring = Centring(float(x.mean()), float(y.mean()))
+    a, b, e, alpha, beta = centring.to_centred(np.asarray(theta, float))
+    xc, yc = x - centring.x0, y - centring.y0
+    u1, u2 = a - alpha * xc, b - beta * yc
+    top = np.maximum(np.maximum(u1, u2), e)
+    s1, s2, s3 = np.exp(u1 - top), np.exp(u2 - top), np.exp(e - top)
+    total = s1 + s2 + s3
+    jac = np.stack([s1, s2, s3, -s1 * xc, -s2 * yc], axis=1) / total[:, None]
+    norms = np.linalg.norm(jac, axis=0)
+    if not np.all(norms > 0):
+        return float("inf")
+    singular = np.linalg.svd(jac / norms, compute_uv=False)
+    return float((singular[0] / singular[-1]) ** 2) if singular[-1] > 0 else float("inf")
 
 
 def fit_weighted(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray,

@@ -19,7 +19,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from analysis.bootstrap import bootstrap_parametric, draw_weights  # noqa: E402
+from analysis.bootstrap import Problem, bootstrap  # noqa: E402
+from analysis.budgets import group_budgets  # noqa: E402
 from analysis.fit import FitConfig, fit_runs  # noqa: E402
 from analysis.parametric import fit_parametric  # noqa: E402
 from analysis.synthetic import isoflop_runs  # noqa: E402
@@ -60,14 +61,13 @@ def main() -> None:
     print(f"approach-3 fit (grid + {fit.n_starts} L-BFGS starts): {wall:.3f} s wall, {cpu:.3f} s CPU "
           f"(converged={fit.converged}, alpha={fit.params['alpha']:.4f}, beta={fit.params['beta']:.4f})")
 
-    weights = draw_weights(len(runs), args.resamples, seed=0)
-    (_, ok), wall, cpu = timed(lambda: bootstrap_parametric(fit.theta, n, d, loss, weights, 1, progress=False))
-    print(f"bootstrap, {args.resamples} resamples, 1 process: {wall:.2f} s wall, {cpu:.2f} s CPU "
-          f"({ok.sum()} converged)")
-    (_, ok), wall, cpu = timed(lambda: bootstrap_parametric(fit.theta, n, d, loss, weights, args.workers,
-                                                            progress=False))
-    print(f"bootstrap, {args.resamples} resamples, {args.workers} processes: {wall:.2f} s wall, {cpu:.2f} s CPU "
-          f"({ok.sum()} converged)")
+    budgets = group_budgets(runs["flops"].to_numpy(), 0.05)
+    problem = Problem(theta0=fit.theta, n=n, d=d, loss=loss, labels=budgets.labels, budget_flops=budgets.flops,
+                      flops_k=6.0, envelope=None, seed=0)
+    for workers in (1, args.workers):
+        res, wall, cpu = timed(lambda: bootstrap(problem, args.resamples, workers, progress=False))
+        print(f"bootstrap (approaches 2 and 3), {args.resamples} resamples, {workers} process(es): {wall:.2f} s wall, "
+              f"{cpu:.2f} s CPU ({res.converged.sum()} converged)")
 
     table = RunTable(runs=runs, source="synthetic", params_count="total")
     config = FitConfig(n_bootstrap=args.resamples, progress=False)
