@@ -129,11 +129,13 @@ def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
         (staging / "fit.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         if result.thetas is not None:
             bootstrap_frame(result).to_csv(staging / "bootstrap.csv", index=False)
-        images = make_plots(result, staging)
+        images = make_plots(result, staging, result.config.workers)
         blocks = build_blocks(doc)
         (staging / "report.md").write_text(render_markdown(blocks))
         (staging / "report.html").write_text(render_html(blocks, images))
         names = sorted((p.name for p in staging.iterdir()), key=lambda name: (name == "fit.json", name))
+        if _SIGNALS:  # a signal whose KeyboardInterrupt was swallowed (see _interrupt): publish nothing
+            raise KeyboardInterrupt(_SIGNALS[0])
         for name in names:
             (staging / name).replace(out / name)
     finally:
@@ -193,14 +195,28 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+_SIGNALS: list[str] = []
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    """Stop on SIGINT, SIGTERM or SIGHUP. The KeyboardInterrupt raised here is lost when the signal
+    lands in code whose exceptions Python ignores (the at-fork hooks run while a process pool
+    starts), so the signal is also recorded and checked before any output is published."""
+    _SIGNALS.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(_SIGNALS[-1])
+
+
+def _unraisable(info: sys.UnraisableHookArgs) -> None:
+    if not (isinstance(info.exc_value, KeyboardInterrupt) and _SIGNALS):  # else: re-raised before publishing
+        sys.__unraisablehook__(info)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = build_parser().parse_args(argv)
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    _SIGNALS.clear()
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
         return _fit(args) if args.command == "fit" else _plan(args)
     except Unidentified as exc:
@@ -215,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = previous_hook
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ Each budget's minimum is taken two ways: its lowest run, and the vertex of a lea
 parabola of loss in log N fitted in a window around the lowest run. Loss is quadratic in log N
 only near the minimum (along C = kND it is E + P N^-alpha + Q N^beta), so a parabola through a
 whole lopsided profile, with more sizes on one side of the minimum than the other, is pulled
-towards the long side. The window is therefore symmetric about the lowest run and as wide as the
-nearer end of the sampled sizes allows, widened only to hold ``MIN_SIDE`` sizes on each side; a
-vertex outside its window is rejected. On synthetic lopsided profiles this cuts the vertex error
-several-fold (tests/analysis/test_analysis_isoflop.py, benchmarks/results-analysis.md).
+towards the long side, and one through a wide profile misses the minimum too. The window is
+therefore symmetric about the lowest run, as wide as the nearer end of the sampled sizes allows but
+at most a decade of N either way (``MAX_HALF_WIDTH``), widened only to hold ``MIN_SIDE`` sizes on
+each side; a vertex outside its window is rejected. On synthetic lopsided profiles this cuts the
+vertex error from up to 0.058 to under 0.006 decades of N (tests/analysis/test_analysis_isoflop.py,
+benchmarks/bench_isoflop_window.py and its figures in benchmarks/results-analysis.md).
 
 A budget is usable when its lowest run has at least ``MIN_SIDE`` distinct sizes on each side: a
 lowest run at the smallest or largest size is at the edge (not a minimum), and with one size on a
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_SIDE = 2
+MAX_HALF_WIDTH = np.log(10.0)  # a decade of N either side of the lowest run, at most
 METHODS = ("vertex", "lowest")
 
 
@@ -129,6 +132,19 @@ def _nth_drawn(cum: np.ndarray, drawn: np.ndarray, p: np.ndarray, side: int) -> 
     return np.where(hit.any(axis=1), np.argmax(hit, axis=1), -1)
 
 
+def _moments(w: np.ndarray, u: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: sum w u^k for k = 0..4 and sum w L u^k for k = 0..2 (the normal equations of the parabola)."""
+    moments, rhs = np.empty((len(w), 5)), np.empty((len(w), 3))
+    term, term_loss = w.copy(), w * loss
+    for k in range(5):
+        moments[:, k] = term.sum(axis=1)
+        if k < 3:
+            rhs[:, k] = term_loss.sum(axis=1)
+            term_loss *= u
+        term *= u
+    return moments, rhs
+
+
 def budget_minima(n: np.ndarray, loss: np.ndarray, labels: np.ndarray, flops: np.ndarray,
                   weights: np.ndarray) -> BudgetMinima:
     """Lowest-run and windowed-vertex minima of every budget (labels >= 0, C ``flops``) per weight row."""
@@ -160,14 +176,13 @@ def budget_minima(n: np.ndarray, loss: np.ndarray, labels: np.ndarray, flops: np
         lo_size = sizes[np.argmax(drawn, axis=1)]
         hi_size = sizes[len(sizes) - 1 - np.argmax(drawn[:, ::-1], axis=1)]
         k_left, k_right = _nth_drawn(cum, drawn, p, -1), _nth_drawn(cum, drawn, p, +1)
-        half = np.maximum.reduce([np.minimum(centre - lo_size, hi_size - centre),
+        half = np.maximum.reduce([np.minimum.reduce([centre - lo_size, hi_size - centre,
+                                                      np.full(len(centre), MAX_HALF_WIDTH)]),
                                   np.where(k_left >= 0, centre - sizes[k_left], 0.0),
                                   np.where(k_right >= 0, sizes[k_right] - centre, 0.0)])
         u = x[None, :] - centre[:, None]
         inside = present & (np.abs(u) <= half[:, None] * (1 + 1e-9) + 1e-12)
-        ww = np.where(inside, w, 0.0)
-        moments = np.stack([(ww * u ** k).sum(axis=1) for k in range(5)], axis=1)  # (B, 5)
-        rhs = np.stack([(ww * ls * u ** k).sum(axis=1) for k in range(3)], axis=1)
+        moments, rhs = _moments(np.where(inside, w, 0.0), u, ls)
         gram = np.stack([moments[:, 0:3], moments[:, 1:4], moments[:, 2:5]], axis=1)
         fit_ok = (out.left[:, g] >= MIN_SIDE) & (out.right[:, g] >= MIN_SIDE)
         gram[~fit_ok] = np.eye(3)

@@ -154,6 +154,8 @@ def test_plan_shows_every_approach_and_warns_when_they_disagree(tmp_path, capsys
     assert rc == 0
     flops = 100 * doc["data"]["flops"][1]
     assert any(w["code"] == "approaches_disagree" for w in doc["warnings"])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "- **!** Approaches disagree: at C = " in report and "Identified approaches DISAGREE" in report
     capsys.readouterr()
     assert main(["plan", str(tmp_path / "out" / "fit.json"), *PLAN, "--flops", f"{flops:.6g}"]) == 0
     text = capsys.readouterr().out
