@@ -145,7 +145,8 @@ def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
 
 def _summary(doc: dict) -> list[str]:
     b = doc["data"]["budgets"]
-    lines = [f"fitted {doc['data']['n_runs']} runs ({b['mode']} budgets: {len(b['groups'])})"]
+    lines = [f"fitted {doc['data']['n_runs']} runs ("
+             + ("continuous C, no IsoFLOP budgets)" if b["mode"] == "continuous" else f"{len(b['groups'])} budgets)")]
     for key in APPROACHES:
         section = doc[key]
         if section.get("skipped"):

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 from analysis.bootstrap import interval
 from analysis.isoflop import PowerLaws
+from analysis.parametric import named_samples
 
 APPROACHES = ("envelope", "isoflop", "approach3")  # fit.json keys, in the paper's order
 TITLES = {"envelope": "approach 1 (envelope)", "isoflop": "approach 2 (IsoFLOP)",
@@ -26,6 +29,12 @@ PREFERENCE = ("approach3", "isoflop", "envelope")
 WHY = {"approach3": "it is identified and is the only approach that also predicts the loss",
        "isoflop": "approach 3 is not identified; approach 2 is, and uses every budget's whole profile",
        "envelope": "approaches 3 and 2 are not identified; approach 1 is"}
+
+
+def parametric_allocation(thetas: np.ndarray, flops_k: float) -> PowerLaws:
+    """Approach 3's N_opt = k_N C^a, D_opt = k_D C^b for each theta row (K, 5), along C = flops_k N D."""
+    s = named_samples(np.atleast_2d(thetas), flops_k)
+    return PowerLaws(a=s["a"], k_n=s["k_N"], b=s["b"], k_d=s["k_D"], n_points=np.zeros(len(s["a"]), int))
 
 
 @dataclass
@@ -48,12 +57,12 @@ class Allocation:
         return out
 
 
-def preferred(allocations: dict[str, Allocation]) -> tuple[str | None, str]:
-    """The approach to plan with and why; (None, reason) when none is identified."""
+def preferred(status: dict[str, tuple[bool, list[str]]]) -> tuple[str | None, str]:
+    """The approach to plan with and why, from (identified, reasons) per approach; None when none is."""
     for key in PREFERENCE:
-        if key in allocations and allocations[key].identified:
+        if key in status and status[key][0]:
             return key, WHY[key]
-    reasons = "; ".join(f"{TITLES[k]}: {', '.join(a.reasons) or 'not run'}" for k, a in allocations.items())
+    reasons = "; ".join(f"{TITLES[k]}: {', '.join(status[k][1]) or 'no law'}" for k in APPROACHES if k in status)
     return None, f"no approach is identified ({reasons})"
 
 

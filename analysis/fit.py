@@ -19,7 +19,7 @@ import numpy as np
 from analysis import identify
 from analysis.bootstrap import Problem, Resamples, bootstrap, interval
 from analysis.budgets import Budgets, group_budgets
-from analysis.compare import TITLES, Allocation, disagreements, preferred
+from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
@@ -278,11 +278,6 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def _parametric_law(thetas: np.ndarray, flops_k: float) -> PowerLaws:
-    s = named_samples(np.atleast_2d(thetas), flops_k)
-    return PowerLaws(a=s["a"], k_n=s["k_N"], b=s["b"], k_d=s["k_D"], n_points=np.zeros(len(s["a"]), int))
-
-
 def _predict(flops: float, result: dict, config: FitConfig, flops_max: float, flops_k: float) -> dict:
     """Every approach's allocation at ``flops``, and approach 3's loss there."""
     level = config.ci_level
@@ -291,6 +286,8 @@ def _predict(flops: float, result: dict, config: FitConfig, flops_max: float, fl
         alloc = app.allocation()
         out[key] = None if alloc is None else {**alloc.at(flops, level), "identified": alloc.identified}
     a3 = out["approach3"]
+    if a3 is None:  # alpha or beta not positive: no compute-optimal allocation
+        return out
     n, d, loss = (float(v[0, 0]) for v in compute_optimal(result["theta"], flops, flops_k))
     a3.update(loss=loss, tokens_per_param=d / n)
     if result["thetas"] is not None:
@@ -430,7 +427,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
                              + "; ".join(app.identification.reasons)))
 
     allocations = {key: a for key, app in approaches.items() if (a := app.allocation()) is not None}
-    choice, why = preferred(allocations)
+    choice, why = preferred({key: (key in allocations and app.identification.identified, app.identification.reasons)
+                             for key, app in approaches.items()})
     flops_max = float(c.max())
     budgets_c = config.predict or tuple(m * flops_max for m in (1.0, 10.0, 100.0))
     parts = {"approaches": approaches, "theta": parametric.theta,
@@ -487,10 +485,10 @@ def _approaches(table: RunTable, config: FitConfig, budgets: Budgets, parametric
     if resamples is not None:
         ci = {key: interval(v, level) for key, v in named_samples(resamples.thetas, k).items()}
         boot_ok = float(resamples.converged.mean())
-        samples = _parametric_law(resamples.thetas, k)
+        samples = parametric_allocation(resamples.thetas, k)
     ident = identify.parametric(parametric.params_at(k), parametric.converged, condition,
                                 len(np.unique(table.n)), len(np.unique(table.d)), float(table.loss.min()),
                                 budgets.single, ci, boot_ok, level)
-    law = _parametric_law(parametric.theta, k)
+    law = parametric_allocation(parametric.theta, k)
     out["approach3"] = Approach("approach3", None, law if np.isfinite(law.a[0]) else None, samples, ident)
     return out

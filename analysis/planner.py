@@ -21,9 +21,9 @@ import numpy as np
 import pandas as pd
 
 from analysis.bootstrap import interval
-from analysis.compare import APPROACHES, TITLES, Allocation, disagreements, preferred
+from analysis.compare import APPROACHES, TITLES, Allocation, disagreements, parametric_allocation, preferred
 from analysis.isoflop import PowerLaws
-from analysis.parametric import compute_optimal, named_samples
+from analysis.parametric import compute_optimal
 from analysis.table import InputError
 from lab.accounting import gpu_peak_flops, training_seconds
 
@@ -73,6 +73,12 @@ def theta_of(params: dict) -> np.ndarray:
                      params["alpha"], params["beta"]])
 
 
+def thetas_of(samples: pd.DataFrame) -> np.ndarray:
+    """Thetas (K, 5) from bootstrap.csv's E, A, B, alpha, beta columns."""
+    return np.column_stack([np.log(samples["A"]), np.log(samples["B"]), np.log(samples["E"]),
+                            samples["alpha"], samples["beta"]]).astype(float)
+
+
 def load_fit(path: str | Path) -> tuple[dict, pd.DataFrame | None]:
     """fit.json and, if present beside it, its bootstrap resamples (bootstrap.csv)."""
     path = Path(path)
@@ -104,20 +110,15 @@ def allocations(fit: dict, samples: pd.DataFrame | None) -> dict[str, Allocation
         boot = None
         columns = bootstrap_columns(key)
         if samples is not None and all(c in samples.columns for c in columns):
-            values = samples[columns].to_numpy(float)
             if key == "approach3":
-                boot = _parametric_law(values, fit["approach3"]["fit"]["flops_k"])
+                boot = parametric_allocation(thetas_of(samples), fit["approach3"]["fit"]["flops_k"])
             else:
+                values = samples[columns].to_numpy(float)
                 boot = PowerLaws(*values.T, n_points=np.zeros(len(values), int))
         law = _law_of(section)
         if law is not None and np.isfinite(law.a[0]):
             out[key] = Allocation(key, law, boot, bool(ident["identified"]), list(ident["reasons"]))
     return out
-
-
-def _parametric_law(values: np.ndarray, flops_k: float) -> PowerLaws:
-    s = named_samples(np.stack([theta_of(dict(zip(PARAMETRIC_COLUMNS, row))) for row in values]), flops_k)
-    return PowerLaws(a=s["a"], k_n=s["k_N"], b=s["b"], k_d=s["k_D"], n_points=np.zeros(len(values), int))
 
 
 def plan(fit: dict, gpu: str, n_gpus: int, mfu: float, flops: float | None = None,
@@ -143,7 +144,9 @@ def plan(fit: dict, gpu: str, n_gpus: int, mfu: float, flops: float | None = Non
         flops = gpu_hours * 3600.0 * peak * mfu
     laws = allocations(fit, samples)
     if approach == "auto":
-        key, why = preferred(laws)
+        key, why = preferred({k: (k in laws and laws[k].identified,
+                                  ((fit.get(k) or {}).get("identification") or {}).get("reasons", []))
+                              for k in APPROACHES})
         if key is None:
             raise Unidentified(f"refusing to plan: {why}")
     else:
@@ -159,8 +162,7 @@ def plan(fit: dict, gpu: str, n_gpus: int, mfu: float, flops: float | None = Non
         theta, k = theta_of(fit["approach3"]), fit["approach3"]["fit"]["flops_k"]
         loss = float(compute_optimal(theta, flops, k)[2][0, 0])
         if ci is not None and samples is not None:
-            thetas = np.stack([theta_of(r) for r in samples[list(PARAMETRIC_COLUMNS)].to_dict("records")])
-            ns, ds, ls = (v[:, 0] for v in compute_optimal(thetas, flops, k))
+            ns, ds, ls = (v[:, 0] for v in compute_optimal(thetas_of(samples), flops, k))
             ci.update(loss=interval(ls, level), tokens_per_param=interval(ds / ns, level))
     seconds = training_seconds(flops, gpu, n_gpus, mfu, dtype)
     data_max = (fit.get("data") or {}).get("flops", [None, None])[1]

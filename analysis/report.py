@@ -17,12 +17,12 @@ from analysis.plots import FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, TABLE3
 from analysis.synthetic import law_optimum
 
-Block = tuple  # ("h", level, text) | ("p", text) | ("alert", [items]) | ("table", header, rows) | ("ul", items)
-#                | ("img", stem, caption)
+Block = tuple  # ("h", level, text) | ("p", text) | ("ul", items) | ("warn", items) | ("alert", items)
+#                | ("table", header, rows) | ("img", stem, caption)
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:0.8em 0;font-size:0.85em}th,td{border:1px solid #ccc;padding:3px 7px;
-text-align:right;vertical-align:top}th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}
+text-align:left;vertical-align:top}th{background:#f2f2f2}
 figure{margin:1.5em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:0.9em;color:#555}
 code{background:#f4f4f4;padding:0 3px}ul.warn li{color:#8a4b00}
 .alert{border:2px solid #b00;background:#fff0f0;padding:0.4em 1em;margin:1em 0}.alert li{color:#900;font-weight:600}"""
@@ -86,7 +86,7 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
     blocks += [("h", 2, "Figures")] + [("img", stem, caption) for stem, caption in FIGURES]
     warnings = doc["warnings"]
     blocks += [("h", 2, "Warnings"),
-               ("ul", [f"[{w['code']}] {w['message']}" for w in warnings]) if warnings else ("p", "None.")]
+               ("warn", [f"[{w['code']}] {w['message']}" for w in warnings]) if warnings else ("p", "None.")]
     blocks += [("h", 2, "Method"), ("p", _METHOD), ("h", 2, "References"),
                ("ul", [HOFFMANN + ". Approaches 1-3, Table 3, appendix D.", BESIROGLU + ".", KAPLAN + "."])]
     return blocks
@@ -280,7 +280,7 @@ def render_markdown(blocks: list[Block]) -> str:
             out.append("#" * block[1] + " " + block[2])
         elif kind == "p":
             out.append(block[1])
-        elif kind in ("ul", "alert"):
+        elif kind in ("ul", "warn", "alert"):
             prefix = "- **!** " if kind == "alert" else "- "
             out.append("\n".join(f"{prefix}{item}" for item in block[1]))
         elif kind == "table":
@@ -311,8 +311,8 @@ def render_html(blocks: list[Block], images: dict[str, bytes]) -> str:
             body.append(f"<h{block[1]}>{_inline(block[2])}</h{block[1]}>")
         elif kind == "p":
             body.append(f"<p>{_inline(block[1])}</p>")
-        elif kind == "ul":
-            body.append('<ul class="warn">' + "".join(f"<li>{_inline(i)}</li>" for i in block[1]) + "</ul>")
+        elif kind in ("ul", "warn"):
+            body.append(f'<ul class="{kind}">' + "".join(f"<li>{_inline(i)}</li>" for i in block[1]) + "</ul>")
         elif kind == "alert":
             body.append('<div class="alert"><ul>' + "".join(f"<li>{_inline(i)}</li>" for i in block[1]) + "</ul></div>")
         elif kind == "table":

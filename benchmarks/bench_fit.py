@@ -44,12 +44,12 @@ def _tables(large: int) -> dict[str, object]:
     }
 
 
-def _run(path: Path, out: Path, resamples: int) -> tuple[float, float, int, int]:
+def _run(path: Path, out: Path, resamples: int, repo: Path) -> tuple[float, float, int, int]:
     """Wall seconds, CPU seconds, peak RSS (MB) of the largest process, exit code of one fit."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "analysis", "fit", str(path), "--out", str(out), "--bootstrap",
-                           str(resamples), "--no-progress"], cwd=REPO, capture_output=True, text=True)
+                           str(resamples), "--no-progress"], cwd=repo, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -63,16 +63,21 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3, help="fits per table; the fastest and slowest are shown")
     parser.add_argument("--large", type=int, default=20000, help="runs in the large tables")
+    parser.add_argument("--repo", type=Path, default=REPO,
+                        help="checkout whose analysis package to time (another one, to compare versions)")
+    parser.add_argument("--only", help="time only the tables whose name contains this")
     args = parser.parse_args()
-    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPU(s), "
+    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; analysis package of {args.repo}; {os.cpu_count()} CPU(s), "
           f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"{len(os.sched_getaffinity(0))} worker process(es); load average before: "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     with tempfile.TemporaryDirectory() as tmp:
         for name, runs in _tables(args.large).items():
+            if args.only and args.only not in name:
+                continue
             path = Path(tmp) / "runs.csv"
             runs.to_csv(path, index=False)
-            results = [_run(path, Path(tmp) / "out", args.resamples) for _ in range(args.repeats)]
+            results = [_run(path, Path(tmp) / "out", args.resamples, args.repo) for _ in range(args.repeats)]
             walls = sorted(r[0] for r in results)
             print(f"{name}: python -m analysis fit with {args.resamples} resamples, all figures and reports: "
                   f"wall {walls[0]:.2f}-{walls[-1]:.2f} s over {args.repeats} runs, CPU {results[0][1]:.2f} s, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -128,3 +130,23 @@ def test_single_budget_holdout_and_envelope_on_continuous_data(tmp_path):
     assert doc["holdout"]["skipped"] is False and "20%" in doc["holdout"]["held_out"]
     assert doc["holdout"]["n_holdout"] == 24
     assert doc["approach3"]["alpha"] == pytest.approx(CHINCHILLA["alpha"], abs=0.05)
+
+
+def test_a_law_without_an_optimum_is_reported_not_used(tmp_path, capsys):
+    from analysis.__main__ import main
+
+    # Loss that grows with N at every budget: alpha comes out negative, so there is no compute-optimal
+    # allocation; every minimum is at the edge. The fit still writes its report and says why.
+    runs = isoflop_runs(BUDGETS[::2], per_budget=7, spread=6, noise=0.0)
+    runs["loss"] = 2 + 400 / runs["tokens"] ** 0.3 + 0.05 * np.log(runs["params"] / 1e6)
+    path = tmp_path / "runs.csv"
+    runs.to_csv(path, index=False)
+    assert main(["fit", str(path), "--out", str(tmp_path / "out"), "--bootstrap", "30", "--no-progress",
+                 "--workers", "1"]) == 3
+    doc = json.loads((tmp_path / "out" / "fit.json").read_text())
+    assert doc["approach3"]["alpha"] < 0 and doc["approach3"]["a"] is None
+    assert any(r.startswith("alpha = -0.0") for r in doc["approach3"]["identification"]["reasons"])
+    assert all(p["approach3"] is None for p in doc["predictions"])
+    assert "0 budget(s) with a located minimum" in doc["comparison"]["why"]
+    assert "No approach gives an identified law" in (tmp_path / "out" / "report.md").read_text()
+    assert capsys.readouterr().err.startswith("error: no approach is identified")
