@@ -34,16 +34,18 @@ FIGURES = (
     ("isoflop", "IsoFLOP profiles: loss against N per budget, the parabola fitted in each budget's window "
                 "around its lowest run, its vertex and the lowest run"),
     ("allocation", "Compute-optimal N and D against C for every approach, with bootstrap bands, beside the "
-                   "published laws"),
+                   "published laws of Hoffmann et al. (2022) and Besiroglu et al. (2024)"),
     ("frontier", "Loss against compute: the runs, the compute-optimal frontier of approach 3 and of the published "
-                 "laws (other data and tokenizer: compare shapes, not levels)"),
-    ("contours", "L(N, D) from approach 3, with the efficient frontier and the runs"),
+                 "laws (Hoffmann et al. 2022; Besiroglu et al. 2024; other data and tokenizer: compare shapes, "
+                 "not levels)"),
+    ("contours", "L(N, D) from approach 3, with its efficient frontier, the published laws' frontiers and the runs"),
     ("residuals", "Residuals of approach 3 in loss (nats per token): observed minus predicted"),
 )
 _DPI = 100
 # Fixed margins: a layout engine would measure every tick label once more, doubling the drawing time.
 _MARGINS = {"default": {"left": 0.1, "right": 0.97, "bottom": 0.11, "top": 0.93},
             "isoflop": {"left": 0.1, "right": 1.0, "bottom": 0.11, "top": 0.93},
+            "contours": {"left": 0.13, "right": 0.97, "bottom": 0.1, "top": 0.94},
             "frontier": {"left": 0.1, "right": 1.0, "bottom": 0.11, "top": 0.93},
             "allocation": {"left": 0.07, "right": 0.98, "bottom": 0.11, "top": 0.93, "wspace": 0.2},
             "residuals": {"left": 0.08, "right": 1.04, "bottom": 0.12, "top": 0.9, "wspace": 0.05}}
@@ -223,6 +225,8 @@ def plot_contours(result: FitResult) -> plt.Figure:
     flops = np.geomspace(t.flops_k * n_grid[0] * d_grid[0], t.flops_k * n_grid[-1] * d_grid[-1], 120)
     n_opt, d_opt, _ = compute_optimal(result.parametric.theta, flops, t.flops_k)
     ax.plot(n_opt[0], d_opt[0], color="C0", lw=2, label="efficient frontier (N_opt, D_opt)")
+    for law, (color, style) in zip(LAWS, _PUBLISHED_STYLES):
+        ax.plot(*law_optimum(flops, law.as_dict()), color=color, ls=style, lw=0.9, label=f"published: {law.name}")
     ax.scatter(t.n, t.d, s=6, color="black", lw=0, zorder=3, label="runs")
     ax.set(xscale="log", yscale="log", xlim=(n_grid[0], n_grid[-1]), ylim=(d_grid[0], d_grid[-1]),
            xlabel="parameters N", ylabel="tokens D",

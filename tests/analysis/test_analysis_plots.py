@@ -43,7 +43,7 @@ def test_forty_budgets_get_a_colour_bar_not_forty_legend_entries(many):
 
 def test_published_laws_are_drawn_beside_the_fit(many):
     flops = np.geomspace(1e18, 1e23, 5)
-    for maker in (plot_frontier, plot_allocation):
+    for maker in (plot_frontier, plot_allocation, plot_contours):
         fig = maker(many)
         labels = _labels(fig)
         for law in LAWS:
