@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev,deepspeed]'
 	touch $(STAMP)
 
 setup: $(STAMP)

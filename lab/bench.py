@@ -35,7 +35,7 @@ from lab.device import Precision, cpu_name, describe, peak_flops, peak_memory_by
 from lab.files import save_json, write_atomic
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import World, create, parse_spec
+from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel import validate as validate_parallel
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import train_step
@@ -125,9 +125,9 @@ class Case:
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
                       rounds: int, warmup: int) -> list[dict]:
     precision, tokens = Precision("cpu", bf16=False), micro_batch * shape.block_size * world.world_size
-    built = []
+    loop, built = LoopSettings(micro_batch, accum_steps=1, grad_clip=1.0), []
     for case in cases:
-        s = create(case.parallel, world, precision)
+        s = create(case.parallel, world, precision, loop)
         s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
         built.append(s)
     g = torch.Generator().manual_seed(world.rank)
@@ -138,7 +138,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         for case, s in zip(cases, built, strict=True):
             for _ in range(warmup if r < 0 else steps):
                 t0 = time.perf_counter()
-                train_step(s, world, [(x[:, :-1], x[:, 1:])], 1, 1e-4, 1.0)
+                train_step(s, world, [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
                 elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
                 if r >= 0:
                     times[case.label].append(elapsed)
@@ -203,9 +203,10 @@ def format_strategies(rows: list[dict], reference: str = "torch_ddp") -> str:
 
 def strategies(args: argparse.Namespace) -> int:
     try:
-        cases = [Case.parse(t) for t in args.strategies.split(",") if t]
+        text = args.strategies.strip()
+        cases = [Case.parse(t) for t in (text.split() if any(c.isspace() for c in text) else text.split(",")) if t]
         for case in cases:
-            validate_parallel(case.parallel, args.nproc)
+            validate_parallel(case.parallel, args.nproc, LoopSettings(args.micro_batch, accum_steps=1, grad_clip=1.0))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per case (per round with --strategies)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--strategies", help="compare these strategies, e.g. ddp_naive,ddp,torch_ddp or "
-                                        "ddp:bucket_mb=1 (name[:option=value,...])")
+                                        "ddp:bucket_mb=1 (name[:option=value,...]); space-separated when a spec "
+                                        "has several options ('zero3 deepspeed:zero_stage=3,offload=optimizer')")
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks for --strategies")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --strategies")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step for --strategies")

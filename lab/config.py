@@ -114,8 +114,13 @@ class ParallelConfig:
                              "(ddp, zero2, zero3)")
     activation_checkpointing: str = _f("none", "none, full (recompute each block and the output head) or "
                                                "selective (keep matmul and attention outputs, recompute the rest)")
-    offload: str = _f("none", "none, or optimizer: optimizer states and the update on the CPU (zero1-3; fsdp: "
-                              "CPUOffloadPolicy, which also keeps sharded weights and gradients on the CPU)")
+    offload: str = _f("none", "none, or optimizer: optimizer states and the update on the CPU (zero1-3, deepspeed; "
+                              "fsdp: CPUOffloadPolicy, which also keeps sharded weights and gradients on the CPU), "
+                              "or all: also the parameters (deepspeed with zero_stage 3)")
+    zero_stage: int = _f(2, "DeepSpeed's ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also "
+                            "parameters (deepspeed)")
+    deepspeed_config: str | None = _f(None, "a DeepSpeed JSON file passed through to the engine; it may repeat the "
+                                            "values the lab owns but not contradict them (deepspeed)")
     reshard_after_forward: bool = _f(True, "free gathered weights after each block's forward and gather them "
                                            "again for its backward (fsdp; false: keep them, ZeRO-2-like)")
 

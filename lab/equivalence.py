@@ -36,7 +36,7 @@ from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from lab.device import Precision
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import World, create, parse_spec, validate
+from lab.parallel import LoopSettings, World, create, parse_spec, validate
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import StepPlan, train_step
 
@@ -64,6 +64,10 @@ class Trace:
     params: dict[str, torch.Tensor]  # the final weights (rank 0), under the model's names
 
 
+def loop_settings(setup: Setup) -> LoopSettings:
+    return LoopSettings(micro_batch=setup.micro_batch, accum_steps=setup.accum, grad_clip=setup.grad_clip)
+
+
 def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: random tokens, the same for every world size."""
     g = torch.Generator().manual_seed(setup.seed * 100_003 + step)
@@ -73,7 +77,7 @@ def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor,
 
 def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> Trace:
     """Train ``setup`` under ``parallel.strategy`` on ``world``; the losses and (on rank 0) the final weights."""
-    strategy = create(parallel, world, Precision("cpu", bf16=setup.bf16))
+    strategy = create(parallel, world, Precision("cpu", bf16=setup.bf16), loop_settings(setup))
     strategy.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
     plan = StepPlan(global_sequences=setup.micro_batch * setup.accum * world.world_size, accum_steps=setup.accum,
@@ -157,15 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     text = args.strategies
     specs = text.split() if " " in text.strip() or ":" in text else [s for s in text.split(",") if s]
+    setup = Setup(steps=args.steps, accum=args.accum, grad_clip=args.grad_clip, bf16=args.bf16)
     try:
-        for spec in specs:
-            validate(parse_spec(spec), args.nproc) if spec != "single" else None
         if args.nproc < 1 or args.steps < 1 or args.accum < 1 or args.grad_clip < 0:
             raise ConfigError("--nproc, --steps and --accum must be positive and --grad-clip >= 0")
+        for spec in specs:
+            validate(parse_spec(spec), args.nproc, loop_settings(setup)) if spec != "single" else None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    setup = Setup(steps=args.steps, accum=args.accum, grad_clip=args.grad_clip, bf16=args.bf16)
     params = sum(p.numel() for p in GPT(setup.model).parameters())
     print(f"tiny GPT ({params:,} params), {'bf16 autocast' if setup.bf16 else 'fp32'}, CPU, {args.nproc} gloo ranks, "
           f"{setup.steps} steps, "

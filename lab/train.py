@@ -30,7 +30,7 @@ from lab.device import Peak, Precision, peak_flops, peak_memory_bytes, resolve_p
 from lab.model import GPT
 from lab.model import validate as validate_model
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import Strategy, World
+from lab.parallel import LoopSettings, Strategy, World
 
 ESTIMATE_MFU = 0.3  # the utilisation the start line's duration estimate assumes
 MAX_DAYS = 365  # a run that would take longer than this even at 100 % MFU is refused
@@ -77,14 +77,20 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     """Every check that needs neither data nor hardware: raises ConfigError with one line."""
     validate_model(cfg.model)
     schedule.validate(cfg.train)
-    parallel.validate(cfg.parallel, world_size)
+    plan = step_plan(cfg, world_size)
+    parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
     if cfg.train.nonfinite not in NONFINITE:
         raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'")
     for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints", "seed", "grad_clip",
                  "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
-    return step_plan(cfg, world_size)
+    return plan
+
+
+def loop_settings(cfg: RunConfig, plan: StepPlan) -> LoopSettings:
+    """What the loop will do that a strategy may need to know before it builds."""
+    return LoopSettings(micro_batch=plan.micro_batch, accum_steps=plan.accum_steps, grad_clip=cfg.train.grad_clip)
 
 
 @dataclass(frozen=True)
@@ -251,7 +257,7 @@ class Start:
 
 
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
-    strategy = parallel.create(cfg.parallel, world, precision)
+    strategy = parallel.create(cfg.parallel, world, precision, loop_settings(cfg, step_plan(cfg, world.world_size)))
     strategy.build(lambda: GPT(cfg.model, seed=cfg.train.seed),
                    lambda model: param_groups(model, cfg.train.weight_decay),
                    adamw_factory(cfg.train, world.device))

@@ -28,7 +28,8 @@ def built(strategy="single", **options):
 
 
 def test_registry_knows_the_strategies_and_rejects_unknown_names():
-    assert set(STRATEGIES) == {"single", "ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp"}
+    assert set(STRATEGIES) == {"single", "ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp",
+                               "deepspeed"}
     assert strategy_class("single") is STRATEGIES["single"]
     with pytest.raises(ConfigError, match="unknown strategy 'zero7' \\(known: .*single"):
         strategy_class("zero7")

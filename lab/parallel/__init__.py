@@ -6,6 +6,7 @@ from lab.config import ConfigError, ParallelConfig
 from lab.device import Precision
 from lab.parallel import activations
 from lab.parallel.base import (
+    LoopSettings,
     ModelFactory,
     OptimizerFactory,
     ParamGroup,
@@ -15,13 +16,13 @@ from lab.parallel.base import (
     changed_options,
 )
 from lab.parallel.ddp import BucketedDDP, NaiveDDP
+from lab.parallel.deepspeed import DeepSpeed
 from lab.parallel.single import Single
 from lab.parallel.torch_ref import FSDP, TorchDDP
 from lab.parallel.zero import Zero1, Zero2, Zero3
 
-OFFLOAD = ("none", "optimizer")
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, NaiveDDP, BucketedDDP, TorchDDP, Zero1,
-                                                                   Zero2, Zero3, FSDP)}
+                                                                   Zero2, Zero3, FSDP, DeepSpeed)}
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -30,14 +31,15 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
-def validate(cfg: ParallelConfig, world_size: int) -> type[Strategy]:
-    """Check the [parallel] section for ``world_size`` processes; return the strategy's class."""
+def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None) -> type[Strategy]:
+    """Check the [parallel] section for ``world_size`` processes (and the loop's settings, when known);
+    return the strategy's class."""
     cls = strategy_class(cfg.strategy)
     if not cfg.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
     if not cfg.bucket_mb > 0:
         raise ConfigError(f"parallel.bucket_mb must be positive, got {cfg.bucket_mb}")
-    for option, allowed in (("activation_checkpointing", activations.MODES), ("offload", OFFLOAD)):
+    for option, allowed in (("activation_checkpointing", activations.MODES), ("offload", cls.offload_modes)):
         if getattr(cfg, option) not in allowed:
             raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{getattr(cfg, option)}'")
     for option in changed_options(cfg):
@@ -45,7 +47,7 @@ def validate(cfg: ParallelConfig, world_size: int) -> type[Strategy]:
             users = [name for name, c in STRATEGIES.items() if option in c.options]
             raise ConfigError(f"parallel.{option} has no effect under strategy '{cls.name}' "
                               f"(it applies to: {', '.join(users) or 'no strategy'})")
-    cls.validate(cfg, world_size)
+    cls.validate(cfg, world_size, loop)
     return cls
 
 
@@ -60,9 +62,9 @@ def parse_spec(text: str) -> ParallelConfig:
     return resolve({"parallel": {"strategy": name, **dict(pairs)}}).parallel
 
 
-def create(cfg: ParallelConfig, world: World, precision: Precision) -> Strategy:
-    return validate(cfg, world.world_size)(world, cfg, precision)
+def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings | None = None) -> Strategy:
+    return validate(cfg, world.world_size, loop)(world, cfg, precision, loop)
 
 
-__all__ = ["STRATEGIES", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy", "World",
+__all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy", "World",
            "create", "parse_spec", "strategy_class", "validate"]

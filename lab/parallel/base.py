@@ -3,7 +3,7 @@
 A strategy owns everything that differs between backends; the loop owns the schedule, the data
 and the run directory. The loop's side, in order::
 
-    strategy = parallel.create(cfg.parallel, world, precision)   # [parallel] validated up front
+    strategy = parallel.create(cfg.parallel, world, precision, loop)   # [parallel] validated up front
     strategy.build(model_factory, param_group_rule, optimizer_factory)
     for each step:
         for each micro-batch:
@@ -93,6 +93,15 @@ class World:
 
 
 @dataclass(frozen=True)
+class LoopSettings:
+    """What the loop decides that a strategy may need before it builds (an engine's config takes them)."""
+
+    micro_batch: int  # sequences per rank per micro-step
+    accum_steps: int  # micro-steps per optimizer step
+    grad_clip: float  # the max_norm clip_grad_norm is called with (0: off)
+
+
+@dataclass(frozen=True)
 class ParamGroup:
     """Parameters, by name in the unwrapped model, that share optimizer settings."""
 
@@ -166,12 +175,14 @@ class Strategy:
     options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing"})
     state_layout: ClassVar[str] = "ddp"  # the lab.accounting.model_state_bytes row its model states follow
     comm_layout: ClassVar[str | None] = "ddp"  # the lab.accounting.comm_bytes_per_step row; None: no traffic
+    offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
 
     @classmethod
-    def validate(cls, cfg: ParallelConfig, world_size: int) -> None:
-        """Raise ConfigError (one line) when this strategy cannot run ``cfg`` on ``world_size`` processes."""
+    def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None) -> None:
+        """Raise ConfigError (one line) when this strategy cannot run ``cfg`` on ``world_size`` processes
+        (with ``loop``, the loop's settings, when they are known)."""
         if world_size < cls.min_world_size:
             raise ConfigError(f"strategy '{cls.name}' needs at least {cls.min_world_size} processes, got "
                               f"world size {world_size} (start it with torchrun --nproc_per_node=N)")
@@ -179,9 +190,9 @@ class Strategy:
             raise ConfigError(f"strategy '{cls.name}' runs on at most {cls.max_world_size} process(es), "
                               f"got world size {world_size}")
 
-    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision):
-        self.validate(cfg, world.world_size)
-        self.world, self.cfg, self.precision = world, cfg, precision
+    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings | None = None):
+        self.validate(cfg, world.world_size, loop)
+        self.world, self.cfg, self.precision, self.loop = world, cfg, precision, loop
         self.comm = Comm(world.world_size)
         self.saved = activations.SavedBytes()
         self.module: nn.Module | None = None  # the model, under its own parameter names

@@ -94,6 +94,11 @@ class Comm:
     def add_wait(self, seconds: float) -> None:
         self._totals.wait_s += seconds
 
+    def add_sent(self, kind: str, nbytes: float) -> None:
+        """Count bytes a backend's own collectives sent (DeepSpeed's, read from its comms logger)."""
+        if not self._paused:
+            self._totals.bytes[kind] += nbytes
+
     def wait(self, work: dist.Work) -> None:
         with self.waiting():
             work.wait()

@@ -1,0 +1,459 @@
+"""DeepSpeed's engine as a strategy: ZeRO stages 1-3, CPU offload, behind the lab's one interface.
+
+``--strategy deepspeed --parallel.zero_stage 1|2|3`` hands the model and the lab's own AdamW to
+``deepspeed.initialize``; every call of the interface is delegated to the engine:
+
+- **Config**: the engine's JSON is built from the lab's config. The values the lab owns come from
+  it and are written in: micro-batch, accumulation steps and train batch size, gradient clipping,
+  precision (bf16 runs as ``torch_autocast``: fp32 weights, bf16 autocast, as for every strategy),
+  the ZeRO stage and offload from ``[parallel]``, the lab's AdamW (no ``optimizer``
+  or ``scheduler`` section: ``step(lr)`` sets the learning rate every step) and the comms logger
+  the meters read. ``parallel.deepspeed_config FILE`` passes a user's own DeepSpeed JSON through;
+  it may repeat these values (or say ``"auto"``) but a contradiction is refused in one line that
+  names the key. Everything else in the file reaches the engine as written.
+- **Offload**: ``parallel.offload optimizer`` puts the fp32 master partition, Adam's moments and
+  the update on the host (ZeRO-Offload, with the lab's AdamW as a client optimizer); ``all`` (stage
+  3) also keeps the parameter partitions there.
+- **A step**: ``forward`` sets the engine's accumulation boundary from ``sync``, ``backward`` is the
+  engine's (the loop has already divided the loss by the accumulation steps), ``clip_grad_norm``
+  returns DeepSpeed's own global norm of the reduced gradients (before clipping: the engine clips
+  inside ``step`` at the configured ``gradient_clipping``), ``step(lr)`` sets the rate and calls
+  ``engine.step()``; ``skip_step`` also calls it: with a non-finite gradient the engine discards
+  the step itself.
+- **Checkpoints** are the lab's format: each rank hands over live views of its fp32 master
+  partition and Adam's moments, per parameter and range (ZeRO 1-2 through DeepSpeed's tensor
+  fragments, stage 3 through its per-parameter partitions); ``after_load`` copies the loaded
+  masters into the weights the model computes with. A DeepSpeed run therefore resumes under any
+  strategy and world size and is exported and sampled like any other.
+- **Meters**: model-state bytes are measured from the engine's tensors (weights, the reduced
+  gradients at the step boundary, the master partition and moments); communication is counted by
+  DeepSpeed's comms logger, every collective DeepSpeed issues by its message size, converted to
+  bytes sent with the ring convention of ``lab.accounting``; one-element messages (the gradient
+  norm) are bookkeeping and not counted, as for the other strategies.
+
+On a CPU the accelerator is DeepSpeed's ``cpu`` one over the gloo group the lab starts
+(``DS_ACCELERATOR=cpu`` is set when no GPU is visible). Its shared-memory all-reduce kernel, a C++
+op DeepSpeed would compile at the first ``initialize``, serves only inference and is turned off, so
+no option of this strategy compiles anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lab import accounting
+from lab.checkpoint import CheckpointState, Held
+from lab.config import ConfigError, ParallelConfig
+from lab.device import Precision
+from lab.parallel.base import (
+    LoopSettings,
+    ModelFactory,
+    OptimizerFactory,
+    ParamGroupRule,
+    Strategy,
+    World,
+    adam_entries,
+    materialize_adam_state,
+    storage_bytes,
+)
+
+EXTRA = "pip install '.[deepspeed]'"
+ZERO_STAGES = (1, 2, 3)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# DeepSpeed's collectives, by the name its comms logger records, as the lab counts them; its message
+# size is the tensor argument: the whole tensor, or an all-gather's input (one rank's share). A reduce
+# to one rank sends what a reduce-scatter does in a ring.
+_KINDS = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "inference_all_reduce": "all_reduce",
+          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_fn": "reduce_scatter",
+          "reduce_scatter": "reduce_scatter", "reduce": "reduce_scatter", "all_gather_into_tensor": "all_gather",
+          "allgather_fn": "all_gather", "all_gather": "all_gather", "broadcast": "broadcast"}
+_GATHER_INPUTS = {"all_gather_into_tensor", "allgather_fn", "all_gather"}
+
+
+def import_deepspeed() -> ModuleType:
+    """DeepSpeed, quiet, on the CPU accelerator when no GPU is visible; ConfigError naming the extra when absent."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+        import deepspeed.ops
+    except ImportError as e:
+        raise ConfigError(f"strategy 'deepspeed' needs DeepSpeed, which is not installed ({e}); install the "
+                          f"extra: {EXTRA}") from None
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    # only inference uses the shared-memory kernel; without this DeepSpeed compiles it (~23 s) at initialize
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # DeepSpeed calls torch's flat collectives by their pre-2.13 names
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*(all_gather_into_tensor|reduce_scatter_tensor)")
+    return deepspeed
+
+
+# ---------------------------------------------------------------- the engine's config
+
+
+def _lab_values(cfg: ParallelConfig, world_size: int, loop: LoopSettings | None,
+                bf16: bool | None) -> dict[str, tuple[Any, str]]:
+    """The settings the lab owns, by dotted DeepSpeed key: (value, the lab option it comes from).
+
+    Loop values are left out when ``loop`` is None, precision when ``bf16`` is None (not known yet).
+    """
+    offload = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "all": ("cpu", "cpu")}[cfg.offload]
+    values: dict[str, tuple[Any, str]] = {
+        "zero_optimization.stage": (cfg.zero_stage, "parallel.zero_stage"),
+        "zero_optimization.offload_optimizer.device": (offload[0], "parallel.offload"),
+        "zero_optimization.offload_param.device": (offload[1], "parallel.offload"),
+        "zero_allow_untested_optimizer": (True, "the lab's AdamW"),
+        "zero_force_ds_cpu_optimizer": (False, "the lab's AdamW"),
+        "comms_logger.enabled": (True, "the lab's communication meter"),
+        "comms_logger.prof_all": (True, "the lab's communication meter"),
+    }
+    if cfg.zero_stage == 3:
+        # DeepSpeed's memory-efficient linear replaces torch.nn.functional.linear in the whole process, for
+        # good, and gives wrong gradients under selective checkpointing (measured: 4 % off the norm)
+        values["zero_optimization.memory_efficient_linear"] = (False, "the lab's correctness checks")
+    if loop is not None:
+        values |= {"train_micro_batch_size_per_gpu": (loop.micro_batch, "train.micro_batch"),
+                   "gradient_accumulation_steps": (loop.accum_steps, "the accumulation steps"),
+                   "train_batch_size": (loop.micro_batch * loop.accum_steps * world_size, "train.batch_tokens"),
+                   "gradient_clipping": (loop.grad_clip, "train.grad_clip")}
+    if bf16 is not None:
+        # gradients are reduced in fp32, as under every strategy (DeepSpeed would send nn.Linear's in bf16)
+        values |= {"torch_autocast.enabled": (bf16, "train.dtype"),
+                   "torch_autocast.dtype": ("bfloat16", "train.dtype"),
+                   "torch_autocast.lower_precision_safe_modules": ([], "train.dtype")}
+    return values
+
+
+# Sections the lab owns outright: present and enabled, they contradict it.
+_REFUSED = {"optimizer": "the optimizer is the lab's AdamW (train.beta1, train.beta2, train.weight_decay)",
+            "scheduler": "the learning-rate schedule is the lab's (train.schedule; step(lr) sets it each step)",
+            "fp16": "precision is the lab's (train.dtype)", "bf16": "precision is the lab's (train.dtype; bf16 "
+            "runs as torch_autocast with fp32 weights)", "amp": "precision is the lab's (train.dtype)"}
+# Lab defaults a user's file may change: buckets of 25 MiB of fp32 elements as the lab's own strategies use
+# (DeepSpeed's 5e8 would reserve 2 GB per bucket), and stage 3 shards every parameter, as ZeRO-3 does.
+_BUCKET = 25 * 2**20 // 4
+_DEFAULTS = {"steps_per_print": None, "zero_optimization": {
+    "reduce_bucket_size": _BUCKET, "allgather_bucket_size": _BUCKET, "stage3_param_persistence_threshold": 0}}
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    """A user's DeepSpeed JSON (an object); ConfigError (one line) when missing or invalid."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"parallel.deepspeed_config: no such file: {p}")
+    try:
+        tree = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"parallel.deepspeed_config {p}: not valid JSON ({e})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"parallel.deepspeed_config {p}: expected a JSON object, got {type(tree).__name__}")
+    return tree
+
+
+def engine_config(cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None,
+                  bf16: bool | None = None) -> dict[str, Any]:
+    """The engine's config: the user's file (if any) over the lab's defaults, with the lab's own values
+    written in; ConfigError naming the key when the file contradicts one of them."""
+    user = read_user_config(cfg.deepspeed_config) if cfg.deepspeed_config else {}
+    where = f"parallel.deepspeed_config {cfg.deepspeed_config}"
+    for section, why in _REFUSED.items():
+        value = user.get(section)
+        enabled = value is not None and (section in ("optimizer", "scheduler") or not isinstance(value, dict)
+                                         or value.get("enabled", False))
+        if enabled:
+            raise ConfigError(f"{where}: \"{section}\" contradicts the lab: {why}; remove it")
+    config = _merge(_DEFAULTS, user)
+    zero = config.get("zero_optimization", {})
+    if "param_persistence_threshold" in user.get("zero_optimization", {}):
+        zero.pop("stage3_param_persistence_threshold", None)  # the user named it by its other alias
+    for key, (value, source) in _lab_values(cfg, world_size, loop, bf16).items():
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            child = node.setdefault(name, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{where}: \"{'.'.join(parents)}\" must be an object")
+            node = child
+        given = node.get(leaf, "auto")
+        if given != "auto" and not _same(given, value):
+            raise ConfigError(f"{where}: \"{key}\" is {json.dumps(given)} but the lab sets {json.dumps(value)} "
+                              f"(from {source}); remove the key or change {source}")
+        node[leaf] = value
+    return config
+
+
+def _same(given: Any, value: Any) -> bool:
+    if isinstance(value, bool) or isinstance(given, bool):
+        return given is value
+    if isinstance(value, (int, float)) and isinstance(given, (int, float)):
+        return math.isclose(given, value, rel_tol=0, abs_tol=0)
+    return given == value
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``, objects merged key by key (both left untouched)."""
+    out = json.loads(json.dumps(base))
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+# ---------------------------------------------------------------- the strategy
+
+
+class DeepSpeed(Strategy):
+    """See the module docstring."""
+
+    name = "deepspeed"
+    options = Strategy.options | {"zero_stage", "offload", "deepspeed_config"}
+    offload_modes = ("none", "optimizer", "all")
+    # the pre-flight memory estimate knows only the class: the least sharded stage (meters use the real one)
+    state_layout = comm_layout = "zero1"
+
+    @classmethod
+    def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None) -> None:
+        super().validate(cfg, world_size, loop)
+        if cfg.zero_stage not in ZERO_STAGES:
+            raise ConfigError(f"parallel.zero_stage must be one of 1, 2, 3, got {cfg.zero_stage}")
+        if cfg.offload == "all" and cfg.zero_stage != 3:
+            raise ConfigError(f"parallel.offload all (parameters too) needs parallel.zero_stage 3, got "
+                              f"{cfg.zero_stage}")
+        engine_config(cfg, world_size, loop)
+        import_deepspeed()
+
+    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings | None = None):
+        if loop is None:
+            raise ValueError("strategy 'deepspeed' needs the loop's settings (micro-batch, accumulation, clipping)")
+        super().__init__(world, cfg, precision, loop)
+        self.stage = cfg.zero_stage
+        self.config = engine_config(cfg, world.world_size, loop, precision.bf16)
+        self.ds = import_deepspeed()
+        accelerator = self.ds.accelerator.get_accelerator().device_name()
+        if accelerator != world.device.type:
+            raise ConfigError(f"DeepSpeed's accelerator is '{accelerator}' but the run's device is {world.device}; "
+                              f"set DS_ACCELERATOR={world.device.type}")
+        if not dist.is_initialized():  # one process: the engine still wants a process group and torchrun's variables
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+            backend = "nccl" if world.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._grad_bytes: int | None = None
+
+    # ------------------------------------------------------------ building
+
+    def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
+              optimizer_factory: OptimizerFactory) -> None:
+        """The model and the lab's AdamW as every strategy builds them, then the engine around both."""
+        super().build(model_factory, param_group_rule, optimizer_factory)
+        self.engine, self.optimizer, _, _ = self.ds.initialize(model=self.module, optimizer=self.optimizer,
+                                                               config=self.config)
+        self.model = self.engine
+        self._logged()  # the engine's set-up traffic (broadcasting rank 0's weights) is not a step's
+
+    @property
+    def _masters(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 master partitions, one per group, which the optimizer updates."""
+        opt = self.optimizer
+        return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
+
+    # ------------------------------------------------------------ one step
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        """The engine's forward (its config carries the precision); ``sync`` marks the accumulation boundary."""
+        self._sync = sync
+        self.engine.set_gradient_accumulation_boundary(sync)
+        with self.saved.counting(self.module):
+            return self.engine(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loop divided the loss already
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """DeepSpeed's global norm of the reduced gradients; the engine clips in ``step`` at its configured value."""
+        if max_norm != self.loop.grad_clip:
+            raise ValueError(f"the engine clips at {self.loop.grad_clip} (its config), not {max_norm}")
+        if self._grad_bytes is None:
+            self._grad_bytes = self._gradient_bytes()
+        if self.stage == 3:
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            return combine_grad_norm_groups(self.optimizer._get_norm_groups()).float()
+        return self.optimizer.scaled_global_norm().float()
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()
+        if self._measured is None:
+            self._measured = self.measure_state_bytes()
+
+    def skip_step(self) -> None:
+        """The engine's step: it finds the non-finite gradient norm itself, leaves the weights and clears the gradients."""
+        self.engine.step()
+
+    def take_step_meters(self):
+        self._take_logged()
+        return super().take_step_meters()
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.engine.eval()
+        try:
+            with self._uncounted():
+                return self.engine(x, y)
+        finally:
+            self.engine.train()
+
+    @torch.no_grad()
+    def params_finite(self) -> bool:
+        bad = torch.tensor([float(any(not torch.isfinite(m).all() for m in self._masters))])
+        return self.world.sum(bad).item() == 0
+
+    # ------------------------------------------------------------ communication, from DeepSpeed's comms logger
+
+    @contextlib.contextmanager
+    def _uncounted(self) -> Iterator[None]:
+        from deepspeed.comm import comms_logger
+
+        before, comms_logger.enabled = comms_logger.enabled, False
+        try:
+            yield
+        finally:
+            comms_logger.enabled = before
+
+    def _logged(self) -> tuple[dict[str, dict[int, list]], float]:
+        """What the comms logger recorded since the last call, then forgotten: (op → message size → record,
+        seconds spent inside the collectives). Its timers keep every call, so they are emptied here too."""
+        from deepspeed.comm import comm, comms_logger
+
+        logged, comms_logger.comms_dict = comms_logger.comms_dict, {}
+        seconds = sum(timer.elapsed(reset=True) for timer in comm.timers.get_timers().values()) / 1e3
+        return logged, seconds
+
+    def _take_logged(self) -> None:
+        """Add the logged collectives to the lab's meter: bytes sent by kind, and their time as waiting."""
+        n = self.world.world_size
+        logged, seconds = self._logged()
+        self.comm.add_wait(seconds)
+        for op, sizes in logged.items():
+            kind = _KINDS.get(op)
+            for size, (count, *_) in sizes.items():
+                if kind is None or size <= 8:  # barriers; one-element messages (norms, flags) are bookkeeping
+                    continue
+                whole = size * n if op in _GATHER_INPUTS else size
+                self.comm.add_sent(kind, count * accounting.ring_elements_sent(kind, whole, n))
+
+    # ------------------------------------------------------------ state
+
+    def checkpoint_state(self) -> CheckpointState:
+        """Each parameter's range in this rank's fp32 master partition, and its Adam moments, as live views."""
+        self._materialize_states()
+        opt, state = self.optimizer, {}
+        moments_of = {id(m): opt.optimizer.state[m] for m in self._masters}
+        masters = self._masters
+        for name, p in self.module.named_parameters():
+            numel = p.ds_numel if self.stage == 3 else p.numel()
+            lo, view, moments, lo_in = 0, torch.empty(0), None, 0
+            if self.stage == 3:
+                group, offset, size = opt.grad_position[opt.get_param_id(p)]
+                lo = self.world.rank * p.partition_numel()
+                size = max(0, min(size, numel - lo))
+                if size:
+                    view, moments, lo_in = masters[group].narrow(0, offset, size), moments_of[id(masters[group])], offset
+            elif p._hp_mapping is not None:
+                mapping = p._hp_mapping
+                lo, lo_in, size = mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, \
+                    mapping.hp_fragment_address.numel
+                view, moments = mapping.get_hp_fragment(), moments_of[id(masters[mapping.param_group_index])]
+            state[f"model/{name}"] = Held(numel, lo if view.numel() else 0, view)
+            adam_entries(state, name, moments, numel, lo if view.numel() else 0, lo_in, lo_in + view.numel(),
+                         sharded=True)
+        return state
+
+    def _materialize_states(self) -> None:
+        """Adam's states for the master partitions before the first step (zeros), so a checkpoint loads into them."""
+        if self.stage == 3:
+            self.optimizer._set_fp32_optimizer_param_groups()
+            try:
+                materialize_adam_state(self.optimizer.optimizer)
+            finally:
+                self.optimizer._clear_fp32_optimizer_param_groups()
+        else:
+            materialize_adam_state(self.optimizer.optimizer)
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """The weights the model computes with follow the loaded masters (stages 1-2: gathered again)."""
+        with self._uncounted():
+            if self.stage == 3:
+                for group in range(len(self._masters)):
+                    self.optimizer._reassign_or_swap_out_partitioned_parameters(group)
+            else:
+                self.optimizer.update_lp_params()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight (the fp32 masters, gathered by DeepSpeed) under the model's names, on rank 0."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        owner = {id(p): p for p in self.module.parameters()}
+        names = {name: owner[id(p)] for name, p in self.module.named_parameters(remove_duplicate=False)}
+        full = {}
+        with self._uncounted():
+            for name, p in self.module.named_parameters():
+                full[id(p)] = safe_get_full_fp32_param(p).detach().cpu().clone()
+        if not self.world.is_main:
+            return {}
+        out = {}
+        for name, value in self.module.state_dict().items():
+            out[name] = full[id(names[name])] if name in names else value.detach().cpu().clone()
+        return out
+
+    # ------------------------------------------------------------ meters
+
+    def _gradient_bytes(self) -> int:
+        """Bytes of the gradients this rank holds at the step boundary, after the reduction."""
+        opt = self.optimizer
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads += [g for group in opt.averaged_gradients.values() if group is not None for g in group if g is not None]
+        grads += [m.grad for m in self._masters if m.grad is not None]
+        return storage_bytes(grads)
+
+    def measure_state_bytes(self) -> accounting.StateBytes:
+        """Weights the model computes with, the gradients at the boundary, and the masters plus Adam's moments
+        (a master partition that is the weights themselves, as in stage 3 without offload, counts once)."""
+        opt = self.optimizer
+        weights = list(opt.fp16_partitioned_groups_flat if self.stage == 3 else opt.bit16_groups_flat)
+        stored = {t.untyped_storage().data_ptr() for t in weights}
+        moments = [v for m in self._masters for v in opt.optimizer.state.get(m, {}).values() if torch.is_tensor(v)]
+        masters = [m for m in self._masters if m.untyped_storage().data_ptr() not in stored]
+        return accounting.StateBytes(params=storage_bytes(weights), grads=self._grad_bytes or 0,
+                                     optimizer=storage_bytes(moments + masters), offload=self.cfg.offload != "none")
+
+    def param_count(self) -> int:
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
+
+    def comm_elements(self) -> int:
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.trainable)
+
+    def meters(self) -> dict[str, dict[str, float]]:
+        out = super().meters()
+        layout, n = f"zero{self.stage}", self.world.world_size
+        out["model_state_bytes_theory"] = accounting.model_state_bytes(
+            self.param_count(), layout, n, "fp32", self.cfg.offload != "none").as_dict()
+        out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(self.comm_elements(), layout, n)
+        return out
