@@ -1,0 +1,212 @@
+"""The SLURM executor against a real single-node cluster on localhost (sweeps/slurm/local_cluster.sh):
+arrays, a failing run, a cancelled run, a driver killed and restarted mid-sweep, quoting, and the
+multi-node sbatch script (torchrun with c10d rendezvous) run on one node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "sweeps" / "slurm" / "local_cluster.sh"
+SHAPES = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2},
+          {"name": "mid", "n_layer": 2, "d_model": 48, "n_head": 2},
+          {"name": "wide", "n_layer": 2, "d_model": 64, "n_head": 2}]
+SLURM = '[slurm]\npartition = "debug"\npoll_s = 0.5\n[launch]\nmem_gb = 1\ntime_min = 10\n'
+
+
+def _cluster_status() -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running cluster: the one .ci/run started, else one started here (root, packages installed), else skip."""
+    if _cluster_status().returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0 or not shutil.which("slurmctld") or not shutil.which("slurmdbd"):
+        pytest.skip("no SLURM cluster on localhost and none can start here (needs root and Debian's slurmctld, "
+                    "slurmd, slurmdbd, munge, mariadb-server); run sweeps/slurm/local_cluster.sh start")
+    start = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=300)
+    if start.returncode != 0:
+        pytest.skip(f"the local SLURM cluster did not start: {start.stderr.strip().splitlines()[-1:]}")
+    yield
+    subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
+
+
+def sacct_states(job: str) -> dict[str, str]:
+    """{job id: state} of a job (all tasks of an array) from SLURM's accounting."""
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", job], capture_output=True, text=True,
+                         check=True).stdout
+    return {line.split("|")[0]: line.split("|")[1] for line in out.splitlines() if line}
+
+
+def job_id(row: dict) -> str:
+    kind, _, job = row["job"].partition(":")
+    assert kind == "slurm", row["job"]
+    return job
+
+
+def wait_for(predicate, timeout: float = 180, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_sweep(file: Path, folder: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder),
+                           "--executor", "slurm", "--no-progress", *extra], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_an_array_runs_every_run_and_records_its_summary(cluster, tmp_path, write_sweep, registry_rows,
+                                                         completions):
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=SHAPES, extra=SLURM)
+    folder = tmp_path / "sweep"
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = registry_rows(folder)
+    assert len(rows) == 3 and all(r["status"] == "done" and r["attempts"] == 1 for r in rows.values())
+    jobs = [job_id(r) for r in rows.values()]
+    array = {j.split("_")[0] for j in jobs}
+    assert len(array) == 1 and sorted(j.split("_")[1] for j in jobs) == ["0", "1", "2"]  # one array of three
+    states = sacct_states(array.pop())
+    assert sorted(states) == sorted(jobs) and set(states.values()) == {"COMPLETED"}
+    for name, row in rows.items():
+        assert json.loads(row["summary"])["status"] == "completed" and completions(folder, name) == 1
+
+
+def test_a_failing_run_is_recorded_as_failed_with_its_error_line(cluster, tmp_path, write_sweep, registry_rows,
+                                                                 sweeps_cli):
+    shapes = [SHAPES[0], {**SHAPES[1], "launch": {"strategy": "no-such-strategy"}}]
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=shapes, extra=SLURM)
+    folder = tmp_path / "sweep"
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = registry_rows(folder)
+    assert rows["C6e8-small"]["status"] == "done"
+    bad = rows["C6e8-mid"]
+    assert bad["status"] == "failed" and bad["error"].startswith("error: unknown strategy 'no-such-strategy'")
+    assert sacct_states(job_id(bad))[job_id(bad)] == "FAILED"
+    assert bad["error"] in sweeps_cli("status", folder).stdout
+
+
+def test_a_cancelled_run_is_recorded_as_cancelled(cluster, tmp_path, write_sweep, registry_rows, sweeps_cli):
+    file = write_sweep(tmp_path / "s.toml", budgets=[1e11], shapes=SHAPES[:1], extra=SLURM)  # about 1,400 steps
+    folder = tmp_path / "sweep"
+    driver = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder),
+                               "--executor", "slurm", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    name = "C1e11-small"
+    wait_for(lambda: (folder / "runs" / name / "metrics.jsonl").exists(), what="the job to start training")
+    job = job_id(registry_rows(folder)[name])
+    proc = sweeps_cli("cancel", folder)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{name}: cancelled (scancel {job})"
+    assert driver.wait(timeout=180) == 1
+    row = registry_rows(folder)[name]
+    assert row["status"] == "cancelled"
+    assert wait_for(lambda: sacct_states(job).get(job, "").startswith("CANCELLED"), what="sacct to say CANCELLED")
+    assert f"cancelled {name}" in driver.stdout.read()
+
+
+def test_a_driver_killed_mid_sweep_follows_its_jobs_when_restarted(cluster, tmp_path, write_sweep, registry_rows,
+                                                                   completions):
+    # three runs of a few hundred steps, one at a time (array_parallelism 1)
+    extra = SLURM.replace('poll_s = 0.5', 'poll_s = 0.5\narray_parallelism = 1')
+    file = write_sweep(tmp_path / "s.toml", budgets=[1.5e10], shapes=SHAPES, extra=extra)
+    folder = tmp_path / "sweep"
+    driver = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder),
+                               "--executor", "slurm", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+
+    def one_done_one_training():
+        rows = registry_rows(folder) if (folder / "sweep.db").exists() else {}
+        done = [r for r in rows.values() if r["status"] == "done"]
+        training = [r for r in rows.values() if r["status"] == "running"
+                    and (Path(r["run_dir"]) / "metrics.jsonl").exists()]
+        return bool(done and training)
+
+    wait_for(one_done_one_training, timeout=300, what="a finished run and one in training")
+    before = registry_rows(folder)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+    jobs = {n: job_id(r) for n, r in before.items()}
+    array = next(iter(jobs.values())).split("_")[0]
+    assert any(s in ("RUNNING", "PENDING") for s in sacct_states(array).values())  # the jobs outlive the driver
+
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = registry_rows(folder)
+    for name, row in after.items():
+        assert row["status"] == "done" and row["attempts"] == 1, name  # followed, not submitted again
+        assert job_id(row) == jobs[name] and completions(folder, name) == 1
+    assert set(sacct_states(array).values()) == {"COMPLETED"}
+
+
+NASTY = "it's a \"run\"; touch PWNED-$(id -u) `touch PWNED2` && rm -rf nothing"
+
+
+def test_names_with_spaces_quotes_and_semicolons_stay_inert_on_slurm(cluster, tmp_path, write_sweep, registry_rows):
+    file = write_sweep(tmp_path / "s.toml", name="sweep 'one'; touch PWNED3", budgets=[6e8],
+                       shapes=[{**SHAPES[0], "name": NASTY}], extra=SLURM)
+    folder = tmp_path / "a folder; with 'quotes' \"and\" spaces"
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = registry_rows(folder)[f"C6e8-{NASTY}"]
+    assert row["status"] == "done" and Path(row["run_dir"]) == folder / "runs" / f"C6e8-{NASTY}"
+    for place in (REPO, tmp_path, folder, folder / "runs"):
+        assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
+
+
+def test_the_multi_node_script_runs_torchrun_with_c10d_rendezvous(cluster, tmp_path, write_sweep):
+    """The sbatch-script path that multi-node runs take, run here on the one node with two processes."""
+    from sweeps import plan as planner
+    from sweeps import spec
+    from sweeps.executors.attempt import Attempt
+    from sweeps.executors.slurm import FINAL_STATES, SlurmExecutor
+
+    shapes = [{**SHAPES[0], "name": NASTY, "launch": {"nproc": 2, "strategy": "ddp"}}]
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=shapes, extra=SLURM)
+    sweep = spec.load(file, folder=tmp_path / "it's; here")
+    [run] = planner.plan(sweep).runs
+    logs = sweep.folder / "logs" / run.name
+    logs.mkdir(parents=True)
+    attempt = Attempt(run=run, run_dir=sweep.folder / "runs" / run.name, log=logs / "attempt-1.log",
+                      lock=logs / "run.lock")
+
+    class Events:
+        jobs: list[str] = []
+
+        def start(self, a):
+            return True
+
+        def started(self, a, job):
+            self.jobs.append(job)
+
+    executor = SlurmExecutor(sweep.folder / "slurm", sweep.name, sweep.slurm, cwd=REPO)
+    events = Events()
+    _, job = executor.submit_script(attempt, events)
+    state = wait_for(lambda: (s := sacct_states(job.job_id).get(job.job_id, "")) in FINAL_STATES and s,
+                     what="the script job to end")
+    log = attempt.log.read_text()
+    assert state == "COMPLETED" and "strategy ddp × 2" in log and "done (completed)" in log, log[-2000:]
+    summary = json.loads((attempt.run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["strategy"], summary["world_size"]) == ("completed", "ddp", 2)
+    script = attempt.log.with_suffix(".sbatch").read_text()
+    assert "--rdzv_backend=c10d" in script and '--nnodes="$SLURM_JOB_NUM_NODES"' in script
+    assert events.jobs == [job.job_id]
+    for place in (REPO, tmp_path, sweep.folder):
+        assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
