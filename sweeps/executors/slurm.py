@@ -56,6 +56,18 @@ def sbatch_script(attempt: Attempt, threads: int) -> str:
     ])
 
 
+def sbatch_options(attempt: Attempt, settings: dict[str, Any], name: str, cwd: Path) -> list[str]:
+    """sbatch's command-line options for a script run (arguments, so no shell parses them)."""
+    launch = attempt.run.launch
+    options = [f"--job-name={name}", f"--nodes={launch.nodes}", "--ntasks-per-node=1",
+               f"--cpus-per-task={launch.nproc * launch.cpus_per_proc}", f"--mem={int(launch.mem_gb * 1024)}M",
+               f"--time={launch.time_min}", f"--output={attempt.log}", "--open-mode=append", f"--chdir={cwd}"]
+    if launch.gpus_per_proc:
+        options.append(f"--gpus-per-node={launch.nproc * launch.gpus_per_proc}")
+    return options + [f"--{key}={settings[key]}" for key in ("partition", "account", "qos", "constraint")
+                      if key in settings]
+
+
 class SlurmExecutor:
     """Submits to the cluster's ``partition`` (and ``account``, ``qos``, ``constraint``) from ``[slurm]``."""
 
@@ -84,19 +96,6 @@ class SlurmExecutor:
             if key in self.settings:
                 resources[key] = self.settings[key]
         return resources
-
-    def sbatch_options(self, attempt: Attempt) -> list[str]:
-        """sbatch's command-line options for a script run (given as arguments, so nothing is parsed by a shell)."""
-        launch = attempt.run.launch
-        options = [f"--job-name={self.job_name}", f"--nodes={launch.nodes}", "--ntasks-per-node=1",
-                   f"--cpus-per-task={launch.nproc * launch.cpus_per_proc}", f"--mem={int(launch.mem_gb * 1024)}M",
-                   f"--time={launch.time_min}", f"--output={attempt.log}", "--open-mode=append",
-                   f"--chdir={self.cwd}"]
-        if launch.gpus_per_proc:
-            options.append(f"--gpus-per-node={launch.nproc * launch.gpus_per_proc}")
-        options += [f"--{key}={self.settings[key]}" for key in ("partition", "account", "qos", "constraint")
-                    if key in self.settings]
-        return options
 
     # ------------------------------------------------------------ submission
 
@@ -129,7 +128,8 @@ class SlurmExecutor:
         tmp = script.with_name(f".{script.name}.tmp")
         tmp.write_text(sbatch_script(attempt, launch.cpus_per_proc))
         tmp.replace(script)
-        proc = subprocess.run(["sbatch", "--parsable", *self.sbatch_options(attempt), str(script)],
+        options = sbatch_options(attempt, self.settings, self.job_name, self.cwd)
+        proc = subprocess.run(["sbatch", "--parsable", *options, str(script)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise SlurmError(f"sbatch failed: {' '.join(proc.stderr.split())[:300]}")

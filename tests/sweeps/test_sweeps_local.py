@@ -331,7 +331,8 @@ def test_a_corrupt_registry_is_reported_and_left_untouched(tmp_path, write_sweep
     assert (other / "sweep.db").read_bytes() == before
 
 
-def test_a_changed_run_config_is_refused_before_any_work(tmp_path, write_sweep, sweeps_cli, registry_rows):
+def test_changed_or_duplicated_run_configs_are_refused_before_any_work(tmp_path, write_sweep, sweeps_cli,
+                                                                      registry_rows):
     file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=THREE[:1])
     folder = tmp_path / "sweep"
     assert sweeps_cli("run", file, "--folder", folder, "--no-progress").returncode == 0
@@ -340,4 +341,9 @@ def test_a_changed_run_config_is_refused_before_any_work(tmp_path, write_sweep, 
     proc = sweeps_cli("run", changed, "--folder", folder, "--no-progress")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: run 'C6e8-small' is recorded with a different config")
-    assert registry_rows(folder) == before
+    renamed = write_sweep(tmp_path / "s3.toml", budgets=[6e8], shapes=[THREE[1], {**THREE[0], "name": "tiny"}])
+    proc = sweeps_cli("run", renamed, "--folder", folder, "--no-progress")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: run 'C6e8-tiny' has the same config as recorded run 'C6e8-small'"
+    assert registry_rows(folder) == before  # nothing recorded, not even the new run 'C6e8-mid'
+    assert sorted(p.name for p in (folder / "runs").iterdir()) == ["C6e8-small"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +189,16 @@ def test_plan_command_prints_the_table_and_refuses_with_one_line_each(tmp_path, 
     proc = sweeps_cli("plan", tmp_path / "missing.toml", timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: sweep file not found: {tmp_path / 'missing.toml'}"]
+
+
+def test_the_default_sweep_plans_three_budgets_by_five_sizes():
+    sweep = spec.load(Path(__file__).resolve().parents[2] / "sweeps" / "tiny_isoflop.toml", folder="/tmp/unused")
+    result = planner.plan(sweep)
+    assert not result.refused and len(sweep.budgets) >= 3 and len(sweep.sizes) >= 5
+    assert len(result.runs) == len(sweep.budgets) * len(sweep.sizes)
+    for budget in sweep.budgets:
+        runs = [r for r in result.runs if r.budget == budget]
+        assert len({r.params for r in runs}) == len(sweep.sizes)  # five distinct models per budget
+        assert all(abs(r.flops / budget - 1) < 0.01 for r in runs)
+    # the plan's own estimate, calibrated on the development machine, stays near 10 minutes with 2 at once
+    assert sum(r.est_seconds for r in result.runs) / sweep.parallel < 12 * 60

@@ -210,3 +210,44 @@ def test_the_multi_node_script_runs_torchrun_with_c10d_rendezvous(cluster, tmp_p
     assert events.jobs == [job.job_id]
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
+
+
+def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_sweep):
+    """No cluster needed: the script runs with stand-ins for scontrol and srun that record what they get."""
+    from sweeps import plan as planner
+    from sweeps import spec
+    from sweeps.executors.attempt import Attempt, run_options
+    from sweeps.executors.slurm import sbatch_options, sbatch_script
+
+    shapes = [{**SHAPES[0], "name": NASTY, "launch": {"nproc": 4, "nodes": 2, "strategy": "ddp", "gpus_per_proc": 1}}]
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=shapes, extra=SLURM)
+    sweep = spec.load(file, folder=tmp_path / "it's; $(touch PWNED4) here")
+    [run] = planner.plan(sweep).runs
+    logs = sweep.folder / "logs" / run.name
+    logs.mkdir(parents=True)
+    attempt = Attempt(run=run, run_dir=sweep.folder / "runs" / run.name, log=logs / "attempt-1.log",
+                      lock=logs / "run.lock")
+    options = sbatch_options(attempt, sweep.slurm, "sweep-x", REPO)
+    assert {"--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=debug",
+            f"--output={attempt.log}"} <= set(options)
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'node-a\\nnode-b\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$ARGS_OUT"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(attempt, threads=3))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
+           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2"}
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = (tmp_path / "args").read_text().split("\0")[:-1]
+    assert argv[:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m"]
+    assert argv[4:10] == ["torch.distributed.run", "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
+                          "--rdzv_id=4242", f"--rdzv_endpoint=node-a:{20000 + 4242}"]
+    assert argv[10:] == run_options(attempt)  # the run's path and options, character for character
+    assert str(attempt.run_dir) in argv and NASTY in attempt.run_dir.name
+    for place in (REPO, tmp_path, sweep.folder):
+        assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
