@@ -219,7 +219,9 @@ def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precisio
     ``precision="fp32"`` keeps the structure with 4-byte weights and gradients and K = 8, so fp32 ddp
     is the naive 4 + 4 + 8 = 16 B/param (the lab's own runs: fp32 weights, bf16 only inside
     autocast). ``offload`` moves the optimizer states (and the update) to host memory as in
-    ZeRO-Offload (Ren et al. 2021), sharded as the strategy shards them. Activations,
+    ZeRO-Offload (Ren et al. 2021), sharded as the strategy shards them; in fp32 training that adds
+    a 4-byte fp32 master copy of the weights beside the moments (mixed precision's K = 12 already
+    holds one), since the update no longer runs where the weights live. Activations,
     communication buckets and allocator slack are not included.
     """
     if strategy not in _SHARDED:
@@ -228,8 +230,11 @@ def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precisio
         raise ValueError(f"unknown precision '{precision}' (known: {', '.join(PRECISIONS)})")
     if params < 0 or n_devices < 1:
         raise ValueError("need params >= 0 and n_devices >= 1")
+    widths = list(_STATE_WIDTHS[precision])
+    if offload and precision == "fp32":
+        widths[2] += 4  # the host's master copy of the weights
     weights, grads, optim = (params * width / (n_devices if sharded else 1)
-                             for width, sharded in zip(_STATE_WIDTHS[precision], _SHARDED[strategy]))
+                             for width, sharded in zip(widths, _SHARDED[strategy]))
     return StateBytes(params=weights, grads=grads, optimizer=optim, offload=offload)
 
 

@@ -1,23 +1,46 @@
-"""Throughput benchmark: tokens/s and MFU of a model's training step (forward, backward, AdamW).
+"""Benchmarks that print figures: one process's training throughput, and strategies side by side.
 
-Synthetic tokens, so it needs no data. On CPU the MFU denominator is a measured fp32 matmul peak
-of this machine; on CUDA it is the data-sheet dense bf16 peak (``lab.accounting``).
+    python launch/bench.py                          # tokens/s and MFU of the default models (CPU or CUDA)
+    python launch/bench.py --strategies ddp_naive,ddp,torch_ddp --nproc 2 --out benchmarks/parallel
+    python launch/bench.py --strategies single,single:activation_checkpointing=full --nproc 1 --preset tiny
+
+Throughput: forward, backward and fused AdamW on synthetic tokens; the MFU denominator comes from
+``lab.device`` (a measured matmul peak on a CPU, the data-sheet dense peak on a GPU).
+
+Strategies: every strategy trains the same model on the same random batches on ``--nproc`` gloo
+ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
+again and again) so that a noisy shared machine slows them alike, and each figure is the median
+over all timed steps. Per strategy: step time, tokens/s, the ratio to ``torch_ddp`` measured in
+the same run, the time a step waited on communication (exposed), the bytes sent per step
+against theory, the model-state bytes per rank against theory and the activation bytes a
+micro-step saved for its backward. ``--out`` writes a Markdown table, a JSON file and a PNG plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import os
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from lab import accounting
-from lab.config import ConfigError, resolve
-from lab.device import Precision, peak_flops, peak_memory_bytes, setup_device, synchronize
-from lab.files import save_json
+from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from lab.device import Precision, cpu_name, describe, peak_flops, peak_memory_bytes, setup_device, synchronize
+from lab.files import save_json, write_atomic
 from lab.model import GPT
-from lab.optim import param_groups
+from lab.optim import adamw_factory, param_groups
+from lab.parallel import World, create, parse_spec
+from lab.parallel import validate as validate_parallel
+from lab.parallel.spawn import RankFailed, run_ranks
+from lab.train import train_step
+
+# ---------------------------------------------------------------- one process: throughput
 
 
 def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: int, device: torch.device,
@@ -45,52 +68,193 @@ def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: in
         synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    step_time, best = sorted(times)[len(times) // 2], min(times)
+    step_time, best = statistics.median(times), min(times)
     tokens_per_s = micro_batch * cfg.block_size / step_time
     fpt = accounting.flops_per_token(cfg)
     peak = peak_flops(device, precision).flops
-    return {"model": preset, "params": accounting.param_counts(cfg).total, "dtype": "bf16" if bf16 else "fp32",
+    return {"model": preset, "params": accounting.param_counts(cfg).total, "dtype": precision.name,
             "compile": compile, "micro_batch": micro_batch, "seq_len": cfg.block_size, "step_time_s": step_time,
             "best_step_time_s": best, "tokens_per_s": tokens_per_s,
-            "best_tokens_per_s": micro_batch * cfg.block_size / best, "model_flops_per_s": fpt * tokens_per_s, "peak_flops": peak,
-            "mfu": fpt * tokens_per_s / peak, "mem_peak_bytes": peak_memory_bytes(device)}
+            "best_tokens_per_s": micro_batch * cfg.block_size / best, "model_flops_per_s": fpt * tokens_per_s,
+            "peak_flops": peak, "mfu": fpt * tokens_per_s / peak, "mem_peak_bytes": peak_memory_bytes(device)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch/bench.py", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per case (median and best reported)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
-    if args.steps <= 0 or args.warmup < 0:
-        print("error: --steps must be positive and --warmup >= 0", file=sys.stderr)
-        return 2
+def throughput(steps: int, warmup: int, out: str | None) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)
         setup_device(device)
         cases = [("gpt2-124m", 50304, 16, True, False), ("gpt2-124m", 50304, 16, True, True)]
-        where = torch.cuda.get_device_name(device)
     else:
         device = torch.device("cpu")
         cases = [("tiny", 4096, 16, False, False), ("tiny-modern", 4096, 16, False, False)]
-        where = f"CPU, {torch.get_num_threads()} threads"
-    print(f"device: {where} | torch {torch.__version__} | median (and best) of {args.steps} steps after "
-          f"{args.warmup} warm-up steps; peak in TFLOP/s")
+    where = describe(device)
+    print(f"device: {where} | torch {torch.__version__} | median (and best) of {steps} steps after "
+          f"{warmup} warm-up steps; peak in TFLOP/s")
     print(f"{'model':<12} {'params':>12} {'dtype':>5} {'compile':>7} {'batch×T':>9} {'step ms':>8} "
           f"{'tok/s':>10} {'TFLOP/s':>8} {'peak':>8} {'MFU':>6} {'best tok/s':>11} {'best MFU':>8}")
     results = []
     for preset, vocab, mb, bf16, comp in cases:
-        try:
-            r = bench_case(preset, vocab, mb, args.steps, args.warmup, device, bf16, comp)
-        except ConfigError as e:
-            print(f"error: {e}")
-            return 2
+        r = bench_case(preset, vocab, mb, steps, warmup, device, bf16, comp)
         results.append(r)
         print(f"{preset:<12} {r['params']:>12,} {r['dtype']:>5} {str(comp):>7} {mb}×{r['seq_len']:<5} "
               f"{1e3 * r['step_time_s']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['model_flops_per_s'] / 1e12:>8.3f} "
               f"{r['peak_flops'] / 1e12:>8.2f} {100 * r['mfu']:>5.1f}% {r['best_tokens_per_s']:>11,.0f} "
               f"{100 * r['mfu'] * r['best_tokens_per_s'] / r['tokens_per_s']:>7.1f}%")
-    if args.json:
-        save_json(args.json, {"device": where, "torch": torch.__version__, "results": results})
+    if out:
+        save_json(out, {"device": where, "torch": torch.__version__, "results": results})
     return 0
+
+
+# ---------------------------------------------------------------- several ranks: strategies side by side
+
+BENCH_MODEL = ModelConfig(n_layer=4, n_head=4, d_model=256, block_size=128, vocab_size=4096)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One row of the table: a strategy and its [parallel] options, written ``name[:key=value,...]``."""
+
+    label: str
+    parallel: ParallelConfig
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        return cls(text, parse_spec(text))
+
+
+def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
+                      rounds: int, warmup: int) -> list[dict]:
+    precision, tokens = Precision("cpu", bf16=False), micro_batch * shape.block_size * world.world_size
+    built = []
+    for case in cases:
+        s = create(case.parallel, world, precision)
+        s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
+        built.append(s)
+    g = torch.Generator().manual_seed(world.rank)
+    x = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
+    times = {c.label: [] for c in cases}
+    waits = {c.label: [] for c in cases}
+    for r in range(-1, rounds):  # round -1 warms up
+        for case, s in zip(cases, built, strict=True):
+            for _ in range(warmup if r < 0 else steps):
+                t0 = time.perf_counter()
+                train_step(s, world, [(x[:, :-1], x[:, 1:])], 1, 1e-4, 1.0)
+                elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
+                if r >= 0:
+                    times[case.label].append(elapsed)
+                    waits[case.label].append(meters.comm_wait_s)
+            if world.is_main and r >= 0:
+                print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * statistics.median(times[case.label]):8.1f} "
+                      f"ms/step so far", flush=True)
+    rows = []
+    for case, s in zip(cases, built, strict=True):
+        step = statistics.median(times[case.label])
+        rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
+                     "tokens_per_s": tokens / step, "exposed_comm_s": statistics.median(waits[case.label]),
+                     **s.meters()})
+    return rows
+
+
+def plot_strategies(rows: list[dict], path: Path) -> None:
+    """Step time, model-state bytes per rank (measured bars, theory ticks) and saved activations, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    y = list(range(len(rows)))
+    fig, (time_ax, state_ax, act_ax) = plt.subplots(1, 3, figsize=(15, 0.45 * len(rows) + 2.4), sharey=True)
+    time_ax.barh(y, [1e3 * r["step_time_s"] for r in rows], color="#4c78a8", label="step")
+    time_ax.barh(y, [1e3 * r["exposed_comm_s"] for r in rows], color="#e45756", label="waiting on communication")
+    time_ax.set_xlabel("step time, ms (median)")
+    left = [0.0] * len(rows)
+    for kind, color in (("params", "#72b7b2"), ("grads", "#f58518"), ("optimizer", "#54a24b")):
+        values = [r["model_state_bytes"][kind] / 2**20 for r in rows]
+        state_ax.barh(y, values, left=left, color=color, label=kind)
+        left = [a + v for a, v in zip(left, values, strict=True)]
+    state_ax.scatter([r["model_state_bytes_theory"]["total"] / 2**20 for r in rows], y, marker="|", s=300,
+                     color="black", label="theory (ZeRO formulas)")
+    state_ax.set_xlabel("model states per rank, MiB")
+    act_ax.barh(y, [r["activation_saved_bytes"] / 2**20 for r in rows], color="#b279a2")
+    act_ax.set_xlabel("activations saved for backward per micro-step, MiB")
+    handles, labels = zip(*[hl for ax in (time_ax, state_ax) for hl in zip(*ax.get_legend_handles_labels())])
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    time_ax.set_yticks(y, [r["label"] for r in rows])
+    time_ax.invert_yaxis()
+    fig.tight_layout(rect=(0, 0.6 / (0.45 * len(rows) + 2.4), 1, 1))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def format_strategies(rows: list[dict], reference: str = "torch_ddp") -> str:
+    ref = next((r["step_time_s"] for r in rows if r["label"] == reference), None)
+    lines = ["| strategy | step ms | tokens/s | vs torch_ddp (tokens/s) | exposed comm ms | comm MB/step: counted / theory "
+             "| model states MB/rank: measured / theory | saved activations MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        counted, theory = sum(r["comm_bytes_per_step"].values()), sum(r["comm_bytes_per_step_theory"].values())
+        ratio = f"{ref / r['step_time_s']:.3f}×" if ref else "-"
+        lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+                     f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
+                     f"{r['model_state_bytes']['total'] / 1e6:.2f} / {r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
+                     f"{r['activation_saved_bytes'] / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def strategies(args: argparse.Namespace) -> int:
+    try:
+        cases = [Case.parse(t) for t in args.strategies.split(",") if t]
+        for case in cases:
+            validate_parallel(case.parallel, args.nproc)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    shape = (resolve({"model": {"preset": args.preset, "vocab_size": BENCH_MODEL.vocab_size}}).model if args.preset
+             else dataclasses.replace(BENCH_MODEL, d_model=args.d_model))
+    params = accounting.param_counts(shape).total
+    load = os.getloadavg()[0]
+    header = (f"{args.nproc} gloo ranks on {cpu_name()} ({os.cpu_count()} cores), 1 thread each | torch "
+              f"{torch.__version__} | model d={shape.d_model} L={shape.n_layer} T={shape.block_size} V={shape.vocab_size}"
+              f" ({params:,} params), fp32, micro-batch {args.micro_batch} per rank | median of {args.rounds} rounds × "
+              f"{args.steps} steps, strategies interleaved | load average at start {load:.2f}")
+    print(header, flush=True)
+    try:
+        rows = run_ranks(_bench_strategies, args.nproc, cases, shape, args.micro_batch, args.steps, args.rounds,
+                         args.warmup, deadline_s=3600)[0]
+    except RankFailed as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    table = format_strategies(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        write_atomic(out.with_suffix(".md"), f"# Strategies side by side\n\n{stamp}: `python launch/bench.py "
+                                             f"{' '.join(sys.argv[1:])}`\n\n{header}\n\n{table}\n")
+        save_json(out.with_suffix(".json"), {"header": header, "date": stamp, "rows": rows})
+        plot_strategies(rows, out.with_suffix(".png"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="launch/bench.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per case (per round with --strategies)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--strategies", help="compare these strategies, e.g. ddp_naive,ddp,torch_ddp or "
+                                        "ddp:bucket_mb=1 (name[:option=value,...])")
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks for --strategies")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --strategies")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step for --strategies")
+    p.add_argument("--d-model", type=int, default=BENCH_MODEL.d_model, help="width of the --strategies model")
+    p.add_argument("--preset", help="a model preset for --strategies instead (tiny is the demo model), vocab 4096")
+    p.add_argument("--out", help="write the results here (JSON; with --strategies also Markdown)")
+    args = p.parse_args(argv)
+    if args.steps <= 0 or args.warmup < 0 or args.nproc < 1 or args.rounds < 1 or args.micro_batch < 1:
+        print("error: --steps, --nproc, --rounds and --micro-batch must be positive and --warmup >= 0",
+              file=sys.stderr)
+        return 2
+    if args.strategies:
+        return strategies(args)
+    return throughput(args.steps, args.warmup, args.out)

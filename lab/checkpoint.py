@@ -24,20 +24,25 @@ _NAME = re.compile(r"step-(\d+)")
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first. A folder moved aside for a replacement (``step-N.old``)
+    still counts when the process died before its successor took its name."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and (p / META).is_file()]
-    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+    done: dict[int, Path] = {}
+    for p in sorted(root.iterdir(), key=lambda p: p.name.endswith(".old")):
+        match = _NAME.fullmatch(p.name.removesuffix(".old"))
+        if match and (p / META).is_file():
+            done.setdefault(int(match.group(1)), p)
+    return [done[step] for step in sorted(done)]
 
 
 def clean_stale_temporaries(run_dir: Path) -> None:
     """Remove what an interrupted run left half-written: checkpoint folders under construction or
     moved aside, and temporary files beside the run's JSON files."""
-    root = run_dir / "checkpoints"
+    root, complete = run_dir / "checkpoints", set(checkpoint_dirs(run_dir))
     for p in root.iterdir() if root.is_dir() else []:
-        if p.is_dir() and not _NAME.fullmatch(p.name):
+        if p.is_dir() and not _NAME.fullmatch(p.name) and p not in complete:
             shutil.rmtree(p, ignore_errors=True)
     for p in run_dir.glob(".*.tmp"):
         p.unlink(missing_ok=True)
@@ -82,6 +87,7 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: dict, meta
         save_json(tmp / META, {**meta, "step": step, "world_size": world_size})
         aside = final.with_name(final.name + ".old")
         if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
             final.replace(aside)
         tmp.replace(final)
         shutil.rmtree(aside, ignore_errors=True)

@@ -189,10 +189,8 @@ def run_main(argv: list[str] | None = None) -> int:
         resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
         if resume:
             check_resume_config(run_dir, cfg)
-        if world.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if not args.run_dir:
-                print(f"run directory: {run_dir}", flush=True)
+        if world.is_main and not args.run_dir:
+            print(f"run directory: {run_dir}", flush=True)
         with StopSignals() as stop:
             summary = train(cfg, data_dir, run_dir, world, resume=resume, stop_signal=stop, estimate=estimate)
     except ConfigError as e:

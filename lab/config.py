@@ -109,8 +109,15 @@ class ParallelConfig:
     strategy: str = _f("single", "parallelism strategy (see lab.parallel.STRATEGIES)")
     timeout_s: float = _f(600.0, "collective timeout in seconds: a missing rank or a mismatched collective "
                                  "fails after this long instead of hanging")
-    bucket_mb: float = _f(25.0, "gradient bucket size in MiB (ddp, torch_ddp)")
-    overlap: bool = _f(True, "launch each bucket's all-reduce from backward hooks as soon as it is full (ddp)")
+    bucket_mb: float = _f(25.0, "gradient bucket size in MiB (ddp, torch_ddp, zero1, zero2)")
+    overlap: bool = _f(True, "launch each bucket's collective from backward hooks as soon as it is full "
+                             "(ddp, zero2, zero3)")
+    activation_checkpointing: str = _f("none", "none, full (recompute each block and the output head) or "
+                                               "selective (keep matmul and attention outputs, recompute the rest)")
+    offload: str = _f("none", "none, or optimizer: optimizer states and the update on the CPU (zero1-3; fsdp: "
+                              "CPUOffloadPolicy, which also keeps sharded weights and gradients on the CPU)")
+    reshard_after_forward: bool = _f(True, "free gathered weights after each block's forward and gather them "
+                                           "again for its backward (fsdp; false: keep them, ZeRO-2-like)")
 
 
 @dataclass

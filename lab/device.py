@@ -77,6 +77,13 @@ def resolve_precision(dtype: str, device: torch.device) -> Precision:
     return Precision(device.type, dtype == "bf16" or (dtype == "auto" and device.type == "cuda"))
 
 
+def describe(device: torch.device) -> str:
+    """The device in words: the GPU's name, or the CPU's model and thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -107,7 +114,7 @@ def _cache_file() -> Path:
     return Path(root) / "scaling-lab" / "cpu-peaks.json"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -119,7 +126,7 @@ def _cpu_name() -> str:
 
 def cpu_peak_flops(dtype: torch.dtype) -> Peak:
     """This CPU's matmul FLOP/s in ``dtype``: read from the cache, or measured (< 2 s) and cached."""
-    key = f"{_cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {dtype}"
+    key = f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {dtype}"
     path = _cache_file()
     try:
         cache = json.loads(path.read_text())

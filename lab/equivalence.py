@@ -13,8 +13,11 @@ on every rank alone, with the same micro-batches accumulated in order (``--accum
 micro-steps), which is the computation the others distribute.
 
 Where to expect bits: the gradient of a step is a sum of micro-batch gradients. On 2 ranks with one
-micro-batch each, the all-reduce adds two numbers (order-free) and the division by 2 is exact, so
-every strategy here reproduces ``single`` bit for bit. With accumulation (blocks of micro-batches
+micro-batch each, the all-reduce (or reduce-scatter) adds two numbers (order-free) and the division
+by 2 is exact, so every strategy reproduces ``single``'s losses and weights bit for bit. The sharded
+strategies compute the global gradient norm from per-shard squared sums, a different order than
+``single``'s per-tensor norms, so the norm can differ in its last bits, and with clipping active the
+clip factor with it (``--grad-clip 0`` removes that path). With accumulation (blocks of micro-batches
 summed per rank, then across ranks) or 4 ranks (the ring adds partial sums in a rank-dependent
 order) the additions are regrouped and the results differ in the last bits; AdamW then carries
 those differences forward, so parameters agree to a tolerance, not bitwise.
@@ -33,7 +36,7 @@ from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from lab.device import Precision
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import STRATEGIES, World, create
+from lab.parallel import World, create, parse_spec, validate
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import StepPlan, train_step
 
@@ -50,6 +53,7 @@ class Setup:
     lr: float = 1e-2
     grad_clip: float = 1.0
     seed: int = 1234
+    bf16: bool = False  # autocast
     model: ModelConfig = dataclasses.field(default_factory=lambda: dataclasses.replace(TINY))
 
 
@@ -69,7 +73,7 @@ def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor,
 
 def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> Trace:
     """Train ``setup`` under ``parallel.strategy`` on ``world``; the losses and (on rank 0) the final weights."""
-    strategy = create(parallel, world, Precision("cpu", bf16=False))
+    strategy = create(parallel, world, Precision("cpu", bf16=setup.bf16))
     strategy.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
     plan = StepPlan(global_sequences=setup.micro_batch * setup.accum * world.world_size, accum_steps=setup.accum,
@@ -81,7 +85,7 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
         result = train_step(strategy, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
         trace.losses.append(result.loss)
         trace.grad_norms.append(result.grad_norm)
-        strategy.take_step_comm()
+        strategy.take_step_meters()
     trace.params = strategy.full_state_dict()
     return trace
 
@@ -98,7 +102,12 @@ class Comparison:
     max_rel_loss_diff: float
     max_rel_grad_norm_diff: float
     max_param_diff: float
-    bitwise: bool
+    same_losses: bool  # bitwise
+    same_params: bool  # bitwise
+
+    @property
+    def bitwise(self) -> bool:
+        return self.same_losses and self.same_params and self.max_rel_grad_norm_diff == 0
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:
@@ -109,29 +118,27 @@ def compare(ref: Trace, got: Trace) -> Comparison:
     if ref.params.keys() != got.params.keys():
         raise ValueError(f"parameter names differ: {sorted(ref.params.keys() ^ got.params.keys())}")
     diff = max((ref.params[k] - got.params[k]).abs().max().item() for k in ref.params)
-    bitwise = (ref.losses == got.losses and ref.grad_norms == got.grad_norms
-               and all(torch.equal(ref.params[k], got.params[k]) for k in ref.params))
-    return Comparison(_max_rel(ref.losses, got.losses), _max_rel(ref.grad_norms, got.grad_norms), diff, bitwise)
+    return Comparison(_max_rel(ref.losses, got.losses), _max_rel(ref.grad_norms, got.grad_norms), diff,
+                      ref.losses == got.losses, all(torch.equal(ref.params[k], got.params[k]) for k in ref.params))
 
 
-def equivalence(world: World, strategies: list[str], setup: Setup, options: dict | None = None
-                ) -> dict[str, Comparison]:
-    """Every strategy against ``single`` (rank 0's view; run on every rank of ``world``)."""
+def equivalence(world: World, specs: list[str], setup: Setup) -> dict[str, Comparison]:
+    """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank)."""
     ref = reference(world, setup)
     out = {}
-    for name in strategies:
-        trace = ref if name == "single" else train_tiny(world, setup, ParallelConfig(
-            strategy=name, **{k: v for k, v in (options or {}).items() if k in STRATEGIES[name].options}))
+    for spec in specs:
+        trace = ref if spec == "single" else train_tiny(world, setup, parse_spec(spec))
         if world.is_main:
-            out[name] = compare(ref, trace)
+            out[spec] = compare(ref, trace)
     return out
 
 
 def format_table(results: dict[str, Comparison]) -> str:
-    lines = [f"{'strategy':<12} {'max rel loss diff':>18} {'max rel grad-norm diff':>23} {'max |Δparam|':>13} "
+    width = max(12, *(len(name) for name in results))
+    lines = [f"{'strategy':<{width}} {'max rel loss diff':>18} {'max rel grad-norm diff':>23} {'max |Δparam|':>13} "
              f"{'bitwise':>8}"]
     for name, c in results.items():
-        lines.append(f"{name:<12} {c.max_rel_loss_diff:>18.3g} {c.max_rel_grad_norm_diff:>23.3g} "
+        lines.append(f"{name:<{width}} {c.max_rel_loss_diff:>18.3g} {c.max_rel_grad_norm_diff:>23.3g} "
                      f"{c.max_param_diff:>13.3g} {'yes' if c.bitwise else 'no':>8}")
     return "\n".join(lines)
 
@@ -139,25 +146,33 @@ def format_table(results: dict[str, Comparison]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.equivalence", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
-    p.add_argument("--strategies", default="single,ddp_naive,ddp,torch_ddp", help="comma-separated names")
+    p.add_argument("--strategies", default="single,ddp_naive,ddp,torch_ddp",
+                   help="space-separated specs name[:key=value,...], e.g. 'zero2 zero3:offload=optimizer'; or "
+                        "comma-separated plain names")
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--accum", type=int, default=1, help="micro-steps per rank per step")
-    p.add_argument("--bucket-mb", type=float, default=ParallelConfig().bucket_mb, help="parallel.bucket_mb")
+    p.add_argument("--grad-clip", type=float, default=Setup.grad_clip, help="0: no clipping")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (then compare with a tolerance)")
     args = p.parse_args(argv)
-    names = [s for s in args.strategies.split(",") if s]
-    unknown = [s for s in names if s not in STRATEGIES]
-    if unknown or args.nproc < 1 or args.steps < 1 or args.accum < 1:
-        print(f"error: {'unknown strategy ' + unknown[0] if unknown else 'nproc, steps and accum must be positive'}",
-              file=sys.stderr)
+    text = args.strategies
+    specs = text.split() if " " in text.strip() or ":" in text else [s for s in text.split(",") if s]
+    try:
+        for spec in specs:
+            validate(parse_spec(spec), args.nproc) if spec != "single" else None
+        if args.nproc < 1 or args.steps < 1 or args.accum < 1 or args.grad_clip < 0:
+            raise ConfigError("--nproc, --steps and --accum must be positive and --grad-clip >= 0")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    setup = Setup(steps=args.steps, accum=args.accum)
+    setup = Setup(steps=args.steps, accum=args.accum, grad_clip=args.grad_clip, bf16=args.bf16)
     params = sum(p.numel() for p in GPT(setup.model).parameters())
-    print(f"tiny GPT ({params:,} params), fp32, CPU, {args.nproc} gloo ranks, {setup.steps} steps, "
+    print(f"tiny GPT ({params:,} params), {'bf16 autocast' if setup.bf16 else 'fp32'}, CPU, {args.nproc} gloo ranks, "
+          f"{setup.steps} steps, "
           f"{setup.accum} micro-step(s) of {setup.micro_batch} sequences per rank; against single accumulating "
           f"{setup.accum * args.nproc} micro-steps", flush=True)
     try:
-        results = run_ranks(equivalence, args.nproc, names, setup, {"bucket_mb": args.bucket_mb})[0]
+        results = run_ranks(equivalence, args.nproc, specs, setup)[0]
     except (RankFailed, ConfigError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

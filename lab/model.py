@@ -200,6 +200,10 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "modern" else None
         for block in self.blocks:
             x = block(x, rope)
+        return self.output(x, targets)
+
+    def output(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and head: logits, or the mean cross-entropy against ``targets``."""
         x = self.norm_f(x)
         logits = (F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x))[..., : self.vocab_size]
         if targets is None:

@@ -292,6 +292,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
         torch.manual_seed(rank_seed(cfg.train.seed, world.rank))  # dropout masks: each rank its own
     log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
     if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.clean_stale_temporaries(run_dir)
         save_json(run_dir / "config.json", cfg.to_dict())
         data.tokenizer.save(run_dir / "tokenizer")
@@ -358,7 +359,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             last = checkpoint.latest(run_dir)
             raise TrainingDiverged(f"{e} at step {step + 1}; stopped (last good checkpoint: {last or 'none'})") from None
         synchronize(world.device)
-        step_time, comm, done = time.perf_counter() - t0, strategy.take_step_comm(), step + 1
+        step_time, meters, done = time.perf_counter() - t0, strategy.take_step_meters(), step + 1
         log.bar.update()
         if not result.stepped:
             skipped += 1
@@ -371,8 +372,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             tokens_per_s = t.batch_tokens / step_time
             rec = {"step": done, "tokens": done * t.batch_tokens, "loss": result.loss, "lr": lr,
                    "grad_norm": result.grad_norm if result.stepped else None, "skipped_steps": skipped,
-                   "step_time_s": step_time, "comm_time_s": comm.wait_s,
-                   "compute_time_s": max(0.0, step_time - comm.wait_s), "tokens_per_s": tokens_per_s,
+                   "step_time_s": step_time, "comm_time_s": meters.comm_wait_s,
+                   "compute_time_s": max(0.0, step_time - meters.comm_wait_s), "tokens_per_s": tokens_per_s,
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
                    "mem_peak_bytes": peak_memory_bytes(world.device)}
             log.record(rec)

@@ -52,3 +52,18 @@ def tiny_prepared(tiny_corpus: Path, tiny_cache_dir: Path) -> Path:
 def tiny_data_config(tiny_corpus: Path, tiny_cache_dir: Path) -> DataConfig:
     """A fresh copy of the DataConfig behind tiny_prepared: prepare() with it reuses that folder."""
     return _tiny_config(tiny_corpus, tiny_cache_dir)
+
+
+# ---------------------------------------------------------------- a tiny run on that corpus
+
+# 8 steps of 8 sequences × 32 tokens, 2 micro-steps of 4 sequences each (one per rank on 2 ranks).
+TINY_RUN = ["--model.n_layer", "2", "--model.d_model", "32", "--model.n_head", "2", "--model.block_size", "32",
+            "--train.tokens", "2048", "--train.batch_tokens", "256", "--train.micro_batch", "4",
+            "--train.log_every", "1", "--train.eval_tokens", "512", "--train.lr", "1e-2"]
+
+
+@pytest.fixture(scope="session")
+def args(tiny_corpus: Path, tiny_cache_dir: Path, tiny_prepared: Path) -> tuple[str, ...]:
+    """Command-line arguments of a tiny run on the tiny corpus (already prepared)."""
+    return (*TINY_RUN, "--data.corpus", str(tiny_corpus), "--data.cache_dir", str(tiny_cache_dir),
+            "--data.vocab_size", "512")

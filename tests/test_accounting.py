@@ -149,6 +149,9 @@ def test_offload_moves_optimizer_states_to_host() -> None:
     # zero2, mixed, N = 8: GPU keeps 2Ψ weights + 2Ψ/8 grads; host takes 12Ψ/8.
     s = acc.model_state_bytes(1e9, "zero2", 8, offload=True)
     assert (s.gpu, s.cpu) == (pytest.approx(2.25e9), pytest.approx(1.5e9))
+    # fp32: the host also keeps an fp32 master copy beside the two moments: (4 + 8)·Ψ/N
+    fp32 = acc.model_state_bytes(1e9, "zero3", 4, "fp32", offload=True)
+    assert (fp32.gpu, fp32.cpu) == (pytest.approx(2e9), pytest.approx(3e9))
     ddp = acc.model_state_bytes(1e9, "ddp", 8, offload=True)
     assert (ddp.gpu, ddp.cpu, ddp.total) == (4e9, 12e9, 16e9)
     assert acc.largest_model(80e9, 8, "ddp", offload=True) == 20_000_000_000  # 80e9 / 4

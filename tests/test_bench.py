@@ -1,13 +1,18 @@
 """The throughput benchmark runs and reports sane figures (speed itself is not asserted)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from lab.bench import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_benchmark_script_runs_and_reports_mfu(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    assert main(["--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert {r["model"] for r in results} == {"tiny", "tiny-modern"}
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in results)
@@ -17,3 +22,24 @@ def test_benchmark_script_runs_and_reports_mfu(tmp_path, capsys):
 def test_benchmark_rejects_bad_arguments(capsys):
     assert main(["--steps", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_strategies_side_by_side_on_two_ranks(tmp_path):
+    out = tmp_path / "parallel"
+    proc = subprocess.run([sys.executable, "launch/bench.py", "--strategies", "ddp_naive,ddp:bucket_mb=1,torch_ddp",
+                           "--nproc", "2", "--steps", "1", "--rounds", "1", "--warmup", "1", "--d-model", "64",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["label"] for r in rows] == ["ddp_naive", "ddp:bucket_mb=1", "torch_ddp"]
+    for r in rows:
+        assert r["comm_bytes_per_step"] == r["comm_bytes_per_step_theory"] and r["tokens_per_s"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    table = out.with_suffix(".md").read_text()
+    assert "| torch_ddp |" in table and "1.000×" in table
+    assert "round 1/1: ddp_naive" in proc.stdout  # progress while it runs
+
+
+def test_strategies_with_a_bad_option_fail_before_starting_ranks(capsys):
+    assert main(["--strategies", "ddp:bucket_mb=-1"]) == 2
+    assert "parallel.bucket_mb must be positive" in capsys.readouterr().err

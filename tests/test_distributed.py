@@ -116,8 +116,8 @@ def _ddp_cases(world: World) -> dict:
             x, y = batch(setup, step, 4)
             train_step(s, world, [(x[2 * world.rank:2 * world.rank + 2], y[2 * world.rank:2 * world.rank + 2])], 1,
                        1e-3, 1.0)
-            comm = s.take_step_comm()
-        out[f"meters {name}"] = (s.meters(), comm.wait_s, sum(p.numel() for p in s.module.parameters()))
+            meters = s.take_step_meters()
+        out[f"meters {name}"] = (s.meters(), meters.comm_wait_s, sum(p.numel() for p in s.module.parameters()))
     return out
 
 
@@ -194,3 +194,39 @@ def test_a_collective_no_other_rank_joins_fails_within_the_timeout():
     with pytest.raises(RankFailed, match="rank 0"):
         run_ranks(_skipped_collective, 2, timeout_s=3)
     assert time.monotonic() - start < 30
+
+
+# ---------------------------------------------------------------- randomness
+
+
+def _first_dropout_mask(world: World, cfg_tree: dict, data_dir, run_dir) -> torch.Tensor:
+    """Train two steps with the real loop; return the first dropout mask this rank drew."""
+    import torch.nn.functional as F
+
+    from lab.config import resolve
+    from lab.train import train
+
+    masks = []
+    dropout = F.dropout
+
+    def recording(x, *a, **kw):
+        out = dropout(x, *a, **kw)
+        if not masks and kw.get("training", a[1] if len(a) > 1 else True):
+            masks.append(out == 0)
+        return out
+
+    F.dropout = recording
+    cfg = resolve(cfg_tree)
+    cfg.model.vocab_size = 512
+    train(cfg, data_dir, run_dir, world)
+    return masks[0]
+
+
+def test_with_dropout_each_rank_draws_its_own_masks(tiny_data_config, tiny_prepared, tmp_path):
+    tree = {"model": {"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32, "dropout": 0.5},
+            "data": {"corpus": tiny_data_config.corpus, "cache_dir": tiny_data_config.cache_dir, "vocab_size": 512},
+            "train": {"tokens": 512, "batch_tokens": 256, "micro_batch": 4, "eval_tokens": 64},
+            "parallel": {"strategy": "ddp"}}
+    masks = run_ranks(_first_dropout_mask, 2, tree, tiny_prepared, tmp_path / "r")
+    assert masks[0].shape == masks[1].shape and 0.3 < masks[0].float().mean() < 0.7
+    assert not torch.equal(masks[0], masks[1])

@@ -28,7 +28,7 @@ def built(strategy="single", **options):
 
 
 def test_registry_knows_the_strategies_and_rejects_unknown_names():
-    assert {"single", "ddp_naive", "ddp", "torch_ddp"} <= set(STRATEGIES)
+    assert set(STRATEGIES) == {"single", "ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp"}
     assert strategy_class("single") is STRATEGIES["single"]
     with pytest.raises(ConfigError, match="unknown strategy 'zero7' \\(known: .*single"):
         strategy_class("zero7")
@@ -38,7 +38,7 @@ def test_registry_knows_the_strategies_and_rejects_unknown_names():
 
 @pytest.mark.parametrize("options, message", [
     ({"strategy": "single", "bucket_mb": 5.0}, "parallel.bucket_mb has no effect under strategy 'single' "
-                                               "(it applies to: ddp, torch_ddp)"),
+                                               "(it applies to: ddp, torch_ddp, zero1, zero2)"),
     ({"strategy": "torch_ddp", "overlap": False}, "parallel.overlap has no effect under strategy 'torch_ddp'"),
     ({"strategy": "ddp", "bucket_mb": 0.0}, "parallel.bucket_mb must be positive"),
     ({"strategy": "ddp", "timeout_s": -1.0}, "parallel.timeout_s must be positive"),
@@ -102,7 +102,7 @@ def test_single_meters_measure_sixteen_bytes_per_parameter_and_no_traffic():
     x = torch.randint(0, 50, (2, 8))
     s.backward(s.forward(x, x, sync=True))
     s.step(lr=1e-3)
-    s.take_step_comm()
+    s.take_step_meters()
     m = s.meters()
     psi = sum(p.numel() for p in s.module.parameters())
     assert m["model_state_bytes_theory"] == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi,

@@ -17,18 +17,6 @@ from lab.config import RunConfig
 from lab.model import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = ["--model.n_layer", "2", "--model.d_model", "32", "--model.n_head", "2", "--model.block_size", "32"]
-# 8 steps of 8 sequences × 32 tokens, 2 micro-steps of 4 sequences each.
-TINY_TRAIN = ["--train.tokens", "2048", "--train.batch_tokens", "256", "--train.micro_batch", "4",
-              "--train.log_every", "1", "--train.eval_tokens", "512", "--train.lr", "1e-2"]
-
-
-@pytest.fixture
-def args(tiny_data_config):
-    cfg = tiny_data_config
-    data = ["--data.corpus", str(cfg.corpus), "--data.cache_dir", str(cfg.cache_dir),
-            "--data.vocab_size", str(cfg.vocab_size)]
-    return TINY_MODEL + TINY_TRAIN + data
 
 
 def run(run_dir: Path, *argv: str) -> int:
@@ -255,3 +243,59 @@ def test_resume_auto_continues_from_the_newest_checkpoint_and_drops_a_torn_line(
     assert run(r, *args, "--resume", "auto") == 0
     assert train_losses(r) == train_losses(full)
     assert_states_equal(final_state(r), final_state(full))
+
+
+TWO_RANK_STRATEGIES = ("ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, args):
+    """The same config under single (plain python) and each data-parallel strategy on 2 torchrun ranks."""
+    root = tmp_path_factory.mktemp("two-rank")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    runs = {}
+    for strategy in ("single", *TWO_RANK_STRATEGIES):
+        launcher = [sys.executable, "launch/run.py"] if strategy == "single" else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/run.py"]
+        proc = subprocess.run([*launcher, "--strategy", strategy, *args, "--run-dir", str(root / strategy)],
+                              cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[strategy] = root / strategy
+    return runs
+
+
+@pytest.mark.parametrize("strategy", TWO_RANK_STRATEGIES)
+def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strategy):
+    single, got = metrics(two_rank_runs["single"]), metrics(two_rank_runs[strategy])
+    assert [r["step"] for r in got if "loss" in r] == [r["step"] for r in single if "loss" in r] == list(range(1, 9))
+    for a, b in zip((r for r in single if "loss" in r), (r for r in got if "loss" in r)):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
+    summary = json.loads((two_rank_runs[strategy] / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == strategy
+    for key in ("model_state_bytes", "model_state_bytes_theory"):
+        assert set(summary[key]) == {"params", "grads", "optimizer", "total"}
+    for key in ("comm_bytes_per_step", "comm_bytes_per_step_theory"):
+        assert set(summary[key]) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+    assert summary["comm_bytes_per_step"] == summary["comm_bytes_per_step_theory"]
+    for kind in ("params", "grads", "optimizer", "total"):  # buffers excluded, step counters included
+        assert summary["model_state_bytes"][kind] == pytest.approx(summary["model_state_bytes_theory"][kind], rel=0.05)
+    assert summary["activation_saved_bytes"] > 0
+    assert all(r["comm_time_s"] >= 0 and r["compute_time_s"] > 0 for r in got if "loss" in r)
+
+
+def test_each_zero_stage_shows_its_saving(two_rank_runs):
+    """Per rank on 2 ranks: zero1 halves optimizer states, zero2 also gradients, zero3 also parameters."""
+    state = {s: json.loads((two_rank_runs[s] / "summary.json").read_text())["model_state_bytes"]
+             for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
+    half = lambda strategy, kind: state[strategy][kind] / state["ddp"][kind]  # noqa: E731
+    assert half("zero1", "optimizer") == pytest.approx(0.5, rel=0.02) and half("zero1", "grads") == 1
+    assert half("zero2", "optimizer") == pytest.approx(0.5, rel=0.02) and half("zero2", "grads") == pytest.approx(0.5, rel=0.02)
+    assert half("zero2", "params") == pytest.approx(1, rel=0.01)
+    for strategy in ("zero3", "fsdp"):
+        assert all(half(strategy, kind) == pytest.approx(0.5, rel=0.02) for kind in ("params", "grads", "optimizer"))
+
+
+def test_single_runs_write_the_meters_too(two_rank_runs):
+    summary = json.loads((two_rank_runs["single"] / "summary.json").read_text())
+    assert summary["model_state_bytes"]["total"] == pytest.approx(16 * summary["params"], rel=0.05)
+    assert set(summary["comm_bytes_per_step"].values()) == {0.0}

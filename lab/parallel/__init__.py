@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lab.config import ConfigError, ParallelConfig
 from lab.device import Precision
+from lab.parallel import activations
 from lab.parallel.base import (
     ModelFactory,
     OptimizerFactory,
@@ -15,9 +16,12 @@ from lab.parallel.base import (
 )
 from lab.parallel.ddp import BucketedDDP, NaiveDDP
 from lab.parallel.single import Single
-from lab.parallel.torch_ref import TorchDDP
+from lab.parallel.torch_ref import FSDP, TorchDDP
+from lab.parallel.zero import Zero1, Zero2, Zero3
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, NaiveDDP, BucketedDDP, TorchDDP)}
+OFFLOAD = ("none", "optimizer")
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, NaiveDDP, BucketedDDP, TorchDDP, Zero1,
+                                                                   Zero2, Zero3, FSDP)}
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -33,6 +37,9 @@ def validate(cfg: ParallelConfig, world_size: int) -> type[Strategy]:
         raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
     if not cfg.bucket_mb > 0:
         raise ConfigError(f"parallel.bucket_mb must be positive, got {cfg.bucket_mb}")
+    for option, allowed in (("activation_checkpointing", activations.MODES), ("offload", OFFLOAD)):
+        if getattr(cfg, option) not in allowed:
+            raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{getattr(cfg, option)}'")
     for option in changed_options(cfg):
         if option not in cls.options:
             users = [name for name, c in STRATEGIES.items() if option in c.options]
@@ -42,9 +49,20 @@ def validate(cfg: ParallelConfig, world_size: int) -> type[Strategy]:
     return cls
 
 
+def parse_spec(text: str) -> ParallelConfig:
+    """A strategy and its options written ``name[:key=value,...]`` (``zero2:offload=optimizer``), validated."""
+    from lab.config import resolve
+
+    name, _, rest = text.partition(":")
+    pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
+    if any(len(p) != 2 for p in pairs):
+        raise ConfigError(f"'{text}': options are written name:key=value,key=value")
+    return resolve({"parallel": {"strategy": name, **dict(pairs)}}).parallel
+
+
 def create(cfg: ParallelConfig, world: World, precision: Precision) -> Strategy:
     return validate(cfg, world.world_size)(world, cfg, precision)
 
 
 __all__ = ["STRATEGIES", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy", "World",
-           "create", "strategy_class", "validate"]
+           "create", "parse_spec", "strategy_class", "validate"]

@@ -11,7 +11,7 @@ and the run directory. The loop's side, in order::
             strategy.backward(loss / accumulation_steps)           # gradients synced on the last only
         norm = strategy.clip_grad_norm(max_norm)                    # global over ranks and shards
         strategy.step(lr) if norm is finite else strategy.skip_step()
-        comm = strategy.take_step_comm()                            # bytes sent, seconds waited
+        meters = strategy.take_step_meters()      # bytes sent, seconds waited, activation bytes saved
     strategy.eval_loss(x, y); strategy.state_dict() / load_state_dict(); strategy.full_state_dict()
     strategy.meters()                                               # model-state and comm bytes vs theory
 
@@ -19,7 +19,8 @@ and the run directory. The loop's side, in order::
   sharded strategy can build on ``meta`` and fill only its shard from the model's
   ``initial_value(name)``; the others build in place, and the model's own init gives every
   strategy the weights ``single`` gets), decides parameter groups by name with the rule *before*
-  any wrapping or flattening, and builds the optimizer it needs from the factory.
+  any wrapping or flattening, applies activation checkpointing (``parallel.activation_checkpointing``,
+  for every strategy) and builds the optimizer it needs from the factory.
 - A trainable parameter that gets no gradient in a step (unused in the forward) counts as having
   a zero gradient under every strategy, so a flat-sharded optimizer and a per-tensor one apply the
   same update (moments and weight decay go on).
@@ -42,7 +43,8 @@ import torch.nn as nn
 from lab import accounting
 from lab.config import ConfigError, ParallelConfig
 from lab.device import Precision
-from lab.parallel.comm import Comm, CommTotals
+from lab.parallel import activations
+from lab.parallel.comm import Comm
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,15 @@ ParamGroupRule = Callable[[nn.Module], list[ParamGroup]]
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
+@dataclass(frozen=True)
+class StepMeters:
+    """What one optimizer step cost beyond compute."""
+
+    comm_bytes: dict[str, float]  # sent by this rank, by collective
+    comm_wait_s: float  # time the step waited on communication
+    activation_saved_bytes: int  # the most any micro-step kept for its backward
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once)."""
     sizes = {}
@@ -118,7 +129,8 @@ class Strategy:
     """Plain one-process training; subclasses change placement, gradient sync and the optimizer step."""
 
     name: ClassVar[str] = "base"
-    options: ClassVar[frozenset[str]] = frozenset()  # [parallel] options it reads, beyond strategy and timeout_s
+    # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
+    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing"})
     state_layout: ClassVar[str] = "ddp"  # the lab.accounting.model_state_bytes row its model states follow
     comm_layout: ClassVar[str | None] = "ddp"  # the lab.accounting.comm_bytes_per_step row; None: no traffic
     min_world_size: ClassVar[int] = 1
@@ -138,27 +150,34 @@ class Strategy:
         self.validate(cfg, world.world_size)
         self.world, self.cfg, self.precision = world, cfg, precision
         self.comm = Comm(world.world_size)
+        self.saved = activations.SavedBytes()
         self.module: nn.Module | None = None  # the model, under its own parameter names
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
         self.optimizer: torch.optim.Optimizer | None = None
         self._sync = True
         self._measured: accounting.StateBytes | None = None
-        self._last_comm = CommTotals()
+        self._last = StepMeters(dict.fromkeys(accounting.COLLECTIVES, 0.0), 0.0, 0)
+        self._most_saved = 0
 
     # ------------------------------------------------------------ building
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
         """Make the model, place it, and build the optimizer over groups decided before any wrapping."""
-        with torch.device(self.world.device):
-            module = model_factory()
+        module = self.make_module(model_factory)
         groups = param_group_rule(module)
         self.world.check_same(layout_digest(module), "the model (parameter names and shapes)")
+        activations.apply(module, self.cfg.activation_checkpointing, self.saved)
         self.module = module
-        self.model = self.wrap(module)
+        self.model = self.wrap(module, groups)
         self.optimizer = optimizer_factory(self.optimizer_groups(groups))
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def make_module(self, model_factory: ModelFactory) -> nn.Module:
+        """Build the model with its initial weights on this rank's device."""
+        with torch.device(self.world.device):
+            return model_factory()
+
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         """Prepare the built module for training on this rank; returns what forward calls."""
         return module
 
@@ -176,7 +195,7 @@ class Strategy:
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """The loss of one micro-batch; ``sync`` says this micro-step's backward synchronises gradients."""
         self._sync = sync
-        with self.precision.autocast():
+        with self.precision.autocast(), self.saved.counting(self.module):
             return self.model(x, y)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -213,17 +232,19 @@ class Strategy:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def take_step_comm(self) -> CommTotals:
-        """Bytes sent and seconds waited since the last call (the loop calls it once per step)."""
-        self._last_comm = self.comm.take()
-        return self._last_comm
+    def take_step_meters(self) -> StepMeters:
+        """Bytes sent, seconds waited and activation bytes saved since the last call (once per step)."""
+        comm = self.comm.take()
+        self._last = StepMeters(comm.bytes, comm.wait_s, self.saved.take())
+        self._most_saved = max(self._most_saved, self._last.activation_saved_bytes)
+        return self._last
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of a held-out batch, in eval mode, without gradients (every rank must call it alike)."""
         self.model.eval()
         try:
-            with self.precision.autocast():
+            with self.precision.autocast(), self.comm.paused():
                 return self.model(x, y)
         finally:
             self.model.train()
@@ -260,27 +281,32 @@ class Strategy:
                                      grads=storage_bytes(p.grad for p in params if p.grad is not None),
                                      optimizer=storage_bytes(states))
 
+    def comm_elements(self) -> int:
+        """Ψ for the communication formula: the elements each gradient sync moves (every trainable one)."""
+        return sum(p.numel() for p in self.trainable)
+
     def param_count(self) -> int:
         """Ψ: the model's parameters (a tied weight once)."""
         return sum(p.numel() for p in self.module.parameters())
 
     def meters(self) -> dict[str, dict[str, float]]:
-        """Model-state bytes (measured at the first step, and theory) and comm bytes per step (last step, and theory).
+        """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and
+        theory) and the most activation bytes a micro-step saved for its backward.
 
         Theory: ``lab.accounting`` with fp32 widths (4-byte weights and gradients, two 4-byte
         AdamW moments; the run's bf16, if any, lives only inside autocast).
         """
         world_size, psi = self.world.world_size, self.param_count()
         theory_comm = (dict.fromkeys(accounting.COLLECTIVES, 0.0) if self.comm_layout is None else
-                       accounting.comm_bytes_per_step(sum(p.numel() for p in self.trainable), self.comm_layout,
-                                                      world_size))
+                       accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, world_size))
         measured = self._measured or self.measure_state_bytes()
         return {
             "model_state_bytes": measured.as_dict(),
             "model_state_bytes_theory": accounting.model_state_bytes(psi, self.state_layout, world_size,
                                                                      "fp32").as_dict(),
-            "comm_bytes_per_step": dict(self._last_comm.bytes),
+            "comm_bytes_per_step": dict(self._last.comm_bytes),
             "comm_bytes_per_step_theory": theory_comm,
+            "activation_saved_bytes": self._most_saved,
         }
 
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from lab.accounting import COLLECTIVES, ring_elements_sent
+
+# torch 2.13 renamed the flat collectives; older releases (the project supports torch >= 2.6) have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -33,11 +37,49 @@ class Comm:
     def __init__(self, world_size: int, group: dist.ProcessGroup | None = None):
         self.world_size, self.group = world_size, group
         self._totals = CommTotals()
+        self._paused = False
 
     # ------------------------------------------------------------ bookkeeping
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
-        self._totals.bytes[kind] += ring_elements_sent(kind, tensor.numel(), self.world_size) * tensor.element_size()
+        if not self._paused:
+            self._totals.bytes[kind] += (ring_elements_sent(kind, tensor.numel(), self.world_size)
+                                         * tensor.element_size())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collectives inside are not counted (held-out evaluation is not a training step's traffic)."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
+    @contextlib.contextmanager
+    def counting_torch(self) -> Iterator[None]:
+        """Count the flat collectives that torch's own strategies (FSDP2) call through ``torch.distributed``.
+
+        Blocking calls are timed as waiting; an asynchronous call's wait happens inside torch, unseen.
+        """
+        names = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                 "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+        originals = {name: getattr(dist, name) for group in names.values() for name in group if hasattr(dist, name)}
+
+        def counted(kind: str, name: str):
+            def call(output: torch.Tensor, input: torch.Tensor, *args, async_op: bool = False, **kwargs):
+                self._count(kind, output if kind == "all_gather" else input)
+                return self._run(lambda: originals[name](output, input, *args, async_op=async_op, **kwargs), async_op)
+            return call
+
+        for kind, group in names.items():
+            for name in group:
+                if name in originals:
+                    setattr(dist, name, counted(kind, name))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -46,7 +88,8 @@ class Comm:
         try:
             yield
         finally:
-            self._totals.wait_s += time.perf_counter() - t0
+            if not self._paused:
+                self._totals.wait_s += time.perf_counter() - t0
 
     def add_wait(self, seconds: float) -> None:
         self._totals.wait_s += seconds
@@ -78,16 +121,49 @@ class Comm:
                        ) -> dist.Work | None:
         """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``."""
         self._count("reduce_scatter", input)
-        return self._run(lambda: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=async_op),
-                         async_op)
+        return self._run(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """Concatenate every rank's ``input`` into ``output``, in rank order."""
         self._count("all_gather", output)
-        return self._run(lambda: dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op),
-                         async_op)
+        return self._run(lambda: _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> dist.Work | None:
         """Copy rank ``src``'s ``tensor`` to every rank, in place."""
         self._count("broadcast", tensor)
         return self._run(lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
+
+
+class InOrder:
+    """Asynchronous collectives over groups of parameters (buckets, units), launched in a fixed order.
+
+    Each group waits for a known number of gradients; a group is launched once it and every group
+    before it are complete, so every rank issues the same collectives in the same order whatever
+    order its hooks fire in. ``launch(i)`` issues group i's collective and returns its work handle;
+    ``finish()`` launches what is left (groups with a parameter unused in this step) and returns
+    the handles in order.
+    """
+
+    def __init__(self, sizes: list[int], launch: Callable[[int], dist.Work]):
+        self.sizes, self.launch = sizes, launch
+        self.start()
+
+    def start(self) -> None:
+        """A new synced backward: every group waits for all its gradients again."""
+        self.pending, self.works, self.next = list(self.sizes), [], 0
+
+    def arrived(self, group: int, eager: bool = True) -> bool:
+        """One gradient of ``group`` is in; launch what is ready when ``eager``. True when ``group`` is complete."""
+        self.pending[group] -= 1
+        if eager:
+            self._launch(everything=False)
+        return self.pending[group] == 0
+
+    def finish(self) -> list[dist.Work]:
+        self._launch(everything=True)
+        return self.works
+
+    def _launch(self, everything: bool) -> None:
+        while self.next < len(self.sizes) and (everything or self.pending[self.next] == 0):
+            self.works.append(self.launch(self.next))
+            self.next += 1

@@ -21,25 +21,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from lab.parallel.base import Strategy
+from lab.parallel.base import ParamGroup, Strategy
+from lab.parallel.comm import InOrder
 
 
 def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
     """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step)."""
-    with torch.no_grad():
+    with torch.no_grad(), strategy.comm.paused():
         for tensor in [*module.parameters(), *module.buffers()]:
             strategy.comm.broadcast(tensor.data, src=0)
-    strategy.comm.take()
 
 
 class NaiveDDP(Strategy):
     name = "ddp_naive"
     min_world_size = 1
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
         return module
 
@@ -58,16 +57,13 @@ class NaiveDDP(Strategy):
 class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # the flat gradients; each parameter's .grad is a view into it
-    pending: int = 0  # parameters whose gradient has not arrived in this synced backward
-    work: dist.Work | None = None
-    launched: bool = False
 
 
 class BucketedDDP(Strategy):
     name = "ddp"
-    options = frozenset({"bucket_mb", "overlap"})
+    options = Strategy.options | {"bucket_mb", "overlap"}
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
         self._make_buckets(list(reversed(self.trainable)))  # backward roughly reverses registration
         self._arrivals: list[nn.Parameter] | None = []  # recorded in the first synced backward
@@ -86,7 +82,7 @@ class BucketedDDP(Strategy):
             groups[-1].append(p)
             size += nbytes
         self.buckets: list[Bucket] = []
-        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self._bucket_of: dict[nn.Parameter, int] = {}
         for params in groups:
             bucket = Bucket(params, torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                                 device=params[0].device))
@@ -94,14 +90,14 @@ class BucketedDDP(Strategy):
             for p in params:
                 p.grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-                self._bucket_of[p] = bucket
+                self._bucket_of[p] = len(self.buckets)
             self.buckets.append(bucket)
+        self._launches = InOrder([len(b.params) for b in self.buckets],
+                                 lambda i: self.comm.all_reduce(self.buckets[i].buffer, async_op=True))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         if sync:
-            for bucket in self.buckets:
-                bucket.pending, bucket.work, bucket.launched = len(bucket.params), None, False
-            self._next = 0
+            self._launches.start()
         return super().forward(x, y, sync=sync)
 
     def _on_gradient(self, p: nn.Parameter) -> None:
@@ -109,25 +105,14 @@ class BucketedDDP(Strategy):
             return
         if self._arrivals is not None:
             self._arrivals.append(p)
-        bucket = self._bucket_of[p]
-        bucket.pending -= 1
-        if bucket.pending == 0 and self.cfg.overlap:
-            self._launch_ready()
-
-    def _launch_ready(self, everything: bool = False) -> None:
-        """Launch buckets in order while the next one is full (or all remaining ones, after the backward)."""
-        while self._next < len(self.buckets) and (everything or self.buckets[self._next].pending == 0):
-            bucket = self.buckets[self._next]
-            bucket.work, bucket.launched = self.comm.all_reduce(bucket.buffer, async_op=True), True
-            self._next += 1
+        self._launches.arrived(self._bucket_of[p], eager=self.cfg.overlap)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if not self._sync:
             return
-        self._launch_ready(everything=True)
-        for bucket in self.buckets:
-            self.comm.wait(bucket.work)
+        for bucket, work in zip(self.buckets, self._launches.finish(), strict=True):
+            self.comm.wait(work)
             bucket.buffer.div_(self.world.world_size)
 
     def zero_grad(self) -> None:

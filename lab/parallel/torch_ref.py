@@ -1,4 +1,4 @@
-"""The PyTorch implementations the hand-rolled strategies are measured against.
+"""The PyTorch implementations the hand-rolled strategies are measured against: DDP and FSDP2.
 
 ``torch_ddp`` is ``torch.nn.parallel.DistributedDataParallel`` with its default reducer, buckets of
 ``parallel.bucket_mb``, and a communication hook that does what its default hook does (divide by
@@ -14,16 +14,21 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lab.parallel.base import Strategy
+from lab import accounting
+from lab.parallel.base import ParamGroup, Strategy, storage_bytes
 
 
 class TorchDDP(Strategy):
     name = "torch_ddp"
-    options = frozenset({"bucket_mb"})
+    options = Strategy.options | {"bucket_mb"}
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_mb,
                                       forward_sync_buffers=False)
@@ -50,3 +55,109 @@ class TorchDDP(Strategy):
         loss.backward()
         if self._sync:
             self.comm.add_wait(max(0.0, self._done - self._launched))
+
+
+class FSDP(Strategy):
+    """PyTorch FSDP2: ``fully_shard`` on every block and at the root, the reference for the ZeRO stages.
+
+    Built on the meta device and materialised shard by shard from the model's ``initial_value``.
+    ``parallel.reshard_after_forward`` true frees each block's gathered weights after its forward
+    (ZeRO-3-like); false keeps them until its backward (ZeRO-2-like traffic, more memory).
+    ``parallel.offload optimizer`` applies ``CPUOffloadPolicy``: sharded weights, gradients and
+    optimizer states live on the host. Gradient sync on the last accumulation micro-step only
+    (``set_requires_gradient_sync``). Traffic is counted by wrapping the collectives FSDP calls.
+    """
+
+    name = "fsdp"
+    options = Strategy.options | {"offload", "reshard_after_forward"}
+    state_layout = comm_layout = "zero3"
+
+    def make_module(self, model_factory):
+        with torch.device("meta"):
+            return model_factory()
+
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
+        mesh = init_device_mesh(self.world.device.type, (self.world.world_size,))
+        offload = self.cfg.offload == "optimizer"
+        policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
+        for block in module.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
+        module.to_empty(device=torch.device("cpu") if offload else self.world.device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                full = module.initial_value(name).to(mesh.device_type)
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
+            for name, b in module.named_buffers():
+                b.copy_(module.initial_value(name))
+        return module
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        self.module.set_requires_gradient_sync(sync)
+        with self.comm.counting_torch():
+            return super().forward(x, y, sync=sync)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.comm.counting_torch():
+            loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
+        return norm
+
+    @torch.no_grad()
+    def params_finite(self) -> bool:
+        bad = torch.tensor([float(any(not torch.isfinite(p.to_local()).all() for p in self.module.parameters()))])
+        return self.world.sum(bad).item() == 0
+
+    def state_dict(self) -> dict:
+        local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
+        return {"model": local, "optimizer": _local(self.optimizer.state_dict())}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in self.module.state_dict().items():
+            (v.to_local() if isinstance(v, DTensor) else v).copy_(state["model"][k])
+        ours = self.optimizer.state_dict()
+        for pid, saved in state["optimizer"]["state"].items():
+            for key, value in saved.items():
+                target = ours["state"][pid][key]
+                (target.to_local() if isinstance(target, DTensor) else target).copy_(value)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        with self.comm.paused():
+            full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if self.world.is_main else {}
+
+    def measure_state_bytes(self) -> accounting.StateBytes:
+        params = list(self.module.parameters())
+        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return accounting.StateBytes(params=storage_bytes(_to_local(params)),
+                                     grads=storage_bytes(_to_local([p.grad for p in params if p.grad is not None])),
+                                     optimizer=storage_bytes(_to_local(states)))
+
+    def comm_elements(self) -> int:
+        """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of the world size."""
+        n = self.world.world_size
+        return sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in self.trainable)
+
+    def meters(self) -> dict[str, dict[str, float]]:
+        out = super().meters()
+        layout = "zero3" if self.cfg.reshard_after_forward else "zero2"
+        out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(self.comm_elements(), layout,
+                                                                          self.world.world_size)
+        return out
+
+
+def _to_local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _local(state: dict) -> dict:
+    """An optimizer state dict with every DTensor replaced by this rank's shard."""
+    return {"state": {pid: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+                      for pid, s in state["state"].items()}, "param_groups": state["param_groups"]}

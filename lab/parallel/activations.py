@@ -1,0 +1,124 @@
+"""Activation checkpointing for every strategy, and the meter of what autograd saves for backward.
+
+``parallel.activation_checkpointing``:
+
+- ``none``: autograd keeps what each op saves;
+- ``full``: each transformer block (the model's ``blocks``) keeps only its input and recomputes its
+  forward during the backward (non-reentrant ``torch.utils.checkpoint``), and so does the model's
+  ``output`` (final norm, head and loss: the logits are often the largest activation of all);
+- ``selective``: inside each block the outputs of the expensive ops (matmuls and attention) are
+  kept and the cheap ones (norms, activations, element-wise ops) recomputed, with torch's
+  selective checkpoint policy.
+
+Blocks are wrapped in place (their ``forward`` is replaced), so parameter names and module hooks
+stay as they were: a sharding strategy that gathers a block's weights around its forward sees the
+same module.
+
+``SavedBytes`` counts, with saved-tensor hooks, the bytes autograd keeps for the backward of one
+micro-step: every saved tensor that is not a parameter (distinct storages once), plus under
+checkpointing the block inputs kept for the recomputation and, under ``selective``, the op
+outputs the policy keeps. That is the activation memory a micro-step holds at the end of its
+forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+# Kept under selective checkpointing: their recomputation is what costs.
+EXPENSIVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+
+def _keep_expensive(meter: SavedBytes, ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    if op not in EXPENSIVE:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not getattr(ctx, "is_recompute", True):  # what the forward keeps
+        for t in torch.utils._pytree.tree_leaves(getattr(ctx, "op_output", ())):
+            if isinstance(t, torch.Tensor):
+                meter.add(t)
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage; None for one without a plain storage (a DTensor's, a freed one)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class SavedBytes:
+    """Bytes saved for backward in the micro-steps run under ``counting``; ``take`` returns the largest."""
+
+    def __init__(self) -> None:
+        self._current = self._largest = 0
+        self._seen: set[int] = set()
+        self._params: set[int] = set()
+
+    def add(self, tensor: torch.Tensor) -> None:
+        storage = _storage(tensor)
+        if storage is not None and storage[0] not in self._seen and storage[0] not in self._params:
+            self._seen.add(storage[0])
+            self._current += storage[1]
+
+    @contextmanager
+    def counting(self, module: nn.Module) -> Iterator[None]:
+        """Count what the forward inside saves (parameters excluded, each storage once)."""
+        self._current, self._seen = 0, set()
+
+        def weights() -> set[int]:
+            return {s[0] for p in module.parameters() if (s := _storage(p)) is not None}
+
+        self._params = weights()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = _storage(t)
+            if storage is not None and storage[0] not in self._params:  # weights gathered mid-forward are states
+                self._params |= weights()
+            self.add(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self._largest = max(self._largest, self._current)
+
+    def take(self) -> int:
+        largest, self._largest = self._largest, 0
+        return largest
+
+
+def apply(model: nn.Module, mode: str, meter: SavedBytes) -> None:
+    """Wrap each of ``model.blocks`` (and under ``full`` ``model.output``) for ``mode`` (see the module docstring)."""
+    if mode == "none":
+        return
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep_expensive, meter))
+                  if mode == "selective" else None)
+    for block in model.blocks:
+        block.forward = functools.partial(_checkpointed, block.forward, meter, context_fn)
+    if mode == "full":
+        model.output = functools.partial(_checkpointed, model.output, meter, None)
+
+
+def _checkpointed(forward: Callable[..., torch.Tensor], meter: SavedBytes, context_fn: Callable | None,
+                  x: torch.Tensor, *args: object) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return forward(x, *args)
+    meter.add(x)  # kept for the recomputation
+    if context_fn is None:
+        return checkpoint(forward, x, *args, use_reentrant=False)
+    return checkpoint(forward, x, *args, use_reentrant=False, context_fn=context_fn)

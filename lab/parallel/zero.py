@@ -1,0 +1,452 @@
+"""ZeRO by hand: optimizer states (stage 1), then gradients (2), then parameters (3) sharded over ranks.
+
+The layout is shared by the three stages. Trainable parameters are grouped into **units**; a unit's
+parameters are laid end to end (the weight-decay group first), padded to a multiple of the world
+size N, and rank r owns chunk r. The optimizer works on views of this rank's chunks, split where
+the parameter group changes, so weight decay is decided by name before anything is flattened.
+Frozen parameters and buffers stay whole on every rank.
+
+- ``zero1``: units are buckets of ``parallel.bucket_mb`` in backward order. Every rank keeps the
+  whole weights and whole gradients (each ``.grad`` a view into its unit's flat buffer). After the
+  backward each unit is reduce-scattered in place: this rank's chunk of the flat gradient becomes
+  the average. The optimizer updates this rank's chunk of the weights; an all-gather per unit
+  brings every rank the updated weights. Adam's states exist for 1/N of the model.
+- ``zero2``: as zero1, but gradients are not kept whole. A post-accumulate-grad hook adds each
+  gradient into its unit's flat buffer and drops it; the moment a unit is complete its
+  reduce-scatter is launched asynchronously (overlapping the rest of the backward), and after it
+  the rank keeps only its chunk. Units are launched in order, the same on every rank.
+- ``zero3``: also the weights are sharded at rest. The model is built on the meta device and each
+  rank fills only its chunks from the model's ``initial_value``: the whole model never exists on a
+  rank. Each transformer block is a unit: gathered (all-gather) just before its forward, freed
+  right after, gathered again when the gradient reaches its output, its gradients
+  reduce-scattered and its weights freed once they are all in. The rest of the model (embeddings,
+  final norm, head) is one root unit, gathered for the forward and again for the backward. The
+  optimizer updates the shards in place, so no all-gather follows the step.
+
+On the non-final micro-steps of an accumulation nothing is sent: gradients accumulate whole in
+the units' flat buffers (zero2 and zero3 then hold a whole gradient until the last micro-step).
+
+``parallel.offload optimizer`` moves the update to the host: an fp32 master copy of this rank's
+chunks and Adam's moments live in host memory, the averaged gradient chunk is copied there, the
+optimizer runs there, and the result is copied back (ZeRO-Offload). On a machine without an
+accelerator it runs for correctness; the meters place these bytes on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lab import accounting
+from lab.parallel.base import ModelFactory, ParamGroup, Strategy, storage_bytes
+from lab.parallel.comm import InOrder
+
+HOST = torch.device("cpu")
+
+
+@dataclass
+class Unit:
+    """Trainable parameters sharded together; rank r owns elements [r·chunk, (r+1)·chunk) of the flat layout."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    shapes: list[torch.Size]
+    groups: list[int]  # optimizer group of each parameter (decay group first)
+    offsets: list[int]
+    numel: int
+    chunk: int  # elements per rank
+    padded: int  # chunk × world size
+    shard: torch.Tensor | None = None  # this rank's chunk of the weights (a view into flat for stages 1-2)
+    flat: torch.Tensor | None = None  # all the weights: stages 1-2 always, stage 3 while gathered
+    flat_grad: torch.Tensor | None = None  # all the gradients, accumulated until reduce-scattered
+    grad_shard: torch.Tensor | None = None  # this rank's chunk of the averaged gradient
+    master: torch.Tensor | None = None  # offload: the host's fp32 copy of the shard
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
+
+
+def make_unit(names: list[str], params: dict[str, nn.Parameter], group_of: dict[str, int], rank: int,
+              world_size: int) -> Unit:
+    names = sorted(names, key=lambda n: group_of[n])  # stable: decay group first, then the rest
+    shapes = [params[n].shape for n in names]
+    sizes = [math.prod(s) for s in shapes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    numel = sum(sizes)
+    chunk = -(-numel // world_size)
+    unit = Unit(names, [params[n] for n in names], shapes, [group_of[n] for n in names], offsets, numel, chunk,
+                chunk * world_size)
+    lo = rank * chunk
+    for name, offset, size in zip(names, offsets, sizes, strict=True):
+        a, b = max(offset, lo) - lo, min(offset + size, lo + chunk) - lo
+        if a < b:
+            g = group_of[name]
+            if unit.pieces and unit.pieces[-1][0] == g and unit.pieces[-1][2] == a:
+                unit.pieces[-1] = (g, unit.pieces[-1][1], b)
+            else:
+                unit.pieces.append((g, a, b))
+    return unit
+
+
+class Zero(Strategy):
+    """The machinery the three stages share; ``stage`` picks what is sharded."""
+
+    stage = 0
+    options = Strategy.options | {"bucket_mb", "offload"}
+
+    @property
+    def offloaded(self) -> bool:
+        return self.cfg.offload == "optimizer"
+
+    # ------------------------------------------------------------ layout
+
+    def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
+        """Buckets of ``bucket_mb`` in backward order (reverse registration); stage 3 overrides."""
+        params, cap = dict(module.named_parameters()), self.cfg.bucket_mb * 2**20
+        units: list[list[str]] = [[]]
+        size = 0
+        for name in reversed(trainable):
+            nbytes = params[name].numel() * params[name].element_size()
+            if units[-1] and size + nbytes > cap:
+                units.append([])
+                size = 0
+            units[-1].append(name)
+            size += nbytes
+        return [u for u in units if u]
+
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
+        group_of = {n: i for i, g in enumerate(groups) for n in g.names}
+        trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+        missing = [n for n in trainable if n not in group_of]
+        if missing:
+            raise ValueError(f"trainable parameters in no optimizer group: {', '.join(missing)}")
+        params = dict(module.named_parameters())
+        self.units = [make_unit(names, params, group_of, self.world.rank, self.world.world_size)
+                      for names in self._unit_names(module, trainable)]
+        for unit in self.units:
+            self._place(unit)
+            if self.offloaded:
+                unit.master = unit.shard.detach().to(HOST, copy=True)
+        self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
+        self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
+        if self.stage >= 2:
+            for unit in self.units:
+                for p in unit.params:
+                    p.register_post_accumulate_grad_hook(self._on_gradient)
+        return module
+
+    def _place(self, unit: Unit) -> None:
+        """Stages 1-2: the unit's weights move into one flat buffer (the parameters become views of it)."""
+        unit.flat = torch.zeros(unit.padded, dtype=unit.params[0].dtype, device=self.world.device)
+        for p, offset in zip(unit.params, unit.offsets, strict=True):
+            unit.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
+            p.data = unit.flat[offset:offset + p.numel()].view(p.shape)
+        with self.comm.paused():
+            self.comm.broadcast(unit.flat, src=0)  # every rank starts from rank 0's weights
+        r = self.world.rank
+        unit.shard = unit.flat[r * unit.chunk:(r + 1) * unit.chunk]
+        if self.stage == 1:
+            unit.flat_grad = torch.zeros_like(unit.flat)
+            for p, offset in zip(unit.params, unit.offsets, strict=True):
+                p.grad = unit.flat_grad[offset:offset + p.numel()].view(p.shape)
+
+    def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
+        """Each group's tensors: views of this rank's chunks (of the host master copy when offloaded)."""
+        self._pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
+        per_group: list[list[torch.Tensor]] = [[] for _ in groups]
+        for unit in self.units:
+            weights = unit.master if self.offloaded else unit.shard
+            for g, lo, hi in unit.pieces:
+                piece = weights[lo:hi]
+                self._pieces.append((unit, lo, hi, piece))
+                per_group[g].append(piece)
+        return [{"params": ps, "weight_decay": g.weight_decay} for g, ps in zip(groups, per_group, strict=True)
+                if ps]
+
+    # ------------------------------------------------------------ gradients
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        if sync:
+            self._launches.start()
+        self._missing = [len(u.params) for u in self.units]  # gradients each unit still waits for
+        return super().forward(x, y, sync=sync)
+
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        """Stages 2-3: move a finished gradient into its unit's flat buffer; launch full units in order."""
+        k, i = self._unit_of[id(p)]
+        unit = self.units[k]
+        if unit.flat_grad is None:
+            unit.flat_grad = torch.zeros(unit.padded, dtype=p.dtype, device=self.world.device)
+        offset = unit.offsets[i]
+        unit.flat_grad[offset:offset + p.numel()].add_(p.grad.flatten())
+        p.grad = None
+        self._missing[k] -= 1
+        if self._missing[k] == 0:
+            self._unit_done(unit)
+        if self._sync:
+            self._launches.arrived(k, eager=self.cfg.overlap)
+
+    def _unit_done(self, unit: Unit) -> None:
+        """All of a unit's gradients of this micro-step are in (stage 3 frees its weights here)."""
+
+    def _reduce_scatter(self, k: int) -> dist.Work:
+        unit, r = self.units[k], self.world.rank
+        if unit.flat_grad is None:  # no parameter of the unit was used in this step
+            unit.flat_grad = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
+        out = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk]  # in place: this rank's chunk
+        return self.comm.reduce_scatter(out, unit.flat_grad, async_op=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._sync:
+            return
+        r, n = self.world.rank, self.world.world_size
+        for unit, work in zip(self.units, self._launches.finish(), strict=True):
+            self.comm.wait(work)
+            chunk = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk].div_(n)
+            if self.stage == 1:
+                unit.grad_shard = chunk  # a view: stage 1 keeps the whole gradient buffer
+            else:
+                unit.grad_shard, unit.flat_grad = chunk.clone(), None  # keep only this rank's chunk
+        for unit, lo, hi, piece in self._pieces:
+            grad = unit.grad_shard[lo:hi]
+            piece.grad = grad.to(HOST) if self.offloaded and grad.device != HOST else grad
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global norm: squared sums of every rank's chunks (padding is zero), added over ranks."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
+        for unit in self.units:
+            squares += unit.grad_shard.float().pow(2).sum()
+        norm = self.world.sum(squares).sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for _, _, _, piece in self._pieces:
+                piece.grad.mul_(scale.to(piece.grad.device))
+        return norm
+
+    # ------------------------------------------------------------ the step
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if self._measured is None:
+            self._measured = self.measure_state_bytes()
+        for unit in self.units:
+            if self.offloaded:
+                unit.shard.copy_(unit.master)
+            if self.stage < 3:  # in place: every rank's updated chunk into every rank's flat weights
+                self.comm.all_gather(unit.flat, unit.shard)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for _, _, _, piece in self._pieces:
+            piece.grad = None
+        for unit in self.units:
+            unit.grad_shard = None
+            if self.stage == 1:
+                unit.flat_grad.zero_()
+            else:
+                unit.flat_grad = None
+
+    # ------------------------------------------------------------ state and meters
+
+    @torch.no_grad()
+    def params_finite(self) -> bool:
+        local = [u.shard for u in self.units] + [p for p in self.module.parameters() if not p.requires_grad]
+        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in local))])
+        return self.world.sum(bad).item() == 0
+
+    def state_dict(self) -> dict:
+        return {"shards": [u.shard.detach().clone() for u in self.units], "optimizer": self.optimizer.state_dict(),
+                "frozen": {n: p.detach() for n, p in self.module.named_parameters() if not p.requires_grad}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for unit, shard in zip(self.units, state["shards"], strict=True):
+            unit.shard.copy_(shard)
+            if unit.master is not None:
+                unit.master.copy_(shard)
+            if self.stage < 3:
+                with self.comm.paused():
+                    self.comm.all_gather(unit.flat, unit.shard)
+        params = dict(self.module.named_parameters())
+        for name, value in state["frozen"].items():
+            params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight under the model's names on rank 0 (stage 3 gathers unit by unit)."""
+        out = {}
+        for unit in self.units:
+            with self.comm.paused():
+                flat = self._gathered_copy(unit)
+            if self.world.is_main:
+                for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets, strict=True):
+                    out[name] = flat[offset:offset + math.prod(shape)].view(shape).cpu().clone()
+        if not self.world.is_main:
+            return {}
+        trained = set(out)
+        for name, value in self.module.state_dict().items():
+            if name not in trained:
+                out[name] = value.detach().cpu().clone()
+        return out
+
+    def _gathered_copy(self, unit: Unit) -> torch.Tensor:
+        return unit.flat
+
+    def measure_state_bytes(self) -> accounting.StateBytes:
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        weights = [u.flat if u.flat is not None and self.stage < 3 else u.shard for u in self.units]
+        grads = [u.flat_grad if self.stage == 1 else u.grad_shard for u in self.units if u.grad_shard is not None]
+        host_grads = [piece.grad for *_, piece in self._pieces if piece.grad is not None and piece.grad.device == HOST
+                      and self.offloaded and self.world.device != HOST]
+        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        masters = [u.master for u in self.units if u.master is not None]
+        return accounting.StateBytes(params=storage_bytes(weights + frozen), grads=storage_bytes(grads + host_grads),
+                                     optimizer=storage_bytes(states + masters), offload=self.offloaded)
+
+    def param_count(self) -> int:
+        """Ψ from the layout (stage 3's parameters are empty at rest), frozen ones included."""
+        return sum(u.numel for u in self.units) + sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
+
+    def comm_elements(self) -> int:
+        """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""
+        return sum(u.padded for u in self.units)
+
+    def meters(self) -> dict[str, dict[str, float]]:
+        out = super().meters()
+        out["model_state_bytes_theory"] = accounting.model_state_bytes(
+            self.param_count(), self.state_layout, self.world.world_size, "fp32", self.offloaded).as_dict()
+        out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(
+            self.comm_elements(), self.comm_layout, self.world.world_size)
+        return out
+
+
+class Zero1(Zero):
+    name, stage, state_layout, comm_layout = "zero1", 1, "zero1", "zero1"
+
+
+class Zero2(Zero):
+    name, stage, state_layout, comm_layout = "zero2", 2, "zero2", "zero2"
+    options = Zero.options | {"overlap"}
+
+
+class Zero3(Zero):
+    """Stage 3: see the module docstring; units are the blocks and a root unit for the rest."""
+
+    name, stage, state_layout, comm_layout = "zero3", 3, "zero3", "zero3"
+    options = Zero.options - {"bucket_mb"} | {"overlap"}
+
+    def make_module(self, model_factory: ModelFactory) -> nn.Module:
+        """Build on the meta device: nothing is allocated until each rank fills its own chunks."""
+        with torch.device("meta"):
+            module = model_factory()
+        for name, _ in list(module.named_buffers()):
+            owner, _, attr = name.rpartition(".")
+            getattr(module.get_submodule(owner), attr).data = module.initial_value(name).to(self.world.device)
+        for name, p in list(module.named_parameters()):
+            if not p.requires_grad:  # frozen: whole on every rank
+                owner, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner), attr,
+                        nn.Parameter(module.initial_value(name).to(self.world.device), requires_grad=False))
+        self._peak_param_bytes = self._held_param_bytes = 0
+        return module
+
+    def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
+        blocks = [[n for n in trainable if n.startswith(f"blocks.{i}.")] for i in range(len(module.blocks))]
+        in_blocks = {n for b in blocks for n in b}
+        root = [n for n in trainable if n not in in_blocks]
+        return [b for b in reversed(blocks) if b] + ([root] if root else [])  # the order gradients complete in
+
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
+        module = super().wrap(module, groups)
+        self._root = self.units[-1]
+        block_units = dict(zip(reversed(range(len(module.blocks))), self.units, strict=False))
+        for i, block in enumerate(module.blocks):
+            unit = block_units[i]
+            block.register_forward_pre_hook(lambda mod, args, unit=unit: self._gather(unit))
+            block.register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
+        return module
+
+    def _place(self, unit: Unit) -> None:
+        """Fill this rank's chunk from the model's own init; the weights themselves stay empty until gathered."""
+        r, module = self.world.rank, self.module
+        unit.shard = torch.zeros(unit.chunk, device=self.world.device)
+        lo = r * unit.chunk
+        for i, (name, offset, shape) in enumerate(zip(unit.names, unit.offsets, unit.shapes, strict=True)):
+            size = math.prod(shape)
+            a, b = max(offset, lo), min(offset + size, lo + unit.chunk)
+            if a < b:
+                unit.shard[a - lo:b - lo] = module.initial_value(name).flatten()[a - offset:b - offset]
+            owner, _, attr = name.rpartition(".")
+            empty = nn.Parameter(torch.empty(0, device=self.world.device))
+            setattr(module.get_submodule(owner), attr, empty)
+            unit.params[i] = empty
+        self._held_param_bytes += unit.shard.numel() * unit.shard.element_size()
+        self._peak_param_bytes = max(self._peak_param_bytes, self._held_param_bytes)
+
+    # ------------------------------------------------------------ gather and free
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.flat is not None:
+            return
+        unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
+        self.comm.all_gather(unit.flat, unit.shard)
+        for p, offset, shape in zip(unit.params, unit.offsets, unit.shapes, strict=True):
+            p.data = unit.flat[offset:offset + math.prod(shape)].view(shape)
+        self._held_param_bytes += unit.flat.numel() * unit.flat.element_size()
+        self._peak_param_bytes = max(self._peak_param_bytes, self._held_param_bytes)
+
+    def _free(self, unit: Unit) -> None:
+        if unit.flat is None:
+            return
+        for p in unit.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._held_param_bytes -= unit.flat.numel() * unit.flat.element_size()
+        unit.flat = None
+
+    def _after_forward(self, unit: Unit, out: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward: keep them
+            return
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad: (self._gather(unit), grad)[1])
+        self._free(unit)
+
+    def _unit_done(self, unit: Unit) -> None:
+        self._free(unit)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        self._gather(self._root)
+        loss = super().forward(x, y, sync=sync)
+        if torch.is_grad_enabled():
+            loss.register_hook(lambda grad: (self._gather(self._root), grad)[1])
+        self._free(self._root)
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        for unit in self.units:  # units with a parameter unused in this micro-step are still gathered
+            self._free(unit)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.comm.paused():
+            self._gather(self._root)
+            try:
+                return super().eval_loss(x, y)
+            finally:
+                self._free(self._root)
+
+    def _gathered_copy(self, unit: Unit) -> torch.Tensor:
+        flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
+        self.comm.all_gather(flat, unit.shard)
+        return flat
+
+    def take_peak_param_bytes(self) -> int:
+        """The most parameter bytes this rank held at once since the last call (shards plus gathered units)."""
+        peak, self._peak_param_bytes = self._peak_param_bytes, self._held_param_bytes
+        return peak

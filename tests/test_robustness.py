@@ -1,0 +1,341 @@
+"""A run a newcomer cannot break: one test (or more) per problem a new user ran into.
+
+Each names the problem it guards against; each failed on the code before the fix.
+"""
+
+import ast
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab import checkpoint, device
+from lab.cli import run_main, sample_main
+from lab.model import GPT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(run_dir: Path, *argv: str) -> int:
+    return run_main([*argv, "--run-dir", str(run_dir)])
+
+
+def launch(*argv: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch/run.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
+
+
+def records(run_dir: Path) -> list[dict]:
+    def refuse(token: str) -> None:
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return [json.loads(line, parse_constant=refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir) if "loss" in r]
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- 1. a second run without --run-dir
+
+
+def test_runs_without_run_dir_each_get_their_own_folder(args, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert run_main([*args, "--train.tokens", "512"]) == 0
+    assert run_main([*args, "--train.tokens", "512"]) == 0
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert len(folders) == 2 and all((f / "summary.json").is_file() for f in folders)
+    assert f"run directory: runs/{folders[1].name}" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- 2. the CPU peak: fast, cached, no RNG
+
+
+def test_the_cpu_peak_is_measured_quickly_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    start = time.perf_counter()
+    first = device.cpu_peak_flops(torch.bfloat16)
+    assert time.perf_counter() - start < 2.0 and first.flops > 0
+    assert (tmp_path / "scaling-lab" / "cpu-peaks.json").is_file()
+    monkeypatch.setattr(device, "measure_matmul_peak", lambda *a: pytest.fail("measured again"))
+    assert device.cpu_peak_flops(torch.bfloat16) == device.Peak(first.flops, first.source.replace(
+        "measured matmul peak", f"measured matmul peak, cached in {tmp_path / 'scaling-lab' / 'cpu-peaks.json'}"))
+
+
+def test_a_slow_cpu_stops_growing_the_matmul_within_the_budget(monkeypatch):
+    calls = []
+    monkeypatch.setattr(device, "_timed", lambda fn: calls.append(1) or 0.2)  # as if each 256³ matmul took 0.2 s
+    assert device.measure_matmul_peak(torch.bfloat16, budget_s=1.5) == pytest.approx(2 * 256**3 / 0.2)
+    assert len(calls) == 3  # one size only: the next would need 8 × 0.2 s × 4 runs
+
+
+def test_measuring_the_peak_leaves_the_training_rng_alone(args, tmp_path, monkeypatch):
+    state = torch.get_rng_state()
+    device.measure_matmul_peak(torch.float32, budget_s=0.2)
+    assert torch.equal(state, torch.get_rng_state())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh-cache"))  # forces a measurement
+    dropout = ["--model.dropout", "0.1", "--train.tokens", "768"]
+    assert run(tmp_path / "measured", *args, *dropout) == 0
+    assert run(tmp_path / "given", *args, *dropout, "--train.peak_flops", "1e12") == 0
+    assert losses(tmp_path / "measured") == losses(tmp_path / "given")
+    assert json.loads((tmp_path / "measured" / "summary.json").read_text())["peak_flops_source"].startswith(
+        "measured matmul peak")
+
+
+# ---------------------------------------------------------------- 3. unknown and abbreviated options
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--train.tok", "error: unknown option --train.tok (did you mean --train.tokens?)"),
+    ("--modle.d_model", "error: unknown option --modle.d_model (did you mean --model.d_model?)"),
+])
+def test_unknown_or_abbreviated_options_get_one_line(option, message, tmp_path):
+    proc = launch(option, "5", "--run-dir", str(tmp_path / "r"), timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert one_error_line(proc.stderr).startswith(message)
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------- 4. run directory and cache folder
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_any_work(args, tmp_path, capsys):
+    (tmp_path / "taken").write_text("not a folder")
+    assert run(tmp_path / "taken", *args) == 2
+    assert "--run-dir" in one_error_line(capsys.readouterr().err) and (tmp_path / "taken").read_text() == "not a folder"
+
+
+def test_an_unwritable_cache_dir_is_refused_before_any_work(args, tmp_path, capsys):
+    assert run(tmp_path / "r", *args, "--data.cache_dir", "/proc/lab-cache", "--data.vocab_size", "600") == 2
+    assert "data.cache_dir /proc/lab-cache is not writable" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------- 5. corrupt checkpoints, wrong paths
+
+
+def test_a_corrupt_checkpoint_file_or_meta_gives_one_line(args, tmp_path, capsys):
+    r = tmp_path / "r"
+    assert run(r, *args, "--train.stop_after", "4") == 0
+    last = checkpoint.latest(r)
+    (last / "rank-0.pt").write_bytes(b"truncated")
+    assert run(r, *args, "--resume") == 2
+    assert f"checkpoint file {last / 'rank-0.pt'} is unreadable" in one_error_line(capsys.readouterr().err)
+    (last / "meta.json").write_text("{not json")
+    assert run(r, *args, "--resume") == 2
+    assert f"checkpoint {last} is unreadable" in one_error_line(capsys.readouterr().err)
+    assert sample_main(["--run-dir", str(r)]) == 2
+    assert "is unreadable" in one_error_line(capsys.readouterr().err)
+
+
+def test_sample_names_the_checkpoint_it_was_given(args, tmp_path, capsys):
+    r = tmp_path / "r"
+    assert run(r, *args, "--train.tokens", "512") == 0
+    capsys.readouterr()
+    assert sample_main(["--run-dir", str(r), "--checkpoint", "/nope"]) == 2
+    assert one_error_line(capsys.readouterr().err) == "error: /nope is not a checkpoint (no rank-0.pt)"
+
+
+# ---------------------------------------------------------------- 6. impossible budgets and shapes
+
+
+def test_a_budget_that_would_run_for_ages_is_refused(args, tmp_path, capsys):
+    assert run(tmp_path / "r", *args, "--train.tokens", "1e30") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "train.tokens 1e+30" in line and "years" in line and "limit is 365 days" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_context_that_cannot_fit_in_memory_is_refused(args, tmp_path, capsys):
+    assert run(tmp_path / "r", *args, "--model.block_size", "1000000", "--train.batch_tokens", "4000000") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "GiB per process" in line and "is available" in line
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------- 8. interrupts
+
+
+def _interrupt(run_dir: Path, argv: list[str], sig: int) -> tuple[int, str, str]:
+    """Start a run, send ``sig`` once it has logged two steps, and wait for it to end."""
+    proc = subprocess.Popen([sys.executable, "launch/run.py", *argv, "--run-dir", str(run_dir)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step     2/"):
+            proc.send_signal(sig)
+            break
+    rest, err = proc.communicate(timeout=120)
+    return proc.returncode, "".join(out) + rest, err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_saves_a_checkpoint_and_says_how_to_resume(args, tmp_path, sig, code):
+    long = [*args, "--train.tokens", "2560", "--train.checkpoint_every", "0"]  # 10 steps, no periodic saves
+    r = tmp_path / "r"
+    returncode, out, err = _interrupt(r, long, sig)
+    assert returncode == code, err
+    assert "Traceback" not in err
+    summary = json.loads((r / "summary.json").read_text())
+    name = signal.Signals(sig).name
+    assert summary["status"] == "interrupted" and summary["signal"] == name and summary["steps"] < 10
+    assert f"interrupted by {name} after step {summary['steps']} of 10; checkpoint saved; resume with" in out
+    assert checkpoint.latest(r).name == f"step-{summary['steps']:06d}"
+    if sig == signal.SIGINT:  # the resumed run ends where an uninterrupted one does
+        assert run(r, *long, "--resume") == 0
+        assert run(tmp_path / "full", *long) == 0
+        assert losses(r) == losses(tmp_path / "full")
+
+
+# ---------------------------------------------------------------- 9. non-finite gradients
+
+
+@pytest.fixture
+def infinite_gradient_at_step_3(monkeypatch):
+    """The loss stays finite but its gradient is infinite in the third step's (two) micro-steps."""
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        out = forward(self, idx, targets)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] in (5, 6):
+                out.register_hook(lambda g: g * math.inf)
+        return out
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_files_strict(args, tmp_path, infinite_gradient_at_step_3):
+    r = tmp_path / "r"
+    assert run(r, *args, "--train.checkpoint_every", "2") == 0
+    recs = records(r)  # strict JSON: no NaN or Infinity tokens
+    skipped = [x for x in recs if "loss" in x and x["grad_norm"] is None]
+    assert [x["step"] for x in skipped] == [3] and skipped[0]["skipped_steps"] == 1
+    summary = json.loads((r / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 1
+    state = checkpoint.load_file(checkpoint.latest(r) / "rank-0.pt")
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_non_finite_gradient_can_stop_the_run_instead(args, tmp_path, capsys, infinite_gradient_at_step_3):
+    r = tmp_path / "r"
+    assert run(r, *args, "--train.checkpoint_every", "2", "--train.nonfinite", "stop") == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "gradient norm is" in line and "step 3" in line and "step-000002" in line
+    assert json.loads((r / "summary.json").read_text())["status"] == "diverged"
+    assert [p.name for p in checkpoint.checkpoint_dirs(r)] == ["step-000002"]
+
+
+# ---------------------------------------------------------------- 10. replacing a checkpoint
+
+
+def test_replacing_a_checkpoint_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    r = tmp_path / "r"
+    state = {"model": {"w": torch.ones(2)}}
+    checkpoint.save(r, 4, 0, 1, state, {"wall_time_s": 1.0}, keep=2)
+    real_replace = Path.replace
+
+    def dying_rename(self, target):
+        if self.name.endswith(".tmp") and not str(self).endswith(".json.tmp"):
+            raise OSError("killed during the rename")
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", dying_rename)
+    with pytest.raises(OSError):
+        checkpoint.save(r, 4, 0, 1, {"model": {"w": torch.zeros(2)}}, {"wall_time_s": 2.0}, keep=2)
+    monkeypatch.undo()
+    folder = checkpoint.latest(r)  # the earlier step-4, moved aside but still found
+    assert folder is not None and checkpoint.read_meta(folder)["wall_time_s"] == 1.0
+    assert torch.equal(checkpoint.load_file(folder / "rank-0.pt")["model"]["w"], torch.ones(2))
+    checkpoint.clean_stale_temporaries(r)  # never deletes the only copy
+    assert checkpoint.latest(r) == folder
+
+
+# ---------------------------------------------------------------- 12. progress, ETA, leftovers
+
+
+def test_training_prints_an_estimate_and_an_eta(args, tmp_path):
+    proc = launch(*args, "--run-dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert "at 30% MFU" in first and first.split("| about ")[1].split()[0][-1] in "sn"  # e.g. "about 0s"
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step") and "| loss " in line]
+    assert len(steps) == 8 and all("| eta " in line for line in steps)
+
+
+def test_leftovers_of_an_interrupted_run_are_cleaned_up(args, tmp_path):
+    r = tmp_path / "r"
+    assert run(r, *args, "--train.stop_after", "4") == 0
+    (r / "checkpoints" / "step-000006.tmp").mkdir()
+    (r / ".metrics.jsonl.tmp").write_text("half")
+    (r / ".summary.json.abc123.tmp").write_text("half")
+    assert run(r, *args, "--resume") == 0
+    assert not list(r.glob(".*.tmp")) and not list((r / "checkpoints").glob("*.tmp"))
+
+
+def test_abandoned_data_preparation_folders_are_removed(tiny_data_config, tmp_path):
+    from dataclasses import replace
+
+    from lab.data import prepare
+    cfg = replace(tiny_data_config, cache_dir=str(tmp_path / "cache"), vocab_size=520)
+    folder = prepare(cfg, progress=False)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import shutil
+    import socket
+    shutil.rmtree(folder)
+    stale = folder.parent / f".{folder.name}.{socket.gethostname()}-{dead.stdout.strip()}.abc.tmp"
+    stale.mkdir()
+    prepare(cfg, progress=False)
+    assert not stale.exists() and folder.is_dir()
+
+
+# ---------------------------------------------------------------- 13. layering
+
+
+def _lab_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lab"):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("lab")}
+    return names
+
+
+def test_accounting_depends_on_nothing_in_lab_and_config_not_on_the_model():
+    assert _lab_imports(ROOT / "lab" / "accounting.py") == set()
+    assert _lab_imports(ROOT / "lab" / "config.py") == set()
+
+
+def test_one_place_decides_precision_and_the_peak():
+    for name in ("train.py", "bench.py", "cli.py"):
+        source = (ROOT / "lab" / name).read_text()
+        for decision in ("torch.autocast", "torch.bfloat16", "get_device_name", "allow_tf32", "gpu_peak_flops",
+                         "measure_matmul_peak"):
+            assert decision not in source, (name, decision)
+        assert "lab.device" in source, name
+
+
+def test_train_reads_top_to_bottom_in_short_steps():
+    tree = ast.parse((ROOT / "lab" / "train.py").read_text())
+    functions = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert functions["train"] <= 40, functions["train"]
+    assert max(functions.values()) <= 80, max(functions.items(), key=lambda kv: kv[1])
