@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from sweeps import plan as planner, spec as specs
 from sweeps.driver import attempt_for, driver_lock, execute, run_dir
+from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
 
 EXIT_BAD_INPUT = 2
@@ -86,13 +87,7 @@ def _locate(args: argparse.Namespace) -> tuple[Path, specs.Sweep | None]:
     raise UsageError(f"no such sweep file or folder: {path}")
 
 
-def _open(folder: Path) -> Registry:
-    if not (folder / DB_NAME).exists():
-        raise RegistryError(f"{folder} holds no sweep registry ({DB_NAME}); run the sweep first")
-    return Registry.open(folder)
-
-
-def _executor(args: argparse.Namespace, sweep: specs.Sweep, registry: Registry | None):
+def _executor(args: argparse.Namespace, sweep: specs.Sweep, registry: Registry | None) -> Executor:
     """The executor asked for, else the one the sweep last ran on, else local."""
     kind = args.executor or (registry.meta("executor") if registry else None) or "local"
     if args.parallel is not None and args.parallel < 1:
@@ -111,7 +106,7 @@ def _executor(args: argparse.Namespace, sweep: specs.Sweep, registry: Registry |
         raise UsageError(f"the slurm executor needs a SLURM cluster ({e})") from None
 
 
-def _check_fits(executor, runs: list[planner.PlannedRun]) -> None:
+def _check_fits(executor: Executor, runs: list[planner.PlannedRun]) -> None:
     """The local executor runs on this machine only."""
     multi = next((r for r in runs if r.launch.nodes > 1), None)
     if executor.name == "local" and multi is not None:
@@ -160,7 +155,7 @@ def _retry(args: argparse.Namespace) -> int:
     if sweep is None:
         raise UsageError(f"{folder} has no {SWEEP_COPY}; retry with the sweep file")
     with driver_lock(folder):
-        registry = _open(folder)
+        registry = Registry.open(folder)
         rows = _select(registry, args.names, default=("failed", "cancelled"))
         wrong = [r for r in rows if r.status not in ("failed", "cancelled")]
         if wrong:
@@ -178,7 +173,7 @@ def _retry(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     folder, _ = _locate(args)
-    registry = _open(folder)
+    registry = Registry.open(folder)
     rows = _select(registry, args.names, default=("planned", "running", "failed"))
     for row in rows:
         if row.status in ("done", "cancelled"):
@@ -221,7 +216,7 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix.lower() not in export.FORMATS:
         raise UsageError(f"--out must end in .csv or .parquet, got '{out.name}'")
-    table = export.results(_open(folder).rows())
+    table = export.results(Registry.open(folder).rows())
     if table.empty:
         raise UsageError(f"no finished runs in {folder} yet")
     export.write(table, out)
@@ -231,7 +226,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     folder, _ = _locate(args)
-    rows = _open(folder).rows()
+    rows = Registry.open(folder).rows()
     print(f"sweep folder {folder}")
     head = f"{'run':<24} {'status':<9} {'N':>10} {'D':>11} {'C':>9} {'loss':>7} {'tries':>5}  job / progress"
     print(head)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sweeps.executors.attempt import Attempt, Outcome, read_summary
+from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
 from sweeps.registry import Registry, RegistryError, Row
 
 EXIT_OK, EXIT_UNFINISHED, EXIT_INTERRUPTED = 0, 1, 130
@@ -96,7 +96,7 @@ class Recorder:
         self.bar.update(1)
 
 
-def execute(folder: Path, registry: Registry, names: list[str], executor, progress: bool = True) -> int:
+def execute(folder: Path, registry: Registry, names: list[str], executor: Executor, progress: bool = True) -> int:
     """Run the named rows that are not done or cancelled; the exit code says whether all are done."""
     rows = [registry.get(n) for n in names]
     todo = [r for r in rows if r.status not in ("done", "cancelled")]
@@ -114,6 +114,9 @@ def execute(folder: Path, registry: Registry, names: list[str], executor, progre
     except KeyboardInterrupt:
         bar.write("interrupted: what finished is recorded; run the sweep again to resume")
         return EXIT_INTERRUPTED
+    except ExecutorError as e:
+        bar.write(f"error: {e}")
+        return EXIT_UNFINISHED
     finally:
         signal.signal(signal.SIGTERM, previous)
         bar.close()

@@ -86,10 +86,10 @@ def _create(path: Path) -> None:
 
 
 class Registry:
-    """Open with :meth:`create` (a new sweep folder) or :meth:`open` (an existing one)."""
+    """A sweep's runs in SQLite; get one with :meth:`open`."""
 
-    def __init__(self, path: Path, conn: sqlite3.Connection):
-        self.path, self._conn = path, conn
+    def __init__(self, conn: sqlite3.Connection):
+        self._conn = conn
 
     @classmethod
     def open(cls, folder: Path, create: bool = False) -> "Registry":
@@ -105,7 +105,7 @@ class Registry:
         except sqlite3.DatabaseError as e:
             raise RegistryError(f"{path} is not a readable sweep registry ({e}); it was left as it is: "
                                 f"move it aside to start the sweep afresh") from None
-        return cls(path, conn)
+        return cls(conn)
 
     @staticmethod
     def _check(conn: sqlite3.Connection, path: Path) -> None:
@@ -118,9 +118,6 @@ class Registry:
         schema = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() if "meta" in tables else None
         if columns != _COLUMNS or schema != (SCHEMA_VERSION,):
             raise RegistryError(f"{path} is not a sweep registry of this version; it was left as it is")
-
-    def close(self) -> None:
-        self._conn.close()
 
     # ------------------------------------------------------------ reading
 

@@ -25,7 +25,7 @@ class SpecError(ValueError):
 PLANNED_FIELDS = {"model": ("n_layer", "d_model", "n_head"), "train": ("tokens", "lr", "batch_tokens"),
                   "parallel": ("strategy",)}
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
-NAME_RE = re.compile(r"^[^/\x00]+$")
+NAME_RE = re.compile(r"^[^/\x00-\x1f\x7f]+$")  # one path component, printable on one line
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,10 @@ def _numbers(value: Any, where: str) -> tuple[float, ...]:
 
 
 def check_name(name: Any, where: str) -> str:
-    """A run or sweep name: any text that is one path component (no '/', not '.' or '..', no leading '.')."""
+    """A run or sweep name: any text that is one path component (no '/', no control characters, no leading '.')."""
     if not isinstance(name, str) or not NAME_RE.match(name) or name.startswith(".") or len(name) > 120:
-        raise SpecError(f"{where} must be 1-120 characters with no '/' and no leading '.', got {name!r}")
+        raise SpecError(f"{where} must be 1-120 characters with no '/', no control characters and no leading '.', "
+                        f"got {name!r}")
     return name
 
 
@@ -174,7 +175,7 @@ def _rule(value: Any, where: str, default: float) -> PowerRule:
 
 def check_launch(settings: dict[str, Any], where: str) -> dict[str, Any]:
     """Validate launch settings (a subset of :class:`Launch`'s fields) and return them."""
-    known = {f.name: f.type for f in dataclasses.fields(Launch)}
+    known = [f.name for f in dataclasses.fields(Launch)]
     for key, value in settings.items():
         if key not in known:
             raise SpecError(f"{where}: unknown launch setting '{key}' (known: {', '.join(known)})")
@@ -189,16 +190,16 @@ def check_launch(settings: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _base(value: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    try:
+        RunConfig.from_dict(value)  # unknown sections or options, wrong types
+    except ConfigError as e:
+        raise SpecError(f"[base]: {e}") from None
     for section, fields in PLANNED_FIELDS.items():
         for name in fields:
             if name in value.get(section, {}):
                 raise SpecError(f"[base.{section}] sets '{name}', which the planner sets for every run")
     if "preset" in value.get("model", {}):
         raise SpecError("[base.model] sets 'preset'; give the fields it would set instead")
-    try:
-        RunConfig.from_dict(value)  # unknown sections or options, wrong types
-    except ConfigError as e:
-        raise SpecError(f"[base]: {e}") from None
     return value
 
 
@@ -223,6 +224,59 @@ def _shape_list(items: Any) -> tuple[ShapeEntry, ...]:
     return tuple(entries)
 
 
+def _shape_source(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family | None, tuple[float, ...],
+                                                                           tuple[ShapeEntry, ...]]:
+    """(family, sizes, explicit shapes) from [sweep] and [shapes]."""
+    family_name = shapes.get("family", "aspect")
+    if family_name == "list":
+        if "sizes" in sweep:
+            raise SpecError("[sweep] sizes are for the 'aspect' family; an explicit list sets its own shapes")
+        return None, (), _shape_list(shapes.get("list"))
+    if family_name != "aspect":
+        raise SpecError(f"[shapes] family must be 'aspect' or 'list', got {family_name!r}")
+    if "list" in shapes:
+        raise SpecError("[shapes] has a list but family is 'aspect'; set family = \"list\"")
+    if "sizes" not in sweep:
+        raise SpecError("[sweep] needs 'sizes' (target N) with the 'aspect' shape family")
+    family = Family(aspect=_number(shapes.get("aspect", Family.aspect), "[shapes] aspect"),
+                    width_multiple=_integer(shapes.get("width_multiple", Family.width_multiple),
+                                            "[shapes] width_multiple"),
+                    head_dim=_integer(shapes.get("head_dim", Family.head_dim), "[shapes] head_dim"),
+                    max_layers=_integer(shapes.get("max_layers", Family.max_layers), "[shapes] max_layers"))
+    if family.width_multiple % family.head_dim:
+        raise SpecError(f"[shapes] head_dim ({family.head_dim}) must divide width_multiple "
+                        f"({family.width_multiple}) so that heads divide every width")
+    return family, _numbers(sweep["sizes"], "[sweep] sizes"), ()
+
+
+def _launch_rules(by_size: Any) -> tuple[LaunchRule, ...]:
+    if not isinstance(by_size, list):
+        raise SpecError("[[launch.by_size]] must be a list of tables")
+    rules = []
+    for i, rule in enumerate(by_size):
+        where = f"launch.by_size[{i}]"
+        if not isinstance(rule, dict):
+            raise SpecError(f"{where} must be a table")
+        rule = dict(rule)
+        lo = _number(rule.pop("min_params", 0.0), f"{where}.min_params", positive=False)
+        hi = _number(rule.pop("max_params"), f"{where}.max_params") if "max_params" in rule else math.inf
+        rules.append(LaunchRule(lo, hi, check_launch(rule, where)))
+    return tuple(rules)
+
+
+def _slurm(slurm: dict[str, Any]) -> dict[str, Any]:
+    for key in ("partition", "account", "qos", "constraint"):
+        if key in slurm and (not isinstance(slurm[key], str) or not slurm[key]):
+            raise SpecError(f"[slurm] {key} must be a non-empty string")
+    if "array_parallelism" in slurm:
+        _integer(slurm["array_parallelism"], "[slurm] array_parallelism")
+    if "poll_s" in slurm:
+        _number(slurm["poll_s"], "[slurm] poll_s")
+    if "setup" in slurm and not (isinstance(slurm["setup"], list) and all(isinstance(x, str) for x in slurm["setup"])):
+        raise SpecError("[slurm] setup must be a list of shell lines")
+    return slurm
+
+
 def parse(text: str, source: str = "sweep file", folder: str | Path | None = None) -> Sweep:
     """Parse and check a sweep file's text; ``folder`` overrides ``[sweep] folder``."""
     try:
@@ -237,6 +291,8 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
     base = _base(_table(doc, "base"))
 
     name = check_name(sweep.get("name"), "[sweep] name")
+    if folder is None and not isinstance(sweep.get("folder", ""), str):
+        raise SpecError("[sweep] folder must be a path (a string)")
     if "budgets" not in sweep:
         raise SpecError("[sweep] needs 'budgets' (training FLOPs per run)")
     budgets = _numbers(sweep["budgets"], "[sweep] budgets")
@@ -244,48 +300,9 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
     if count not in ("total", "non_embedding"):
         raise SpecError(f"[sweep] count must be total or non_embedding, got {count!r}")
 
-    family_name = shapes.get("family", "aspect")
-    if family_name == "aspect":
-        if "list" in shapes:
-            raise SpecError("[shapes] has a list but family is 'aspect'; set family = \"list\"")
-        if "sizes" not in sweep:
-            raise SpecError("[sweep] needs 'sizes' (target N) with the 'aspect' shape family")
-        family = Family(aspect=_number(shapes.get("aspect", Family.aspect), "[shapes] aspect"),
-                        width_multiple=_integer(shapes.get("width_multiple", Family.width_multiple),
-                                                "[shapes] width_multiple"),
-                        head_dim=_integer(shapes.get("head_dim", Family.head_dim), "[shapes] head_dim"),
-                        max_layers=_integer(shapes.get("max_layers", Family.max_layers), "[shapes] max_layers"))
-        if family.width_multiple % family.head_dim:
-            raise SpecError(f"[shapes] head_dim ({family.head_dim}) must divide width_multiple "
-                            f"({family.width_multiple}) so that heads divide every width")
-        sizes, entries = _numbers(sweep["sizes"], "[sweep] sizes"), ()
-    elif family_name == "list":
-        if "sizes" in sweep:
-            raise SpecError("[sweep] sizes are for the 'aspect' family; an explicit list sets its own shapes")
-        family, sizes, entries = None, (), _shape_list(shapes.get("list"))
-    else:
-        raise SpecError(f"[shapes] family must be 'aspect' or 'list', got {family_name!r}")
-
-    by_size = launch.pop("by_size", [])
-    if not isinstance(by_size, list):
-        raise SpecError("[[launch.by_size]] must be a list of tables")
-    launch_rules = []
-    for i, rule in enumerate(by_size):
-        where = f"launch.by_size[{i}]"
-        if not isinstance(rule, dict):
-            raise SpecError(f"{where} must be a table")
-        rule = dict(rule)
-        lo = _number(rule.pop("min_params", 0.0), f"{where}.min_params", positive=False)
-        hi = _number(rule.pop("max_params"), f"{where}.max_params") if "max_params" in rule else math.inf
-        launch_rules.append(LaunchRule(lo, hi, check_launch(rule, where)))
-
-    slurm = _table(doc, "slurm")
-    if "array_parallelism" in slurm:
-        _integer(slurm["array_parallelism"], "[slurm] array_parallelism")
-    if "poll_s" in slurm:
-        _number(slurm["poll_s"], "[slurm] poll_s")
-    if "setup" in slurm and not (isinstance(slurm["setup"], list) and all(isinstance(s, str) for s in slurm["setup"])):
-        raise SpecError("[slurm] setup must be a list of shell lines")
+    family, sizes, entries = _shape_source(sweep, shapes)
+    launch_rules = _launch_rules(launch.pop("by_size", []))
+    slurm = _slurm(_table(doc, "slurm"))
 
     defaults = TrainConfig()
     return Sweep(
@@ -294,7 +311,7 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         budgets=budgets, sizes=sizes, count=count, family=family, shapes=entries,
         lr=_rule(rules.get("lr"), "[rules] lr", defaults.lr),
         batch_tokens=_rule(rules.get("batch_tokens"), "[rules] batch_tokens", defaults.batch_tokens),
-        launch=Launch(**check_launch(launch, "[launch]")), launch_rules=tuple(launch_rules), base=base,
+        launch=Launch(**check_launch(launch, "[launch]")), launch_rules=launch_rules, base=base,
         flops_per_s=_number(estimate.get("flops_per_s", 3e10), "[estimate] flops_per_s"),
         step_s=_number(estimate.get("step_s", 0.0), "[estimate] step_s", positive=False),
         overhead_s=_number(estimate.get("overhead_s", 5.0), "[estimate] overhead_s", positive=False),

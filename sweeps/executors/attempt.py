@@ -43,6 +43,10 @@ class Outcome:
     summary: dict | None = None
 
 
+class ExecutorError(RuntimeError):
+    """An executor cannot go on (e.g. sbatch refused a job); the message is one line."""
+
+
 class Events(Protocol):
     """How an executor reports to the driver (which records everything in the registry)."""
 
@@ -54,6 +58,13 @@ class Events(Protocol):
 
     def finished(self, attempt: Attempt, outcome: Outcome) -> None:
         """``attempt`` ended."""
+
+
+class Executor(Protocol):
+    name: str  # recorded with each job: "local" or "slurm"
+
+    def run(self, attempts: list[Attempt], events: Events) -> None:
+        """Run every attempt, reporting to ``events``; return when all have ended."""
 
 
 def run_options(attempt: Attempt) -> list[str]:

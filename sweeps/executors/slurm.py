@@ -18,15 +18,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sweeps.executors.attempt import Attempt, Events, Outcome, outcome, run_options, torchrun_command
+from sweeps.executors.attempt import (Attempt, Events, ExecutorError, Outcome, outcome, run_options,
+                                     torchrun_command)
 from sweeps.executors.job import run_attempt
+from sweeps.spec import Launch
 
 # sacct states after which a job will not run again (PREEMPTED is not one: SLURM may requeue it).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                 "DEADLINE", "REVOKED"}
 
 
-class SlurmError(RuntimeError):
+class SlurmError(ExecutorError):
     """Submission failed; the message is one line."""
 
 
@@ -68,6 +70,19 @@ def sbatch_options(attempt: Attempt, settings: dict[str, Any], name: str, cwd: P
                       if key in settings]
 
 
+def array_parameters(launch: Launch, settings: dict[str, Any], name: str) -> dict[str, Any]:
+    """submitit's parameters for a single-node run: what SLURM allocates it, from its launch settings."""
+    parameters: dict[str, Any] = {
+        "job_name": name, "time": launch.time_min, "nodes": 1, "ntasks_per_node": 1,
+        "cpus_per_task": launch.nproc * launch.cpus_per_proc, "mem": f"{int(launch.mem_gb * 1024)}M",
+        "array_parallelism": int(settings.get("array_parallelism", 256)),
+    }
+    if launch.gpus_per_proc:
+        parameters["gpus_per_node"] = launch.nproc * launch.gpus_per_proc
+    return parameters | {key: settings[key] for key in ("partition", "account", "qos", "constraint", "setup")
+                         if key in settings}
+
+
 class SlurmExecutor:
     """Submits to the cluster's ``partition`` (and ``account``, ``qos``, ``constraint``) from ``[slurm]``."""
 
@@ -81,28 +96,12 @@ class SlurmExecutor:
         self.job_name = job_name(sweep_name)
         self.poll_s = float(settings.get("poll_s", 5.0))
 
-    # ------------------------------------------------------------ resources
-
-    def _resources(self, attempt: Attempt) -> dict[str, Any]:
-        launch = attempt.run.launch
-        resources: dict[str, Any] = {
-            "job_name": self.job_name, "time": launch.time_min, "nodes": 1, "ntasks_per_node": 1,
-            "cpus_per_task": launch.nproc * launch.cpus_per_proc, "mem": f"{int(launch.mem_gb * 1024)}M",
-            "array_parallelism": int(self.settings.get("array_parallelism", 256)),
-        }
-        if launch.gpus_per_proc:
-            resources["gpus_per_node"] = launch.nproc * launch.gpus_per_proc
-        for key in ("partition", "account", "qos", "constraint", "setup"):
-            if key in self.settings:
-                resources[key] = self.settings[key]
-        return resources
-
     # ------------------------------------------------------------ submission
 
     def _submit_array(self, attempts: list[Attempt], events: Events) -> list[tuple[Attempt, Any]]:
         """One submitit batch (a SLURM array when it holds several runs) for attempts with equal resources."""
         executor = self.submitit.SlurmExecutor(folder=self.folder)
-        executor.update_parameters(**self._resources(attempts[0]))
+        executor.update_parameters(**array_parameters(attempts[0].run.launch, self.settings, self.job_name))
         chosen = [a for a in attempts if events.start(a)]
         if not chosen:
             return []
@@ -142,7 +141,7 @@ class SlurmExecutor:
     def run(self, attempts: list[Attempt], events: Events) -> None:
         """Submit new attempts, follow earlier drivers' jobs, and report each as it ends."""
         watched = [(a, self.submitit.SlurmJob(folder=self.folder, job_id=a.job)) for a in attempts if a.job]
-        groups: dict[tuple, list[Attempt]] = defaultdict(list)
+        groups: dict[Launch, list[Attempt]] = defaultdict(list)
         for a in attempts:
             if a.job:
                 continue
@@ -150,7 +149,7 @@ class SlurmExecutor:
                 submitted = self.submit_script(a, events)
                 watched += [submitted] if submitted else []
             else:
-                groups[tuple(sorted((k, str(v)) for k, v in self._resources(a).items()))].append(a)
+                groups[a.run.launch].append(a)  # one array per launch setting (the resources it asks for)
         for group in groups.values():
             watched += self._submit_array(group, events)
         try:

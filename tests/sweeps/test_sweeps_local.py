@@ -244,10 +244,13 @@ def test_failed_run_is_recorded_with_its_error_line_and_the_rest_goes_on(tmp_pat
     assert f"failed    C6e8-mid  {bad['error']}" in proc.stdout
     status = sweeps_cli("status", folder)
     assert bad["error"] in status.stdout and "done 1 | running 0 | planned 0 | failed 1 | cancelled 0" in status.stdout
-    # a failed run is tried again by the next run of the sweep (and by retry); it fails the same way
+    # a failed run is tried again by the next run of the sweep, and by retry; it fails the same way
+    proc = sweeps_cli("run", file, "--folder", folder, "--no-progress")
+    assert proc.returncode == 1 and proc.stdout.startswith("failed    C6e8-mid")
+    assert registry_rows(folder)["C6e8-mid"]["attempts"] == 2 and registry_rows(folder)["C6e8-small"]["attempts"] == 1
     proc = sweeps_cli("retry", folder, "C6e8-mid", "--no-progress")
     assert proc.returncode == 1
-    assert registry_rows(folder)["C6e8-mid"]["attempts"] == 2
+    assert registry_rows(folder)["C6e8-mid"]["attempts"] == 3
     proc = sweeps_cli("retry", folder, "C6e8-small")
     assert proc.returncode == 2 and proc.stderr.strip() == \
         "error: run 'C6e8-small' is done; retry takes failed or cancelled runs"

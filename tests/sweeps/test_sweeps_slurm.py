@@ -72,21 +72,37 @@ def run_sweep(file: Path, folder: Path, *extra: str, timeout: float = 600) -> su
                           timeout=timeout)
 
 
-def test_an_array_runs_every_run_and_records_its_summary(cluster, tmp_path, write_sweep, registry_rows,
-                                                         completions):
-    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=SHAPES, extra=SLURM)
+def test_arrays_run_every_run_with_its_own_resources(cluster, tmp_path, write_sweep, registry_rows, completions):
+    # small and mid share their resources (one array of two); wide asks for another time limit (its own job)
+    shapes = SHAPES[:2] + [{**SHAPES[2], "launch": {"time_min": 7}}]
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8, 1.2e9], shapes=shapes, extra=SLURM)
     folder = tmp_path / "sweep"
     proc = run_sweep(file, folder)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = registry_rows(folder)
-    assert len(rows) == 3 and all(r["status"] == "done" and r["attempts"] == 1 for r in rows.values())
-    jobs = [job_id(r) for r in rows.values()]
-    array = {j.split("_")[0] for j in jobs}
-    assert len(array) == 1 and sorted(j.split("_")[1] for j in jobs) == ["0", "1", "2"]  # one array of three
-    states = sacct_states(array.pop())
-    assert sorted(states) == sorted(jobs) and set(states.values()) == {"COMPLETED"}
+    assert len(rows) == 6 and all(r["status"] == "done" and r["attempts"] == 1 for r in rows.values())
+    arrays: dict[str, list[str]] = {}
+    for name, row in rows.items():
+        arrays.setdefault(job_id(row).split("_")[0], []).append(name.split("-", 1)[1])
+    assert sorted(sorted(v) for v in arrays.values()) == [["mid", "mid", "small", "small"], ["wide", "wide"]]
+    for array, names in arrays.items():
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State,Timelimit", "-j", array],
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert len(out) == len(names)
+        assert {line.split("|")[1] for line in out} == {"COMPLETED"}
+        assert {line.split("|")[2] for line in out} == {"00:07:00" if names[0] == "wide" else "00:10:00"}
     for name, row in rows.items():
         assert json.loads(row["summary"])["status"] == "completed" and completions(folder, name) == 1
+
+
+def test_array_parameters_carry_each_runs_resources():
+    from sweeps.executors.slurm import array_parameters
+    from sweeps.spec import Launch
+
+    launch = Launch(strategy="ddp", nproc=4, cpus_per_proc=8, gpus_per_proc=1, mem_gb=64, time_min=90)
+    got = array_parameters(launch, {"partition": "gpu", "account": "lab", "array_parallelism": 8}, "sweep-x")
+    assert got == {"job_name": "sweep-x", "time": 90, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 32,
+                   "mem": "65536M", "array_parallelism": 8, "gpus_per_node": 4, "partition": "gpu", "account": "lab"}
 
 
 def test_a_failing_run_is_recorded_as_failed_with_its_error_line(cluster, tmp_path, write_sweep, registry_rows,
