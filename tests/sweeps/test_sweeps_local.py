@@ -216,6 +216,29 @@ def test_sigkill_in_the_middle_then_restart_completes_every_run_exactly_once(tmp
     assert "resumed at step" in resumed  # it went on from its last checkpoint
 
 
+def test_sigterm_to_the_driver_stops_its_runs_and_the_next_run_resumes_them(tmp_path, write_sweep, registry_rows,
+                                                                           completions):
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e10], shapes=THREE[:1])  # about 860 steps
+    folder = tmp_path / "sweep"
+    name = "C6e10-small"
+    driver = start_driver("run", file, "--folder", folder, "--no-progress")
+    wait_for(lambda: (folder / "sweep.db").exists() and registry_rows(folder)[name]["status"] == "running"
+             and (folder / "runs" / name / "checkpoints").is_dir(), timeout=120, what="a checkpointed run")
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=120) == 130
+    assert "interrupted: what finished is recorded" in driver.stdout.read()
+    row = registry_rows(folder)[name]
+    assert row["status"] == "failed" and row["attempts"] == 1 and completions(folder, name) == 0
+    assert not alive(int(row["job"].split(":")[1]))
+
+    proc = subprocess.run([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = registry_rows(folder)[name]
+    assert row["status"] == "done" and row["attempts"] == 2 and completions(folder, name) == 1
+    assert "resumed at step" in (folder / "logs" / name / "attempt-2.log").read_text()
+
+
 def test_a_second_driver_on_the_same_sweep_is_refused(tmp_path, write_sweep, sweeps_cli):
     file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=THREE[:1])
     folder = tmp_path / "sweep"
