@@ -251,9 +251,16 @@ class Start:
 
 
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
+    """The run's strategy, built from the model factory (compiled first when asked, then the strategy
+    applies checkpointing and sharding), the weight-decay rule and AdamW."""
+    def make_model() -> GPT:
+        model = GPT(cfg.model, seed=cfg.train.seed)
+        if cfg.train.compile:
+            model.compile()
+        return model
+
     strategy = parallel.create(cfg.parallel, world, precision)
-    strategy.build(lambda: GPT(cfg.model, seed=cfg.train.seed),
-                   lambda model: param_groups(model, cfg.train.weight_decay),
+    strategy.build(make_model, lambda model: param_groups(model, cfg.train.weight_decay),
                    adamw_factory(cfg.train, world.device))
     return strategy
 
