@@ -1,6 +1,9 @@
 """Scaling-law analysis: fits with uncertainty, compute-optimal predictions, plots, reports, planning.
 
-``python -m analysis fit RESULTS --out DIR`` fits a table of runs (``table`` -> ``fit``, which runs
-``parametric``, ``isoflop``, ``envelope`` and ``bootstrap``) and writes fit.json, ``plots`` and
-``report``; ``python -m analysis plan FIT_JSON ...`` turns a fit into a run plan (``planner``).
+``python -m analysis fit RESULTS --out DIR`` checks a table of runs (``table``), groups it into
+compute budgets (``budgets``) and fits it (``fit``, which runs ``parametric``, ``isoflop``,
+``envelope`` and ``bootstrap``, judges each law with ``identify`` and sets them side by side with
+``compare``), then writes fit.json, ``plots`` and ``report`` (with ``published`` laws for
+reference); ``python -m analysis plan FIT_JSON ...`` turns an identified law into a run plan
+(``planner``).
 """

@@ -1,8 +1,11 @@
 """Command line: ``python -m analysis fit RESULTS --out DIR`` and ``python -m analysis plan FIT_JSON``.
 
-Bad input ends the command before any work with one line ``error: ...`` on stderr and exit code
-2. ``fit`` writes every output into a staging folder inside DIR and only then renames each file
-into place, so an earlier fit in DIR is never lost or left half-written.
+Exit codes: 0 done; 2 bad input, one line ``error: ...`` on stderr before any work; 3 the data
+identify no law (``fit`` still writes its report, which says why; ``plan`` refuses); 130
+interrupted. ``fit`` writes every output into a staging folder ``.fit-staging-<pid>-*`` inside DIR
+and only then renames each file into place (fit.json last), so an earlier fit in DIR is never
+lost or left half-written; SIGINT, SIGTERM and SIGHUP remove the staging folder, and a later
+``fit`` removes any left by a process that no longer exists (killed with SIGKILL).
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -21,12 +26,16 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pandas as pd  # noqa: E402
 
+from analysis.compare import APPROACHES, TITLES  # noqa: E402
 from analysis.fit import FitConfig, FitResult, fit_runs  # noqa: E402
 from analysis.parametric import named_samples  # noqa: E402
-from analysis.planner import BOOTSTRAP_COLUMNS, describe, load_fit, plan  # noqa: E402
-from analysis.table import PARAMS_COUNTS, InputError, load_runs, parse_column_map  # noqa: E402
+from analysis.planner import LAW_COLUMNS, PARAMETRIC_COLUMNS, Unidentified, describe, load_fit, plan  # noqa: E402
+from analysis.table import DUPLICATE_POLICIES, PARAMS_COUNTS, InputError, load_runs, parse_column_map  # noqa: E402
 
 EXIT_USAGE = 2
+EXIT_UNIDENTIFIED = 3
+EXIT_INTERRUPTED = 130
+STAGING_PREFIX = ".fit-staging-"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,14 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map a table column to params, params_non_embedding, tokens, flops, loss or run_id")
     f.add_argument("--params-count", choices=PARAMS_COUNTS, default=None,
                    help="parameter count used as N when both are present (default: total)")
-    f.add_argument("--budget-tol", type=float, default=0.05, help="relative tolerance on C for IsoFLOP budgets")
-    f.add_argument("--include-edge-minima", action="store_true", help="keep edge minima in the IsoFLOP fit")
+    f.add_argument("--duplicates", choices=DUPLICATE_POLICIES, default="aggregate",
+                   help="runs with the same N and D: average them into one run (default) or refuse the table")
+    f.add_argument("--budget-tol", type=float, default=0.05, help="relative spread of C within one budget")
     f.add_argument("--isoflop-minimum", choices=("vertex", "lowest"), default="vertex",
-                   help="per-budget minimum for the IsoFLOP power laws (default: parabola vertex)")
+                   help="per-budget minimum for the IsoFLOP power laws (default: windowed parabola vertex)")
     f.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: none)")
     f.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     f.add_argument("--ci", type=float, default=0.95, help="interval level")
-    f.add_argument("--workers", type=int, default=1, help="processes for the parametric bootstrap")
+    f.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="processes for the bootstrap (default: the CPUs available)")
     f.add_argument("--starts", type=int, default=8, help="L-BFGS starts from the best grid points")
     f.add_argument("--no-holdout", action="store_true", help="skip the hold-out check")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -69,28 +80,62 @@ def build_parser() -> argparse.ArgumentParser:
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--gpu-hours", type=float, help="budget in GPU-hours, all GPUs together")
     budget.add_argument("--flops", type=float, help="budget in training FLOPs")
+    p.add_argument("--approach", choices=("auto",) + APPROACHES, default="auto",
+                   help="law to plan from (default: the first identified of approach3, isoflop, envelope)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
 
-def _write_outputs(result: FitResult, out: Path) -> list[str]:
-    """Write all outputs to a staging folder in ``out``, then rename them into place."""
+def bootstrap_frame(result: FitResult) -> pd.DataFrame:
+    """One row per resample: approach 3's parameters and every other approach's power law."""
+    samples = named_samples(result.thetas)
+    columns = {k: samples[k] for k in PARAMETRIC_COLUMNS}
+    for key in APPROACHES[:2]:
+        law = result.approaches[key].samples
+        if law is not None:
+            columns.update({f"{key}_{c}": v for c, v in zip(LAW_COLUMNS, (law.a, law.k_n, law.b, law.k_d))})
+    return pd.DataFrame(columns)
+
+
+def remove_stale_staging(out: Path) -> None:
+    """Remove staging folders whose process is gone (or that carry no process id)."""
+    for path in out.glob(STAGING_PREFIX + "*"):
+        match = re.match(re.escape(STAGING_PREFIX) + r"(\d+)-", path.name)
+        if match and _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
+    """Write all outputs (``doc`` is result.to_dict()) to a staging folder in ``out``, then rename them
+    into place, fit.json last."""
     from analysis.plots import make_plots  # matplotlib only when there is something to draw
     from analysis.report import build_blocks, render_html, render_markdown
 
     out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".fit-staging-", dir=out))
+    remove_stale_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out))
     try:
-        doc = result.to_dict()
         (staging / "fit.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         if result.thetas is not None:
-            samples = named_samples(result.thetas)
-            pd.DataFrame({k: samples[k] for k in BOOTSTRAP_COLUMNS}).to_csv(staging / "bootstrap.csv", index=False)
-        make_plots(result, staging)
+            bootstrap_frame(result).to_csv(staging / "bootstrap.csv", index=False)
+        images = make_plots(result, staging, result.config.workers)
         blocks = build_blocks(doc)
         (staging / "report.md").write_text(render_markdown(blocks))
-        (staging / "report.html").write_text(render_html(blocks))
-        names = sorted(p.name for p in staging.iterdir())
+        (staging / "report.html").write_text(render_html(blocks, images))
+        names = sorted((p.name for p in staging.iterdir()), key=lambda name: (name == "fit.json", name))
+        if _SIGNALS:  # a signal whose KeyboardInterrupt was swallowed (see _interrupt): publish nothing
+            raise KeyboardInterrupt(_SIGNALS[0])
         for name in names:
             (staging / name).replace(out / name)
     finally:
@@ -98,43 +143,96 @@ def _write_outputs(result: FitResult, out: Path) -> list[str]:
     return names
 
 
+def _summary(doc: dict) -> list[str]:
+    b = doc["data"]["budgets"]
+    lines = [f"fitted {doc['data']['n_runs']} runs ("
+             + ("continuous C, no IsoFLOP budgets)" if b["mode"] == "continuous" else f"{len(b['groups'])} budgets)")]
+    for key in APPROACHES:
+        section = doc[key]
+        if section.get("skipped"):
+            lines.append(f"{TITLES[key]}: skipped: {section['reason']}")
+            continue
+        a_ci = (section.get("ci") or {}).get("a")
+        state = "identified" if section["identification"]["identified"] else "NOT identified"
+        extra = (f" alpha={section['alpha']:.4g} beta={section['beta']:.4g} E={section['E']:.4g} "
+                 f"A={section['A']:.4g} B={section['B']:.4g}" if key == "approach3" else "")
+        a = "-" if section["a"] is None else f"{section['a']:.4g}"
+        lines.append(f"{TITLES[key]}: a={a}" + (f" [{a_ci[0]:.4g}, {a_ci[1]:.4g}]" if a_ci else "")
+                     + f"{extra} ({state})")
+    comp = doc["comparison"]
+    if comp["preferred"]:
+        lines.append(f"plan uses {TITLES[comp['preferred']]}: {comp['why']}")
+    return lines
+
+
 def _fit(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a folder")
-    config = FitConfig(budget_tol=args.budget_tol, include_edge=args.include_edge_minima,
-                       isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap, seed=args.seed,
-                       ci_level=args.ci, workers=args.workers, n_starts=args.starts, predict=tuple(args.predict),
-                       holdout=not args.no_holdout, progress=not args.no_progress)
+    config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
+                       seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
+                       predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress)
     config.validate()
-    table = load_runs(args.results, parse_column_map(args.column), args.params_count)
+    table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates)
     result = fit_runs(table, config)
-    names = _write_outputs(result, out)
-    p = result.parametric.params
-    print(f"fitted {len(table.runs)} runs: approach 3 a={p['a']:.4g} b={p['b']:.4g} "
-          f"(E={p['E']:.4g} A={p['A']:.4g} B={p['B']:.4g} alpha={p['alpha']:.4g} beta={p['beta']:.4g})")
+    doc = result.to_dict()
+    names = write_outputs(result, doc, out)
+    print("\n".join(_summary(doc)))
     for code, message in result.warnings:
         print(f"warning [{code}]: {message}")
-    print(f"wrote {', '.join(names)} to {out}")
+    print(f"wrote {', '.join(sorted(names))} to {out}")
+    if result.preferred is None:
+        print(f"error: {result.why}; {out / 'report.html'} says why", file=sys.stderr)
+        return EXIT_UNIDENTIFIED
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     doc, samples = load_fit(args.fit_json)
     result = plan(doc, args.gpu, args.n_gpus, args.mfu, flops=args.flops, gpu_hours=args.gpu_hours,
-                  dtype=args.dtype, samples=samples, level=(doc.get("config") or {}).get("ci_level", 0.95))
+                  dtype=args.dtype, samples=samples, level=(doc.get("config") or {}).get("ci_level", 0.95),
+                  approach=args.approach)
     print(json.dumps(result.to_dict(), indent=2) if args.json else describe(result))
     return 0
+
+
+_SIGNALS: list[str] = []
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """Stop on SIGINT, SIGTERM or SIGHUP. The KeyboardInterrupt raised here is lost when the signal
+    lands in code whose exceptions Python ignores (the at-fork hooks run while a process pool
+    starts), so the signal is also recorded and checked before any output is published."""
+    _SIGNALS.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(_SIGNALS[-1])
+
+
+def _unraisable(info: sys.UnraisableHookArgs) -> None:
+    if not (isinstance(info.exc_value, KeyboardInterrupt) and _SIGNALS):  # else: re-raised before publishing
+        sys.__unraisablehook__(info)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = build_parser().parse_args(argv)
+    _SIGNALS.clear()
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
         return _fit(args) if args.command == "fit" else _plan(args)
+    except Unidentified as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNIDENTIFIED
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted; earlier outputs are untouched", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sys.unraisablehook = previous_hook
 
 
 if __name__ == "__main__":

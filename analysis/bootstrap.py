@@ -1,33 +1,46 @@
-"""Seeded bootstrap over runs.
+"""Seeded bootstrap over runs, refitting every approach on the same resamples.
 
 A resample draws as many runs as the table has, with replacement; it is stored as a count per
-run (a weight matrix, resamples x runs), so every approach refits the same resamples by weighting
-the same arrays. The parametric refits start from the full-data optimum and run one L-BFGS each,
-in this process or spread over a process pool (``workers``); the IsoFLOP and envelope refits are
-vectorised across resamples. With OPENBLAS_NUM_THREADS=1 (the CLI sets it) 1,000 refits of 300 runs
-take about 3 s on one core; with BLAS threads on a small machine they take several times the CPU,
-since the threads only spin on L-BFGS's tiny matrices (see benchmarks/results-analysis.md).
+run (a weight row), so every approach refits the same resample by weighting the same arrays.
+Resamples come in chunks of ``CHUNK``: chunk j is drawn from the seed sequence (seed, j), so the
+result does not depend on how chunks are spread over processes, and no more than one chunk of
+weights (CHUNK x runs) exists per process at a time. Per chunk, approach 3 runs one L-BFGS per
+resample from the full-data optimum; the IsoFLOP and envelope refits are vectorised over the
+chunk. With OPENBLAS_NUM_THREADS=1 (the CLI sets it) BLAS threads do not fight the processes.
 """
 
 from __future__ import annotations
 
-import math
+import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
+from analysis.envelope import Envelope, Frontier
+from analysis.isoflop import METHODS, PowerLaws, budget_minima
 from analysis.parametric import fit_weighted
+
+CHUNK = 50
+
+
+def chunk_weights(n_runs: int, seed: int, chunk: int, size: int) -> np.ndarray:
+    """Counts (size, n_runs) of each run in the resamples of chunk ``chunk``."""
+    rng = np.random.default_rng([seed, chunk])
+    picks = rng.integers(0, n_runs, size=(size, n_runs)) + (np.arange(size) * n_runs)[:, None]
+    return np.bincount(picks.ravel(), minlength=size * n_runs).reshape(size, n_runs)
+
+
+def _chunk_sizes(n_resamples: int) -> list[int]:
+    return [min(CHUNK, n_resamples - lo) for lo in range(0, n_resamples, CHUNK)]
 
 
 def draw_weights(n_runs: int, n_resamples: int, seed: int) -> np.ndarray:
-    """Counts (n_resamples, n_runs) of each run in each resample, from ``seed``."""
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, n_runs, size=(n_resamples, n_runs))
-    counts = np.zeros((n_resamples, n_runs), int)
-    np.add.at(counts, (np.arange(n_resamples)[:, None], picks), 1)
-    return counts
+    """All resamples' counts (n_resamples, n_runs), chunk by chunk as the bootstrap draws them."""
+    parts = [chunk_weights(n_runs, seed, j, size) for j, size in enumerate(_chunk_sizes(n_resamples))]
+    return np.concatenate(parts) if parts else np.zeros((0, n_runs), int)
 
 
 def interval(samples: np.ndarray, level: float) -> list[float] | None:
@@ -41,30 +54,77 @@ def interval(samples: np.ndarray, level: float) -> list[float] | None:
     return [float(lo), float(hi)]
 
 
-def bootstrap_parametric(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray,
-                         weights: np.ndarray, workers: int = 1, progress: bool = True
-                         ) -> tuple[np.ndarray, np.ndarray]:
-    """Refit L(N, D) for every resample (row of ``weights``); returns thetas (B, 5) and converged (B,)."""
-    n_resamples = len(weights)
-    thetas = np.empty((n_resamples, 5))
-    converged = np.empty(n_resamples, bool)
-    size = max(1, min(25, math.ceil(n_resamples / (4 * max(1, workers)))))
-    starts = range(0, n_resamples, size)
-    bar = tqdm(total=n_resamples, desc="bootstrap", unit="fit", file=sys.stderr, disable=not progress,
-               leave=False)
+@dataclass
+class Problem:
+    """What a resample refits: the runs, approach 3's start, the budgets and the envelope."""
+
+    theta0: np.ndarray
+    n: np.ndarray
+    d: np.ndarray
+    loss: np.ndarray
+    labels: np.ndarray  # budget of each run, -1 for none
+    budget_flops: np.ndarray  # (G,); empty when approach 2 is not run
+    flops_k: float
+    envelope: Envelope | Frontier | None
+    seed: int
+
+
+@dataclass
+class Resamples:
+    """Every approach refitted per resample; rows aligned across approaches."""
+
+    thetas: np.ndarray  # (B, 5)
+    converged: np.ndarray  # (B,)
+    isoflop: dict[str, PowerLaws]  # by minimum method; empty when approach 2 is not run
+    envelope: PowerLaws | None
+
+
+def _refit(problem: Problem, chunk: int, size: int) -> Resamples:
+    w = chunk_weights(len(problem.n), problem.seed, chunk, size)
+    thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, w)
+    isoflop = {}
+    if len(problem.budget_flops):
+        minima = budget_minima(problem.n, problem.loss, problem.labels, problem.budget_flops, w)
+        isoflop = {m: minima.power_laws(m, problem.n, problem.d, problem.flops_k) for m in METHODS}
+    envelope = None if problem.envelope is None else problem.envelope.power_laws(w)
+    return Resamples(thetas, converged, isoflop, envelope)
+
+
+_PROBLEM: Problem | None = None
+
+
+def _init_worker(problem: Problem) -> None:
+    global _PROBLEM
+    _PROBLEM = problem
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles interrupts and stops the pool
+
+
+def _refit_in_worker(chunk: int, size: int) -> Resamples:
+    return _refit(_PROBLEM, chunk, size)
+
+
+def bootstrap(problem: Problem, n_resamples: int, workers: int = 1, progress: bool = True) -> Resamples:
+    """Refit every approach on ``n_resamples`` resamples, over ``workers`` processes."""
+    sizes = _chunk_sizes(n_resamples)
+    bar = tqdm(total=n_resamples, desc="bootstrap", unit="fit", file=sys.stderr, disable=not progress, leave=False)
+    parts: list[Resamples] = []
     with bar:
-        if workers <= 1:
-            for lo in starts:
-                thetas[lo:lo + size], converged[lo:lo + size] = fit_weighted(
-                    theta0, n, d, loss, weights[lo:lo + size])
-                bar.update(len(weights[lo:lo + size]))
+        if workers <= 1 or len(sizes) <= 1:
+            for j, size in enumerate(sizes):
+                parts.append(_refit(problem, j, size))
+                bar.update(size)
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = {pool.submit(fit_weighted, theta0, n, d, loss, weights[lo:lo + size]): lo
-                           for lo in starts}
-                for future in as_completed(futures):
-                    lo = futures[future]
-                    th, ok = future.result()
-                    thetas[lo:lo + len(th)], converged[lo:lo + len(th)] = th, ok
-                    bar.update(len(th))
-    return thetas, converged
+            with ProcessPoolExecutor(max_workers=min(workers, len(sizes)), initializer=_init_worker,
+                                     initargs=(problem,)) as pool:
+                try:
+                    for part in pool.map(_refit_in_worker, range(len(sizes)), sizes):
+                        parts.append(part)
+                        bar.update(len(part.thetas))
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
+    envelope = None if problem.envelope is None else PowerLaws.concat([p.envelope for p in parts])
+    return Resamples(thetas=np.concatenate([p.thetas for p in parts]),
+                     converged=np.concatenate([p.converged for p in parts]),
+                     isoflop={m: PowerLaws.concat([p.isoflop[m] for p in parts]) for m in parts[0].isoflop},
+                     envelope=envelope)

@@ -1,10 +1,16 @@
-"""Approach 1: the lower envelope of training curves.
+"""Approach 1: the lower envelope of training curves, or of final losses when there are none.
 
 Each run's curve (loss against FLOPs spent so far) is interpolated linearly in log C onto a
 shared log-spaced grid of FLOP counts, only within the span the run covers. At every grid point
 the run with the lowest loss gives N_opt(C), and D_opt(C) is the tokens that run had seen at C.
-Power laws N_opt = k_N C^a and D_opt = k_D C^b are fitted to those points by least squares in
-log space. As with the IsoFLOP analysis, everything is computed for a matrix of run weights.
+Without curves (a table of final losses with continuous budgets, where no IsoFLOP profiles
+exist), the envelope is the frontier of final losses: the runs whose loss is below that of every
+run with less compute. That frontier is a rough estimator: where the sampled sizes do not reach
+N_opt(C) it follows the nearest edge, and on synthetic continuous tables its a comes out 0.04-0.08
+above the truth (tests/analysis/test_analysis_envelope.py), which the comparison with approach 3
+then reports as a disagreement. Power laws N_opt = k_N C^a and D_opt = k_D C^b are fitted to the
+envelope's points by least squares in log space. As with the IsoFLOP analysis, everything is computed for a
+matrix of run weights.
 """
 
 from __future__ import annotations
@@ -49,7 +55,51 @@ class Envelope:
         log_d = np.where(valid, log_c[None, :] + np.log(self.tokens_per_flop[best]), 0.0)
         a, k_n = fit_power_law(log_c, log_n, valid)
         b, k_d = fit_power_law(log_c, log_d, valid)
-        return PowerLaws(a=a, k_n=k_n, b=b, k_d=k_d, n_budgets=valid.sum(axis=1))
+        return PowerLaws(a=a, k_n=k_n, b=b, k_d=k_d, n_points=valid.sum(axis=1))
+
+    def points(self) -> list[dict]:
+        """The full-data envelope: one point per covered grid FLOP count."""
+        best, valid = self.winners(np.ones((1, int(self.rows.max()) + 1)))
+        return [{"flops": float(c), "params": float(self.params[j]), "tokens": float(c * self.tokens_per_flop[j]),
+                 "loss": float(self.loss[j, k]), "row": int(self.rows[j])}
+                for k, (c, j, ok) in enumerate(zip(self.grid, best[0], valid[0])) if ok]
+
+
+@dataclass
+class Frontier:
+    """Final losses sorted by C; the frontier runs beat every run with less compute."""
+
+    flops: np.ndarray  # (R,) sorted increasing
+    params: np.ndarray
+    tokens: np.ndarray
+    loss: np.ndarray
+    rows: np.ndarray  # run index in the table
+
+    def winners(self, weights: np.ndarray) -> np.ndarray:
+        """(B, R) whether each run, in C order, is on the frontier of the runs drawn."""
+        present = np.atleast_2d(weights)[:, self.rows] > 0
+        loss = np.where(present, self.loss[None, :], np.inf)
+        best_before = np.concatenate([np.full((len(loss), 1), np.inf),
+                                      np.minimum.accumulate(loss, axis=1)[:, :-1]], axis=1)
+        return present & (loss < best_before)
+
+    def power_laws(self, weights: np.ndarray) -> PowerLaws:
+        on = self.winners(weights)
+        log_c = np.log(self.flops)
+        a, k_n = fit_power_law(log_c, np.broadcast_to(np.log(self.params), on.shape), on)
+        b, k_d = fit_power_law(log_c, np.broadcast_to(np.log(self.tokens), on.shape), on)
+        return PowerLaws(a=a, k_n=k_n, b=b, k_d=k_d, n_points=on.sum(axis=1))
+
+    def points(self) -> list[dict]:
+        on = self.winners(np.ones((1, int(self.rows.max()) + 1)))[0]
+        return [{"flops": float(self.flops[i]), "params": float(self.params[i]), "tokens": float(self.tokens[i]),
+                 "loss": float(self.loss[i]), "row": int(self.rows[i])} for i in np.flatnonzero(on)]
+
+
+def build_frontier(flops: np.ndarray, params: np.ndarray, tokens: np.ndarray, loss: np.ndarray) -> Frontier:
+    """The final-loss frontier of a table of runs."""
+    order = np.argsort(flops, kind="stable")
+    return Frontier(flops=flops[order], params=params[order], tokens=tokens[order], loss=loss[order], rows=order)
 
 
 def build_envelope(curves: list[Curve], n_points: int = 40) -> Envelope:

@@ -1,9 +1,11 @@
 """Run every approach on a table of runs and collect the results (what fit.json holds).
 
-``fit_runs`` is a pure function of the runs and a :class:`FitConfig`: it fits approach 3
-(parametric), approach 2 (IsoFLOP) and approach 1 (envelope, when training curves exist),
-bootstraps all three over the same resamples, predicts the compute-optimal allocation at the
-requested budgets, runs the hold-out check on the largest budget and gathers warnings.
+``fit_runs`` is a pure function of the runs and a :class:`FitConfig`. It groups the runs into
+compute budgets (``budgets``), fits approach 3 (``parametric``), approach 2 (``isoflop``, when there
+are budgets) and approach 1 (``envelope``: training curves, or final losses when budgets are
+continuous), refits all of them on the same bootstrap resamples, checks whether each law is
+identified (``identify``), compares them and picks the one to plan with (``compare``), predicts
+N_opt, D_opt and loss at the requested budgets, runs a hold-out check and gathers warnings.
 """
 
 from __future__ import annotations
@@ -14,34 +16,40 @@ from typing import Any
 
 import numpy as np
 
-from analysis.bootstrap import bootstrap_parametric, draw_weights, interval
-from analysis.envelope import Envelope, build_envelope
-from analysis.isoflop import METHODS, MIN_RUNS_PER_BUDGET, BudgetMinima, PowerLaws, budget_minima, group_budgets
+from analysis import identify
+from analysis.bootstrap import Problem, Resamples, bootstrap, interval
+from analysis.budgets import Budgets, group_budgets
+from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
+from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
+from analysis.identify import Identification
+from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
 from analysis.parametric import (
     GRID_AXES,
     HUBER_DELTA,
     ParametricFit,
     compute_optimal,
     fit_parametric,
+    gauss_newton_condition,
     named_samples,
     predict_loss,
 )
 from analysis.table import MIN_RUNS, InputError, RunTable
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+THETA_NAMES = ("log A", "log B", "log E", "alpha", "beta")
+HOLDOUT_FRACTION = 0.2  # with continuous budgets, the runs with the largest C that the hold-out keeps back
 
 
 @dataclass
 class FitConfig:
     """Options of a fit; the defaults follow the issue and Hoffmann et al."""
 
-    budget_tol: float = 0.05  # relative tolerance on C when grouping runs into budgets
-    include_edge: bool = False  # let edge minima into the IsoFLOP power laws
+    budget_tol: float = 0.05  # relative spread of C within one budget
     isoflop_minimum: str = "vertex"  # which per-budget minimum the IsoFLOP power laws use
     n_bootstrap: int = 1000
     seed: int = 0
     ci_level: float = 0.95
-    workers: int = 1  # processes for the parametric bootstrap
+    workers: int = 1  # processes for the bootstrap
     n_starts: int = 8  # L-BFGS runs from the best grid points
     predict: tuple[float, ...] = ()  # FLOP budgets; empty: 1x, 10x and 100x the largest C in the data
     holdout: bool = True
@@ -65,23 +73,39 @@ class FitConfig:
 
 
 @dataclass
+class Approach:
+    """One approach's allocation law, its resamples and whether the data identify it."""
+
+    key: str
+    skipped: str | None  # why the approach was not run
+    law: PowerLaws | None
+    samples: PowerLaws | None
+    identification: Identification
+
+    def allocation(self) -> Allocation | None:
+        if self.law is None:
+            return None
+        return Allocation(self.key, self.law, self.samples, self.identification.identified,
+                          self.identification.reasons)
+
+
+@dataclass
 class FitResult:
     """Everything one fit produced; ``to_dict`` gives fit.json, plots and reports read the rest."""
 
     table: RunTable
     config: FitConfig
-    labels: np.ndarray  # budget of each run
+    budgets: Budgets
     parametric: ParametricFit
-    thetas: np.ndarray | None  # bootstrap thetas (B, 5)
-    theta_converged: np.ndarray | None
-    minima: BudgetMinima
-    isoflop: dict[str, PowerLaws]  # full-data power laws by minimum method
-    isoflop_samples: dict[str, PowerLaws]  # bootstrap power laws by method
-    isoflop_skipped: str | None
-    envelope: Envelope | None
-    envelope_law: PowerLaws | None
-    envelope_samples: PowerLaws | None
-    envelope_skipped: str | None
+    condition: float
+    resamples: Resamples | None
+    minima: BudgetMinima | None  # full data, one row; None without budgets
+    isoflop_laws: dict[str, PowerLaws]  # full-data law per minimum method
+    envelope: Envelope | Frontier | None
+    approaches: dict[str, Approach]
+    preferred: str | None
+    why: str
+    disagreements: list[dict]
     predictions: list[dict]
     holdout: dict
     warnings: list[tuple[str, str]]
@@ -90,13 +114,18 @@ class FitResult:
     def flops_max(self) -> float:
         return float(self.table.c.max())
 
+    @property
+    def thetas(self) -> np.ndarray | None:
+        return None if self.resamples is None else self.resamples.thetas
+
     def to_dict(self) -> dict:
         """The fit.json document (NaN and infinities become null)."""
         return _clean({
             "schema_version": SCHEMA_VERSION,
             "source": self.table.source,
             "params_count": self.table.params_count,
-            "loss_source": self.table.loss_source,
+            "loss": {"source": self.table.loss_source, "unit": "nats per token",
+                     "note": "cross-entropy taken as nats per token, the unit of the published laws"},
             "notes": self.table.notes,
             "config": {k: (list(v) if isinstance(v, tuple) else v)
                        for k, v in asdict(self.config).items() if k != "progress"},
@@ -104,92 +133,134 @@ class FitResult:
             "approach3": self._approach3(),
             "isoflop": self._isoflop(),
             "envelope": self._envelope(),
+            "comparison": {"preferred": self.preferred, "why": self.why, "disagreements": self.disagreements},
             "predictions": self.predictions,
             "holdout": self.holdout,
             "warnings": [{"code": c, "message": m} for c, m in self.warnings],
         })
 
     def _data(self) -> dict:
-        t = self.table
+        t, b = self.table, self.budgets
         ratio = t.d / t.n
-        budgets = [{"flops": float(f), "n_runs": int(np.sum(self.labels == g))}
-                   for g, f in enumerate(self.minima.flops)]
-        return {"n_runs": len(t.runs), "n_curves": len(t.curves), "curve_loss": t.curve_loss,
-                "params": [t.n.min(), t.n.max()], "tokens": [t.d.min(), t.d.max()],
-                "flops": [t.c.min(), t.c.max()], "loss": [t.loss.min(), t.loss.max()],
-                "tokens_per_param": [ratio.min(), ratio.max()], "budgets": budgets}
+        return {
+            "n_runs": len(t.runs), "n_curves": len(t.curves), "curve_loss": t.curve_loss,
+            "params": [t.n.min(), t.n.max()], "tokens": [t.d.min(), t.d.max()], "flops": [t.c.min(), t.c.max()],
+            "loss": [t.loss.min(), t.loss.max()], "tokens_per_param": [ratio.min(), ratio.max()],
+            "flops_per_param_token": {"k": t.flops_k, "derived": t.flops_derived, "outliers": t.flops_outliers},
+            "duplicates": t.duplicates,
+            "budgets": {"mode": "continuous" if b.continuous else "discrete", "tolerance": b.tol,
+                        "single": b.single, "unassigned": int(np.sum(b.labels < 0)), "wide": b.wide,
+                        "groups": [{"flops": float(f), "n_runs": int(np.sum(b.labels == g)), "spread": float(s)}
+                                   for g, (f, s) in enumerate(zip(b.flops, b.spread))]},
+        }
+
+    def _ci(self, samples: dict[str, np.ndarray]) -> dict:
+        level = self.config.ci_level
+        return {"level": level, **{k: interval(v, level) for k, v in samples.items()}}
 
     def _approach3(self) -> dict:
-        p = self.parametric
-        out: dict = dict(p.params)
+        p, t, k = self.parametric, self.table, self.table.flops_k
+        out: dict = dict(p.params_at(k))
+        predicted = predict_loss(p.theta, t.n, t.d)
         out["fit"] = {
             "method": "Huber (delta=1e-3) on log-space residuals via log-sum-exp, summed; L-BFGS from "
                       f"the {p.n_starts} best of {np.prod([len(a) for a in GRID_AXES])} grid points",
             "huber_delta": HUBER_DELTA, "objective": p.objective, "converged": p.converged,
             "message": p.message, "iterations": p.n_iter, "n_starts": p.n_starts,
-            "starts_agreeing": p.starts_agreeing,
+            "starts_agreeing": p.starts_agreeing, "optimum_inside_grid": p.optimum_inside_grid,
             "best_start": dict(zip(("a", "b", "e", "alpha", "beta"), p.best_start)),
-            "best_start_on_grid_edge": p.best_start_on_edge, "optimum_inside_grid": p.optimum_inside_grid,
+            "condition_number": self.condition, "flops_k": k,
         }
-        out["ci"] = None
-        if self.thetas is not None:
-            samples = named_samples(self.thetas)
-            out["ci"] = {"level": self.config.ci_level,
-                         **{k: interval(v, self.config.ci_level) for k, v in samples.items()}}
-            out["bootstrap"] = {"resamples": len(self.thetas), "seed": self.config.seed,
-                                "converged": int(self.theta_converged.sum()),
+        resid = t.loss - predicted
+        out["goodness"] = {"huber_objective": p.objective, "rmse_loss": float(np.sqrt(np.mean(resid ** 2))),
+                           "rmse_log_loss": float(np.sqrt(np.mean(np.log(t.loss / predicted) ** 2))),
+                           "max_abs_residual": float(np.max(np.abs(resid))), "n_runs": len(resid)}
+        out["ci"], out["covariance"] = None, None
+        if self.resamples is not None:
+            thetas = self.resamples.thetas
+            out["ci"] = self._ci(named_samples(thetas, k))
+            out["bootstrap"] = {"resamples": len(thetas), "seed": self.config.seed,
+                                "converged": int(self.resamples.converged.sum()),
                                 "refit": "one L-BFGS per resample from the full-data optimum"}
+            good = thetas[np.all(np.isfinite(thetas), axis=1)]
+            if len(good) > 5:
+                cov = np.cov(good, rowvar=False)
+                std = np.sqrt(np.diag(cov))
+                with np.errstate(all="ignore"):
+                    out["covariance"] = {"names": list(THETA_NAMES), "std": std, "matrix": cov,
+                                         "correlation": cov / np.outer(std, std)}
+        out["identification"] = self.approaches["approach3"].identification.to_dict()
         return out
 
-    def _laws(self, law: PowerLaws, samples: PowerLaws | None) -> dict:
+    def _law(self, law: PowerLaws | None, samples: PowerLaws | None) -> dict | None:
+        if law is None:
+            return None
         out: dict = law.row()
-        out["ci"] = None if samples is None else {
-            "level": self.config.ci_level, "a": interval(samples.a, self.config.ci_level),
-            "b": interval(samples.b, self.config.ci_level), "k_N": interval(samples.k_n, self.config.ci_level),
-            "k_D": interval(samples.k_d, self.config.ci_level)}
+        out["ci"] = None if samples is None else self._ci(
+            {"a": samples.a, "b": samples.b, "k_N": samples.k_n, "k_D": samples.k_d})
         return out
 
     def _isoflop(self) -> dict:
-        m, t, method = self.minima, self.table, self.config.isoflop_minimum
-        usable = {k: m.usable(k, self.config.include_edge)[0] for k in METHODS}
-        minima = []
-        for g, flops in enumerate(m.flops):
-            rows = np.flatnonzero(self.labels == g)
+        app, method = self.approaches["isoflop"], self.config.isoflop_minimum
+        fits = {}
+        if app.skipped is None:
+            boot = self.resamples.isoflop if self.resamples is not None else {}
+            fits = {m: self._law(self.isoflop_laws[m], boot.get(m)) for m in METHODS}
+        primary = fits.get(method) or {}
+        return {"skipped": app.skipped is not None, "reason": app.skipped, "minimum": method,
+                **{k: primary.get(k) for k in ("a", "b", "k_N", "k_D", "ci")},
+                "identification": app.identification.to_dict(), "fits": fits, "minima": self._minima()}
+
+    def _minima(self) -> list[dict]:
+        m, t, b = self.minima, self.table, self.budgets
+        if m is None:
+            return []
+        out = []
+        for g, flops in enumerate(b.flops):
+            rows = np.flatnonzero(b.labels == g)
             low = int(m.lowest_row[0, g])
-            enough = m.n_distinct[0, g] >= MIN_RUNS_PER_BUDGET
             vertex = None
             if m.vertex_ok[0, g]:
                 n_v = float(np.exp(m.vertex_log_n[0, g]))
-                vertex = {"params": n_v, "tokens": float(flops / (6 * n_v)), "loss": float(m.vertex_loss[0, g]),
-                          "inside_sampled_range": bool(m.vertex_inside[0, g])}
-            minima.append({
-                "flops": float(flops), "n_runs": len(rows), "n_distinct_params": int(m.n_distinct[0, g]),
+                vertex = {"params": n_v, "tokens": float(flops / (t.flops_k * n_v)), "loss": float(m.vertex_loss[0, g])}
+            centre, half = m.centre[0, g], m.half_width[0, g]
+            out.append({
+                "flops": float(flops), "n_runs": len(rows), "spread": float(b.spread[g]),
+                "n_distinct_params": int(m.n_distinct[0, g]),
                 "params_range": [float(t.n[rows].min()), float(t.n[rows].max())],
                 "lowest": {"run_id": str(t.runs["run_id"].iloc[low]), "params": float(t.n[low]),
                            "tokens": float(t.d[low]), "loss": float(t.loss[low])},
-                "vertex": vertex, "edge": bool(enough and m.edge[0, g]),
-                "used": {k: bool(usable[k][g]) for k in METHODS},
-                "note": None if enough else f"fewer than {MIN_RUNS_PER_BUDGET} distinct N: not used",
+                "sizes_below": int(m.left[0, g]), "sizes_above": int(m.right[0, g]),
+                "window": {"params": [float(np.exp(centre - half)), float(np.exp(centre + half))],
+                           "n_runs": int(m.in_window[0, g])},
+                "vertex": vertex, "status": _status(m, g),
+                "used": {k: bool(m.usable(k)[0, g]) for k in METHODS},
             })
-        fits = {k: self._laws(self.isoflop[k], self.isoflop_samples.get(k)) if self.isoflop[k].n_budgets[0] >= 2
-                else None for k in METHODS}
-        primary = fits[method] or {}
-        return {"skipped": self.isoflop_skipped is not None, "reason": self.isoflop_skipped,
-                "minimum": method, "a": primary.get("a"), "b": primary.get("b"), "k_N": primary.get("k_N"),
-                "k_D": primary.get("k_D"), "ci": primary.get("ci"), "budget_tolerance": self.config.budget_tol,
-                "include_edge": self.config.include_edge, "fits": fits, "minima": minima}
+        return out
 
     def _envelope(self) -> dict:
-        if self.envelope_law is None or self.envelope_skipped is not None:
-            return {"skipped": True, "reason": self.envelope_skipped}
-        env = self.envelope
-        best, valid = env.winners(np.ones((1, len(self.table.runs))))
-        points = [{"flops": float(c), "params": float(env.params[j]),
-                   "tokens": float(c * env.tokens_per_flop[j]), "loss": float(env.loss[j, k]),
-                   "run_id": str(self.table.runs["run_id"].iloc[env.rows[j]])}
-                  for k, (c, j, ok) in enumerate(zip(env.grid, best[0], valid[0])) if ok]
-        return {"skipped": False, "reason": None, "loss": self.table.curve_loss,
-                "n_curves": len(env.rows), **self._laws(self.envelope_law, self.envelope_samples), "points": points}
+        app = self.approaches["envelope"]
+        out = {"skipped": app.skipped is not None, "reason": app.skipped,
+               "identification": app.identification.to_dict()}
+        if app.skipped is not None:
+            return out
+        source = (f"training curves ({self.table.curve_loss} loss)" if isinstance(self.envelope, Envelope)
+                  else "final losses (frontier of runs with the lowest loss so far in C)")
+        points = self.envelope.points()
+        for p in points:
+            p["run_id"] = str(self.table.runs["run_id"].iloc[p.pop("row")])
+        return {**out, "source": source, "n_curves": len(self.table.curves),
+                **self._law(app.law, app.samples), "points": points}
+
+
+def _status(m: BudgetMinima, g: int) -> str:
+    if m.left[0, g] == 0 or m.right[0, g] == 0:
+        return "edge: the lowest run is the smallest or largest size"
+    if not m.sided[0, g]:
+        return f"one-sided: fewer than {MIN_SIDE} sizes on one side of the lowest run"
+    if not m.vertex_ok[0, g]:
+        return "vertex outside its window (profile too flat or noisy)"
+    return "ok"
 
 
 def _clean(obj: Any) -> Any:
@@ -207,66 +278,90 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def _law_at(laws: PowerLaws, flops: float) -> tuple[np.ndarray, np.ndarray]:
-    return laws.k_n * flops ** laws.a, laws.k_d * flops ** laws.b
-
-
-def _predict(result_parts: dict, flops: float, config: FitConfig, flops_max: float) -> dict:
-    theta, thetas = result_parts["theta"], result_parts["thetas"]
-    n, d, loss = (v[0, 0] for v in compute_optimal(theta, [flops]))
-    out = {"flops": flops, "params": n, "tokens": d, "loss": loss, "tokens_per_param": d / n,
-           "extrapolation": flops / flops_max, "ci": None}
-    if thetas is not None:
-        ns, ds, ls = (v[:, 0] for v in compute_optimal(thetas, [flops]))
-        out["ci"] = {"params": interval(ns, config.ci_level), "tokens": interval(ds, config.ci_level),
-                     "loss": interval(ls, config.ci_level), "tokens_per_param": interval(ds / ns, config.ci_level)}
-    for name in ("isoflop", "envelope"):
-        law, samples = result_parts[name], result_parts[f"{name}_samples"]
-        if law is None:
-            out[name] = None
-            continue
-        n_l, d_l = _law_at(law, flops)
-        entry = {"params": n_l[0], "tokens": d_l[0], "ci": None}
-        if samples is not None:
-            ns, ds = _law_at(samples, flops)
-            entry["ci"] = {"params": interval(ns, config.ci_level), "tokens": interval(ds, config.ci_level)}
-        out[name] = entry
+def _predict(flops: float, result: dict, config: FitConfig, flops_max: float, flops_k: float) -> dict:
+    """Every approach's allocation at ``flops``, and approach 3's loss there."""
+    level = config.ci_level
+    out: dict = {"flops": flops, "extrapolation": flops / flops_max}
+    for key, app in result["approaches"].items():
+        alloc = app.allocation()
+        out[key] = None if alloc is None else {**alloc.at(flops, level), "identified": alloc.identified}
+    a3 = out["approach3"]
+    if a3 is None:  # alpha or beta not positive: no compute-optimal allocation
+        return out
+    n, d, loss = (float(v[0, 0]) for v in compute_optimal(result["theta"], flops, flops_k))
+    a3.update(loss=loss, tokens_per_param=d / n)
+    if result["thetas"] is not None:
+        ns, ds, ls = (v[:, 0] for v in compute_optimal(result["thetas"], flops, flops_k))
+        a3["ci"].update(loss=interval(ls, level), tokens_per_param=interval(ds / ns, level))
     return out
 
 
-def _holdout(table: RunTable, labels: np.ndarray, minima: BudgetMinima, config: FitConfig) -> dict:
-    """Fit on all budgets but the largest, predict the largest budget's runs."""
-    top = int(labels.max())
-    held = labels == top
-    train = ~held
+def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, config: FitConfig) -> dict:
+    """Refit without the largest budget (or the top fifth of C), then predict the runs held out."""
     n, d, c, loss = table.n, table.d, table.c, table.loss
-    if train.sum() < MIN_RUNS or len(np.unique(n[train])) < 2 or len(np.unique(d[train])) < 2:
-        return {"skipped": True, "reason": f"fewer than {MIN_RUNS} runs (or too few distinct N, D) "
-                                           "outside the largest budget"}
-    budget = float(minima.flops[top])
+    top = budgets.count - 1
+    if budgets.count >= 2:
+        held = budgets.labels == top
+        what = f"the largest budget (C = {budgets.flops[top]:.3g})"
+    else:
+        held = c >= np.quantile(c, 1.0 - HOLDOUT_FRACTION)
+        what = f"the {HOLDOUT_FRACTION:.0%} of runs with the largest C"
+    train = ~held
+    if train.sum() < MIN_RUNS or len(np.unique(n[train])) < 2 or len(np.unique(d[train])) < 2 or not held.any():
+        return {"skipped": True, "reason": f"fewer than {MIN_RUNS} runs (or too few distinct N, D) outside {what}"}
     fit = fit_parametric(n[train], d[train], loss[train], n_starts=config.n_starts)
     predicted = predict_loss(fit.theta, n[held], d[held])
     err = predicted - loss[held]
     runs = [{"run_id": str(r), "params": float(nn), "tokens": float(dd), "loss": float(obs), "predicted": float(p)}
             for r, nn, dd, obs, p in zip(table.runs["run_id"][held], n[held], d[held], loss[held], predicted)]
-    n_opt3 = float(compute_optimal(fit.theta, [budget])[0][0, 0])
-    out = {"skipped": False, "budget_flops": budget, "n_train": int(train.sum()), "n_holdout": int(held.sum()),
+    out = {"skipped": False, "held_out": what, "budget_flops": float(np.exp(np.log(c[held]).mean())),
+           "n_train": int(train.sum()), "n_holdout": int(held.sum()),
            "approach3": {"mean_abs_error": float(np.mean(np.abs(err))),
                          "mean_rel_error": float(np.mean(np.abs(err) / loss[held])),
                          "max_rel_error": float(np.max(np.abs(err) / loss[held])),
-                         "params_opt_predicted": n_opt3, "converged": fit.converged, "runs": runs},
+                         "converged": fit.converged, "runs": runs},
            "isoflop": None}
     method = config.isoflop_minimum
-    observed_ok = minima.usable(method, config.include_edge)[0, top]
-    train_minima = budget_minima(n, loss, c, labels, train.astype(float)[None])
-    law = train_minima.power_laws(method, config.include_edge, n, d)
-    if observed_ok and law.n_budgets[0] >= 2:
-        observed = (float(np.exp(minima.vertex_log_n[0, top])) if method == "vertex"
-                    else float(n[minima.lowest_row[0, top]]))
-        pred = float(_law_at(law, budget)[0][0])
+    if minima is None or budgets.count < 3 or not minima.usable(method)[0, top]:
+        return out
+    budget = float(budgets.flops[top])
+    observed = (float(np.exp(minima.vertex_log_n[0, top])) if method == "vertex"
+                else float(n[minima.lowest_row[0, top]]))
+    train_minima = budget_minima(n, loss, budgets.labels, budgets.flops, train.astype(float)[None])
+    law = train_minima.power_laws(method, n, d, table.flops_k)
+    if law.n_points[0] >= 2:
+        pred = float(law.at(budget)[0][0, 0])
+        n_opt3 = float(compute_optimal(fit.theta, budget, table.flops_k)[0][0, 0])
         out["isoflop"] = {"params_opt_predicted": pred, "params_opt_observed": observed,
                           "rel_error": abs(pred - observed) / observed}
-        out["approach3"]["params_opt_rel_error"] = abs(n_opt3 - observed) / observed
+        out["approach3"].update(params_opt_predicted=n_opt3, params_opt_rel_error=abs(n_opt3 - observed) / observed)
+    return out
+
+
+def _budget_warnings(budgets: Budgets, minima: BudgetMinima | None, n_runs: int) -> list[tuple[str, str]]:
+    out = []
+    if budgets.continuous:
+        out.append(("budgets_continuous", "C does not cluster into compute budgets (fewer than half of the "
+                    f"{n_runs} runs share a budget with two others): no IsoFLOP profiles are formed"))
+    elif budgets.wide:
+        chains = ", ".join(f"{w['n_runs']} runs from C = {w['flops'][0]:.3g} to {w['flops'][1]:.3g}"
+                           for w in budgets.wide[:5]) + (" ..." if len(budgets.wide) > 5 else "")
+        out.append(("budget_wide", f"{len(budgets.wide)} chain(s) of runs whose C are each within "
+                    f"{budgets.tol:.0%} of a neighbour but span more than {budgets.tol:.0%} in all ({chains}): "
+                    "not one budget, so they stay out of approach 2 (raise --budget-tol if they are)"))
+    wide = [f"{f:.3g} ({s:.1%})" for f, s in zip(budgets.flops, budgets.spread) if s > budgets.tol]
+    if wide:
+        out.append(("budget_wide", f"budget(s) whose C spread more than {budgets.tol:.0%}: {', '.join(wide)}"))
+    if minima is not None:
+        edge = [f"{budgets.flops[g]:.3g}" for g in np.flatnonzero(minima.edge[0])]
+        if edge:
+            out.append(("isoflop_edge", f"IsoFLOP: {len(edge)} budget(s) have their lowest run at the smallest or "
+                        f"largest size, so their minimum was not sampled; left out: C = {', '.join(edge)}"))
+        one_sided = [f"{budgets.flops[g]:.3g}" for g in np.flatnonzero(~minima.edge[0] & ~minima.sided[0])]
+        if one_sided:
+            out.append(("isoflop_one_sided", f"IsoFLOP: {len(one_sided)} budget(s) have fewer than {MIN_SIDE} sizes "
+                        f"on one side of their lowest run, too few to locate the minimum; left out: "
+                        f"C = {', '.join(one_sided)}"))
     return out
 
 
@@ -275,72 +370,73 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     config = config or FitConfig()
     config.validate()
     warnings = list(table.warnings)
-    n, d, c, loss = table.n, table.d, table.c, table.loss
-    ones = np.ones((1, len(n)))
+    n, d, c, loss, k = table.n, table.d, table.c, table.loss, table.flops_k
+    level = config.ci_level
+
+    budgets = group_budgets(c, config.budget_tol)
+    minima = budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n)))) if budgets.count else None
+    warnings += _budget_warnings(budgets, minima, len(n))
 
     parametric = fit_parametric(n, d, loss, n_starts=config.n_starts)
-    if not parametric.converged:
-        warnings.append(("no_convergence", f"approach 3: L-BFGS did not converge ({parametric.message})"))
-    if parametric.best_start_on_edge:
-        inside = "inside" if parametric.optimum_inside_grid else "OUTSIDE"
-        warnings.append(("grid_edge_start", "approach 3: the best L-BFGS start lay on the edge of the start "
-                         f"grid; the optimum it reached is {inside} the grid and "
-                         f"{parametric.starts_agreeing} of {parametric.n_starts} starts reached it"))
-    if not (parametric.theta[3] > 0 and parametric.theta[4] > 0):
-        warnings.append(("no_allocation", "approach 3: alpha or beta is not positive, so there is no "
-                         "compute-optimal allocation; predictions are empty"))
+    condition = gauss_newton_condition(parametric.theta, n, d)
+    if 2 * parametric.starts_agreeing < parametric.n_starts:
+        warnings.append(("start_grid", f"approach 3: only {parametric.starts_agreeing} of {parametric.n_starts} L-BFGS "
+                         "starts reached the best objective: the objective has other optima"))
 
-    labels = group_budgets(c, config.budget_tol)
-    minima = budget_minima(n, loss, c, labels, ones)
-    isoflop = {k: minima.power_laws(k, config.include_edge, n, d) for k in METHODS}
-    enough = minima.n_distinct[0] >= MIN_RUNS_PER_BUDGET
-    edges = [f"{minima.flops[g]:.3g}" for g in np.flatnonzero(enough & minima.edge[0])]
-    if edges:
-        fate = "included" if config.include_edge else "excluded"
-        warnings.append(("edge_minimum", f"IsoFLOP: {len(edges)} budget(s) have their lowest run at the edge of "
-                         f"the sampled N range ({fate}): C = {', '.join(edges)}"))
-    isoflop_skipped = None
-    n_used = int(isoflop[config.isoflop_minimum].n_budgets[0])
-    if n_used < 2:
-        isoflop_skipped = (f"no budget has {MIN_RUNS_PER_BUDGET} or more runs with distinct N" if not enough.any()
-                           else f"only {n_used} budget(s) with a usable minimum; the power law needs 2")
-        warnings.append(("isoflop_skipped", f"IsoFLOP approach skipped: {isoflop_skipped}"))
+    single = "every run is at one compute budget; a power law in C needs several"
+    iso_skip = (single if budgets.single else
+                "C does not cluster into compute budgets (continuous budgets)" if budgets.continuous else None)
+    isoflop_laws = {}
+    if iso_skip is None:
+        isoflop_laws = {m: minima.power_laws(m, n, d, k) for m in METHODS}
+        usable = int(isoflop_laws[config.isoflop_minimum].n_points[0])
+        if usable < 2:
+            iso_skip = f"{usable} budget(s) with a located minimum; the power law needs 2"
+    envelope, env_skip = None, single if budgets.single else None
+    if env_skip is None:
+        if len(table.curves) >= 2:
+            envelope = build_envelope(table.curves)
+        elif budgets.continuous:
+            envelope = build_frontier(c, n, d, loss)
+        else:
+            env_skip = "no training curves (metrics.jsonl) in the input"
+    env_law = None
+    if envelope is not None and env_skip is None:
+        env_law = envelope.power_laws(np.ones((1, len(n))))
+        if not np.isfinite(env_law.a[0]):
+            env_skip = "one run is lowest at every FLOP count; no power law to fit"
 
-    envelope = envelope_law = None
-    envelope_skipped = "no training curves (metrics.jsonl) in the input"
-    if len(table.curves) >= 2:
-        envelope = build_envelope(table.curves)
-        envelope_law = envelope.power_laws(ones)
-        winners = np.unique(envelope.params[envelope.winners(ones)[0][0]])
-        envelope_skipped = None
-        if len(winners) < 2 or not np.isfinite(envelope_law.a[0]):
-            envelope_skipped = "one run is lowest at every FLOP count; no power law to fit"
-            warnings.append(("envelope_skipped", f"envelope approach skipped: {envelope_skipped}"))
-
-    thetas = converged = None
-    isoflop_samples: dict[str, PowerLaws] = {}
-    envelope_samples = None
+    resamples = None
     if config.n_bootstrap > 0:
-        weights = draw_weights(len(n), config.n_bootstrap, config.seed)
-        thetas, converged = bootstrap_parametric(parametric.theta, n, d, loss, weights, config.workers,
-                                                 config.progress)
-        failed = int((~converged).sum())
-        if failed > 0.05 * len(converged):
-            warnings.append(("bootstrap_convergence", f"approach 3: {failed} of {len(converged)} bootstrap refits "
-                             "did not converge"))
-        if isoflop_skipped is None:
-            boot_minima = budget_minima(n, loss, c, labels, weights)
-            isoflop_samples = {k: boot_minima.power_laws(k, config.include_edge, n, d) for k in METHODS}
-        if envelope_skipped is None:
-            envelope_samples = envelope.power_laws(weights)
+        problem = Problem(theta0=parametric.theta, n=n, d=d, loss=loss, labels=budgets.labels,
+                          budget_flops=budgets.flops if iso_skip is None else np.zeros(0), flops_k=k,
+                          envelope=envelope if env_skip is None else None, seed=config.seed)
+        resamples = bootstrap(problem, config.n_bootstrap, config.workers, config.progress)
+        failed = int((~resamples.converged).sum())
+        if failed > 0.05 * len(resamples.converged):
+            warnings.append(("bootstrap_convergence", f"approach 3: {failed} of {len(resamples.converged)} bootstrap "
+                             "refits did not converge"))
 
+    approaches = _approaches(table, config, budgets, parametric, condition, resamples, isoflop_laws, iso_skip,
+                             env_law, env_skip, envelope)
+    for key, app in approaches.items():
+        if app.skipped is not None:
+            warnings.append((f"{key}_skipped", f"{TITLES[key]} skipped: {app.skipped}"))
+        elif not app.identification.identified:
+            warnings.append(("unidentified", f"{TITLES[key]} is not identified by the data: "
+                             + "; ".join(app.identification.reasons)))
+
+    allocations = {key: a for key, app in approaches.items() if (a := app.allocation()) is not None}
+    choice, why = preferred({key: (key in allocations and app.identification.identified, app.identification.reasons)
+                             for key, app in approaches.items()})
     flops_max = float(c.max())
-    budgets = config.predict or tuple(m * flops_max for m in (1.0, 10.0, 100.0))
-    parts = {"theta": parametric.theta, "thetas": thetas,
-             "isoflop": None if isoflop_skipped else isoflop[config.isoflop_minimum],
-             "isoflop_samples": isoflop_samples.get(config.isoflop_minimum),
-             "envelope": None if envelope_skipped else envelope_law, "envelope_samples": envelope_samples}
-    predictions = [_predict(parts, float(f), config, flops_max) for f in budgets]
+    budgets_c = config.predict or tuple(m * flops_max for m in (1.0, 10.0, 100.0))
+    parts = {"approaches": approaches, "theta": parametric.theta,
+             "thetas": None if resamples is None else resamples.thetas}
+    predictions = [_predict(float(f), parts, config, flops_max, k) for f in budgets_c]
+    disagree = [x for f in budgets_c for x in disagreements(allocations, float(f), level)]
+    for x in disagree:
+        warnings.append(("approaches_disagree", "APPROACHES DISAGREE: " + x["message"]))
     far = [f"{p['flops']:.3g}" for p in predictions if p["extrapolation"] > config.extrapolation_warn]
     if far:
         warnings.append(("extrapolation", f"prediction(s) at C = {', '.join(far)} extrapolate more than "
@@ -348,12 +444,51 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
 
     holdout = {"skipped": True, "reason": "disabled"}
     if config.holdout:
-        holdout = _holdout(table, labels, minima, config)
+        holdout = _holdout(table, budgets, minima, config)
         if holdout["skipped"]:
             warnings.append(("holdout_skipped", f"hold-out check skipped: {holdout['reason']}"))
 
-    return FitResult(table=table, config=config, labels=labels, parametric=parametric, thetas=thetas,
-                     theta_converged=converged, minima=minima, isoflop=isoflop, isoflop_samples=isoflop_samples,
-                     isoflop_skipped=isoflop_skipped, envelope=envelope, envelope_law=envelope_law,
-                     envelope_samples=envelope_samples, envelope_skipped=envelope_skipped,
+    return FitResult(table=table, config=config, budgets=budgets, parametric=parametric, condition=condition,
+                     resamples=resamples, minima=minima, isoflop_laws=isoflop_laws, envelope=envelope,
+                     approaches=approaches, preferred=choice, why=why, disagreements=disagree,
                      predictions=predictions, holdout=holdout, warnings=warnings)
+
+
+def _approaches(table: RunTable, config: FitConfig, budgets: Budgets, parametric: ParametricFit, condition: float,
+                resamples: Resamples | None, isoflop_laws: dict[str, PowerLaws], iso_skip: str | None,
+                env_law: PowerLaws | None, env_skip: str | None, envelope: Envelope | Frontier | None
+                ) -> dict[str, Approach]:
+    """Each approach's law, resamples and identification."""
+    level, k = config.ci_level, table.flops_k
+    out: dict[str, Approach] = {}
+
+    if env_skip is None:
+        samples = None if resamples is None else resamples.envelope
+        sizes = len({p["params"] for p in envelope.points()})
+        ident = identify.power_law(env_law.row(), sizes, "distinct sizes on the envelope",
+                                   None if samples is None else interval(samples.a, level), level)
+        out["envelope"] = Approach("envelope", None, env_law, samples, ident)
+    else:
+        out["envelope"] = Approach("envelope", env_skip, None, None, identify.refused(env_skip))
+
+    if iso_skip is None:
+        law = isoflop_laws[config.isoflop_minimum]
+        samples = None if resamples is None else resamples.isoflop[config.isoflop_minimum]
+        ident = identify.power_law(law.row(), int(law.n_points[0]), "budgets with a located minimum",
+                                   None if samples is None else interval(samples.a, level), level)
+        out["isoflop"] = Approach("isoflop", None, law, samples, ident)
+    else:
+        out["isoflop"] = Approach("isoflop", iso_skip, None, None, identify.refused(iso_skip))
+
+    ci = boot_ok = None
+    samples = None
+    if resamples is not None:
+        ci = {key: interval(v, level) for key, v in named_samples(resamples.thetas, k).items()}
+        boot_ok = float(resamples.converged.mean())
+        samples = parametric_allocation(resamples.thetas, k)
+    ident = identify.parametric(parametric.params_at(k), parametric.converged, condition,
+                                len(np.unique(table.n)), len(np.unique(table.d)), float(table.loss.min()),
+                                budgets.single, ci, boot_ok, level)
+    law = parametric_allocation(parametric.theta, k)
+    out["approach3"] = Approach("approach3", None, law if np.isfinite(law.a[0]) else None, samples, ident)
+    return out

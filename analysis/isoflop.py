@@ -1,12 +1,21 @@
-"""Approach 2 (IsoFLOP profiles): the loss-minimising N per compute budget, then power laws.
+"""Approach 2 (IsoFLOP profiles): the loss-minimising N of each budget, then power laws.
 
-Runs are grouped into budgets: sorted by C, a run joins the current group while its C is within
-a relative tolerance of the group's first (smallest) C, i.e. |ln C - ln C_first| <= ln(1 + tol).
-Per budget with at least three distinct N, the minimum is taken two ways: the lowest run, and
-the vertex of a least-squares parabola of loss in log N. A budget whose lowest run has the
-smallest or largest N of the budget has its minimum at the edge of the sampled range: such
-minima are flagged and, by default, left out of the power laws N_opt = k_N C^a and
-D_opt = k_D C^b (D_opt = C/(6 N_opt) for the vertex, the run's own tokens for the lowest run).
+Each budget's minimum is taken two ways: its lowest run, and the vertex of a least-squares
+parabola of loss in log N fitted in a window around the lowest run. Loss is quadratic in log N
+only near the minimum (along C = kND it is E + P N^-alpha + Q N^beta), so a parabola through a
+whole lopsided profile, with more sizes on one side of the minimum than the other, is pulled
+towards the long side, and one through a wide profile misses the minimum too. The window is
+therefore symmetric about the lowest run, as wide as the nearer end of the sampled sizes allows but
+at most a decade of N either way (``MAX_HALF_WIDTH``), widened only to hold ``MIN_SIDE`` sizes on
+each side; a vertex outside its window is rejected. On synthetic lopsided profiles this cuts the
+vertex error from up to 0.058 to under 0.006 decades of N (tests/analysis/test_analysis_isoflop.py,
+benchmarks/bench_isoflop_window.py and its figures in benchmarks/results-analysis.md).
+
+A budget is usable when its lowest run has at least ``MIN_SIDE`` distinct sizes on each side: a
+lowest run at the smallest or largest size is at the edge (not a minimum), and with one size on a
+side the minimum is not located. Unusable budgets stay out of the power laws N_opt = k_N C^a and
+D_opt = k_D C^b (least squares in log space; D_opt = C/(k N_opt) for the vertex, with k from the
+table's C = kND, and the run's own tokens for the lowest run).
 
 Everything is computed for a matrix of run weights (resamples x runs), so the bootstrap and the
 full-data fit (one row of ones) share one code path.
@@ -18,23 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MIN_RUNS_PER_BUDGET = 3
+MIN_SIDE = 2
+MAX_HALF_WIDTH = np.log(10.0)  # a decade of N either side of the lowest run, at most
 METHODS = ("vertex", "lowest")
-
-
-def group_budgets(flops: np.ndarray, tol: float) -> np.ndarray:
-    """Budget label of each run (0 = smallest budget), grouping C within relative ``tol``."""
-    if tol < 0:
-        raise ValueError("budget tolerance must be >= 0")
-    log_c = np.log(np.asarray(flops, float))
-    order = np.argsort(log_c, kind="stable")
-    labels = np.empty(len(log_c), int)
-    group, anchor = -1, -np.inf
-    for i in order:
-        if log_c[i] - anchor > np.log1p(tol):
-            group, anchor = group + 1, log_c[i]
-        labels[i] = group
-    return labels
 
 
 @dataclass
@@ -45,26 +40,39 @@ class PowerLaws:
     k_n: np.ndarray
     b: np.ndarray
     k_d: np.ndarray
-    n_budgets: np.ndarray  # budgets used per row
+    n_points: np.ndarray  # budgets (or envelope points) used per row
 
     def row(self, i: int = 0) -> dict[str, float]:
         return {"a": float(self.a[i]), "b": float(self.b[i]), "k_N": float(self.k_n[i]),
-                "k_D": float(self.k_d[i]), "n_budgets": int(self.n_budgets[i])}
+                "k_D": float(self.k_d[i]), "n_points": int(self.n_points[i])}
+
+    def at(self, flops: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """N_opt and D_opt of every row at ``flops``: arrays (rows, len(flops))."""
+        log_c = np.log(np.atleast_1d(np.asarray(flops, float)))[None, :]
+        with np.errstate(all="ignore"):
+            return (np.exp(np.log(self.k_n)[:, None] + self.a[:, None] * log_c),
+                    np.exp(np.log(self.k_d)[:, None] + self.b[:, None] * log_c))
+
+    @staticmethod
+    def concat(parts: list[PowerLaws]) -> PowerLaws:
+        return PowerLaws(*(np.concatenate([getattr(p, f) for p in parts])
+                           for f in ("a", "k_n", "b", "k_d", "n_points")))
 
 
 def fit_power_law(log_c: np.ndarray, log_y: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Least-squares slope and exp(intercept) of log_y on log_c over masked columns, per row.
 
-    log_c (G,), log_y and mask (B, G); rows with fewer than two distinct budgets give NaN.
+    log_c (G,) or (B, G), log_y and mask (B, G); rows with fewer than two distinct C give NaN.
     """
     m = mask.astype(float)
+    log_c = np.broadcast_to(log_c, mask.shape)
     count = m.sum(axis=1)
     with np.errstate(all="ignore"):
-        xm = (m * log_c).sum(axis=1) / count
+        xm = (m * np.where(mask, log_c, 0.0)).sum(axis=1) / count
         ym = (m * np.where(mask, log_y, 0.0)).sum(axis=1) / count
-        dx = log_c[None, :] - xm[:, None]
-        sxx = (m * dx * dx).sum(axis=1)
-        sxy = (m * dx * np.where(mask, log_y - ym[:, None], 0.0)).sum(axis=1)
+        dx = np.where(mask, log_c - xm[:, None], 0.0)
+        sxx = (dx * dx).sum(axis=1)
+        sxy = (dx * np.where(mask, log_y - ym[:, None], 0.0)).sum(axis=1)
         ok = (count >= 2) & (sxx > 1e-12 * np.maximum(1.0, count))
         slope = np.where(ok, sxy / sxx, np.nan)
         k = np.where(ok, np.exp(ym - slope * xm), np.nan)
@@ -75,85 +83,119 @@ def fit_power_law(log_c: np.ndarray, log_y: np.ndarray, mask: np.ndarray) -> tup
 class BudgetMinima:
     """Per-budget minima for each row of a weight matrix; arrays are (B, G)."""
 
-    flops: np.ndarray  # (G,) geometric mean C of each budget
+    flops: np.ndarray  # (G,) C of each budget
     n_distinct: np.ndarray  # distinct N among the runs drawn
     lowest_row: np.ndarray  # index into the run table of the lowest run
-    edge: np.ndarray  # lowest run at the smallest or largest N drawn
+    left: np.ndarray  # distinct N drawn below the lowest run's N
+    right: np.ndarray  # ... and above it
+    centre: np.ndarray  # log N of the lowest run: the window's centre
+    half_width: np.ndarray  # window half-width in log N
+    in_window: np.ndarray  # runs in the window
+    coeffs: np.ndarray  # (B, G, 3): loss = c0 + c1 u + c2 u^2, u = log N - centre
     vertex_log_n: np.ndarray
     vertex_loss: np.ndarray
-    vertex_ok: np.ndarray  # parabola opens upwards (and >= 3 distinct N)
-    vertex_inside: np.ndarray  # vertex within the sampled N range
-    coeffs: np.ndarray  # (B, G, 3): loss = c0 + c1 u + c2 u^2, u = log N - centre
-    centre: np.ndarray  # (G,)
+    vertex_ok: np.ndarray  # parabola opens upwards and its vertex lies in the window
 
-    def usable(self, method: str, include_edge: bool) -> np.ndarray:
+    @property
+    def edge(self) -> np.ndarray:
+        """Lowest run at the smallest or largest N drawn."""
+        return (self.left == 0) | (self.right == 0)
+
+    @property
+    def sided(self) -> np.ndarray:
+        """At least MIN_SIDE sizes on each side of the lowest run."""
+        return (self.left >= MIN_SIDE) & (self.right >= MIN_SIDE)
+
+    def usable(self, method: str) -> np.ndarray:
         """Budgets whose minimum (by ``method``) enters the power law."""
-        ok = self.n_distinct >= MIN_RUNS_PER_BUDGET
-        if not include_edge:
-            ok &= ~self.edge
-        if method == "vertex":
-            ok &= self.vertex_ok & (self.vertex_inside | include_edge)
-        return ok
+        return self.sided & self.vertex_ok if method == "vertex" else self.sided
 
-    def power_laws(self, method: str, include_edge: bool, n: np.ndarray, d: np.ndarray) -> PowerLaws:
-        mask = self.usable(method, include_edge)
+    def power_laws(self, method: str, n: np.ndarray, d: np.ndarray, flops_k: float) -> PowerLaws:
+        mask = self.usable(method)
         log_c = np.log(self.flops)
         if method == "vertex":
             log_n = self.vertex_log_n
-            log_d = np.log(self.flops / 6.0)[None, :] - log_n
+            log_d = np.log(self.flops / flops_k)[None, :] - log_n
         else:
             log_n, log_d = np.log(n)[self.lowest_row], np.log(d)[self.lowest_row]
-        log_n, log_d = np.where(mask, log_n, 0.0), np.where(mask, log_d, 0.0)
         a, k_n = fit_power_law(log_c, log_n, mask)
         b, k_d = fit_power_law(log_c, log_d, mask)
-        return PowerLaws(a=a, k_n=k_n, b=b, k_d=k_d, n_budgets=mask.sum(axis=1))
+        return PowerLaws(a=a, k_n=k_n, b=b, k_d=k_d, n_points=mask.sum(axis=1))
 
 
-def budget_minima(n: np.ndarray, loss: np.ndarray, flops: np.ndarray, labels: np.ndarray,
+def _nth_drawn(cum: np.ndarray, drawn: np.ndarray, p: np.ndarray, side: int) -> np.ndarray:
+    """Index of the MIN_SIDE-th drawn size below (side -1) or above (+1) index p, per row; -1 if none."""
+    idx = np.arange(cum.shape[1])[None, :]
+    here = np.take_along_axis(cum, p[:, None], axis=1)
+    count = (here - cum) if side < 0 else (cum - here)  # at a drawn size: its rank counted from p
+    hit = drawn & (side * (idx - p[:, None]) > 0) & (count == MIN_SIDE)
+    return np.where(hit.any(axis=1), np.argmax(hit, axis=1), -1)
+
+
+def _moments(w: np.ndarray, u: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: sum w u^k for k = 0..4 and sum w L u^k for k = 0..2 (the normal equations of the parabola)."""
+    moments, rhs = np.empty((len(w), 5)), np.empty((len(w), 3))
+    term, term_loss = w.copy(), w * loss
+    for k in range(5):
+        moments[:, k] = term.sum(axis=1)
+        if k < 3:
+            rhs[:, k] = term_loss.sum(axis=1)
+            term_loss *= u
+        term *= u
+    return moments, rhs
+
+
+def budget_minima(n: np.ndarray, loss: np.ndarray, labels: np.ndarray, flops: np.ndarray,
                   weights: np.ndarray) -> BudgetMinima:
-    """Lowest-run and parabola-vertex minima of every budget, for each row of ``weights`` (B, runs)."""
+    """Lowest-run and windowed-vertex minima of every budget (labels >= 0, C ``flops``) per weight row."""
     weights = np.atleast_2d(np.asarray(weights, float))
-    n_groups = int(labels.max()) + 1
+    n_groups = len(flops)
     shape = (len(weights), n_groups)
     out = BudgetMinima(
-        flops=np.array([np.exp(np.log(flops[labels == g]).mean()) for g in range(n_groups)]),
-        n_distinct=np.zeros(shape, int), lowest_row=np.zeros(shape, int), edge=np.zeros(shape, bool),
-        vertex_log_n=np.full(shape, np.nan), vertex_loss=np.full(shape, np.nan),
-        vertex_ok=np.zeros(shape, bool), vertex_inside=np.zeros(shape, bool),
-        coeffs=np.full(shape + (3,), np.nan), centre=np.zeros(n_groups))
+        flops=np.asarray(flops, float), n_distinct=np.zeros(shape, int), lowest_row=np.zeros(shape, int),
+        left=np.zeros(shape, int), right=np.zeros(shape, int), centre=np.full(shape, np.nan),
+        half_width=np.full(shape, np.nan), in_window=np.zeros(shape, int), coeffs=np.full(shape + (3,), np.nan),
+        vertex_log_n=np.full(shape, np.nan), vertex_loss=np.full(shape, np.nan), vertex_ok=np.zeros(shape, bool))
     log_n = np.log(n)
     for g in range(n_groups):
         rows = np.flatnonzero(labels == g)
+        rows = rows[np.argsort(log_n[rows], kind="stable")]
         x, ls, w = log_n[rows], loss[rows], weights[:, rows]
+        sizes, starts, inverse = np.unique(x, return_index=True, return_inverse=True)
         present = w > 0
-        distinct, inverse = np.unique(x, return_inverse=True)
-        drawn = np.zeros((len(w), len(distinct)), bool)
-        for j, k in enumerate(inverse):
-            drawn[:, k] |= present[:, j]
-        out.n_distinct[:, g] = drawn.sum(axis=1)
+        drawn = np.logical_or.reduceat(present, starts, axis=1)  # (B, K) sizes drawn
+        cum = np.cumsum(drawn, axis=1)
+        out.n_distinct[:, g] = cum[:, -1]
         j_low = np.argmin(np.where(present, ls, np.inf), axis=1)
         out.lowest_row[:, g] = rows[j_low]
-        x_min = np.where(present, x, np.inf).min(axis=1)
-        x_max = np.where(present, x, -np.inf).max(axis=1)
-        out.edge[:, g] = (x[j_low] <= x_min) | (x[j_low] >= x_max)
-        centre = float(x.mean())
-        out.centre[g] = centre
-        u = x - centre
-        powers = u[None, :] ** np.arange(5)[:, None]  # (5, m)
-        s = w @ powers.T  # (B, 5): sum w u^k
-        t = (w * ls) @ powers[:3].T  # (B, 3): sum w L u^k
-        gram = np.stack([s[:, 0:3], s[:, 1:4], s[:, 2:5]], axis=1)
-        fit_ok = out.n_distinct[:, g] >= 3
+        p = inverse[j_low]
+        below = np.take_along_axis(cum, p[:, None], axis=1)[:, 0]
+        out.left[:, g] = below - 1
+        out.right[:, g] = cum[:, -1] - below
+        centre = x[j_low]
+        lo_size = sizes[np.argmax(drawn, axis=1)]
+        hi_size = sizes[len(sizes) - 1 - np.argmax(drawn[:, ::-1], axis=1)]
+        k_left, k_right = _nth_drawn(cum, drawn, p, -1), _nth_drawn(cum, drawn, p, +1)
+        half = np.maximum.reduce([np.minimum.reduce([centre - lo_size, hi_size - centre,
+                                                      np.full(len(centre), MAX_HALF_WIDTH)]),
+                                  np.where(k_left >= 0, centre - sizes[k_left], 0.0),
+                                  np.where(k_right >= 0, sizes[k_right] - centre, 0.0)])
+        u = x[None, :] - centre[:, None]
+        inside = present & (np.abs(u) <= half[:, None] * (1 + 1e-9) + 1e-12)
+        moments, rhs = _moments(np.where(inside, w, 0.0), u, ls)
+        gram = np.stack([moments[:, 0:3], moments[:, 1:4], moments[:, 2:5]], axis=1)
+        fit_ok = (out.left[:, g] >= MIN_SIDE) & (out.right[:, g] >= MIN_SIDE)
         gram[~fit_ok] = np.eye(3)
-        coef = np.linalg.solve(gram, t[:, :, None])[:, :, 0]
+        coef = np.linalg.solve(gram, rhs[:, :, None])[:, :, 0]
         coef[~fit_ok] = np.nan
-        out.coeffs[:, g] = coef
         c0, c1, c2 = coef.T
-        ok = fit_ok & (c2 > 0)
         with np.errstate(all="ignore"):
-            vertex_u = np.where(ok, -c1 / (2 * c2), np.nan)
+            vertex_u = -c1 / (2 * c2)
+            ok = fit_ok & (c2 > 0) & (np.abs(vertex_u) <= half)
             out.vertex_loss[:, g] = np.where(ok, c0 - c1 * c1 / (4 * c2), np.nan)
+            out.vertex_log_n[:, g] = np.where(ok, centre + vertex_u, np.nan)
         out.vertex_ok[:, g] = ok
-        out.vertex_log_n[:, g] = vertex_u + centre
-        out.vertex_inside[:, g] = ok & (vertex_u + centre >= x_min) & (vertex_u + centre <= x_max)
+        out.coeffs[:, g] = coef
+        out.centre[:, g], out.half_width[:, g] = centre, half
+        out.in_window[:, g] = inside.sum(axis=1)
     return out

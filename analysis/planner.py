@@ -1,10 +1,13 @@
 """Plan a training run from a fit: budget -> compute-optimal N and D, predicted loss, wall-clock time.
 
 A budget is FLOPs, or GPU-hours on a named GPU at an assumed MFU, converted with
-C = GPU-hours * 3600 * peak * MFU. N and D come from approach 3 of a fit.json
-(N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b); the wall-clock time is C / (n_gpus * peak * MFU)
-from ``lab.accounting``. When the fit's bootstrap samples (bootstrap.csv beside fit.json) are
-there, every number gets an interval.
+C = GPU-hours * 3600 * peak * MFU; the wall-clock time is C / (n_gpus * peak * MFU) from
+``lab.accounting``. N and D come from one approach of a fit.json: the one named with
+``approach``, or by default the first identified one in ``compare.PREFERENCE``. Every approach
+with a law is shown beside it, and when the fit's bootstrap samples (bootstrap.csv beside
+fit.json) are there, every number gets an interval and approaches whose N_opt differ beyond their
+paired interval are flagged. A law the data do not identify is never planned from: ``plan``
+raises :class:`Unidentified` instead.
 """
 
 from __future__ import annotations
@@ -18,11 +21,24 @@ import numpy as np
 import pandas as pd
 
 from analysis.bootstrap import interval
+from analysis.compare import APPROACHES, TITLES, Allocation, disagreements, parametric_allocation, preferred
+from analysis.isoflop import PowerLaws
 from analysis.parametric import compute_optimal
 from analysis.table import InputError
 from lab.accounting import gpu_peak_flops, training_seconds
 
-BOOTSTRAP_COLUMNS = ("E", "A", "B", "alpha", "beta")
+SCHEMA_VERSION = 2
+PARAMETRIC_COLUMNS = ("E", "A", "B", "alpha", "beta")
+LAW_COLUMNS = ("a", "k_N", "b", "k_D")
+
+
+class Unidentified(InputError):
+    """The fit has no law the data identify (or not the one asked for)."""
+
+
+def bootstrap_columns(key: str) -> list[str]:
+    """Columns of bootstrap.csv holding one approach's resamples."""
+    return list(PARAMETRIC_COLUMNS) if key == "approach3" else [f"{key}_{c}" for c in LAW_COLUMNS]
 
 
 @dataclass
@@ -34,15 +50,18 @@ class Plan:
     n_gpus: int
     mfu: float
     dtype: str
+    approach: str  # fit.json key of the approach planned from
+    why: str
     params: float
     tokens: float
     tokens_per_param: float
-    loss: float
+    loss: float | None  # approach 3's prediction, when approach 3 is the one planned from
     seconds: float
     gpu_hours: float
     extrapolation: float  # flops / largest compute in the fitted data
     ci: dict[str, list[float] | None] | None
-    isoflop_params: float | None
+    approaches: dict[str, dict]  # every approach with a law at this budget: params, tokens, ci, identified
+    disagreements: list[dict]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,28 +73,57 @@ def theta_of(params: dict) -> np.ndarray:
                      params["alpha"], params["beta"]])
 
 
-def load_fit(path: str | Path) -> tuple[dict, np.ndarray | None]:
-    """fit.json and, if present beside it, the bootstrap thetas from bootstrap.csv."""
+def thetas_of(samples: pd.DataFrame) -> np.ndarray:
+    """Thetas (K, 5) from bootstrap.csv's E, A, B, alpha, beta columns."""
+    return np.column_stack([np.log(samples["A"]), np.log(samples["B"]), np.log(samples["E"]),
+                            samples["alpha"], samples["beta"]]).astype(float)
+
+
+def load_fit(path: str | Path) -> tuple[dict, pd.DataFrame | None]:
+    """fit.json and, if present beside it, its bootstrap resamples (bootstrap.csv)."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise InputError(f"cannot read fit {path}: {' '.join(str(exc).split())}") from exc
-    a3 = doc.get("approach3") if isinstance(doc, dict) else None
-    if not isinstance(a3, dict) or any(not isinstance(a3.get(k), (int, float)) for k in BOOTSTRAP_COLUMNS):
-        raise InputError(f"{path}: not a fit.json with approach3 E, A, B, alpha, beta")
-    samples = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("approach3"), dict):
+        raise InputError(f"{path}: not a fit.json written by 'python -m analysis fit'")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise InputError(f"{path}: fit.json schema {doc.get('schema_version')} has no identification checks; "
+                         f"refit with this version (schema {SCHEMA_VERSION})")
     boot = path.parent / "bootstrap.csv"
-    if boot.is_file():
-        frame = pd.read_csv(boot)
-        if all(c in frame.columns for c in BOOTSTRAP_COLUMNS):
-            samples = np.stack([theta_of(row) for row in frame[list(BOOTSTRAP_COLUMNS)].to_dict("records")])
-    return doc, samples
+    return doc, (pd.read_csv(boot) if boot.is_file() else None)
+
+
+def _law_of(section: dict) -> PowerLaws | None:
+    if section.get("a") is None or section.get("k_N") is None:
+        return None
+    return PowerLaws(*(np.array([section[k]], float) for k in LAW_COLUMNS), n_points=np.zeros(1, int))
+
+
+def allocations(fit: dict, samples: pd.DataFrame | None) -> dict[str, Allocation]:
+    """Each approach of a fit.json with a law, with its resamples from bootstrap.csv."""
+    out = {}
+    for key in APPROACHES:
+        section = fit.get(key) or {}
+        ident = section.get("identification") or {"identified": False, "reasons": ["no identification in fit.json"]}
+        boot = None
+        columns = bootstrap_columns(key)
+        if samples is not None and all(c in samples.columns for c in columns):
+            if key == "approach3":
+                boot = parametric_allocation(thetas_of(samples), fit["approach3"]["fit"]["flops_k"])
+            else:
+                values = samples[columns].to_numpy(float)
+                boot = PowerLaws(*values.T, n_points=np.zeros(len(values), int))
+        law = _law_of(section)
+        if law is not None and np.isfinite(law.a[0]):
+            out[key] = Allocation(key, law, boot, bool(ident["identified"]), list(ident["reasons"]))
+    return out
 
 
 def plan(fit: dict, gpu: str, n_gpus: int, mfu: float, flops: float | None = None,
-         gpu_hours: float | None = None, dtype: str = "bf16", samples: np.ndarray | None = None,
-         level: float = 0.95) -> Plan:
+         gpu_hours: float | None = None, dtype: str = "bf16", samples: pd.DataFrame | None = None,
+         level: float = 0.95, approach: str = "auto") -> Plan:
     """Compute-optimal plan for ``flops`` or ``gpu_hours`` (exactly one) from a fit.json document."""
     if (flops is None) == (gpu_hours is None):
         raise InputError("give exactly one budget: --flops or --gpu-hours")
@@ -86,47 +134,73 @@ def plan(fit: dict, gpu: str, n_gpus: int, mfu: float, flops: float | None = Non
         raise InputError(f"--n-gpus must be >= 1, got {n_gpus}")
     if not 0 < mfu <= 1:
         raise InputError(f"--mfu must be in (0, 1], got {mfu}")
+    if approach != "auto" and approach not in APPROACHES:
+        raise InputError(f"--approach must be auto or one of {', '.join(APPROACHES)}")
     try:
         peak = gpu_peak_flops(gpu, dtype)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     if flops is None:
         flops = gpu_hours * 3600.0 * peak * mfu
-    a3 = fit["approach3"]
-    if not (a3["alpha"] > 0 and a3["beta"] > 0):
-        raise InputError("the fit has no compute-optimal allocation (alpha or beta is not positive)")
-    n, d, loss = (float(v[0, 0]) for v in compute_optimal(theta_of(a3), [flops]))
+    laws = allocations(fit, samples)
+    if approach == "auto":
+        key, why = preferred({k: (k in laws and laws[k].identified,
+                                  ((fit.get(k) or {}).get("identification") or {}).get("reasons", []))
+                              for k in APPROACHES})
+        if key is None:
+            raise Unidentified(f"refusing to plan: {why}")
+    else:
+        key, why = approach, "chosen with --approach"
+        if key not in laws or not laws[key].identified:
+            reasons = ", ".join(laws[key].reasons) if key in laws else "it has no law in this fit"
+            raise Unidentified(f"refusing to plan from {TITLES[key]}: it is not identified ({reasons})")
+    side = {k: {**a.at(flops, level), "identified": a.identified, "reasons": a.reasons} for k, a in laws.items()}
+    chosen = side[key]
+    ci = dict(chosen["ci"]) if chosen["ci"] else None
+    loss = None
+    if key == "approach3":
+        theta, k = theta_of(fit["approach3"]), fit["approach3"]["fit"]["flops_k"]
+        loss = float(compute_optimal(theta, flops, k)[2][0, 0])
+        if ci is not None and samples is not None:
+            ns, ds, ls = (v[:, 0] for v in compute_optimal(thetas_of(samples), flops, k))
+            ci.update(loss=interval(ls, level), tokens_per_param=interval(ds / ns, level))
     seconds = training_seconds(flops, gpu, n_gpus, mfu, dtype)
-    ci = None
-    if samples is not None:
-        ns, ds, ls = (v[:, 0] for v in compute_optimal(samples, [flops]))
-        ci = {"params": interval(ns, level), "tokens": interval(ds, level), "loss": interval(ls, level),
-              "tokens_per_param": interval(ds / ns, level)}
-    iso = fit.get("isoflop") or {}
-    iso_params = (iso["k_N"] * flops ** iso["a"]) if iso.get("a") is not None and iso.get("k_N") else None
     data_max = (fit.get("data") or {}).get("flops", [None, None])[1]
-    return Plan(flops=flops, gpu=gpu, n_gpus=n_gpus, mfu=mfu, dtype=dtype, params=n, tokens=d,
-                tokens_per_param=d / n, loss=loss, seconds=seconds, gpu_hours=seconds * n_gpus / 3600.0,
-                extrapolation=flops / data_max if data_max else math.nan, ci=ci, isoflop_params=iso_params)
+    return Plan(flops=flops, gpu=gpu, n_gpus=n_gpus, mfu=mfu, dtype=dtype, approach=key, why=why,
+                params=chosen["params"], tokens=chosen["tokens"], tokens_per_param=chosen["tokens"] / chosen["params"],
+                loss=loss, seconds=seconds, gpu_hours=seconds * n_gpus / 3600.0,
+                extrapolation=flops / data_max if data_max else math.nan, ci=ci, approaches=side,
+                disagreements=disagreements(laws, flops, level))
 
 
 def describe(p: Plan) -> str:
     """A plan as a few lines of text."""
-    def with_ci(key: str, value: float) -> str:
-        ci = (p.ci or {}).get(key)
+    def with_ci(value: float, ci: list | None) -> str:
         return f"{value:.4g}" + (f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else "")
 
+    ci = p.ci or {}
     lines = [
         f"budget      {p.flops:.4g} FLOPs = {p.gpu_hours:.4g} GPU-hours on {p.n_gpus} x {p.gpu} "
         f"({p.dtype}) at MFU {p.mfu:g}",
         f"wall-clock  {p.seconds:.4g} s = {p.seconds / 3600:.4g} h = {p.seconds / 86400:.4g} days",
-        f"N_opt       {with_ci('params', p.params)} parameters",
-        f"D_opt       {with_ci('tokens', p.tokens)} tokens "
-        f"({with_ci('tokens_per_param', p.tokens_per_param)} per parameter)",
-        f"loss        {with_ci('loss', p.loss)} (predicted by approach 3)",
+        f"law         {TITLES[p.approach]}: {p.why}",
+        f"N_opt       {with_ci(p.params, ci.get('params'))} parameters",
+        f"D_opt       {with_ci(p.tokens, ci.get('tokens'))} tokens "
+        f"({with_ci(p.tokens_per_param, ci.get('tokens_per_param'))} per parameter)",
+        f"loss        {with_ci(p.loss, ci.get('loss'))} (approach 3)" if p.loss is not None
+        else "loss        not predicted: approach 3 is not identified",
+        "approaches side by side (N_opt, D_opt):",
     ]
-    if p.isoflop_params is not None:
-        lines.append(f"IsoFLOP     N_opt {p.isoflop_params:.4g} (approach 2, for comparison)")
+    for key in APPROACHES:
+        if key in p.approaches:
+            a = p.approaches[key]
+            c = a["ci"] or {}
+            mark = "used" if key == p.approach else ("identified" if a["identified"] else
+                                                     "NOT identified: " + "; ".join(a["reasons"]))
+            lines.append(f"  {TITLES[key]:<24} N {with_ci(a['params'], c.get('params'))}  "
+                         f"D {with_ci(a['tokens'], c.get('tokens'))}  ({mark})")
+    for x in p.disagreements:
+        lines.append(f"WARNING     APPROACHES DISAGREE: {x['message']}")
     if math.isfinite(p.extrapolation) and p.extrapolation > 100:
         lines.append(f"warning     the budget is {p.extrapolation:.3g}x the largest compute in the fitted data")
     return "\n".join(lines)

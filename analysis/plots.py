@@ -1,7 +1,16 @@
-"""Figures of a fit, each saved as PNG and SVG (matplotlib, Agg backend)."""
+"""Figures of a fit as PNG (matplotlib, Agg backend).
+
+Budgets are coloured on one logarithmic colour scale with a colour bar rather than one legend
+entry each, so the figures stay legible with any number of budgets. Log axes use plain-text tick
+labels: matplotlib's default mathtext labels cost more time than everything else drawn here.
+"""
 
 from __future__ import annotations
 
+import io
+import signal
+import warnings
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -10,187 +19,278 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from analysis.compare import TITLES  # noqa: E402
 from analysis.fit import FitResult  # noqa: E402
 from analysis.isoflop import PowerLaws  # noqa: E402
 from analysis.parametric import compute_optimal, predict_loss  # noqa: E402
+from analysis.published import LAWS  # noqa: E402
+from analysis.synthetic import law_loss, law_optimum  # noqa: E402
 
 # (file stem, caption) of every figure, in report order.
 FIGURES = (
-    ("isoflop", "IsoFLOP profiles: loss against N per budget, parabolas in log N and the chosen minima"),
-    ("allocation", "Compute-optimal N and D against C: fits, bootstrap bands and their extrapolation"),
-    ("frontier", "Loss against compute: the runs and the predicted compute-optimal frontier"),
-    ("contours", "L(N, D) from approach 3, with the efficient frontier and the runs"),
-    ("residuals", "Residuals of approach 3: log observed minus log predicted loss"),
+    ("isoflop", "IsoFLOP profiles: loss against N per budget, the parabola fitted in each budget's window "
+                "around its lowest run, its vertex and the lowest run"),
+    ("allocation", "Compute-optimal N and D against C for every approach, with bootstrap bands, beside the "
+                   "published laws of Hoffmann et al. (2022) and Besiroglu et al. (2024)"),
+    ("frontier", "Loss against compute: the runs, the compute-optimal frontier of approach 3 and of the published "
+                 "laws (Hoffmann et al. 2022; Besiroglu et al. 2024; other data and tokenizer: compare shapes, "
+                 "not levels)"),
+    ("contours", "L(N, D) from approach 3, with its efficient frontier, the published laws' frontiers and the runs"),
+    ("residuals", "Residuals of approach 3 in loss (nats per token): observed minus predicted"),
 )
+_DPI = 100
+# Fixed margins: a layout engine would measure every tick label once more, doubling the drawing time.
+_MARGINS = {"default": {"left": 0.1, "right": 0.97, "bottom": 0.11, "top": 0.93},
+            "isoflop": {"left": 0.1, "right": 1.0, "bottom": 0.11, "top": 0.93},
+            "contours": {"left": 0.13, "right": 0.97, "bottom": 0.1, "top": 0.94},
+            "frontier": {"left": 0.1, "right": 1.0, "bottom": 0.11, "top": 0.93},
+            "allocation": {"left": 0.07, "right": 0.98, "bottom": 0.11, "top": 0.93, "wspace": 0.2},
+            "residuals": {"left": 0.08, "right": 1.04, "bottom": 0.12, "top": 0.9, "wspace": 0.05}}
+_COLORS = {"envelope": "C2", "isoflop": "C1", "approach3": "C0"}
+_STYLES = {"envelope": ":", "isoflop": "--", "approach3": "-"}
+_PUBLISHED_STYLES = (("grey", (0, (5, 2))), ("black", (0, (1, 2))))
+
+
+def _plain_log(ax: plt.Axes, axes: str = "xy") -> None:
+    """Plain-text labels on log axes, and three minor ticks a decade (each tick costs drawing time)."""
+    for name in axes:
+        axis = ax.xaxis if name == "x" else ax.yaxis
+        axis.set_major_formatter(ticker.LogFormatter())
+        axis.set_minor_locator(ticker.LogLocator(subs=(2.0, 3.0, 5.0)))
+        axis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False))  # labels some when < 1 decade
+
+
+def _colorbar(fig: plt.Figure, mappable: Any, ax: Any, label: str) -> None:
+    bar = fig.colorbar(mappable, ax=ax, label=label)
+    bar.ax.yaxis.set_major_formatter(ticker.LogFormatter())
+    bar.ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _figure(stem: str, *grid: int, **kwargs: Any) -> tuple[plt.Figure, Any]:
+    """A figure with its fixed margins set before any colour bar takes its share."""
+    fig, axes = plt.subplots(*grid, **kwargs)
+    fig.subplots_adjust(**_MARGINS.get(stem, _MARGINS["default"]))
+    return fig, axes
 
 
 def _band(samples: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
     tail = 50.0 * (1.0 - level)
-    with np.errstate(all="ignore"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # columns where every resample failed
         return np.nanpercentile(samples, tail, axis=0), np.nanpercentile(samples, 100.0 - tail, axis=0)
 
 
 def _flops_range(result: FitResult) -> np.ndarray:
     top = max([result.flops_max] + [p["flops"] for p in result.predictions])
-    return np.geomspace(result.table.c.min() / 1.5, top * 1.5, 200)
+    return np.geomspace(result.table.c.min() / 1.5, top * 1.5, 120)
 
 
-def _save(fig: plt.Figure, out_dir: Path, stem: str) -> None:
-    for ext in ("png", "svg"):
-        fig.savefig(out_dir / f"{stem}.{ext}", dpi=110 if ext == "png" else None)
-    plt.close(fig)
-
-
-def _budget_colors(result: FitResult) -> np.ndarray:
-    return plt.cm.viridis(np.linspace(0.0, 0.9, len(result.minima.flops)))
+def _flops_norm(result: FitResult) -> LogNorm:
+    c = result.table.c
+    return LogNorm(vmin=c.min(), vmax=max(c.max(), c.min() * 1.01))
 
 
 def plot_isoflop(result: FitResult) -> plt.Figure:
-    t, m = result.table, result.minima
-    fig, ax = plt.subplots(figsize=(7, 4.8))
-    for g, color in enumerate(_budget_colors(result)):
-        rows = np.flatnonzero(result.labels == g)
-        ax.scatter(t.n[rows], t.loss[rows], color=color, s=18, label=f"C = {m.flops[g]:.2g}")
+    t, b, m = result.table, result.budgets, result.minima
+    norm, cmap = _flops_norm(result), plt.cm.viridis
+    fig, ax = _figure("isoflop", figsize=(7.5, 4.8))
+    outside = b.labels < 0
+    if outside.any():
+        ax.scatter(t.n[outside], t.loss[outside], c=t.c[outside] if b.continuous else "lightgrey", cmap=cmap,
+                   norm=norm if b.continuous else None, s=10, lw=0,
+                   label=None if b.continuous else "runs in no budget")
+    for g in range(b.count):
+        rows = np.flatnonzero(b.labels == g)
+        color = cmap(norm(b.flops[g]))
+        ax.scatter(t.n[rows], t.loss[rows], color=color, s=14, lw=0)
         if m.vertex_ok[0, g]:
-            u = np.linspace(np.log(t.n[rows]).min(), np.log(t.n[rows]).max(), 60) - m.centre[g]
+            u = np.linspace(-m.half_width[0, g], m.half_width[0, g], 40)
             c0, c1, c2 = m.coeffs[0, g]
-            ax.plot(np.exp(u + m.centre[g]), c0 + c1 * u + c2 * u * u, color=color, lw=1)
-            ax.plot(np.exp(m.vertex_log_n[0, g]), m.vertex_loss[0, g], marker="*", ms=11, color=color,
-                    mec="black", mew=0.6, ls="none")
+            ax.plot(np.exp(u + m.centre[0, g]), c0 + c1 * u + c2 * u * u, color=color, lw=1.2)
+            ax.plot(np.exp(m.vertex_log_n[0, g]), m.vertex_loss[0, g], marker="*", ms=10, color=color,
+                    mec="black", mew=0.5, ls="none")
         low = m.lowest_row[0, g]
-        edge = m.edge[0, g] and m.n_distinct[0, g] >= 3
-        ax.plot(t.n[low], t.loss[low], marker="x" if edge else "s", ms=9, mfc="none",
-                mec="red" if edge else "black", ls="none")
-    ax.plot([], [], marker="*", color="grey", mec="black", ls="none", label="parabola vertex")
-    ax.plot([], [], marker="s", mfc="none", mec="black", ls="none", label="lowest run")
-    ax.plot([], [], marker="x", mec="red", ls="none", label="edge minimum")
-    ax.set(xscale="log", xlabel="parameters N", ylabel="loss",
-           title="IsoFLOP profiles" + (" (IsoFLOP fit skipped)" if result.isoflop_skipped else ""))
-    ax.legend(fontsize=7, ncol=2)
+        bad = not m.sided[0, g]
+        ax.plot(t.n[low], t.loss[low], marker="x" if bad else "s", ms=8, mfc="none",
+                mec="red" if bad else "black", ls="none")
+    _colorbar(fig, plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax, "compute C (FLOPs)")
+    if b.count:
+        ax.plot([], [], marker="*", color="grey", mec="black", ls="none", label="vertex in its window")
+        ax.plot([], [], marker="s", mfc="none", mec="black", ls="none", label="lowest run")
+        ax.plot([], [], marker="x", mec="red", ls="none", label="minimum not located (edge or one-sided)")
+    title = (f"{b.count} IsoFLOP budget(s)" if not b.continuous else
+             "No IsoFLOP budgets: C is continuous (runs coloured by C)")
+    ax.set(xscale="log", xlabel="parameters N", ylabel="loss (nats per token)", title=title)
+    _plain_log(ax, "x")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
     return fig
 
 
-def _law_line(ax: plt.Axes, laws: PowerLaws, samples: PowerLaws | None, flops: np.ndarray, which: str,
-              level: float, **style: Any) -> None:
-    k, e = (laws.k_n, laws.a) if which == "N" else (laws.k_d, laws.b)
-    ax.plot(flops, k[0] * flops ** e[0], **style)
-    if samples is not None:
-        sk, se = (samples.k_n, samples.a) if which == "N" else (samples.k_d, samples.b)
-        lo, hi = _band(sk[:, None] * flops[None, :] ** se[:, None], level)
+def _law_line(ax: plt.Axes, law: PowerLaws, samples: PowerLaws | None, flops: np.ndarray, which: int,
+              level: float, band: bool, **style: Any) -> None:
+    ax.plot(flops, law.at(flops)[which][0], **style)
+    if samples is not None and band:
+        lo, hi = _band(samples.at(flops)[which], level)
         ax.fill_between(flops, lo, hi, color=style.get("color"), alpha=0.15, lw=0)
 
 
 def plot_allocation(result: FitResult) -> plt.Figure:
     flops = _flops_range(result)
     level = result.config.ci_level
-    n3, d3, _ = compute_optimal(result.parametric.theta, flops)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    method = result.config.isoflop_minimum
-    m = result.minima
-    for ax, which, curve in zip(axes, ("N", "D"), (n3[0], d3[0])):
-        ax.plot(flops, curve, color="C0", label="approach 3 (parametric)")
-        if result.thetas is not None:
-            n_s, d_s, _ = compute_optimal(result.thetas, flops)
-            lo, hi = _band(n_s if which == "N" else d_s, level)
-            ax.fill_between(flops, lo, hi, color="C0", alpha=0.2, lw=0, label=f"{level:.0%} bootstrap band")
-        if not result.isoflop_skipped:
-            _law_line(ax, result.isoflop[method], result.isoflop_samples.get(method), flops, which, level,
-                      color="C1", ls="--", label=f"approach 2 (IsoFLOP, {method})")
-            used = m.usable(method, result.config.include_edge)[0]
-            if method == "vertex":
-                pts_n = np.exp(m.vertex_log_n[0])
-            else:
-                pts_n = result.table.n[m.lowest_row[0]]
-            pts = pts_n if which == "N" else m.flops / (6.0 * pts_n)
-            ax.scatter(m.flops[used], pts[used], color="C1", zorder=3, s=22, label="IsoFLOP minima")
-        if result.envelope_skipped is None and result.envelope_law is not None:
-            _law_line(ax, result.envelope_law, result.envelope_samples, flops, which, level,
-                      color="C2", ls=":", label="approach 1 (envelope)")
+    fig, axes = _figure("allocation", 1, 2, figsize=(11, 4.6))
+    for which, ax in enumerate(axes):
+        for key, app in result.approaches.items():
+            if app.law is None:
+                continue
+            ok = app.identification.identified
+            _law_line(ax, app.law, app.samples, flops, which, level, band=ok, color=_COLORS[key],
+                      ls=_STYLES[key] if ok else (0, (1, 3)), lw=1.6 if ok else 1.0,
+                      label=TITLES[key] + ("" if ok else " (not identified)"))
+        for law, (color, style) in zip(LAWS, _PUBLISHED_STYLES):
+            ax.plot(flops, law_optimum(flops, law.as_dict())[which], color=color, ls=style, lw=0.9,
+                    label=f"published: {law.name}")
+        m = result.minima
+        if m is not None and result.approaches["isoflop"].skipped is None:
+            used = m.usable(result.config.isoflop_minimum)[0]
+            pts_n = np.exp(m.vertex_log_n[0]) if result.config.isoflop_minimum == "vertex" \
+                else result.table.n[m.lowest_row[0]]
+            pts = pts_n if which == 0 else m.flops / (result.table.flops_k * pts_n)
+            ax.scatter(m.flops[used], pts[used], color="C1", zorder=3, s=20, label="IsoFLOP minima")
         for p in result.predictions:
-            ax.plot(p["flops"], p["params"] if which == "N" else p["tokens"], marker="D", color="C3",
-                    ls="none", ms=5)
+            a3 = p["approach3"]
+            if a3 is not None:
+                ax.plot(p["flops"], a3["params"] if which == 0 else a3["tokens"], marker="D", color="C3",
+                        ls="none", ms=4)
         ax.axvspan(result.flops_max, flops[-1], color="grey", alpha=0.08, lw=0)
         ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs)",
-               ylabel="N_opt (parameters)" if which == "N" else "D_opt (tokens)",
-               title=f"{which}_opt(C); shaded: beyond the data")
+               ylabel="N_opt (parameters)" if which == 0 else "D_opt (tokens)",
+               title=("N_opt" if which == 0 else "D_opt") + "(C); shaded: beyond the data")
+        _plain_log(ax)
         ax.grid(alpha=0.3)
-    axes[0].plot([], [], marker="D", color="C3", ls="none", label="predictions")
-    axes[0].legend(fontsize=7)
+    axes[0].plot([], [], marker="D", color="C3", ls="none", label="predictions (approach 3)")
+    axes[0].legend(fontsize=6.5, loc="upper left")
     return fig
 
 
 def plot_frontier(result: FitResult) -> plt.Figure:
     t = result.table
     flops = _flops_range(result)
-    fig, ax = plt.subplots(figsize=(7, 4.8))
-    for curve in t.curves:
+    fig, ax = _figure("frontier", figsize=(7.5, 4.8))
+    for curve in t.curves[:400]:
         ax.plot(curve.flops, curve.loss, color="grey", lw=0.5, alpha=0.4)
-    points = ax.scatter(t.c, t.loss, c=t.n, norm=LogNorm(), cmap="viridis", s=16, zorder=3)
-    fig.colorbar(points, ax=ax, label="parameters N")
-    _, _, loss = compute_optimal(result.parametric.theta, flops)
-    ax.plot(flops, loss[0], color="C3", label="approach 3: L(N_opt(C), D_opt(C))")
-    if result.thetas is not None:
-        lo, hi = _band(compute_optimal(result.thetas, flops)[2], result.config.ci_level)
+    points = ax.scatter(t.c, t.loss, c=t.n, norm=LogNorm(), cmap="viridis", s=12, lw=0, zorder=3)
+    _colorbar(fig, points, ax, "parameters N")
+    k = t.flops_k
+    ident = result.approaches["approach3"].identification.identified
+    _, _, loss = compute_optimal(result.parametric.theta, flops, k)
+    ax.plot(flops, loss[0], color="C3", ls="-" if ident else ":",
+            label="approach 3: L(N_opt(C), D_opt(C))" + ("" if ident else " (not identified)"))
+    if result.thetas is not None and ident:
+        lo, hi = _band(compute_optimal(result.thetas, flops, k)[2], result.config.ci_level)
         ax.fill_between(flops, lo, hi, color="C3", alpha=0.2, lw=0, label="bootstrap band")
-    if result.envelope is not None:
-        env = result.envelope
-        best, valid = env.winners(np.ones((1, len(t.runs))))
-        ax.plot(env.grid[valid[0]], env.loss[best[0], np.arange(len(env.grid))][valid[0]], color="black",
-                lw=1.2, ls="--", label="lowest training curve (envelope)")
+    for law, (color, style) in zip(LAWS, _PUBLISHED_STYLES):
+        n_opt, d_opt = law_optimum(flops, law.as_dict())
+        ax.plot(flops, law_loss(n_opt, d_opt, law.as_dict()), color=color, ls=style, lw=0.9,
+                label=f"published: {law.name}")
+    env = result.approaches["envelope"]
+    if env.skipped is None:
+        pts = result.envelope.points()
+        ax.plot([p["flops"] for p in pts], [p["loss"] for p in pts], color="black", lw=1.0, ls="--",
+                label="envelope (approach 1)")
     ax.axvspan(result.flops_max, flops[-1], color="grey", alpha=0.08, lw=0)
-    ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs)", ylabel="loss", title="Loss-compute frontier")
-    ax.legend(fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs)", ylabel="loss (nats per token)",
+           title="Loss-compute frontier")
+    _plain_log(ax)
+    ax.legend(fontsize=6.5)
     ax.grid(alpha=0.3)
     return fig
 
 
 def plot_contours(result: FitResult) -> plt.Figure:
     t = result.table
-    n_grid = np.geomspace(t.n.min() / 3, t.n.max() * 3, 120)
-    d_grid = np.geomspace(t.d.min() / 3, t.d.max() * 3, 120)
+    n_grid = np.geomspace(t.n.min() / 3, t.n.max() * 3, 80)
+    d_grid = np.geomspace(t.d.min() / 3, t.d.max() * 3, 80)
     nn, dd = np.meshgrid(n_grid, d_grid)
     loss = predict_loss(result.parametric.theta, nn.ravel(), dd.ravel()).reshape(nn.shape)
-    fig, ax = plt.subplots(figsize=(7, 5.2))
-    levels = np.quantile(loss, np.linspace(0.02, 0.9, 14))
-    cs = ax.contour(nn, dd, loss, levels=np.unique(levels), cmap="magma", linewidths=0.8)
-    ax.clabel(cs, fontsize=6, fmt="%.3g")
-    flops = np.geomspace(6 * n_grid[0] * d_grid[0], 6 * n_grid[-1] * d_grid[-1], 200)
-    n_opt, d_opt, _ = compute_optimal(result.parametric.theta, flops)
+    fig, ax = _figure("contours", figsize=(7, 5.2))
+    levels = np.unique(np.quantile(loss[np.isfinite(loss)], np.linspace(0.02, 0.9, 12)))
+    if len(levels) > 1:
+        cs = ax.contour(nn, dd, loss, levels=levels, cmap="magma", linewidths=0.8)
+        ax.clabel(cs, fontsize=6, fmt="%.3g")
+    flops = np.geomspace(t.flops_k * n_grid[0] * d_grid[0], t.flops_k * n_grid[-1] * d_grid[-1], 120)
+    n_opt, d_opt, _ = compute_optimal(result.parametric.theta, flops, t.flops_k)
     ax.plot(n_opt[0], d_opt[0], color="C0", lw=2, label="efficient frontier (N_opt, D_opt)")
-    for c in result.minima.flops:
-        ax.plot(n_grid, c / (6 * n_grid), color="grey", lw=0.6, ls=":")
-    ax.scatter(t.n, t.d, s=10, color="black", zorder=3, label="runs")
-    ax.plot([], [], color="grey", lw=0.6, ls=":", label="C = 6ND of each budget")
+    for law, (color, style) in zip(LAWS, _PUBLISHED_STYLES):
+        ax.plot(*law_optimum(flops, law.as_dict()), color=color, ls=style, lw=0.9, label=f"published: {law.name}")
+    ax.scatter(t.n, t.d, s=6, color="black", lw=0, zorder=3, label="runs")
     ax.set(xscale="log", yscale="log", xlim=(n_grid[0], n_grid[-1]), ylim=(d_grid[0], d_grid[-1]),
-           xlabel="parameters N", ylabel="tokens D", title="L(N, D) contours (approach 3)")
+           xlabel="parameters N", ylabel="tokens D",
+           title="L(N, D) contours (approach 3" + ("" if result.approaches["approach3"].identification.identified
+                                                   else ", NOT identified") + ")")
+    _plain_log(ax)
     ax.legend(fontsize=7, loc="upper right")
     return fig
 
 
 def plot_residuals(result: FitResult) -> plt.Figure:
     t = result.table
-    resid = np.log(t.loss) - np.log(predict_loss(result.parametric.theta, t.n, t.d))
-    colors = _budget_colors(result)[result.labels]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    resid = t.loss - predict_loss(result.parametric.theta, t.n, t.d)
+    norm = _flops_norm(result)
+    fig, axes = _figure("residuals", 1, 2, figsize=(11, 4), sharey=True)
     for ax, x, label in zip(axes, (t.c, t.n), ("compute C (FLOPs)", "parameters N")):
-        ax.scatter(x, resid, c=colors, s=16)
+        points = ax.scatter(x, resid, c=t.c, cmap="viridis", norm=norm, s=10, lw=0)
         ax.axhline(0.0, color="black", lw=0.8)
         ax.set(xscale="log", xlabel=label)
+        _plain_log(ax, "x")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("log L observed - log L predicted")
-    fig.suptitle(f"Approach 3 residuals (RMS {np.sqrt(np.mean(resid ** 2)):.3g})")
+    _colorbar(fig, points, axes, "compute C (FLOPs)")
+    axes[0].set_ylabel("observed - predicted loss (nats)")
+    fig.suptitle(f"Approach 3 residuals: RMSE {np.sqrt(np.mean(resid ** 2)):.3g} nats, "
+                 f"largest {np.max(np.abs(resid)):.3g}")
     return fig
 
 
-def make_plots(result: FitResult, out_dir: Path) -> list[str]:
-    """Write every figure as ``<stem>.png`` and ``<stem>.svg`` into out_dir; returns the stems."""
-    makers = {"isoflop": plot_isoflop, "allocation": plot_allocation, "frontier": plot_frontier,
-              "contours": plot_contours, "residuals": plot_residuals}
-    for stem, _ in FIGURES:
-        fig = makers[stem](result)
-        fig.tight_layout()
-        _save(fig, Path(out_dir), stem)
-    return [stem for stem, _ in FIGURES]
+_MAKERS = {"isoflop": plot_isoflop, "allocation": plot_allocation, "frontier": plot_frontier,
+           "contours": plot_contours, "residuals": plot_residuals}
+
+
+def render(result: FitResult, stem: str) -> bytes:
+    """One figure as PNG bytes."""
+    fig = _MAKERS[stem](result)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=_DPI)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+_RESULT: FitResult | None = None
+
+
+def _init_worker(result: FitResult) -> None:
+    global _RESULT
+    _RESULT = result
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles interrupts
+
+
+def _render_in_worker(stem: str) -> bytes:
+    return render(_RESULT, stem)
+
+
+def make_plots(result: FitResult, out_dir: Path, workers: int = 1) -> dict[str, bytes]:
+    """Write every figure as ``<stem>.png`` into out_dir, drawing over ``workers`` processes;
+    returns the PNG bytes by stem."""
+    stems = [stem for stem, _ in FIGURES]
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=min(workers, len(stems)), initializer=_init_worker,
+                                 initargs=(result,)) as pool:
+            images = dict(zip(stems, pool.map(_render_in_worker, stems)))
+    else:
+        images = {stem: render(result, stem) for stem in stems}
+    for stem, data in images.items():
+        (Path(out_dir) / f"{stem}.png").write_bytes(data)
+    return images

@@ -1,24 +1,31 @@
-"""report.md and report.html of a fit, rendered from one list of blocks.
+"""report.md and report.html of a fit, rendered from one list of blocks built from fit.json.
 
-The HTML references the PNG figures beside it (and links their SVG versions), so the report
-folder can be moved as a whole; it loads nothing else.
+The HTML is one self-contained file: the figures are embedded as base64 PNG and the styles are
+inline, so it can be mailed or attached on its own. The Markdown links the PNG files beside it.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 from datetime import datetime, timezone
 
+from analysis.compare import APPROACHES, TITLES
+from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import FIGURES
+from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, TABLE3
+from analysis.synthetic import law_optimum
 
-Block = tuple  # ("h", level, text) | ("p", text) | ("table", header, rows) | ("ul", items) | ("img", stem, caption)
+Block = tuple  # ("h", level, text) | ("p", text) | ("ul", items) | ("warn", items) | ("alert", items)
+#                | ("table", header, rows) | ("img", stem, caption)
 
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:0.8em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:3px 8px;
-text-align:right}th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:0.8em 0;font-size:0.85em}th,td{border:1px solid #ccc;padding:3px 7px;
+text-align:left;vertical-align:top}th{background:#f2f2f2}
 figure{margin:1.5em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:0.9em;color:#555}
-code{background:#f4f4f4;padding:0 3px}.warn li{color:#8a4b00}"""
+code{background:#f4f4f4;padding:0 3px}ul.warn li{color:#8a4b00}
+.alert{border:2px solid #b00;background:#fff0f0;padding:0.4em 1em;margin:1em 0}.alert li{color:#900;font-weight:600}"""
 
 
 def fmt(x: float | None, digits: int = 4) -> str:
@@ -28,79 +35,206 @@ def fmt(x: float | None, digits: int = 4) -> str:
     return f"{x:.{digits}g}"
 
 
-def _with_ci(value: float | None, ci: list | None) -> str:
-    return fmt(value) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
+def _with_ci(value: float | None, ci: list | None, digits: int = 4) -> str:
+    return fmt(value, digits) + (f" [{fmt(ci[0], digits)}, {fmt(ci[1], digits)}]" if ci else "")
 
 
 def _ci(section: dict | None, key: str) -> list | None:
     return ((section or {}).get("ci") or {}).get(key)
 
 
-def _fits_table(doc: dict) -> Block:
-    a3, iso, env = doc["approach3"], doc["isoflop"], doc["envelope"]
-    columns = [("Approach 1: envelope", None if env["skipped"] else env),
-               ("Approach 2: IsoFLOP, parabola vertex", iso["fits"]["vertex"]),
-               ("Approach 2: IsoFLOP, lowest run", iso["fits"]["lowest"]),
-               ("Approach 3: parametric", a3)]
-    keys = [("a (N_opt ~ C^a)", "a"), ("b (D_opt ~ C^b)", "b"), ("k_N", "k_N"), ("k_D", "k_D"),
-            ("E", "E"), ("A", "A"), ("B", "B"), ("alpha", "alpha"), ("beta", "beta")]
-    rows = [[label] + [_with_ci(col.get(key), _ci(col, key)) if col and key in col else "-" for _, col in columns]
-            for label, key in keys]
-    return ("table", ["quantity"] + [name for name, _ in columns], rows)
+def _identified(section: dict) -> bool:
+    return bool((section.get("identification") or {}).get("identified"))
+
+
+def _status(section: dict) -> str:
+    if section.get("skipped"):
+        return "not run"
+    return "yes" if _identified(section) else "NO"
 
 
 def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
     """The report, top to bottom, from a fit.json document."""
-    data, a3, iso, hold = doc["data"], doc["approach3"], doc["isoflop"], doc["holdout"]
-    cfg, warnings = doc["config"], doc["warnings"]
+    data, a3, cfg = doc["data"], doc["approach3"], doc["config"]
     boot = a3.get("bootstrap")
     level = f"{cfg['ci_level']:.0%}"
     blocks: list[Block] = [
         ("h", 1, title),
         ("p", f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from {data['n_runs']} runs in "
-              f"`{doc['source']}`. Parameter count N: {doc['params_count']}. Loss: {doc['loss_source']}. "
-              "Intervals in brackets are "
+              f"`{doc['source']}`. Intervals in brackets are "
               + (f"{level} bootstrap percentile intervals over {boot['resamples']} resamples of the runs "
-                 f"(seed {boot['seed']})." if boot else "absent (bootstrap disabled).")
-              + (f" {len(warnings)} warning(s): see the end of the report." if warnings else " No warnings.")),
-        ("h", 2, "Data"),
+                 f"(seed {boot['seed']}); every approach is refitted on the same resamples."
+                 if boot else "absent: the bootstrap was disabled, so no law can be checked for spread.")),
+    ]
+    blocks += _verdict(doc)
+    blocks += [("h", 2, "What was fitted"), ("ul", _fitted(doc))]
+    blocks += [("h", 2, "Results"), _table3(doc),
+               ("p", "In the style of Hoffmann et al. (2022), Table 3: N_opt ∝ C^a and D_opt ∝ C^b per approach, "
+                     "with N_opt and D_opt at the prediction budgets. Published rows are as printed in the cited "
+                     "papers; for the published laws a and b follow from their alpha and beta, and N_opt, D_opt "
+                     "from the law with C = 6ND. Published losses are on other data, so only exponents and "
+                     "allocations compare.")]
+    blocks += [("h", 2, "Identification"),
+               ("p", "An approach is used only when every check passes (thresholds in analysis/identify.py: "
+                     f"interval of a at most {MAX_A_WIDTH:g} wide, alpha and beta in (0, 2), condition number of "
+                     f"J^T J at most {MAX_CONDITION:g}, at least 3 budgets or envelope sizes)."),
+               _identification_table(doc)]
+    blocks += [("h", 2, "Approach 3: parameters, goodness of fit, covariance")] + _approach3_blocks(a3, level)
+    blocks += [("h", 2, "Approaches compared: predictions")] + _predictions_blocks(doc)
+    blocks += [("h", 2, "Data")] + _data_blocks(doc)
+    blocks += [("h", 2, "Hold-out check")] + _holdout_blocks(doc["holdout"])
+    blocks += [("h", 2, "Figures")] + [("img", stem, caption) for stem, caption in FIGURES]
+    warnings = doc["warnings"]
+    blocks += [("h", 2, "Warnings"),
+               ("warn", [f"[{w['code']}] {w['message']}" for w in warnings]) if warnings else ("p", "None.")]
+    blocks += [("h", 2, "Method"), ("p", _METHOD), ("h", 2, "References"),
+               ("ul", [HOFFMANN + ". Approaches 1-3, Table 3, appendix D.", BESIROGLU + ".", KAPLAN + "."])]
+    return blocks
+
+
+def _verdict(doc: dict) -> list[Block]:
+    comp = doc["comparison"]
+    loud = [f"{TITLES[k]} is NOT identified: {'; '.join(doc[k]['identification']['reasons'])}"
+            for k in APPROACHES if not doc[k].get("skipped") and not _identified(doc[k])]
+    loud += [f"Approaches disagree: {x['message']}" for x in comp["disagreements"]]
+    if comp["preferred"] is None:
+        return [("alert", [f"No approach gives an identified law, so `python -m analysis plan` refuses to plan "
+                           f"from this fit: {comp['why']}."] + loud)]
+    used = ("p", f"**Law used for planning: {TITLES[comp['preferred']]}**, because {comp['why']}.")
+    return [used] + ([("alert", loud)] if loud else [])
+
+
+def _fitted(doc: dict) -> list[str]:
+    data, a3, loss = doc["data"], doc["approach3"], doc["loss"]
+    k = data["flops_per_param_token"]
+    budgets = data["budgets"]
+    return [
+        f"Loss: {loss['source']}, in {loss['unit']} ({loss['note']}).",
+        f"N: {doc['params_count']} parameter count" + ("; " + "; ".join(doc["notes"]) if doc["notes"] else "") + ".",
+        f"C: " + ("6ND (no FLOPs column)" if k["derived"] else
+                  f"the FLOPs column, which follows C = {k['k']:.4g} N D (median over the runs)")
+        + f"; compute-optimal allocations are taken along C = {a3['fit']['flops_k']:.4g} N D.",
+        "Approach 3: L(N, D) = E + A/N^alpha + B/D^beta, " + a3["fit"]["method"] + ".",
+        f"Approach 2: {budgets['mode']} budgets within {budgets['tolerance']:.0%} of C; per budget the "
+        f"{doc['isoflop']['minimum']} minimum (parabola in log N fitted in a window around the lowest run); "
+        "N_opt = k_N C^a, D_opt = k_D C^b.",
+        "Approach 1: " + (doc["envelope"]["source"] if not doc["envelope"]["skipped"]
+                          else f"not run ({doc['envelope']['reason']})") + ".",
+    ]
+
+
+def _table3(doc: dict) -> Block:
+    preds = doc["predictions"]
+    header = ["approach", "identified", "a (N_opt ∝ C^a)", "b (D_opt ∝ C^b)"]
+    for p in preds:
+        header += [f"N_opt at C = {fmt(p['flops'], 3)}", f"D_opt at C = {fmt(p['flops'], 3)}"]
+    rows = []
+    for key in APPROACHES:
+        section = doc[key]
+        row = [TITLES[key], _status(section), _with_ci(section.get("a"), _ci(section, "a"), 3),
+               _with_ci(section.get("b"), _ci(section, "b"), 3)]
+        for p in preds:
+            entry = p.get(key)
+            row += ([_with_ci(entry["params"], (entry["ci"] or {}).get("params"), 3),
+                     _with_ci(entry["tokens"], (entry["ci"] or {}).get("tokens"), 3)] if entry else ["-", "-"])
+        rows.append(row)
+    for name, a, a_ci, b, b_ci in TABLE3:
+        rows.append([f"published: {name}", "", _with_ci(a, list(a_ci) if a_ci else None, 3),
+                     _with_ci(b, list(b_ci) if b_ci else None, 3)] + ["-", "-"] * len(preds))
+    for law in LAWS:
+        row = [f"published law: {law.name}", "", fmt(law.a, 3), fmt(1 - law.a, 3)]
+        for p in preds:
+            n, d = (float(v[0]) for v in law_optimum([p["flops"]], law.as_dict()))
+            row += [fmt(n, 3), fmt(d, 3)]
+        rows.append(row)
+    return ("table", header, rows)
+
+
+def _identification_table(doc: dict) -> Block:
+    rows = []
+    for key in APPROACHES:
+        for check in doc[key]["identification"]["checks"]:
+            rows.append([TITLES[key], check["name"], "pass" if check["passed"] else "FAIL", check["detail"]])
+    return ("table", ["approach", "check", "", "detail"], rows)
+
+
+def _approach3_blocks(a3: dict, level: str) -> list[Block]:
+    names = ["E", "A", "B", "alpha", "beta", "a", "b", "G"]
+    fit, good = a3["fit"], a3["goodness"]
+    blocks: list[Block] = [
+        ("table", ["parameter", f"value [{level} interval]"], [[n, _with_ci(a3.get(n), _ci(a3, n))] for n in names]),
+        ("p", f"Goodness of fit over {good['n_runs']} runs: RMSE {fmt(good['rmse_loss'])} nats per token in loss "
+              f"({fmt(good['rmse_log_loss'])} in log loss), largest residual {fmt(good['max_abs_residual'])} nats, "
+              f"Huber objective (delta = {fit['huber_delta']:g}, summed over runs) {fmt(good['huber_objective'], 6)}. "
+              f"Optimiser: {'converged' if fit['converged'] else 'NOT converged'} after {fit['iterations']} "
+              f"iterations ({fit['message']}); {fit['starts_agreeing']} of {fit['n_starts']} starts reached the best "
+              f"objective; the optimum lies {'inside' if fit['optimum_inside_grid'] else 'OUTSIDE'} the grid of "
+              f"starts; condition number of J^T J {fmt(fit['condition_number'], 3)}."),
+    ]
+    cov = a3.get("covariance")
+    if cov is None:
+        blocks.append(("p", "Parameter covariance: not available (bootstrap disabled or too few refits)."))
+    else:
+        rows = [[name, fmt(cov["std"][i], 3)] + [fmt(v, 3) for v in cov["correlation"][i]]
+                for i, name in enumerate(cov["names"])]
+        blocks += [("p", "Parameter covariance from the bootstrap refits, as standard deviations and correlations "
+                         "(theta = log A, log B, log E, alpha, beta; A trades off against alpha, B against beta):"),
+                   ("table", ["", "std"] + cov["names"], rows)]
+    return blocks
+
+
+def _predictions_blocks(doc: dict) -> list[Block]:
+    rows = []
+    for p in doc["predictions"]:
+        for key in APPROACHES:
+            entry = p.get(key)
+            if entry is None:
+                continue
+            ci = entry["ci"] or {}
+            rows.append([fmt(p["flops"]), f"{fmt(p['extrapolation'], 3)}x", TITLES[key],
+                         "yes" if entry["identified"] else "NO",
+                         _with_ci(entry["params"], ci.get("params")), _with_ci(entry["tokens"], ci.get("tokens")),
+                         fmt(entry["tokens"] / entry["params"], 3),
+                         _with_ci(entry.get("loss"), ci.get("loss")) if key == "approach3" else "-"])
+    comp = doc["comparison"]
+    note = (f"`plan` uses {TITLES[comp['preferred']]}: {comp['why']}." if comp["preferred"]
+            else "`plan` refuses: no approach is identified.")
+    agree = ("Identified approaches agree within their paired bootstrap intervals at every budget."
+             if not comp["disagreements"] else
+             "Identified approaches DISAGREE: " + " ".join(x["message"] + "." for x in comp["disagreements"]))
+    return [("table", ["C (FLOPs)", "C / data max", "approach", "identified", "N_opt", "D_opt", "D/N",
+                       "loss (nats)"], rows), ("p", note + " " + agree)]
+
+
+def _data_blocks(doc: dict) -> list[Block]:
+    data, iso = doc["data"], doc["isoflop"]
+    k, budgets = data["flops_per_param_token"], data["budgets"]
+    checks = [f"FLOPs: C = {k['k']:.4g} N D " + ("(derived)" if k["derived"] else
+                                                 f"(median); {len(k['outliers'])} run(s) off by more than 2x"
+                                                 + (": " + ", ".join(f"{o['run_id']} ({o['ratio']:.3g}x)"
+                                                                    for o in k["outliers"][:10]) if k["outliers"] else ""))]
+    checks.append(f"Duplicates (same N and D): {len(data['duplicates'])} group(s) averaged into one run each"
+                  + (f", largest loss spread within a group {max(g['loss_spread'] for g in data['duplicates']):.2%}"
+                     if data["duplicates"] else ""))
+    checks.append(f"Budgets: {budgets['mode']}; {len(budgets['groups'])} budget(s) within {budgets['tolerance']:.0%} "
+                  f"of C, {budgets['unassigned']} run(s) in no budget"
+                  + (f", {len(budgets['wide'])} chain(s) of C wider than the tolerance" if budgets["wide"] else ""))
+    blocks: list[Block] = [
         ("table", ["", "min", "max"],
          [[name, fmt(data[key][0]), fmt(data[key][1])] for name, key in
           (("parameters N", "params"), ("tokens D", "tokens"), ("compute C (FLOPs)", "flops"),
-           ("loss", "loss"), ("tokens per parameter", "tokens_per_param"))]),
-        ("p", f"{len(data['budgets'])} compute budget(s) after grouping C within {cfg['budget_tol']:.0%}; "
-              f"{data['n_curves']} training curve(s)"
-              + (f" ({data['curve_loss']} loss)." if data["curve_loss"] else ".")
-              + ("" if not doc["notes"] else " " + "; ".join(doc["notes"]) + ".")),
-        ("table", ["budget C", "runs", "N range", "lowest-run N", "vertex N", "edge minimum",
-                   f"used ({iso['minimum']})"],
-         [[fmt(m["flops"]), str(m["n_runs"]), f"{fmt(m['params_range'][0])} - {fmt(m['params_range'][1])}",
-           fmt(m["lowest"]["params"]), fmt((m["vertex"] or {}).get("params")), "yes" if m["edge"] else "no",
-           "yes" if m["used"][iso["minimum"]] else "no"] for m in iso["minima"]]),
-        ("h", 2, "Fits"),
-        ("p", "N_opt = k_N C^a and D_opt = k_D C^b for every approach; approach 3 fits "
-              "L(N, D) = E + A/N^alpha + B/D^beta and derives a = beta/(alpha+beta), b = alpha/(alpha+beta)."
-              + (f" IsoFLOP skipped: {iso['reason']}." if iso["skipped"] else "")
-              + ("" if not doc["envelope"]["skipped"] else f" Envelope skipped: {doc['envelope']['reason']}.")),
-        _fits_table(doc),
-    ]
-    fit = a3["fit"]
-    start = ", ".join(f"{k}={fmt(v)}" for k, v in fit["best_start"].items())
-    blocks.append(("p", f"Approach 3 optimiser: {fit['method']}. Objective {fmt(fit['objective'], 6)}, "
-                        f"{'converged' if fit['converged'] else 'NOT converged'} after {fit['iterations']} "
-                        f"iterations ({fit['message']}); {fit['starts_agreeing']} of {fit['n_starts']} starts "
-                        f"reached the best objective. Best start: {start}"
-                        f" ({'on the edge of' if fit['best_start_on_grid_edge'] else 'inside'} the grid); "
-                        "the optimum is "
-                        f"{'inside' if fit['optimum_inside_grid'] else 'outside'} the grid."
-                        + (f" Bootstrap refits: {boot['converged']} of {boot['resamples']} converged, "
-                           f"{boot['refit']}." if boot else "")))
-    blocks += [("h", 2, "Hold-out check")] + _holdout_blocks(hold)
-    blocks += [("h", 2, "Predictions"), _predictions_table(doc)]
-    blocks += [("h", 2, "Plots")] + [("img", stem, caption) for stem, caption in FIGURES]
-    blocks += [("h", 2, "Warnings"),
-               ("ul", [f"[{w['code']}] {w['message']}" for w in warnings]) if warnings else ("p", "None.")]
-    blocks += [("h", 2, "Method"), ("p", _METHOD)]
+           ("loss (nats per token)", "loss"), ("tokens per parameter", "tokens_per_param"))]),
+        ("ul", checks)]
+    if iso["minima"]:
+        blocks.append(("table", ["budget C", "runs", "N range", "lowest run: N (loss)", "vertex: N (loss)",
+                                 "window N", "sizes below / above", "status", f"used ({iso['minimum']})"],
+                       [[fmt(m["flops"]), str(m["n_runs"]),
+                         f"{fmt(m['params_range'][0], 3)} - {fmt(m['params_range'][1], 3)}",
+                         f"{fmt(m['lowest']['params'])} ({fmt(m['lowest']['loss'])})",
+                         f"{fmt(m['vertex']['params'])} ({fmt(m['vertex']['loss'])})" if m["vertex"] else "-",
+                         f"{fmt(m['window']['params'][0], 3)} - {fmt(m['window']['params'][1], 3)} "
+                         f"({m['window']['n_runs']} runs)", f"{m['sizes_below']} / {m['sizes_above']}",
+                         m["status"], "yes" if m["used"][iso["minimum"]] else "no"] for m in iso["minima"]]))
     return blocks
 
 
@@ -109,14 +243,15 @@ _METHOD = (
     "LSE(a - alpha log N, b - beta log D, e) - log L, as in Hoffmann et al. (2022), appendix D. "
     "The objective is evaluated on the paper's whole 4,500-point grid of starts at once; L-BFGS "
     "(analytic gradient, log N and log D centred) runs from the best few grid points and the best "
-    "result is kept. Each bootstrap resample draws the runs with replacement and refits every "
-    "approach; approach 3 refits run one L-BFGS from the full-data optimum (optionally over a "
-    "process pool), and the IsoFLOP and envelope refits are vectorised over resamples. IsoFLOP "
-    "budgets group runs whose C agree within the tolerance; a budget's minimum is the lowest run or "
-    "the vertex of a parabola of loss in log N, and minima at the edge of the sampled N range are "
-    "excluded unless asked for. The envelope takes, at each FLOP count, the run whose training "
-    "curve is lowest. The hold-out check refits on all budgets but the largest and predicts that "
-    "budget's losses.")
+    "result is kept. Runs are grouped into budgets by clustering log C (analysis/budgets.py); when C does not "
+    "cluster, no IsoFLOP profiles are formed. A budget's minimum is its lowest run or the vertex of a parabola "
+    "in log N fitted in a window symmetric about the lowest run (analysis/isoflop.py), because a parabola "
+    "through a lopsided profile is pulled towards its longer side; budgets with fewer than two sizes on a "
+    "side of their lowest run are left out. The envelope takes, at each FLOP count, the run whose training "
+    "curve is lowest, or without curves the runs whose final loss beats every run with less compute. Each "
+    "bootstrap resample draws the runs with replacement and refits every approach on it; approaches are "
+    "compared pair by pair on the same resamples. The hold-out check refits approach 3 without the largest "
+    "budget (or the top fifth of C) and predicts the runs held out.")
 
 
 def _holdout_blocks(hold: dict) -> list[Block]:
@@ -131,27 +266,13 @@ def _holdout_blocks(hold: dict) -> list[Block]:
                      f"observed {fmt(iso['params_opt_observed'])}", f"rel error {iso['rel_error']:.2%}"])
         rows.append(["approach 3: N_opt at the held-out budget", f"predicted {fmt(a3['params_opt_predicted'])}",
                      f"observed {fmt(iso['params_opt_observed'])}", f"rel error {a3['params_opt_rel_error']:.2%}"])
-    return [("p", f"Fitted on {hold['n_train']} runs below the largest budget (C = {fmt(hold['budget_flops'])}), "
-                  f"then predicted its {hold['n_holdout']} runs."),
+    return [("p", f"Fitted on {hold['n_train']} runs without {hold['held_out']}, then predicted its "
+                  f"{hold['n_holdout']} runs."),
             ("table", ["check", "", "", ""], rows)]
 
 
-def _predictions_table(doc: dict) -> Block:
-    rows = []
-    for p in doc["predictions"]:
-        ci = p["ci"] or {}
-        iso, env = p.get("isoflop"), p.get("envelope")
-        rows.append([fmt(p["flops"]), f"{fmt(p['extrapolation'], 3)}x", _with_ci(p["params"], ci.get("params")),
-                     _with_ci(p["tokens"], ci.get("tokens")),
-                     _with_ci(p["tokens_per_param"], ci.get("tokens_per_param")), _with_ci(p["loss"], ci.get("loss")),
-                     _with_ci(iso["params"], (iso["ci"] or {}).get("params")) if iso else "-",
-                     _with_ci(env["params"], (env["ci"] or {}).get("params")) if env else "-"])
-    return ("table", ["C (FLOPs)", "C / data max", "N_opt (approach 3)", "D_opt", "D/N", "loss",
-                      "N_opt (IsoFLOP)", "N_opt (envelope)"], rows)
-
-
 def render_markdown(blocks: list[Block]) -> str:
-    """Blocks as GitHub-flavoured Markdown."""
+    """Blocks as GitHub-flavoured Markdown (figures linked as the PNG files beside it)."""
     out = []
     for block in blocks:
         kind = block[0]
@@ -159,26 +280,29 @@ def render_markdown(blocks: list[Block]) -> str:
             out.append("#" * block[1] + " " + block[2])
         elif kind == "p":
             out.append(block[1])
-        elif kind == "ul":
-            out.append("\n".join(f"- {item}" for item in block[1]))
+        elif kind in ("ul", "warn", "alert"):
+            prefix = "- **!** " if kind == "alert" else "- "
+            out.append("\n".join(f"{prefix}{item}" for item in block[1]))
         elif kind == "table":
             cells = [block[1]] + block[2]
             lines = ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in cells]
             lines.insert(1, "|" + "---|" * len(block[1]))
             out.append("\n".join(lines))
         elif kind == "img":
-            out.append(f"![{block[2]}]({block[1]}.png)\n\n*{block[2]}* ([SVG]({block[1]}.svg))")
+            out.append(f"![{block[2]}]({block[1]}.png)\n\n*{block[2]}*")
     return "\n\n".join(out) + "\n"
 
 
 def _inline(text: str) -> str:
-    """Escape text for HTML, turning `code` spans into <code>."""
+    """Escape text for HTML, turning `code` spans into <code> and **bold** into <strong>."""
     parts = html.escape(text).split("`")
-    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+    text = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+    parts = text.split("**")
+    return "".join(f"<strong>{p}</strong>" if i % 2 else p for i, p in enumerate(parts))
 
 
-def render_html(blocks: list[Block]) -> str:
-    """Blocks as one HTML page with inline CSS."""
+def render_html(blocks: list[Block], images: dict[str, bytes]) -> str:
+    """Blocks as one self-contained HTML page: inline CSS, figures embedded from ``images`` (PNG bytes)."""
     title = next(b[2] for b in blocks if b[0] == "h")
     body = []
     for block in blocks:
@@ -187,16 +311,19 @@ def render_html(blocks: list[Block]) -> str:
             body.append(f"<h{block[1]}>{_inline(block[2])}</h{block[1]}>")
         elif kind == "p":
             body.append(f"<p>{_inline(block[1])}</p>")
-        elif kind == "ul":
-            body.append('<ul class="warn">' + "".join(f"<li>{_inline(i)}</li>" for i in block[1]) + "</ul>")
+        elif kind in ("ul", "warn"):
+            body.append(f'<ul class="{kind}">' + "".join(f"<li>{_inline(i)}</li>" for i in block[1]) + "</ul>")
+        elif kind == "alert":
+            body.append('<div class="alert"><ul>' + "".join(f"<li>{_inline(i)}</li>" for i in block[1]) + "</ul></div>")
         elif kind == "table":
             head = "".join(f"<th>{_inline(str(h))}</th>" for h in block[1])
             rows = "".join("<tr>" + "".join(f"<td>{_inline(str(c))}</td>" for c in row) + "</tr>" for row in block[2])
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
         elif kind == "img":
             stem, caption = block[1], html.escape(block[2])
-            body.append(f'<figure><img src="{stem}.png" alt="{caption}"><figcaption>{caption} '
-                        f'(<a href="{stem}.svg">SVG</a>)</figcaption></figure>')
+            data = base64.b64encode(images[stem]).decode("ascii")
+            body.append(f'<figure><img src="data:image/png;base64,{data}" alt="{caption}">'
+                        f"<figcaption>{caption}</figcaption></figure>")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><link rel=\"icon\" href=\"data:,\">"
             f"<style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -1,8 +1,10 @@
 """Synthetic runs from a known L(N, D), for tests, benchmarks and demos.
 
 ``isoflop_runs`` lays out an IsoFLOP-style grid (several budgets, N spread geometrically around
-each budget's true optimum) with multiplicative log-normal noise on the loss; ``write_sweep``
-writes such runs as a sweep folder following the lab's run-directory contract.
+each budget's true optimum, or off-centre to make the profiles lopsided) with multiplicative
+log-normal noise on the loss; ``continuous_runs`` draws N and D independently, so every run has
+its own C, as in tables read off published plots; ``write_sweep`` writes runs as a sweep folder
+following the lab's run-directory contract.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis.published import LAWS
+
 # Hoffmann et al.'s approach-3 fit, a handy ground truth.
-CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+CHINCHILLA = LAWS[0].as_dict()
 
 
 def law_loss(n: np.ndarray, d: np.ndarray, law: dict[str, float] = CHINCHILLA) -> np.ndarray:
@@ -46,6 +50,17 @@ def isoflop_runs(budgets: np.ndarray, per_budget: int = 9, spread: float = 8.0, 
     loss = law_loss(n, d, law) * np.exp(noise * rng.standard_normal(n.size))
     return pd.DataFrame({"run_id": [f"run{i:04d}" for i in range(n.size)], "params": n, "tokens": d,
                          "flops": flops, "loss": loss})
+
+
+def continuous_runs(n_runs: int, params: tuple[float, float] = (1e7, 1e10), tokens: tuple[float, float] = (1e9, 1e11),
+                    noise: float = 0.01, seed: int = 0, law: dict[str, float] = CHINCHILLA) -> pd.DataFrame:
+    """Runs with N and D drawn log-uniformly in the given ranges; C = 6ND, loss as in isoflop_runs."""
+    rng = np.random.default_rng(seed)
+    n = np.exp(rng.uniform(*np.log(params), n_runs))
+    d = np.exp(rng.uniform(*np.log(tokens), n_runs))
+    loss = law_loss(n, d, law) * np.exp(noise * rng.standard_normal(n_runs))
+    return pd.DataFrame({"run_id": [f"run{i:05d}" for i in range(n_runs)], "params": n, "tokens": d,
+                         "flops": 6.0 * n * d, "loss": loss})
 
 
 def write_sweep(runs: pd.DataFrame, root: Path, law: dict[str, float] = CHINCHILLA, records: int = 24,

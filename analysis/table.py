@@ -6,7 +6,11 @@ its top or searched recursively for run directories holding ``summary.json`` (an
 ``metrics.jsonl``, whose curves feed the envelope approach).
 
 Every problem with the input raises :class:`InputError` with a one-line message, before any
-fitting starts.
+fitting starts. Two checks look at the rows together: runs with the same N and D (repeats or
+duplicated rows) are averaged into one run or refused (``duplicates``), since counting them twice
+would narrow every bootstrap interval; and the FLOPs column is compared with k*N*D for one k
+fitted to the whole table (the median of C/(N D)), flagging rows that are off by more than
+``FLOPS_OUTLIER_FACTOR``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ PARAMS_COUNTS = ("total", "non_embedding")
 # L(N, D) has five free parameters, so the parametric fit needs at least six runs.
 MIN_RUNS = 6
 SUMMARY_KEYS = ("params", "params_non_embedding", "tokens", "flops")
+DUPLICATE_POLICIES = ("aggregate", "refuse")
+# A row whose C/(N D) differs from the table's k by more than this factor is flagged: the lab's own
+# FLOPs (6N plus attention per token) vary by well under this across model shapes.
+FLOPS_OUTLIER_FACTOR = 2.0
+# k outside this range means FLOPs and N do not describe the same model (units, or N without embeddings).
+FLOPS_K_PLAUSIBLE = (4.0, 12.0)
 
 
 class InputError(ValueError):
@@ -54,6 +64,10 @@ class RunTable:
     curve_loss: str | None = None  # "eval" or "train"
     notes: list[str] = field(default_factory=list)
     warnings: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
+    flops_k: float = 6.0  # C = k N D, k the median over the runs
+    flops_derived: bool = False  # the table had no FLOPs column
+    flops_outliers: list[dict] = field(default_factory=list)  # {"run_id", "ratio"}: C / (k N D)
+    duplicates: list[dict] = field(default_factory=list)  # {"params", "tokens", "run_ids", "loss_spread"}
 
     @property
     def n(self) -> np.ndarray:
@@ -87,16 +101,19 @@ def parse_column_map(items: list[str] | None) -> dict[str, str]:
 
 
 def load_runs(path: str | Path, columns: dict[str, str] | None = None,
-              params_count: str | None = None) -> RunTable:
+              params_count: str | None = None, duplicates: str = "aggregate") -> RunTable:
     """Read, map and validate the runs at ``path``.
 
     ``columns`` maps canonical names to the table's own column names. ``params_count`` picks
     the parameter count when both ``params`` and ``params_non_embedding`` are present (default
-    total); ``None`` means total if present, else non-embedding.
+    total); ``None`` means total if present, else non-embedding. ``duplicates`` says what to do
+    with runs sharing N and D: average them into one run ("aggregate") or raise ("refuse").
     """
     path = Path(path)
     if params_count is not None and params_count not in PARAMS_COUNTS:
         raise InputError(f"--params-count must be one of {', '.join(PARAMS_COUNTS)}, got '{params_count}'")
+    if duplicates not in DUPLICATE_POLICIES:
+        raise InputError(f"--duplicates must be one of {', '.join(DUPLICATE_POLICIES)}, got '{duplicates}'")
     warnings: list[tuple[str, str]] = []
     notes: list[str] = []
     run_dirs: list[Path | None] = []
@@ -121,7 +138,8 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
             warnings.append(("eval_loss_missing", f"{len(train_only)} run(s) have no final eval loss; "
                              f"used their final train loss: {_preview(train_only)}"))
     runs, count = _validate(frame, params_count, notes)
-    table = RunTable(runs=runs, source=str(path), params_count=count, notes=notes, warnings=warnings)
+    table = RunTable(runs=runs, source=str(path), params_count=count, notes=notes, warnings=warnings,
+                     flops_derived="flops derived as 6ND" in notes)
     if loss_sources is not None:
         table.loss_source = "final_eval_loss of summary.json" + (" (final_train_loss where eval was null)"
                                                                   if "train" in loss_sources else "")
@@ -129,6 +147,9 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
         table.loss_source = f"column '{columns['loss']}'"
     if path.is_dir():
         _attach_curves(table, run_dirs)
+    merged = _merge_duplicates(table, duplicates)
+    _check_size(table.runs, merged)
+    _check_flops(table)
     return table
 
 
@@ -296,8 +317,6 @@ def _validate(frame: pd.DataFrame, params_count: str | None, notes: list[str]) -
         found = ", ".join(map(str, frame.columns)) or "none"
         raise InputError(f"missing column(s): need 'loss' and two of 'params', 'tokens', 'flops' "
                          f"(found: {found}); map other names with --column NAME=COLUMN")
-    if len(frame) < MIN_RUNS:
-        raise InputError(f"need at least {MIN_RUNS} runs for a fit, got {len(frame)}")
     values = {c: _numeric(frame, c) for c in present + ["loss"]}
     if n_col != "params":
         notes.append("N is the non-embedding parameter count")
@@ -318,11 +337,80 @@ def _validate(frame: pd.DataFrame, params_count: str | None, notes: list[str]) -
     runs.insert(2, "flops", values["flops"])
     runs.insert(3, "loss", values["loss"])
     runs.insert(0, "run_id", runs.pop("run_id"))
+    return runs, params_count
+
+
+def _check_size(runs: pd.DataFrame, merged: int) -> None:
+    after = f" after merging {merged} duplicate run(s)" if merged else ""
+    if len(runs) < MIN_RUNS:
+        raise InputError(f"need at least {MIN_RUNS} runs for a fit, got {len(runs)}{after}")
     for name in ("params", "tokens"):
         if len(np.unique(runs[name])) < 2:
             raise InputError(f"the parametric fit needs at least 2 distinct values of {name}, "
                              f"got {len(np.unique(runs[name]))}")
-    return runs, params_count
+
+
+def _log_key(values: np.ndarray) -> np.ndarray:
+    """Values equal to 1e-9 relative precision map to the same integer."""
+    return np.round(np.log(values) * 1e9).astype(np.int64)
+
+
+def _merge_duplicates(table: RunTable, policy: str) -> int:
+    """Average runs that share N and D into one run (their curves kept), or refuse them.
+
+    Returns how many rows the merge removed.
+    """
+    runs = table.runs
+    keys = pd.DataFrame({"n": _log_key(table.n), "d": _log_key(table.d)})
+    group = keys.groupby(["n", "d"], sort=False).ngroup().to_numpy()
+    counts = np.bincount(group)
+    if counts.max() == 1:
+        return 0
+    repeated = [np.flatnonzero(group == g) for g in np.flatnonzero(counts > 1)]
+    ids = runs["run_id"].to_numpy()
+    examples = "; ".join(" = ".join(ids[rows[:3]]) + (" ..." if len(rows) > 3 else "") for rows in repeated[:3])
+    summary = (f"{sum(len(r) for r in repeated)} runs share N and D with another run "
+               f"({len(repeated)} group(s): {examples}{' ...' if len(repeated) > 3 else ''})")
+    if policy == "refuse":
+        raise InputError(f"duplicate runs: {summary}; average them with --duplicates aggregate")
+    loss = table.loss
+    table.duplicates = [{"params": float(table.n[r[0]]), "tokens": float(table.d[r[0]]),
+                         "run_ids": [str(i) for i in ids[r]],
+                         "loss_spread": float((loss[r].max() - loss[r].min()) / loss[r].mean())} for r in repeated]
+    first = np.unique(group, return_index=True)[1]
+    merged = runs.iloc[first].reset_index(drop=True)
+    merged["loss"] = np.bincount(group, weights=loss) / counts
+    merged["flops"] = np.bincount(group, weights=table.c) / counts
+    merged["run_id"] = [f"{i} (+{c - 1} repeat{'s' if c > 2 else ''})" if c > 1 else i
+                        for i, c in zip(merged["run_id"], counts)]
+    for curve in table.curves:
+        curve.row = int(group[curve.row])
+    spread = max(d["loss_spread"] for d in table.duplicates)
+    table.warnings.append(("duplicates", f"{summary}: each group is averaged into one run, so it counts once in "
+                           f"the fit and the bootstrap (largest loss spread within a group: {spread:.2%})"))
+    table.runs = merged
+    return len(runs) - len(merged)
+
+
+def _check_flops(table: RunTable) -> None:
+    """Fit one k to C = k N D across the table; flag rows and a k that do not fit."""
+    ratio = table.c / (table.n * table.d)
+    table.flops_k = float(np.exp(np.median(np.log(ratio))))
+    if table.flops_derived:
+        return
+    off = ratio / table.flops_k
+    bad = np.flatnonzero(np.abs(np.log(off)) > np.log(FLOPS_OUTLIER_FACTOR))
+    ids = table.runs["run_id"].to_numpy()
+    table.flops_outliers = [{"run_id": str(ids[i]), "ratio": float(off[i])} for i in bad]
+    if len(bad):
+        shown = ", ".join(f"{ids[i]} ({off[i]:.3g}x)" for i in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        table.warnings.append(("flops_mismatch", f"{len(bad)} run(s) have FLOPs more than {FLOPS_OUTLIER_FACTOR:g}x "
+                               f"off C = {table.flops_k:.3g} N D, the relation the other runs follow: {shown}; "
+                               "their budget grouping and compute axis are suspect"))
+    lo, hi = FLOPS_K_PLAUSIBLE
+    if not lo <= table.flops_k <= hi:
+        table.warnings.append(("flops_k", f"FLOPs are C = {table.flops_k:.3g} N D across the table, far from the "
+                               "usual 6 N D: check the FLOPs units and whether N counts the same parameters"))
 
 
 def _attach_curves(table: RunTable, run_dirs: list[Path | None]) -> None:

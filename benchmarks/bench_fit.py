@@ -1,9 +1,13 @@
-"""Time the scaling-law fit and its bootstrap on a few hundred synthetic runs.
+"""Time ``python -m analysis fit`` end to end, and its parts, on synthetic tables of runs.
 
-Run: ``.venv/bin/python benchmarks/bench_fit.py [--runs-per-budget 30] [--resamples 1000]``.
-Prints wall-clock and CPU seconds of: the approach-3 fit (vectorised grid of 4,500 starts plus
-L-BFGS from the best 8), the 1,000-resample parametric bootstrap in one process and over a
-process pool, and the whole ``fit_runs`` (all approaches, bootstrap, hold-out).
+Run: ``.venv/bin/python benchmarks/bench_fit.py [--resamples 1000] [--repeats 3] [--large 20000]``.
+
+End to end means what a user waits for: a fresh ``python -m analysis fit TABLE --out DIR`` (imports,
+loading, all approaches, the bootstrap, the hold-out, every figure and both reports), timed as a
+subprocess with its wall-clock, CPU (its own and its workers') and peak memory. Tables: about 250
+runs and ``--large`` runs, each as IsoFLOP budgets (7 x 35 and 40 x 500) and with continuous budgets
+(N and D drawn independently, as in tables read off published plots). The load average is printed
+before and after, since the machine is shared.
 """
 
 from __future__ import annotations
@@ -11,69 +15,74 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Callable, TypeVar
+from datetime import datetime, timezone
+from pathlib import Path
 
-# As in the CLI: BLAS threads only add overhead on these short vectors.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the CLI does
 
 import numpy as np  # noqa: E402
 
-from analysis.bootstrap import bootstrap_parametric, draw_weights  # noqa: E402
-from analysis.fit import FitConfig, fit_runs  # noqa: E402
-from analysis.parametric import fit_parametric  # noqa: E402
-from analysis.synthetic import isoflop_runs  # noqa: E402
-from analysis.table import RunTable  # noqa: E402
+from analysis.synthetic import continuous_runs, isoflop_runs  # noqa: E402
 
-T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[1]
 
 
-def timed(fn: Callable[[], T]) -> tuple[T, float, float]:
-    """(result, wall seconds, CPU seconds of this process and its finished children)."""
-    cpu0 = time.process_time() + _children_cpu()
+def _tables(large: int) -> dict[str, object]:
+    per_budget = large // 40
+    return {
+        "245 runs, 7 IsoFLOP budgets x 35": isoflop_runs(np.geomspace(1e18, 1e21, 7), per_budget=35, spread=8,
+                                                         noise=0.01, seed=0),
+        "245 runs, continuous budgets": continuous_runs(245, noise=0.01, seed=0),
+        f"{40 * per_budget} runs, 40 IsoFLOP budgets x {per_budget}": isoflop_runs(
+            np.geomspace(1e18, 1e22, 40), per_budget=per_budget, spread=8, noise=0.01, seed=0),
+        f"{large} runs, continuous budgets": continuous_runs(large, noise=0.01, seed=0),
+    }
+
+
+def _run(path: Path, out: Path, resamples: int, repo: Path) -> tuple[float, float, int, int]:
+    """Wall seconds, CPU seconds, peak RSS (MB) of the largest process, exit code of one fit."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - t0, time.process_time() + _children_cpu() - cpu0
-
-
-def _children_cpu() -> float:
-    t = os.times()
-    return t.children_user + t.children_system
+    proc = subprocess.run([sys.executable, "-m", "analysis", "fit", str(path), "--out", str(out), "--bootstrap",
+                           str(resamples), "--no-progress"], cwd=repo, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if proc.returncode not in (0, 3):
+        sys.exit(f"fit failed on {path}: {proc.stderr.strip()}")
+    return wall, cpu, after.ru_maxrss // 1024, proc.returncode
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", type=int, default=10)
-    parser.add_argument("--runs-per-budget", type=int, default=30)
     parser.add_argument("--resamples", type=int, default=1000)
-    parser.add_argument("--workers", type=int, default=2, help="processes for the pooled bootstrap")
+    parser.add_argument("--repeats", type=int, default=3, help="fits per table; the fastest and slowest are shown")
+    parser.add_argument("--large", type=int, default=20000, help="runs in the large tables")
+    parser.add_argument("--repo", type=Path, default=REPO,
+                        help="checkout whose analysis package to time (another one, to compare versions)")
+    parser.add_argument("--only", help="time only the tables whose name contains this")
     args = parser.parse_args()
-
-    runs = isoflop_runs(np.geomspace(1e18, 1e22, args.budgets), per_budget=args.runs_per_budget,
-                        spread=8.0, noise=0.01, seed=0)
-    n, d, loss = (runs[c].to_numpy() for c in ("params", "tokens", "loss"))
-    print(f"{len(runs)} synthetic runs ({args.budgets} budgets x {args.runs_per_budget}), 1% loss noise; "
-          f"{os.cpu_count()} CPU(s), {platform.processor() or platform.machine()}, "
-          f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}")
-
-    fit, wall, cpu = timed(lambda: fit_parametric(n, d, loss))
-    print(f"approach-3 fit (grid + {fit.n_starts} L-BFGS starts): {wall:.3f} s wall, {cpu:.3f} s CPU "
-          f"(converged={fit.converged}, alpha={fit.params['alpha']:.4f}, beta={fit.params['beta']:.4f})")
-
-    weights = draw_weights(len(runs), args.resamples, seed=0)
-    (_, ok), wall, cpu = timed(lambda: bootstrap_parametric(fit.theta, n, d, loss, weights, 1, progress=False))
-    print(f"bootstrap, {args.resamples} resamples, 1 process: {wall:.2f} s wall, {cpu:.2f} s CPU "
-          f"({ok.sum()} converged)")
-    (_, ok), wall, cpu = timed(lambda: bootstrap_parametric(fit.theta, n, d, loss, weights, args.workers,
-                                                            progress=False))
-    print(f"bootstrap, {args.resamples} resamples, {args.workers} processes: {wall:.2f} s wall, {cpu:.2f} s CPU "
-          f"({ok.sum()} converged)")
-
-    table = RunTable(runs=runs, source="synthetic", params_count="total")
-    config = FitConfig(n_bootstrap=args.resamples, progress=False)
-    result, wall, cpu = timed(lambda: fit_runs(table, config))
-    print(f"whole fit_runs (approaches 2 and 3, {args.resamples}-resample bootstrap, hold-out), 1 process: "
-          f"{wall:.2f} s wall, {cpu:.2f} s CPU ({len(result.warnings)} warning(s))")
+    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; analysis package of {args.repo}; {os.cpu_count()} CPU(s), "
+          f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+          f"{len(os.sched_getaffinity(0))} worker process(es); load average before: "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, runs in _tables(args.large).items():
+            if args.only and args.only not in name:
+                continue
+            path = Path(tmp) / "runs.csv"
+            runs.to_csv(path, index=False)
+            results = [_run(path, Path(tmp) / "out", args.resamples, args.repo) for _ in range(args.repeats)]
+            walls = sorted(r[0] for r in results)
+            print(f"{name}: python -m analysis fit with {args.resamples} resamples, all figures and reports: "
+                  f"wall {walls[0]:.2f}-{walls[-1]:.2f} s over {args.repeats} runs, CPU {results[0][1]:.2f} s, "
+                  f"peak RSS {max(r[2] for r in results)} MB, exit {results[0][3]}")
+    print("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Strategies: every strategy trains the same model on the same random batches on `
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
 again and again) so that a noisy shared machine slows them alike, and each figure is the median
 over all timed steps. Per strategy: step time, tokens/s, the ratio to ``torch_ddp`` measured in
-the same run, the time a step waited on communication (exposed), the bytes sent per step
+the same run (``single`` runs on rank 0 alone, the one-process baseline), the time a step waited
+on communication (exposed), the bytes sent per step
 against theory, the model-state bytes per rank against theory and the activation bytes a
 micro-step saved for its backward. ``--out`` writes a Markdown table, a JSON file and a PNG plot.
 """
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lab import accounting
 from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
@@ -122,13 +124,22 @@ class Case:
         return cls(text, parse_spec(text))
 
 
+def _alone(case: Case, world: World) -> World:
+    """``single`` runs on rank 0 alone (the others wait): the one-process baseline."""
+    return World(0, 1, 0, world.device) if case.parallel.strategy == "single" else world
+
+
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
                       rounds: int, warmup: int) -> list[dict]:
-    precision, tokens = Precision("cpu", bf16=False), micro_batch * shape.block_size * world.world_size
+    precision = Precision("cpu", bf16=False)
     built = []
     for case in cases:
-        s = create(case.parallel, world, precision)
-        s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
+        w = _alone(case, world)
+        if w.world_size == 1 and not world.is_main:
+            built.append(None)
+            continue
+        s = create(case.parallel, w, precision)
+        s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), w.device))
         built.append(s)
     g = torch.Generator().manual_seed(world.rank)
     x = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
@@ -136,19 +147,27 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
     waits = {c.label: [] for c in cases}
     for r in range(-1, rounds):  # round -1 warms up
         for case, s in zip(cases, built, strict=True):
+            if s is None:  # single, on another rank
+                dist.barrier()
+                continue
             for _ in range(warmup if r < 0 else steps):
                 t0 = time.perf_counter()
-                train_step(s, world, [(x[:, :-1], x[:, 1:])], 1, 1e-4, 1.0)
+                train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], 1, 1e-4, 1.0)
                 elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
                 if r >= 0:
                     times[case.label].append(elapsed)
                     waits[case.label].append(meters.comm_wait_s)
+            if _alone(case, world).world_size == 1 and world.world_size > 1:
+                dist.barrier()
             if world.is_main and r >= 0:
                 print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * statistics.median(times[case.label]):8.1f} "
                       f"ms/step so far", flush=True)
     rows = []
     for case, s in zip(cases, built, strict=True):
+        if s is None:
+            continue
         step = statistics.median(times[case.label])
+        tokens = micro_batch * shape.block_size * _alone(case, world).world_size
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens / step, "exposed_comm_s": statistics.median(waits[case.label]),
                      **s.meters()})
@@ -205,7 +224,7 @@ def strategies(args: argparse.Namespace) -> int:
     try:
         cases = [Case.parse(t) for t in args.strategies.split(",") if t]
         for case in cases:
-            validate_parallel(case.parallel, args.nproc)
+            validate_parallel(case.parallel, 1 if case.parallel.strategy == "single" else args.nproc)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

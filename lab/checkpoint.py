@@ -1,26 +1,90 @@
-"""Checkpoints as ``checkpoints/step-NNNNNN/`` folders, written atomically, loaded weights-only.
+"""Checkpoints in one format for every strategy and world size (``torch.distributed.checkpoint``).
 
-A folder holds ``rank-K.pt`` per rank (strategy state: model and optimizer, RNG states) and
-``meta.json`` (step, tokens, world size), which is written last: a folder without it is
-incomplete and ignored. Folders are built under a temporary name and renamed into place; a folder
-being replaced is moved aside first and deleted only once its successor is in place.
+``checkpoints/step-NNNNNN/`` holds DCP's files (every rank's part and ``.metadata``) and
+``meta.json`` (step, tokens, wall time, who wrote it), which rank 0 writes last, after every rank
+has finished its part: a folder without it is incomplete and ignored. Folders are built under a
+temporary name and renamed into place; a folder being replaced is moved aside first and deleted
+only once its successor is in place.
+
+Every parameter and each of its AdamW moments is stored as one flat tensor of the parameter's
+size, ``model/NAME``, ``optim/NAME/exp_avg``, ``optim/NAME/exp_avg_sq``, plus the step counter
+``optim/step``. Each rank writes the contiguous range of the flattened tensor it holds (the whole
+tensor for a replicated strategy, its slice of a flat ZeRO unit, its rows under FSDP), and loading
+asks for the ranges the loading strategy holds: DCP reads whichever saved pieces overlap them. So a
+run saved by zero3 on 2 ranks resumes under zero2 on 4, under ddp, or under single on one process,
+and ``load_model`` rebuilds whole weights in a process with no group at all (export, sampling).
+Random state is not stored: the loop derives it from (seed, rank, step).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from lab.config import ConfigError
 from lab.files import save_json
 
 META = "meta.json"
+FORMAT = 2
+# DCP reports a missing key, a truncated or a foreign file with several types; CheckpointException
+# (raised when any rank failed) derives from BaseException, not Exception.
+UNREADABLE = (Exception, dcp.CheckpointException)
 _NAME = re.compile(r"step-(\d+)")
+
+
+@dataclass(frozen=True)
+class Held:
+    """The range [lo, lo + len(view)) of a flattened tensor of ``numel`` elements that this rank holds.
+
+    ``view`` is a live 1-D view into the strategy's own tensor: saving reads it, loading writes it.
+    """
+
+    numel: int
+    lo: int
+    view: torch.Tensor
+
+
+CheckpointState = dict[str, "Held | torch.Tensor"]  # what a strategy hands over; plain tensors are whole
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that one process means no process group even when that is asked for; and ShardedTensor
+    is marked for DTensor's sake, which cannot place an arbitrary range of a flattened tensor (its
+    offsets follow its placements) while ShardedTensor can, and DCP reads and writes it natively."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*ShardedTensor")
+        yield
+
+
+def _to_dcp(state: CheckpointState, rank: int) -> dict[str, object]:
+    """Plain tensors as they are; partial ranges as sharded tensors that say where their piece sits."""
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    out: dict[str, object] = {}
+    with _quiet():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[key] = value
+            else:
+                shards = [Shard.from_tensor_and_offsets(value.view, [value.lo], rank)] if value.view.numel() else []
+                out[key] = init_from_local_shards(shards, value.numel)
+    return out
+
+
+# ---------------------------------------------------------------- the folders
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -37,6 +101,11 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return [done[step] for step in sorted(done)]
 
 
+def latest(run_dir: Path) -> Path | None:
+    found = checkpoint_dirs(run_dir)
+    return found[-1] if found else None
+
+
 def clean_stale_temporaries(run_dir: Path) -> None:
     """Remove what an interrupted run left half-written: checkpoint folders under construction or
     moved aside, and temporary files beside the run's JSON files."""
@@ -48,43 +117,28 @@ def clean_stale_temporaries(run_dir: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def latest(run_dir: Path) -> Path | None:
-    found = checkpoint_dirs(run_dir)
-    return found[-1] if found else None
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _barrier(world_size: int) -> None:
     if world_size > 1:
         dist.barrier()
 
 
-def save(run_dir: Path, step: int, rank: int, world_size: int, state: dict, meta: dict, keep: int) -> Path:
-    """Write this rank's state for ``step``; rank 0 seals the folder and prunes old ones."""
+# ---------------------------------------------------------------- save and load
+
+
+def save(run_dir: Path, step: int, rank: int, world_size: int, state: CheckpointState, meta: dict,
+         keep: int) -> Path:
+    """Write every rank's part of ``step``; rank 0 seals the folder and prunes old ones (collective)."""
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(world_size)
-    part = tmp / f"rank-{rank}.pt"
-    torch.save({**state, "rng": rng_state()}, part.with_suffix(".pt.part"))
-    part.with_suffix(".pt.part").replace(part)
+    with _quiet():
+        dcp.save(_to_dcp(state, rank), checkpoint_id=tmp, no_dist=world_size == 1)
     _barrier(world_size)
     if rank == 0:
-        save_json(tmp / META, {**meta, "step": step, "world_size": world_size})
+        save_json(tmp / META, {**meta, "format": FORMAT, "step": step, "world_size": world_size})
         aside = final.with_name(final.name + ".old")
         if final.exists():
             shutil.rmtree(aside, ignore_errors=True)
@@ -98,32 +152,50 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: dict, meta
 
 
 def read_meta(folder: Path) -> dict:
-    """A checkpoint's meta.json; ConfigError (one line) when it is missing or unreadable."""
+    """A checkpoint's meta.json; ConfigError (one line) when it is missing, unreadable or of another format."""
     try:
         meta = json.loads((folder / META).read_text())
-        if not isinstance(meta.get("step"), int) or not isinstance(meta.get("world_size"), int):
-            raise ValueError("no step or world size")
+        if not isinstance(meta.get("step"), int) or meta.get("format") != FORMAT:
+            raise ValueError(f"not a format-{FORMAT} checkpoint")
         return meta
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"checkpoint {folder} is unreadable ({META}: {e}); delete it to use an earlier one") from None
 
 
-def load_file(path: Path) -> dict:
-    """One rank's state file, weights only; ConfigError (one line) when it is missing or corrupt."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for truncated or foreign files
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"checkpoint file {path} is unreadable ({reason}); delete its folder to use an "
-                          f"earlier checkpoint") from None
+def _reason(e: BaseException) -> str:
+    """The last line of an error (DCP's carry every rank's traceback), shortened."""
+    lines = str(e).strip().splitlines()
+    return (lines[-1] if lines else type(e).__name__)[:200]
 
 
-def load(folder: Path, rank: int, world_size: int) -> tuple[dict, dict]:
-    """This rank's state and the folder's meta; restores RNG states."""
+def load(folder: Path, rank: int, world_size: int, state: CheckpointState) -> dict:
+    """Fill ``state``'s views from ``folder`` (collective; any saving world size or strategy); return its meta."""
     meta = read_meta(folder)
-    if meta["world_size"] != world_size:
-        raise ConfigError(f"checkpoint {folder} was written by {meta['world_size']} processes; "
-                          f"resume it with the same world size (got {world_size})")
-    state = load_file(folder / f"rank-{rank}.pt")
-    set_rng_state(state["rng"])
-    return state, meta
+    try:
+        with _quiet():
+            dcp.load(_to_dcp(state, rank), checkpoint_id=folder, no_dist=world_size == 1)
+    except UNREADABLE as e:
+        raise ConfigError(f"checkpoint {folder} is unreadable ({_reason(e)}); delete it to use an earlier one") from None
+    return meta
+
+
+def load_model(folder: Path, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Whole weights of ``shapes`` (name → shape) from any checkpoint, in this process alone, on the CPU."""
+    read_meta(folder)
+    flat = {f"model/{name}": torch.empty(math.prod(shape)) for name, shape in shapes.items()}
+    try:
+        with _quiet():
+            dcp.load(flat, checkpoint_id=folder, no_dist=True)
+    except UNREADABLE as e:
+        raise ConfigError(f"checkpoint {folder} is unreadable ({_reason(e)})") from None
+    return {name: flat[f"model/{name}"].view(shape) for name, shape in shapes.items()}
+
+
+def load_everything(folder: Path) -> dict[str, torch.Tensor]:
+    """Every entry of a checkpoint, whole and flat as stored (weights, moments, steps), in this process alone."""
+    read_meta(folder)
+    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    out = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in stored.items() if hasattr(md, "size")}
+    with _quiet():
+        dcp.load(out, checkpoint_id=folder, no_dist=True)
+    return out

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -31,13 +32,21 @@ from lab.model import GPT
 from lab.parallel import World
 from lab.train import Estimate, TrainingDiverged, check_resources, train, validate
 
-# Options that may change between the segments of one resumed run.
-RESUMABLE_CHANGES = {"train.stop_after", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints"}
+# What may change between the segments of one resumed run: how it runs (strategy, world size through
+# the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).
+RESUMABLE_CHANGES = {"train.stop_after", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.eval_every", "train.eval_tokens", "train.micro_batch", "train.device", "train.dtype",
+                     "train.compile", "train.peak_flops", "train.nonfinite", "data.cache_dir"}
 
 
 def _error(msg: str) -> int:
     print(f"error: {msg}", file=sys.stderr)
     return 2
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:200]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -96,10 +105,11 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {run_dir / 'config.json'} is unreadable ({e})") from None
     new = _flatten(cfg.to_dict())
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
+                     and not k.startswith("parallel."))
     if changed:
-        raise ConfigError(f"--resume with a different config ({', '.join(changed)}); only "
-                          f"{', '.join(sorted(RESUMABLE_CHANGES))} may change")
+        raise ConfigError(f"--resume cannot change {', '.join(changed)} (the model, data, tokenizer and schedule "
+                          f"of a run are fixed; the strategy, world size, micro-batch and precision may change)")
 
 
 def resolve_vocab(cfg: RunConfig, tokenizer_vocab: int) -> None:
@@ -174,17 +184,24 @@ def run_main(argv: list[str] | None = None) -> int:
         return 130
 
     if world.world_size > 1:
-        dist.init_process_group(backend="nccl" if world.device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        try:
+            dist.init_process_group(backend="nccl" if world.device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        except RuntimeError as e:  # torch.distributed.DistError and its kinds derive from it
+            print(f"error: the {world.world_size} processes did not meet within parallel.timeout_s "
+                  f"({cfg.parallel.timeout_s:g} s), is a rank missing? ({_first_line(e)})", file=sys.stderr)
+            return 1
     try:
         run_dir = run_dir or world.broadcast_from_main(default_run_dir)
         world.check_same(hashlib.sha256(dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest(), "the config")
         resume = check_run_dir(run_dir, mode)
-        if world.is_main:
-            data_dir = prepare(cfg.data, progress=True)
+        # The first process of each node prepares the data (no disk is assumed shared between nodes);
+        # the others find it ready (preparing is atomic and safe to race).
+        if world.local_rank == 0:
+            data_dir = prepare(cfg.data, progress=world.is_main)
         if world.world_size > 1:
             dist.barrier()
-        if not world.is_main:
+        if world.local_rank != 0:
             data_dir = prepare(cfg.data, progress=False)
         resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
         if resume:
@@ -192,7 +209,8 @@ def run_main(argv: list[str] | None = None) -> int:
         if world.is_main and not args.run_dir:
             print(f"run directory: {run_dir}", flush=True)
         with StopSignals() as stop:
-            summary = train(cfg, data_dir, run_dir, world, resume=resume, stop_signal=stop, estimate=estimate)
+            summary = train(cfg, data_dir, run_dir, world, resume=resume, stop_signal=stop, estimate=estimate,
+                            restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     except ConfigError as e:
         return _error(str(e))
     except TrainingDiverged as e:
@@ -200,6 +218,16 @@ def run_main(argv: list[str] | None = None) -> int:
             save_json(run_dir / "summary.json", {"status": "diverged", "error": str(e),
                                                  "strategy": cfg.parallel.strategy, "world_size": world.world_size})
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if world.world_size == 1:
+            raise  # one process: a bug, with its traceback
+        log = run_dir / "logs" / f"rank-{world.rank}-error.txt"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(traceback.format_exc())
+        print(f"error: rank {world.rank}: a collective failed or timed out after parallel.timeout_s "
+              f"({cfg.parallel.timeout_s:g} s), a rank died or the ranks diverged ({_first_line(e)}); the last "
+              f"checkpoint is kept; traceback in {log}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted (a second Ctrl-C stops without a checkpoint; the last one is kept)", file=sys.stderr)
@@ -224,7 +252,55 @@ def run_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- sampling
+# ---------------------------------------------------------------- sampling and export
+
+
+def run_config(run_dir: Path) -> RunConfig:
+    """The resolved config a run directory was trained with; ConfigError (one line) when there is none."""
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
+    try:
+        return RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    except ValueError as e:
+        raise ConfigError(f"{run_dir / 'config.json'} is unreadable ({e})") from None
+
+
+def checkpoint_weights(run_dir: Path, folder: str | None, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights from a checkpoint of any strategy and world size (the newest, or ``folder``)."""
+    path = Path(folder) if folder else checkpoint.latest(run_dir)
+    if path is None:
+        raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'}")
+    if not (path / checkpoint.META).is_file():
+        raise ConfigError(f"{path} is not a checkpoint (no {checkpoint.META})")
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    return checkpoint.load_model(path, shapes)
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """Write one run's weights, from any checkpoint, as a single file loadable with weights_only=True."""
+    p = Parser(prog="launch/export.py", description="Export a run's weights as one plain state-dict file "
+                                                    "(torch.load(path, weights_only=True) reads it).")
+    p.add_argument("run_dir", help="a run directory written by launch/run.py")
+    p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
+    p.add_argument("--out", help="the file to write (default: RUN_DIR/export/model-step-N.pt)")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = run_config(run_dir)
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        weights = checkpoint_weights(run_dir, args.checkpoint, model)
+        step = checkpoint.read_meta(Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir))["step"]
+        out = Path(args.out) if args.out else run_dir / "export" / f"model-step-{step:06d}.pt"
+        probe_writable(out.parent, "--out")
+    except ConfigError as e:
+        return _error(str(e))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
+    tmp.replace(out)
+    print(f"wrote {out}: {sum(w.numel() for w in weights.values()):,} parameters at step {step}")
+    return 0
 
 
 def sample_main(argv: list[str] | None = None) -> int:
@@ -245,23 +321,12 @@ def sample_main(argv: list[str] | None = None) -> int:
     if not args.prompt:
         return _error("--prompt must not be empty")
     try:
-        if not (run_dir / "config.json").is_file():
-            raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
-        try:
-            cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-        except ValueError as e:
-            raise ConfigError(f"{run_dir / 'config.json'} is unreadable ({e})") from None
-        folder = Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir)
-        if folder is None:
-            raise ConfigError(f"no checkpoint in {run_dir / 'checkpoints'}")
-        if not (folder / "rank-0.pt").is_file():
-            raise ConfigError(f"{folder} is not a checkpoint (no rank-0.pt)")
-        state = checkpoint.load_file(folder / "rank-0.pt")
+        cfg = run_config(run_dir)
+        model = GPT(cfg.model)
+        model.load_state_dict(checkpoint_weights(run_dir, args.checkpoint, model))
         tokenizer = load_tokenizer(run_dir / "tokenizer")
     except ConfigError as e:
         return _error(str(e))
-    model = GPT(cfg.model)
-    model.load_state_dict(state["model"])
     model.eval()
     prompt = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples, dtype=torch.long)
     generator = torch.Generator().manual_seed(args.seed)

@@ -131,11 +131,10 @@ def checkpoint_interval(cfg: RunConfig, total_steps: int) -> int:
     return max(1, math.ceil(total_steps / 10)) if every is None else every
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed of a rank's own random stream (dropout masks): the run's seed on rank 0, distinct elsewhere."""
-    if rank == 0:
-        return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}/rank{rank}".encode()).digest()[:4], "little")
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of a rank's random stream (dropout masks) in one step: distinct per rank and step, and a
+    function of them only, so a resumed run draws what an uninterrupted one would, at any world size."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/rank{rank}/step{step}".encode()).digest()[:4], "little")
 
 
 # ---------------------------------------------------------------- the run directory
@@ -252,19 +251,27 @@ class Start:
 
 
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
+    """The run's strategy, built from the model factory (compiled first when asked, then the strategy
+    applies checkpointing and sharding), the weight-decay rule and AdamW."""
+    def make_model() -> GPT:
+        model = GPT(cfg.model, seed=cfg.train.seed)
+        if cfg.train.compile:
+            model.compile()
+        return model
+
     strategy = parallel.create(cfg.parallel, world, precision)
-    strategy.build(lambda: GPT(cfg.model, seed=cfg.train.seed),
-                   lambda model: param_groups(model, cfg.train.weight_decay),
+    strategy.build(make_model, lambda model: param_groups(model, cfg.train.weight_decay),
                    adamw_factory(cfg.train, world.device))
     return strategy
 
 
 def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, plan: StepPlan) -> Start:
+    """Load the newest checkpoint into the strategy, whatever strategy and world size wrote it."""
     folder = checkpoint.latest(run_dir)
     if folder is None:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-    state, meta = checkpoint.load(folder, world.rank, world.world_size)
-    strategy.load_state_dict(state)
+    meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
+    strategy.after_load()
     if meta["step"] >= plan.total_steps:
         raise ConfigError(f"--resume: the run in {run_dir} is already complete ({meta['step']} steps)")
     if cfg.train.stop_after and cfg.train.stop_after <= meta["step"]:
@@ -274,11 +281,12 @@ def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, pla
 
 
 def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: bool = False,
-          stop_signal: Callable[[], int] = lambda: 0, estimate: Estimate | None = None) -> dict:
+          stop_signal: Callable[[], int] = lambda: 0, estimate: Estimate | None = None, restarts: int = 0) -> dict:
     """Train ``cfg`` on prepared data; write the run directory (rank 0); return the summary.
 
     ``stop_signal`` returns the number of a signal asking this rank to stop (0: none); the run then
     stops at the end of the step every rank is in, saves a checkpoint and reports ``interrupted``.
+    ``restarts`` (how often torchrun restarted the group) is recorded in the summary.
     """
     started = time.perf_counter()
     plan = validate(cfg, world.world_size)
@@ -288,8 +296,6 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     peak = peak_flops(world.device, precision, cfg.train.peak_flops)
     strategy = build_strategy(cfg, world, precision)
     start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
-    if not resume:
-        torch.manual_seed(rank_seed(cfg.train.seed, world.rank))  # dropout masks: each rank its own
     log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -303,6 +309,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
         log.close()
     summary = summarise(cfg, world, plan, strategy, data, data_dir, peak, outcome,
                         start.wall_time_s + time.perf_counter() - started)
+    summary |= {"resumed_from_step": start.step, "restarts": restarts}
     if world.is_main:
         save_json(run_dir / "summary.json", summary)
     return summary
@@ -346,10 +353,13 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         if not strategy.params_finite():
             raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
         meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started}
-        checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.state_dict(), meta, t.keep_checkpoints)
+        meta |= {"strategy": cfg.parallel.strategy}
+        checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
+                        t.keep_checkpoints)
 
     for step in range(start.step, end_step):
         t0 = time.perf_counter()
+        torch.manual_seed(step_seed(t.seed, world.rank, step))
         lr = schedule.learning_rate(step, plan.total_steps, t)
         batches = (sampler.batch(step, plan.global_sequences, *plan.micro_range(world.rank, micro))
                    for micro in range(plan.accum_steps))

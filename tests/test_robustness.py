@@ -131,9 +131,10 @@ def test_a_corrupt_checkpoint_file_or_meta_gives_one_line(args, tmp_path, capsys
     r = tmp_path / "r"
     assert run(r, *args, "--train.stop_after", "4") == 0
     last = checkpoint.latest(r)
-    (last / "rank-0.pt").write_bytes(b"truncated")
+    part = next(last.glob("*.distcp"))
+    part.write_bytes(part.read_bytes()[:100])  # truncated
     assert run(r, *args, "--resume") == 2
-    assert f"checkpoint file {last / 'rank-0.pt'} is unreadable" in one_error_line(capsys.readouterr().err)
+    assert f"checkpoint {last} is unreadable" in one_error_line(capsys.readouterr().err)
     (last / "meta.json").write_text("{not json")
     assert run(r, *args, "--resume") == 2
     assert f"checkpoint {last} is unreadable" in one_error_line(capsys.readouterr().err)
@@ -146,7 +147,7 @@ def test_sample_names_the_checkpoint_it_was_given(args, tmp_path, capsys):
     assert run(r, *args, "--train.tokens", "512") == 0
     capsys.readouterr()
     assert sample_main(["--run-dir", str(r), "--checkpoint", "/nope"]) == 2
-    assert one_error_line(capsys.readouterr().err) == "error: /nope is not a checkpoint (no rank-0.pt)"
+    assert one_error_line(capsys.readouterr().err) == "error: /nope is not a checkpoint (no meta.json)"
 
 
 # ---------------------------------------------------------------- 6. impossible budgets and shapes
@@ -230,8 +231,8 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_files_strict(args, t
     assert [x["step"] for x in skipped] == [3] and skipped[0]["skipped_steps"] == 1
     summary = json.loads((r / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["skipped_steps"] == 1
-    state = checkpoint.load_file(checkpoint.latest(r) / "rank-0.pt")
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    state = checkpoint.load_everything(checkpoint.latest(r))
+    assert all(torch.isfinite(v).all() for v in state.values())
 
 
 def test_a_non_finite_gradient_can_stop_the_run_instead(args, tmp_path, capsys, infinite_gradient_at_step_3):
@@ -248,8 +249,7 @@ def test_a_non_finite_gradient_can_stop_the_run_instead(args, tmp_path, capsys, 
 
 def test_replacing_a_checkpoint_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
     r = tmp_path / "r"
-    state = {"model": {"w": torch.ones(2)}}
-    checkpoint.save(r, 4, 0, 1, state, {"wall_time_s": 1.0}, keep=2)
+    checkpoint.save(r, 4, 0, 1, {"model/w": torch.ones(2)}, {"wall_time_s": 1.0}, keep=2)
     real_replace = Path.replace
 
     def dying_rename(self, target):
@@ -259,11 +259,11 @@ def test_replacing_a_checkpoint_keeps_the_old_one_until_the_new_one_is_in_place(
 
     monkeypatch.setattr(Path, "replace", dying_rename)
     with pytest.raises(OSError):
-        checkpoint.save(r, 4, 0, 1, {"model": {"w": torch.zeros(2)}}, {"wall_time_s": 2.0}, keep=2)
+        checkpoint.save(r, 4, 0, 1, {"model/w": torch.zeros(2)}, {"wall_time_s": 2.0}, keep=2)
     monkeypatch.undo()
     folder = checkpoint.latest(r)  # the earlier step-4, moved aside but still found
     assert folder is not None and checkpoint.read_meta(folder)["wall_time_s"] == 1.0
-    assert torch.equal(checkpoint.load_file(folder / "rank-0.pt")["model"]["w"], torch.ones(2))
+    assert torch.equal(checkpoint.load_everything(folder)["model/w"], torch.ones(2))
     checkpoint.clean_stale_temporaries(r)  # never deletes the only copy
     assert checkpoint.latest(r) == folder
 

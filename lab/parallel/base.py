@@ -12,7 +12,7 @@ and the run directory. The loop's side, in order::
         norm = strategy.clip_grad_norm(max_norm)                    # global over ranks and shards
         strategy.step(lr) if norm is finite else strategy.skip_step()
         meters = strategy.take_step_meters()      # bytes sent, seconds waited, activation bytes saved
-    strategy.eval_loss(x, y); strategy.state_dict() / load_state_dict(); strategy.full_state_dict()
+    strategy.eval_loss(x, y); strategy.checkpoint_state() (+ after_load()); strategy.full_state_dict()
     strategy.meters()                                               # model-state and comm bytes vs theory
 
 - ``build`` makes the model from a factory (called under a ``torch.device`` context, so a
@@ -24,6 +24,9 @@ and the run directory. The loop's side, in order::
 - A trainable parameter that gets no gradient in a step (unused in the forward) counts as having
   a zero gradient under every strategy, so a flat-sharded optimizer and a per-tensor one apply the
   same update (moments and weight decay go on).
+- ``checkpoint_state`` hands the checkpoint (``lab.checkpoint``) live views of this rank's range of
+  every flattened weight and AdamW moment, whatever the sharding: saving reads them, loading
+  writes them (then ``after_load`` restores what derives from them).
 - ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU,
   on rank 0 (an empty dict elsewhere), whatever the sharding.
 """
@@ -41,6 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lab import accounting
+from lab.checkpoint import CheckpointState, Held
 from lab.config import ConfigError, ParallelConfig
 from lab.device import Precision
 from lab.parallel import activations
@@ -108,6 +112,35 @@ class StepMeters:
     comm_bytes: dict[str, float]  # sent by this rank, by collective
     comm_wait_s: float  # time the step waited on communication
     activation_saved_bytes: int  # the most any micro-step kept for its backward
+
+
+def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state for parameters that have none yet, as torch does at the first step, so a
+    checkpoint can be loaded into a fresh optimizer (zeros: the loaded values replace them)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            on_device = group.get("fused") or group.get("capturable")
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def held(numel: int, lo: int, view: torch.Tensor, sharded: bool) -> Held | torch.Tensor:
+    """A checkpoint entry: a whole tensor as it is; under a sharded strategy always a range (possibly
+    empty), because every rank must hand over the same sharded keys in the same order."""
+    return Held(numel, lo, view) if sharded else view
+
+
+def adam_entries(state: CheckpointState, name: str, moments: dict | None, numel: int, lo: int, lo_in: int,
+                 hi_in: int, sharded: bool) -> None:
+    """Add ``name``'s AdamW moments (elements [lo_in, hi_in) of ``moments``, its range from ``lo``) and step."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        view = moments[key].view(-1)[lo_in:hi_in] if moments is not None else torch.empty(0)
+        state[f"optim/{name}/{key}"] = held(numel, lo, view, sharded)
+    if moments is not None:
+        state[f"optim/{name}/step"] = moments["step"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -257,13 +290,18 @@ class Strategy:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self) -> dict:
-        """What a checkpoint needs from this rank: model and optimizer states."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+    def checkpoint_state(self) -> CheckpointState:
+        """Every weight and AdamW moment, flattened, as this rank holds it (replicated: whole)."""
+        materialize_adam_state(self.optimizer)
+        state: CheckpointState = {}
+        for name, p in self.module.named_parameters():
+            state[f"model/{name}"] = p.detach().view(-1)
+            if p in self.optimizer.state:
+                adam_entries(state, name, self.optimizer.state[p], p.numel(), 0, 0, p.numel(), sharded=False)
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def after_load(self) -> None:
+        """Restore what derives from the loaded weights (nothing when the strategy holds them whole)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on the CPU, on rank 0 (empty elsewhere)."""

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lab import accounting
-from lab.parallel.base import ParamGroup, Strategy, storage_bytes
+from lab.checkpoint import CheckpointState, Held
+from lab.parallel.base import ParamGroup, Strategy, adam_entries, materialize_adam_state, storage_bytes
 
 
 class TorchDDP(Strategy):
@@ -114,19 +115,21 @@ class FSDP(Strategy):
         bad = torch.tensor([float(any(not torch.isfinite(p.to_local()).all() for p in self.module.parameters()))])
         return self.world.sum(bad).item() == 0
 
-    def state_dict(self) -> dict:
-        local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
-        return {"model": local, "optimizer": _local(self.optimizer.state_dict())}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        for k, v in self.module.state_dict().items():
-            (v.to_local() if isinstance(v, DTensor) else v).copy_(state["model"][k])
-        ours = self.optimizer.state_dict()
-        for pid, saved in state["optimizer"]["state"].items():
-            for key, value in saved.items():
-                target = ours["state"][pid][key]
-                (target.to_local() if isinstance(target, DTensor) else target).copy_(value)
+    def checkpoint_state(self) -> CheckpointState:
+        """Each parameter's rows on this rank (FSDP shards dim 0 as torch.chunk does), weights and moments."""
+        materialize_adam_state(self.optimizer)
+        state: CheckpointState = {}
+        n, r = self.world.world_size, self.world.rank
+        for name, p in self.module.named_parameters():
+            rows = p.shape[0]
+            lo = min(r * -(-rows // n), rows) * (p.numel() // rows)
+            local = p.detach().to_local().view(-1)  # detached: loading writes into it in place
+            state[f"model/{name}"] = Held(p.numel(), lo, local)
+            moments = self.optimizer.state.get(p)
+            if moments is not None:
+                moments = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in moments.items()}
+            adam_entries(state, name, moments, p.numel(), lo, 0, local.numel(), sharded=True)
+        return state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         with self.comm.paused():
@@ -155,9 +158,3 @@ class FSDP(Strategy):
 
 def _to_local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-
-
-def _local(state: dict) -> dict:
-    """An optimizer state dict with every DTensor replaced by this rank's shard."""
-    return {"state": {pid: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
-                      for pid, s in state["state"].items()}, "param_groups": state["param_groups"]}

@@ -42,7 +42,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lab import accounting
-from lab.parallel.base import ModelFactory, ParamGroup, Strategy, storage_bytes
+from lab.checkpoint import CheckpointState, Held
+from lab.parallel.base import ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, storage_bytes
 from lab.parallel.comm import InOrder
 
 HOST = torch.device("cpu")
@@ -259,23 +260,39 @@ class Zero(Strategy):
         bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in local))])
         return self.world.sum(bad).item() == 0
 
-    def state_dict(self) -> dict:
-        return {"shards": [u.shard.detach().clone() for u in self.units], "optimizer": self.optimizer.state_dict(),
-                "frozen": {n: p.detach() for n, p in self.module.named_parameters() if not p.requires_grad}}
+    def checkpoint_state(self) -> CheckpointState:
+        """Each parameter's range in this rank's chunks (the weights from the shard, the moments from the
+        optimizer's piece that holds it); frozen parameters whole."""
+        materialize_adam_state(self.optimizer)
+        pieces = {(id(unit), lo): (hi, piece) for unit, lo, hi, piece in self._pieces}
+        state: CheckpointState = {}
+        for unit in self.units:
+            start = self.world.rank * unit.chunk
+            starts = sorted(lo for (u, lo) in pieces if u == id(unit))
+            for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
+                size = math.prod(shape)
+                a, b = max(offset, start) - start, min(offset + size, start + unit.chunk) - start
+                lo = a + start - offset if a < b else 0
+                state[f"model/{name}"] = Held(size, lo, unit.shard[a:b] if a < b else unit.shard.new_empty(0))
+                moments, piece_lo = None, 0
+                if a < b:
+                    piece_lo = max(p for p in starts if p <= a)
+                    moments = self.optimizer.state[pieces[(id(unit), piece_lo)][1]]
+                adam_entries(state, name, moments, size, lo, a - piece_lo, b - piece_lo, sharded=True)
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                state[f"model/{name}"] = p.detach().view(-1)
+        return state
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        for unit, shard in zip(self.units, state["shards"], strict=True):
-            unit.shard.copy_(shard)
+    def after_load(self) -> None:
+        """The host master copy and (stages 1-2) the whole weights follow the loaded shards."""
+        for unit in self.units:
             if unit.master is not None:
-                unit.master.copy_(shard)
+                unit.master.copy_(unit.shard)
             if self.stage < 3:
                 with self.comm.paused():
                     self.comm.all_gather(unit.flat, unit.shard)
-        params = dict(self.module.named_parameters())
-        for name, value in state["frozen"].items():
-            params[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

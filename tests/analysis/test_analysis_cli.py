@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,38 +37,81 @@ def fit_out(tmp_path_factory) -> Path:
 
 def test_fit_json_has_the_documented_keys(fit_out):
     doc = json.loads((fit_out / "fit.json").read_text())
-    assert {"E", "A", "B", "alpha", "beta", "a", "b", "ci"} <= set(doc["approach3"])
-    assert {"a", "b", "k_N", "k_D", "minima"} <= set(doc["isoflop"])
+    assert doc["schema_version"] == 2 and doc["loss"]["unit"] == "nats per token"
+    assert {"E", "A", "B", "alpha", "beta", "a", "b", "ci", "goodness", "covariance",
+            "identification"} <= set(doc["approach3"])
+    assert {"a", "b", "k_N", "k_D", "minima", "identification"} <= set(doc["isoflop"])
     assert len(doc["isoflop"]["minima"]) == 4
     assert [p["flops"] for p in doc["predictions"]] == [1e21, 1e23]
     for p in doc["predictions"]:
-        assert {"flops", "params", "tokens", "loss", "ci"} <= set(p)
-        assert p["ci"]["loss"][0] <= p["loss"] <= p["ci"]["loss"][1]
+        a3 = p["approach3"]
+        assert {"params", "tokens", "loss", "ci", "identified"} <= set(a3)
+        assert a3["ci"]["loss"][0] <= a3["loss"] <= a3["ci"]["loss"][1]
+        assert {"params", "tokens", "ci"} <= set(p["isoflop"]) and {"params", "tokens", "ci"} <= set(p["envelope"])
     assert doc["holdout"]["skipped"] is False and doc["holdout"]["approach3"]["mean_rel_error"] >= 0
     assert doc["params_count"] == "total"
     assert doc["envelope"]["skipped"] is False
+    assert doc["comparison"]["preferred"] == "approach3"
+    assert doc["approach3"]["identification"]["identified"] is True
+    for key in ("isoflop", "envelope"):  # 4 budgets at 1% noise: identified or not, each check says why
+        ident = doc[key]["identification"]
+        assert ident["identified"] == all(c["passed"] for c in ident["checks"]) and len(ident["checks"]) == 3
     assert any(w["code"] == "extrapolation" for w in doc["warnings"])  # 1e23 is 1000x the data
     assert doc["approach3"]["bootstrap"]["resamples"] == 50
+    cov = doc["approach3"]["covariance"]
+    assert cov["names"] == ["log A", "log B", "log E", "alpha", "beta"]
+    assert np.allclose(np.diag(cov["correlation"]), 1.0) and np.all(np.array(cov["std"]) > 0)
+    good = doc["approach3"]["goodness"]
+    assert 0 < good["rmse_loss"] < 0.1 and good["huber_objective"] == doc["approach3"]["fit"]["objective"]
 
 
-def test_every_plot_is_written_as_png_and_svg(fit_out):
+def test_every_plot_is_written_as_png(fit_out):
     for stem, _ in FIGURES:
-        png, svg = fit_out / f"{stem}.png", fit_out / f"{stem}.svg"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
-        assert "<svg" in svg.read_text()[:2000], stem
+        assert (fit_out / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
     assert not [p for p in fit_out.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
-def test_reports_cover_data_fits_holdout_predictions_plots_and_warnings(fit_out):
+def test_reports_cover_what_a_reader_of_the_chinchilla_paper_looks_for(fit_out):
     md = (fit_out / "report.md").read_text()
     html = (fit_out / "report.html").read_text()
-    sections = ["## Data", "## Fits", "## Hold-out check", "## Predictions", "## Plots", "## Warnings"]
+    doc = json.loads((fit_out / "fit.json").read_text())
+    sections = ["## What was fitted", "## Results", "## Identification", "## Approach 3: parameters",
+                "## Approaches compared", "## Data", "## Hold-out check", "## Figures", "## Warnings",
+                "## Method", "## References"]
     assert [md.index(s) for s in sections] == sorted(md.index(s) for s in sections)
-    hold = json.loads((fit_out / "fit.json").read_text())["holdout"]["approach3"]
+    assert "Law used for planning: approach 3 (parametric)" in md
+    assert "nats per token" in md and "L(N, D) = E + A/N^alpha + B/D^beta" in md
+    # Table 3: a and b with intervals per approach, N_opt and D_opt at the budgets, published rows.
+    a3 = doc["approach3"]
+    assert f"| approach 3 (parametric) | yes | {a3['a']:.3g} [{a3['ci']['a'][0]:.3g}, {a3['ci']['a'][1]:.3g}]" in md
+    assert "N_opt at C = 1e+21 | D_opt at C = 1e+21" in md
+    for row in ("Chinchilla approach 2 (IsoFLOP profiles) |  | 0.49 [0.462, 0.534]",
+                "published law: Epoch AI replication of approach 3", "Kaplan et al. (2020)"):
+        assert row in md
+    assert "arXiv:2203.15556" in md and "arXiv:2404.10102" in md
+    # Goodness of fit and covariance.
+    assert f"RMSE {a3['goodness']['rmse_loss']:.4g} nats per token" in md
+    assert "|  | std | log A | log B | log E | alpha | beta |" in md
+    # Predictions side by side, IsoFLOP D_opt included.
+    iso = doc["predictions"][0]["isoflop"]
+    state = "yes" if iso["identified"] else "NO"
+    assert f"| 1e+21 | 10x | approach 2 (IsoFLOP) | {state} | {iso['params']:.4g} [" in md
+    assert f"{iso['tokens']:.4g} [" in md
+    hold = doc["holdout"]["approach3"]
     assert f"mean rel {hold['mean_rel_error']:.2%}" in md
     for stem, _ in FIGURES:
-        assert f"({stem}.png)" in md and f'src="{stem}.png"' in html
+        assert f"({stem}.png)" in md
     assert "extrapolate more than 100x" in md and "extrapolate more than 100x" in html
+
+
+def test_html_report_is_one_self_contained_file(fit_out):
+    html = (fit_out / "report.html").read_text()
+    sources = re.findall(r'(?:src|href)="([^"]*)"', html)
+    assert sources and all(s.startswith("data:") for s in sources), sources
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
+    assert len(images) == len(FIGURES)
+    for stem, data in zip((stem for stem, _ in FIGURES), images):
+        assert base64.b64decode(data) == (fit_out / f"{stem}.png").read_bytes()
 
 
 def test_plan_reads_the_fit_and_its_bootstrap(fit_out):
@@ -76,8 +121,12 @@ def test_plan_reads_the_fit_and_its_bootstrap(fit_out):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     first = json.loads((fit_out / "fit.json").read_text())["predictions"][0]
-    assert result["params"] == pytest.approx(first["params"], rel=1e-9)
-    assert result["ci"]["params"] == pytest.approx(first["ci"]["params"], rel=1e-9)
+    assert result["approach"] == "approach3"
+    for key in ("approach3", "isoflop", "envelope"):
+        assert result["approaches"][key]["params"] == pytest.approx(first[key]["params"], rel=1e-9)
+        assert result["approaches"][key]["ci"]["params"] == pytest.approx(first[key]["ci"]["params"], rel=1e-9)
+    assert result["params"] == pytest.approx(first["approach3"]["params"], rel=1e-9)
+    assert result["loss"] == pytest.approx(first["approach3"]["loss"], rel=1e-9)
 
 
 def _artifacts_dir() -> Path:
@@ -105,9 +154,12 @@ def test_report_opens_in_headless_chromium(fit_out, tmp_path):
                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,900"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    alone = tmp_path / "alone"  # the HTML on its own, away from the PNG files
+    alone.mkdir()
+    shutil.copy(fit_out / "report.html", alone)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:
-        driver.get((fit_out / "report.html").as_uri())
+        driver.get((alone / "report.html").as_uri())
         deadline = time.monotonic() + 30
         while not driver.execute_script("return Array.from(document.images).every(i => i.complete)"):
             assert time.monotonic() < deadline, "images did not finish loading"

@@ -1,11 +1,13 @@
-"""The whole fit: bootstrap intervals, hold-out check, predictions and warnings."""
+"""The whole fit: bootstrap intervals, hold-out check, predictions, identification and warnings."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from analysis.bootstrap import bootstrap_parametric, draw_weights
+from analysis.bootstrap import CHUNK, Problem, bootstrap, chunk_weights, draw_weights
+from analysis.budgets import group_budgets
+from analysis.envelope import build_frontier
 from analysis.fit import FitConfig, fit_runs
 from analysis.parametric import fit_parametric
 from analysis.synthetic import CHINCHILLA, isoflop_runs, law_loss, law_optimum
@@ -28,11 +30,14 @@ def fitted(table):
     return fit_runs(table, FitConfig(n_bootstrap=200, seed=7, predict=(1e21, 1e22, 1e24), progress=False))
 
 
-def test_draw_weights_are_seeded_resamples():
-    w = draw_weights(50, 30, seed=3)
-    assert w.shape == (30, 50) and np.all(w.sum(axis=1) == 50)
-    np.testing.assert_array_equal(w, draw_weights(50, 30, seed=3))
-    assert not np.array_equal(w, draw_weights(50, 30, seed=4))
+def test_draw_weights_are_seeded_resamples_drawn_chunk_by_chunk():
+    w = draw_weights(50, 2 * CHUNK + 7, seed=3)
+    assert w.shape == (2 * CHUNK + 7, 50) and np.all(w.sum(axis=1) == 50)
+    np.testing.assert_array_equal(w, draw_weights(50, 2 * CHUNK + 7, seed=3))
+    assert not np.array_equal(w, draw_weights(50, 2 * CHUNK + 7, seed=4))
+    np.testing.assert_array_equal(w[CHUNK:2 * CHUNK], chunk_weights(50, 3, 1, CHUNK))
+    # Counts of a resample are multinomial(50, 1/50): every run appears about once on average.
+    assert w.mean() == pytest.approx(1.0) and 0.2 < (w == 0).mean() < 0.5
 
 
 def test_same_seed_gives_the_same_intervals(table, fitted):
@@ -46,13 +51,17 @@ def test_same_seed_gives_the_same_intervals(table, fitted):
 
 
 def test_process_pool_gives_the_same_refits_as_one_process(table):
-    n, d, loss = table.n, table.d, table.loss
-    theta = fit_parametric(n, d, loss).theta
-    w = draw_weights(len(n), 12, seed=0)
-    serial = bootstrap_parametric(theta, n, d, loss, w, workers=1, progress=False)
-    pooled = bootstrap_parametric(theta, n, d, loss, w, workers=2, progress=False)
-    np.testing.assert_allclose(serial[0], pooled[0], rtol=1e-10)
-    assert not np.allclose(serial[0][0], serial[0][1])  # the resamples really differ
+    n, d, loss, c = table.n, table.d, table.loss, table.c
+    budgets = group_budgets(c, 0.05)
+    problem = Problem(theta0=fit_parametric(n, d, loss).theta, n=n, d=d, loss=loss, labels=budgets.labels,
+                      budget_flops=budgets.flops, flops_k=6.0, envelope=build_frontier(c, n, d, loss), seed=0)
+    serial = bootstrap(problem, CHUNK + 10, workers=1, progress=False)
+    pooled = bootstrap(problem, CHUNK + 10, workers=2, progress=False)
+    np.testing.assert_allclose(serial.thetas, pooled.thetas, rtol=1e-10)
+    np.testing.assert_array_equal(serial.isoflop["vertex"].a, pooled.isoflop["vertex"].a)
+    np.testing.assert_array_equal(serial.envelope.a, pooled.envelope.a)
+    assert len(serial.thetas) == CHUNK + 10
+    assert not np.allclose(serial.thetas[0], serial.thetas[1])  # the resamples really differ
 
 
 def test_intervals_contain_the_truth(fitted):
@@ -67,18 +76,26 @@ def test_intervals_contain_the_truth(fitted):
     assert lo <= TRUTH["a"] <= hi
     for p in doc["predictions"]:
         n_true, d_true = law_optimum(np.array([p["flops"]]))
-        assert p["ci"]["params"][0] <= n_true[0] <= p["ci"]["params"][1]
-        assert p["ci"]["loss"][0] <= law_loss(n_true, d_true)[0] <= p["ci"]["loss"][1]
+        ci = p["approach3"]["ci"]
+        assert ci["params"][0] <= n_true[0] <= ci["params"][1]
+        assert ci["loss"][0] <= law_loss(n_true, d_true)[0] <= ci["loss"][1]
+        iso = p["isoflop"]["ci"]
+        assert iso["params"][0] <= n_true[0] <= iso["params"][1]
+        assert iso["tokens"][0] <= d_true[0] <= iso["tokens"][1]
 
 
 def test_predictions_follow_the_fit_and_far_ones_warn(fitted):
     doc = fitted.to_dict()
     a3 = doc["approach3"]
+    assert doc["data"]["flops_per_param_token"]["k"] == pytest.approx(6.0, rel=1e-12)
     for p in doc["predictions"]:
-        assert 6 * p["params"] * p["tokens"] == pytest.approx(p["flops"], rel=1e-9)
-        assert p["params"] == pytest.approx(a3["G"] * (p["flops"] / 6) ** a3["a"], rel=1e-9)
-        assert p["tokens_per_param"] == pytest.approx(p["tokens"] / p["params"])
-        assert p["isoflop"]["params"] == pytest.approx(doc["isoflop"]["k_N"] * p["flops"] ** doc["isoflop"]["a"])
+        p3 = p["approach3"]
+        assert 6 * p3["params"] * p3["tokens"] == pytest.approx(p["flops"], rel=1e-9)
+        assert p3["params"] == pytest.approx(a3["G"] * (p["flops"] / 6) ** a3["a"], rel=1e-9)
+        assert p3["tokens_per_param"] == pytest.approx(p3["tokens"] / p3["params"])
+        iso = p["isoflop"]
+        assert iso["params"] == pytest.approx(doc["isoflop"]["k_N"] * p["flops"] ** doc["isoflop"]["a"])
+        assert 6 * iso["params"] * iso["tokens"] == pytest.approx(p["flops"], rel=1e-9)  # D_opt of the vertex
     far = [w for w in doc["warnings"] if w["code"] == "extrapolation"]
     assert len(far) == 1 and "1e+24" in far[0]["message"] and "1e+22" not in far[0]["message"]
 

@@ -98,3 +98,24 @@ def test_compute_optimal_allocation_is_the_closed_form_minimum():
     p = params_from_theta(np.array(theta))
     assert p["a"] + p["b"] == pytest.approx(1.0)
     assert np.isnan(params_from_theta(np.array([6.0, 6.0, 0.5, -0.1, 0.3]))["a"])
+
+
+def test_preconditioned_refits_reach_the_plain_optimum():
+    from scipy.optimize import minimize
+
+    from analysis.bootstrap import chunk_weights
+    from analysis.parametric import Centring, fit_weighted
+
+    runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.01, seed=1)
+    n, d, loss = (runs[c].to_numpy() for c in ("params", "tokens", "loss"))
+    theta0 = fit_parametric(n, d, loss).theta
+    weights = chunk_weights(len(n), 0, 0, 5).astype(float)
+    thetas, converged = fit_weighted(theta0, n, d, loss, weights)
+    assert converged.all()
+    x, y = np.log(n), np.log(d)
+    centring = Centring(x.mean(), y.mean())
+    for w, theta in zip(weights, thetas):
+        plain = minimize(huber_lse_objective, centring.to_centred(theta0), jac=True, method="L-BFGS-B",
+                         args=(x - centring.x0, y - centring.y0, np.log(loss), w),
+                         options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 3000})
+        np.testing.assert_allclose(theta, centring.from_centred(plain.x), atol=1e-5)

@@ -1,0 +1,50 @@
+"""Published Chinchilla-style results, drawn and tabulated beside a fit for reference.
+
+Losses in both papers are cross-entropy in nats per token on DeepMind's MassiveText with its
+tokenizer, so their E, A and B do not carry over to other data; the exponents and the shape of
+the compute-optimal frontier are what to compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PublishedLaw:
+    """L(N, D) = E + A/N^alpha + B/D^beta as published."""
+
+    name: str
+    citation: str
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"E": self.E, "A": self.A, "B": self.B, "alpha": self.alpha, "beta": self.beta}
+
+    @property
+    def a(self) -> float:
+        return self.beta / (self.alpha + self.beta)
+
+
+HOFFMANN = "Hoffmann et al. (2022), Training Compute-Optimal Large Language Models, arXiv:2203.15556"
+BESIROGLU = "Besiroglu, Erdil, Barnett & You (2024), Chinchilla Scaling: A replication attempt, arXiv:2404.10102"
+KAPLAN = "Kaplan et al. (2020), Scaling Laws for Neural Language Models, arXiv:2001.08361"
+
+LAWS = (
+    PublishedLaw("Chinchilla approach 3", f"{HOFFMANN}, section 3.3 and appendix D.2",
+                 E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28),
+    PublishedLaw("Epoch AI replication of approach 3", BESIROGLU,
+                 E=1.82, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658),
+)
+
+# Hoffmann et al. (2022), Table 3: (row, a, a interval, b, b interval), N_opt ~ C^a, D_opt ~ C^b.
+TABLE3 = (
+    ("Chinchilla approach 1 (training-curve envelope)", 0.50, (0.488, 0.502), 0.50, (0.501, 0.512)),
+    ("Chinchilla approach 2 (IsoFLOP profiles)", 0.49, (0.462, 0.534), 0.51, (0.483, 0.529)),
+    ("Chinchilla approach 3 (parametric loss)", 0.46, (0.454, 0.455), 0.54, (0.542, 0.543)),
+    ("Kaplan et al. (2020)", 0.73, None, 0.27, None),
+)
