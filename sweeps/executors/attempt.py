@@ -2,9 +2,9 @@
 
 A run is started as ``torchrun ... launch/run.py OPTIONS --run-dir DIR --resume auto``: a first
 attempt starts afresh, a later one continues from the run's newest checkpoint. Each attempt writes
-its output to ``SWEEP/logs/NAME/attempt-K.log``. While an attempt is alive it holds an exclusive
-lock on ``SWEEP/logs/NAME/run.lock``, so a restarted driver never starts a second copy of a run
-that an earlier driver left running. The outcome is read from the run directory: ``summary.json``
+its output to ``SWEEP/logs/NAME/attempt-K.log``. While a single-node attempt is alive it holds an
+exclusive lock on ``SWEEP/logs/NAME/run.lock``, so a restarted driver never starts a second copy
+of a run that an earlier driver left running. The outcome is read from the run directory: ``summary.json``
 with status ``completed`` means done; anything else is a failure, explained by the last
 ``error: ...`` line of the attempt's output.
 """
@@ -67,15 +67,11 @@ class Executor(Protocol):
         """Run every attempt, reporting to ``events``; return when all have ended."""
 
 
-def run_options(attempt: Attempt) -> list[str]:
-    """``launch/run.py`` and its options for this attempt."""
-    return [str(RUN_PY), *attempt.run.args, "--run-dir", str(attempt.run_dir), "--resume", "auto"]
-
-
 def torchrun_command(attempt: Attempt) -> list[str]:
     """A single-node command: torchrun with a private rendezvous and the run's process count."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={attempt.run.launch.nproc}", *run_options(attempt)]
+            f"--nproc_per_node={attempt.run.launch.nproc}", str(RUN_PY), *attempt.run.args,
+            "--run-dir", str(attempt.run_dir), "--resume", "auto"]
 
 
 def environment(threads: int) -> dict[str, str]:
@@ -105,19 +101,24 @@ def read_summary(run_dir: Path) -> dict | None:
     return summary if isinstance(summary, dict) else None
 
 
-def error_line(log: Path) -> str | None:
-    """The last ``error: ...`` line an attempt printed."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    return next((line.strip() for line in reversed(lines) if line.startswith("error: ")), None)
+def error_line(*logs: Path) -> str | None:
+    """The last ``error: ...`` line in the first of ``logs`` that holds one."""
+    for log in logs:
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found = next((line.strip() for line in reversed(lines) if line.startswith("error: ")), None)
+        if found:
+            return found
+    return None
 
 
-def outcome(attempt: Attempt, failure: str) -> Outcome:
-    """Done if the run directory holds a completed summary; else failed, with the attempt's error line
-    (or ``failure``, e.g. the exit code, when it printed none)."""
+def outcome(attempt: Attempt, failure: str, more_logs: list[Path] | tuple[Path, ...] = ()) -> Outcome:
+    """Done if the run directory holds a completed summary; else failed, with the error line the attempt
+    printed (in its log, else in ``more_logs``), or ``failure`` (e.g. the exit code) when it printed none."""
     summary = read_summary(attempt.run_dir)
     if summary is not None and summary.get("status") == "completed":
         return Outcome("done", summary=summary)
-    return Outcome("failed", error=error_line(attempt.log) or f"{failure} (no error line; see {attempt.log})")
+    line = error_line(attempt.log, *more_logs)
+    return Outcome("failed", error=line or f"{failure} (no error line; see {attempt.log})")

@@ -1,5 +1,6 @@
 """The SLURM executor: single-node runs through submitit (one job array per set of resources),
-multi-node runs as sbatch scripts that start torchrun on every node with c10d rendezvous.
+multi-node runs as sbatch scripts written by the lab's ``launch/slurm.py`` (torchrun on every node,
+c10d rendezvous on the first), reached through its command line like every run.
 
 Jobs live on the cluster, not in the driver: a driver that stops (Ctrl-C, SIGKILL) leaves them
 running, and the next ``run`` follows them again by their job ids from the registry. States come
@@ -10,7 +11,6 @@ and cancelled jobs to be seen.
 from __future__ import annotations
 
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -18,11 +18,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sweeps.executors.attempt import (Attempt, Events, ExecutorError, Outcome, outcome, run_options,
-                                     torchrun_command)
+from sweeps.executors.attempt import REPO, Attempt, Events, ExecutorError, Outcome, outcome, torchrun_command
 from sweeps.executors.job import run_attempt
 from sweeps.spec import Launch
 
+SLURM_PY = REPO / "launch" / "slurm.py"
 # sacct states after which a job will not run again (PREEMPTED is not one: SLURM may requeue it).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                 "DEADLINE", "REVOKED"}
@@ -32,42 +32,33 @@ class SlurmError(ExecutorError):
     """Submission failed; the message is one line."""
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]
+
+
 def job_name(sweep_name: str) -> str:
     """A job name SLURM tools show as is: the sweep's name with anything unusual replaced."""
     return "sweep-" + re.sub(r"[^A-Za-z0-9_.-]", "_", sweep_name)[:60]
 
 
-def sbatch_script(attempt: Attempt, threads: int) -> str:
-    """A batch script for a multi-node run: under the run's lock, srun starts one torchrun per node,
-    which meet by c10d rendezvous on the first node. Every value from the sweep is quoted."""
-    q = shlex.quote
+def script_command(attempt: Attempt, settings: dict[str, Any], name: str, script: Path) -> list[str]:
+    """``launch/slurm.py``'s command line that writes a multi-node attempt's batch script to ``script``."""
     launch = attempt.run.launch
-    return "\n".join([
-        "#!/bin/bash",
-        "# A sweep run on several nodes, written by the sweep driver (sweeps/executors/slurm.py).",
-        "set -euo pipefail",
-        f"exec 9>>{q(str(attempt.lock))}",
-        "flock 9  # one live attempt per run",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "port=$((20000 + SLURM_JOB_ID % 20000))",
-        f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {q(sys.executable)} -m torch.distributed.run "
-        f'--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node={launch.nproc} --rdzv_backend=c10d '
-        '--rdzv_id="$SLURM_JOB_ID" --rdzv_endpoint="$head:$port" ' + " ".join(map(q, run_options(attempt))),
-        "",
-    ])
+    hours, minutes = divmod(launch.time_min, 60)
+    command = [sys.executable, str(SLURM_PY), "--run-dir", str(attempt.run_dir), "--nodes", str(launch.nodes),
+               "--gpus-per-node", str(launch.nproc * launch.gpus_per_proc), "--procs-per-node", str(launch.nproc),
+               "--cpus-per-task", str(launch.nproc * launch.cpus_per_proc), "--job-name", name,
+               "--time", f"{hours:02d}:{minutes:02d}:00", "--out", str(script)]
+    for key in ("partition", "account"):
+        if key in settings:
+            command += [f"--{key}", settings[key]]
+    return command + ["--", *attempt.run.args]
 
 
-def sbatch_options(attempt: Attempt, settings: dict[str, Any], name: str, cwd: Path) -> list[str]:
-    """sbatch's command-line options for a script run (arguments, so no shell parses them)."""
-    launch = attempt.run.launch
-    options = [f"--job-name={name}", f"--nodes={launch.nodes}", "--ntasks-per-node=1",
-               f"--cpus-per-task={launch.nproc * launch.cpus_per_proc}", f"--mem={int(launch.mem_gb * 1024)}M",
-               f"--time={launch.time_min}", f"--output={attempt.log}", "--open-mode=append", f"--chdir={cwd}"]
-    if launch.gpus_per_proc:
-        options.append(f"--gpus-per-node={launch.nproc * launch.gpus_per_proc}")
-    return options + [f"--{key}={settings[key]}" for key in ("partition", "account", "qos", "constraint")
-                      if key in settings]
+def sbatch_options(attempt: Attempt, settings: dict[str, Any]) -> list[str]:
+    """What sbatch adds to the script's own #SBATCH lines (arguments, so no shell parses them)."""
+    return [f"--output={attempt.log}", "--open-mode=append", f"--mem={int(attempt.run.launch.mem_gb * 1024)}M",
+            *(f"--{key}={settings[key]}" for key in ("qos", "constraint") if key in settings)]
 
 
 def array_parameters(launch: Launch, settings: dict[str, Any], name: str) -> dict[str, Any]:
@@ -113,25 +104,24 @@ class SlurmExecutor:
                     jobs.append(executor.submit(run_attempt, torchrun_command(a), threads, str(self.cwd),
                                                 str(a.log), str(a.lock)))
         except Exception as e:  # submitit raises plain exceptions carrying sbatch's message
-            raise SlurmError(f"sbatch failed: {' '.join(str(e).split())[:300]}") from None
+            raise SlurmError(f"sbatch failed: {_one_line(str(e))}") from None
         for a, job in zip(chosen, jobs):
             events.started(a, job.job_id)
         return list(zip(chosen, jobs))
 
     def submit_script(self, attempt: Attempt, events: Events) -> tuple[Attempt, Any] | None:
-        """Write the attempt's batch script next to its log and submit it with sbatch."""
+        """Have ``launch/slurm.py`` write the attempt's batch script next to its log, and submit it."""
         if not events.start(attempt):
             return None
-        launch = attempt.run.launch
         script = attempt.log.with_suffix(".sbatch")
-        tmp = script.with_name(f".{script.name}.tmp")
-        tmp.write_text(sbatch_script(attempt, launch.cpus_per_proc))
-        tmp.replace(script)
-        options = sbatch_options(attempt, self.settings, self.job_name, self.cwd)
-        proc = subprocess.run(["sbatch", "--parsable", *options, str(script)],
-                              capture_output=True, text=True)
+        written = subprocess.run(script_command(attempt, self.settings, self.job_name, script), capture_output=True,
+                                 text=True, cwd=self.cwd)
+        if written.returncode != 0:
+            raise SlurmError(f"launch/slurm.py failed: {_one_line(written.stderr)}")
+        proc = subprocess.run(["sbatch", "--parsable", *sbatch_options(attempt, self.settings), str(script)],
+                              capture_output=True, text=True, cwd=self.cwd)
         if proc.returncode != 0:
-            raise SlurmError(f"sbatch failed: {' '.join(proc.stderr.split())[:300]}")
+            raise SlurmError(f"sbatch failed: {_one_line(proc.stderr)}")
         job_id = proc.stdout.strip().split(";")[0]
         events.started(attempt, job_id)
         return attempt, self.submitit.SlurmJob(folder=self.folder, job_id=job_id)
@@ -173,7 +163,9 @@ class SlurmExecutor:
     def _outcome(attempt: Attempt, job: Any, state: str) -> Outcome:
         if state == "CANCELLED":
             return Outcome("cancelled", error=f"SLURM job {job.job_id} cancelled")
-        return outcome(attempt, f"SLURM job {job.job_id} ended {state}")
+        # a multi-node run's processes write to launch/slurm.py's per-task logs in the run directory
+        task_logs = sorted(attempt.run_dir.glob(f"logs/slurm-{job.job_id}-task*.out"))
+        return outcome(attempt, f"SLURM job {job.job_id} ended {state}", task_logs)
 
 
 def cancel(folder: Path, job_id: str) -> None:

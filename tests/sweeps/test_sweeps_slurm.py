@@ -187,65 +187,83 @@ def test_names_with_spaces_quotes_and_semicolons_stay_inert_on_slurm(cluster, tm
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
 
 
-def test_the_multi_node_script_runs_torchrun_with_c10d_rendezvous(cluster, tmp_path, write_sweep):
-    """The sbatch-script path that multi-node runs take, run here on the one node with two processes."""
+def _script_attempt(tmp_path, write_sweep, launch: dict, name: str = NASTY, folder: str = "it's; here"):
+    """A planned attempt of one run with these launch settings, in a sweep folder with an awkward name."""
     from sweeps import plan as planner
     from sweeps import spec
     from sweeps.executors.attempt import Attempt
-    from sweeps.executors.slurm import FINAL_STATES, SlurmExecutor
 
-    shapes = [{**SHAPES[0], "name": NASTY, "launch": {"nproc": 2, "strategy": "ddp"}}]
-    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=shapes, extra=SLURM)
-    sweep = spec.load(file, folder=tmp_path / "it's; here")
+    file = write_sweep(tmp_path / f"{launch['strategy']}.toml", budgets=[6e8],
+                       shapes=[{**SHAPES[0], "name": name, "launch": launch}], extra=SLURM)
+    sweep = spec.load(file, folder=tmp_path / folder)
     [run] = planner.plan(sweep).runs
     logs = sweep.folder / "logs" / run.name
     logs.mkdir(parents=True)
-    attempt = Attempt(run=run, run_dir=sweep.folder / "runs" / run.name, log=logs / "attempt-1.log",
-                      lock=logs / "run.lock")
+    return sweep, Attempt(run=run, run_dir=sweep.folder / "runs" / run.name, log=logs / "attempt-1.log",
+                          lock=logs / "run.lock")
 
-    class Events:
-        jobs: list[str] = []
 
-        def start(self, a):
-            return True
+class _Events:
+    def __init__(self):
+        self.jobs: list[str] = []
 
-        def started(self, a, job):
-            self.jobs.append(job)
+    def start(self, attempt):
+        return True
 
+    def started(self, attempt, job):
+        self.jobs.append(job)
+
+
+def test_the_multi_node_script_runs_torchrun_with_c10d_rendezvous(cluster, tmp_path, write_sweep):
+    """The path multi-node runs take (a script from launch/slurm.py, submitted with sbatch), run here on
+    the one node with two processes; then a failing one, whose error line comes from the task logs."""
+    from sweeps.executors.slurm import FINAL_STATES, SlurmExecutor
+
+    sweep, attempt = _script_attempt(tmp_path, write_sweep, {"nproc": 2, "strategy": "ddp"})
     executor = SlurmExecutor(sweep.folder / "slurm", sweep.name, sweep.slurm, cwd=REPO)
-    events = Events()
+    events = _Events()
     _, job = executor.submit_script(attempt, events)
+    assert events.jobs == [job.job_id]
     state = wait_for(lambda: (s := sacct_states(job.job_id).get(job.job_id, "")) in FINAL_STATES and s,
                      what="the script job to end")
-    log = attempt.log.read_text()
-    assert state == "COMPLETED" and "strategy ddp × 2" in log and "done (completed)" in log, log[-2000:]
+    task_logs = "".join(p.read_text() for p in attempt.run_dir.glob(f"logs/slurm-{job.job_id}-task*.out"))
+    assert state == "COMPLETED" and "strategy ddp × 2" in task_logs, task_logs[-2000:]
     summary = json.loads((attempt.run_dir / "summary.json").read_text())
     assert (summary["status"], summary["strategy"], summary["world_size"]) == ("completed", "ddp", 2)
+    assert executor._outcome(attempt, job, state).status == "done"
     script = attempt.log.with_suffix(".sbatch").read_text()
-    assert "--rdzv_backend=c10d" in script and '--nnodes="$SLURM_JOB_NUM_NODES"' in script
-    assert events.jobs == [job.job_id]
+    assert "--rdzv_backend=c10d" in script and '--nnodes="$SLURM_NTASKS"' in script
+
+    _, failing = _script_attempt(tmp_path, write_sweep, {"strategy": "no-such-strategy"}, name="bad",
+                                 folder="second")
+    _, job = executor.submit_script(failing, events)
+    state = wait_for(lambda: (s := sacct_states(job.job_id).get(job.job_id, "")) in FINAL_STATES and s,
+                     what="the failing script job to end")
+    result = executor._outcome(failing, job, state)
+    assert state == "FAILED" and result.status == "failed"
+    assert result.error.startswith("error: unknown strategy 'no-such-strategy'")
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
 
 
 def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_sweep):
-    """No cluster needed: the script runs with stand-ins for scontrol and srun that record what they get."""
-    from sweeps import plan as planner
-    from sweeps import spec
-    from sweeps.executors.attempt import Attempt, run_options
-    from sweeps.executors.slurm import sbatch_options, sbatch_script
+    """No cluster needed: the script launch/slurm.py writes for a two-node run is run with stand-ins for
+    scontrol and srun that record what they get."""
+    from sweeps.executors.slurm import SLURM_PY, sbatch_options, script_command
 
-    shapes = [{**SHAPES[0], "name": NASTY, "launch": {"nproc": 4, "nodes": 2, "strategy": "ddp", "gpus_per_proc": 1}}]
-    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=shapes, extra=SLURM)
-    sweep = spec.load(file, folder=tmp_path / "it's; $(touch PWNED4) here")
-    [run] = planner.plan(sweep).runs
-    logs = sweep.folder / "logs" / run.name
-    logs.mkdir(parents=True)
-    attempt = Attempt(run=run, run_dir=sweep.folder / "runs" / run.name, log=logs / "attempt-1.log",
-                      lock=logs / "run.lock")
-    options = sbatch_options(attempt, sweep.slurm, "sweep-x", REPO)
-    assert {"--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=debug",
-            f"--output={attempt.log}"} <= set(options)
+    sweep, attempt = _script_attempt(tmp_path, write_sweep,
+                                     {"nproc": 4, "nodes": 2, "strategy": "ddp", "gpus_per_proc": 1},
+                                     folder="it's; $(touch PWNED4) here")
+    script = attempt.log.with_suffix(".sbatch")
+    command = script_command(attempt, sweep.slurm, "sweep-x", script)
+    assert command[:2] == [sys.executable, str(SLURM_PY)] and command[command.index("--") + 1:] == list(attempt.run.args)
+    written = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert written.returncode == 0, written.stderr
+    text = script.read_text()
+    assert all(d in text for d in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=debug",
+                                   "#SBATCH --time=00:10:00", "#SBATCH --cpus-per-task=4"))
+    assert set(sbatch_options(attempt, sweep.slurm)) == {f"--output={attempt.log}", "--open-mode=append",
+                                                        "--mem=1024M"}
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -253,17 +271,16 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$ARGS_OUT"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(attempt, threads=3))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
-           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2"}
+           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2"}
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     argv = (tmp_path / "args").read_text().split("\0")[:-1]
-    assert argv[:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m"]
-    assert argv[4:10] == ["torch.distributed.run", "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
-                          "--rdzv_id=4242", f"--rdzv_endpoint=node-a:{20000 + 4242}"]
-    assert argv[10:] == run_options(attempt)  # the run's path and options, character for character
-    assert str(attempt.run_dir) in argv and NASTY in attempt.run_dir.name
+    assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", "--rdzv_id=4242",
+            f"--rdzv_endpoint=node-a:{20000 + 4242}"} <= set(argv)
+    # the run's path and options arrive character for character
+    assert argv[argv.index("launch/run.py"):] == ["launch/run.py", "--run-dir", str(attempt.run_dir), "--resume", "auto",
+                                                  *attempt.run.args]
+    assert NASTY in attempt.run_dir.name
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
