@@ -40,7 +40,7 @@ from lab.device import (
     describe,
     peak_flops,
     peak_memory_bytes,
-    remeasure_cpu_peak,
+    remeasure_cpu_peaks,
     setup_device,
     synchronize,
 )
@@ -283,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                "do it on a quiet machine) and keep the best figure")
     args = p.parse_args(argv)
     if args.measure_peak:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, peak in remeasure_cpu_peaks(budget_s=10.0).items():
             print(f"{cpu_name()}, {torch.get_num_threads()} threads, {dtype}: "
-                  f"{remeasure_cpu_peak(dtype, budget_s=10.0) / 1e9:,.1f} GFLOP/s (best measured on this machine)")
+                  f"{peak / 1e9:,.1f} GFLOP/s (best measured on this machine)")
         return 0
     if args.steps <= 0 or args.warmup < 0 or args.nproc < 1 or args.rounds < 1 or args.micro_batch < 1:
         print("error: --steps, --nproc, --rounds and --micro-batch must be positive and --warmup >= 0",

@@ -159,6 +159,11 @@ def remeasure_cpu_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> f
     return best
 
 
+def remeasure_cpu_peaks(budget_s: float = PEAK_BUDGET_S) -> dict[torch.dtype, float]:
+    """``remeasure_cpu_peak`` for every dtype a CPU run can train in (fp32 and bf16)."""
+    return {dtype: remeasure_cpu_peak(dtype, budget_s) for dtype in (torch.float32, torch.bfloat16)}
+
+
 def measure_matmul_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> float:
     """Best FLOP/s of square matmuls: the size grows from 256 to at most 2048 while the next one's
     predicted cost (8× the last matmul, four runs) fits in ``budget_s``; the time left is spent
