@@ -347,7 +347,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     every = checkpoint_interval(cfg, plan.total_steps)
     fpt = accounting.flops_per_token(cfg.model)
     recent: list[float] = []
-    eval_loss, skipped, loop_start = None, 0, time.perf_counter()
+    eval_loss, skipped, loop_start, warned = None, 0, time.perf_counter(), False
 
     def save(step: int) -> None:
         if not strategy.params_finite():
@@ -389,6 +389,11 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
+            if rec["mfu"] > 1 and not warned:
+                warned = True
+                log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
+                        f"probably measured while other work ran; measure it again on a quiet machine with "
+                        f"python launch/bench.py --measure-peak, or set train.peak_flops")
         if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
             eval_loss = evaluate(strategy, world, data, cfg)
             log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})
