@@ -3,6 +3,7 @@
     python launch/bench.py                          # tokens/s and MFU of the default models (CPU or CUDA)
     python launch/bench.py --strategies ddp_naive,ddp,torch_ddp --nproc 2 --out benchmarks/parallel
     python launch/bench.py --strategies single,single:activation_checkpointing=full --nproc 1 --preset tiny
+    python launch/bench.py --measure-peak           # this CPU's matmul peak, measured again and cached
 
 Throughput: forward, backward and fused AdamW on synthetic tokens; the MFU denominator comes from
 ``lab.device`` (a measured matmul peak on a CPU, the data-sheet dense peak on a GPU).
@@ -11,7 +12,8 @@ Strategies: every strategy trains the same model on the same random batches on `
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
 again and again) so that a noisy shared machine slows them alike, and each figure is the median
 over all timed steps. Per strategy: step time, tokens/s, the ratio to ``torch_ddp`` measured in
-the same run, the time a step waited on communication (exposed), the bytes sent per step
+the same run (``single`` runs on rank 0 alone, the one-process baseline), the time a step waited
+on communication (exposed), the bytes sent per step
 against theory, the model-state bytes per rank against theory and the activation bytes a
 micro-step saved for its backward. ``--out`` writes a Markdown table, a JSON file and a PNG plot.
 """
@@ -28,10 +30,20 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lab import accounting
 from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from lab.device import Precision, cpu_name, describe, peak_flops, peak_memory_bytes, setup_device, synchronize
+from lab.device import (
+    Precision,
+    cpu_name,
+    describe,
+    peak_flops,
+    peak_memory_bytes,
+    remeasure_cpu_peaks,
+    setup_device,
+    synchronize,
+)
 from lab.files import save_json, write_atomic
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
@@ -122,13 +134,27 @@ class Case:
         return cls(text, parse_spec(text))
 
 
+def bench_loop(micro_batch: int) -> LoopSettings:
+    """The loop every row runs: one micro-batch per step, clipping at 1."""
+    return LoopSettings(micro_batch, accum_steps=1, grad_clip=1.0)
+
+
+def _alone(case: Case, world: World) -> World:
+    """``single`` runs on rank 0 alone (the others wait): the one-process baseline."""
+    return World(0, 1, 0, world.device) if case.parallel.strategy == "single" else world
+
+
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
                       rounds: int, warmup: int) -> list[dict]:
-    precision, tokens = Precision("cpu", bf16=False), micro_batch * shape.block_size * world.world_size
-    loop, built = LoopSettings(micro_batch, accum_steps=1, grad_clip=1.0), []
+    precision, loop = Precision("cpu", bf16=False), bench_loop(micro_batch)
+    built = []
     for case in cases:
-        s = create(case.parallel, world, precision, loop)
-        s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
+        w = _alone(case, world)
+        if w.world_size == 1 and not world.is_main:
+            built.append(None)
+            continue
+        s = create(case.parallel, w, precision, loop)
+        s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), w.device))
         built.append(s)
     g = torch.Generator().manual_seed(world.rank)
     x = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
@@ -136,19 +162,27 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
     waits = {c.label: [] for c in cases}
     for r in range(-1, rounds):  # round -1 warms up
         for case, s in zip(cases, built, strict=True):
+            if s is None:  # single, on another rank
+                dist.barrier()
+                continue
             for _ in range(warmup if r < 0 else steps):
                 t0 = time.perf_counter()
-                train_step(s, world, [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
+                train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
                 elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
                 if r >= 0:
                     times[case.label].append(elapsed)
                     waits[case.label].append(meters.comm_wait_s)
+            if _alone(case, world).world_size == 1 and world.world_size > 1:
+                dist.barrier()
             if world.is_main and r >= 0:
                 print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * statistics.median(times[case.label]):8.1f} "
                       f"ms/step so far", flush=True)
     rows = []
     for case, s in zip(cases, built, strict=True):
+        if s is None:
+            continue
         step = statistics.median(times[case.label])
+        tokens = micro_batch * shape.block_size * _alone(case, world).world_size
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens / step, "exposed_comm_s": statistics.median(waits[case.label]),
                      **s.meters()})
@@ -206,7 +240,8 @@ def strategies(args: argparse.Namespace) -> int:
         text = args.strategies.strip()
         cases = [Case.parse(t) for t in (text.split() if any(c.isspace() for c in text) else text.split(",")) if t]
         for case in cases:
-            validate_parallel(case.parallel, args.nproc, LoopSettings(args.micro_batch, accum_steps=1, grad_clip=1.0))
+            validate_parallel(case.parallel, 1 if case.parallel.strategy == "single" else args.nproc,
+                              bench_loop(args.micro_batch))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -252,7 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=BENCH_MODEL.d_model, help="width of the --strategies model")
     p.add_argument("--preset", help="a model preset for --strategies instead (tiny is the demo model), vocab 4096")
     p.add_argument("--out", help="write the results here (JSON; with --strategies also Markdown)")
+    p.add_argument("--measure-peak", action="store_true", help="measure this CPU's matmul peak again (10 s per dtype; "
+                                                               "do it on a quiet machine) and keep the best figure")
     args = p.parse_args(argv)
+    if args.measure_peak:
+        for dtype, peak in remeasure_cpu_peaks(budget_s=10.0).items():
+            print(f"{cpu_name()}, {torch.get_num_threads()} threads, {dtype}: "
+                  f"{peak / 1e9:,.1f} GFLOP/s (best measured on this machine)")
+        return 0
     if args.steps <= 0 or args.warmup < 0 or args.nproc < 1 or args.rounds < 1 or args.micro_batch < 1:
         print("error: --steps, --nproc, --rounds and --micro-batch must be positive and --warmup >= 0",
               file=sys.stderr)

@@ -195,11 +195,13 @@ def run_main(argv: list[str] | None = None) -> int:
         run_dir = run_dir or world.broadcast_from_main(default_run_dir)
         world.check_same(hashlib.sha256(dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest(), "the config")
         resume = check_run_dir(run_dir, mode)
-        if world.is_main:
-            data_dir = prepare(cfg.data, progress=True)
+        # The first process of each node prepares the data (no disk is assumed shared between nodes);
+        # the others find it ready (preparing is atomic and safe to race).
+        if world.local_rank == 0:
+            data_dir = prepare(cfg.data, progress=world.is_main)
         if world.world_size > 1:
             dist.barrier()
-        if not world.is_main:
+        if world.local_rank != 0:
             data_dir = prepare(cfg.data, progress=False)
         resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
         if resume:

@@ -28,12 +28,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
 
 from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from lab.device import Precision
+from lab.files import write_atomic
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec, validate
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accum", type=int, default=1, help="micro-steps per rank per step")
     p.add_argument("--grad-clip", type=float, default=Setup.grad_clip, help="0: no clipping")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (then compare with a tolerance)")
+    p.add_argument("--out", help="also append the header and the table to this Markdown file")
     args = p.parse_args(argv)
     text = args.strategies
     specs = text.split() if " " in text.strip() or ":" in text else [s for s in text.split(",") if s]
@@ -171,16 +174,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     params = sum(p.numel() for p in GPT(setup.model).parameters())
-    print(f"tiny GPT ({params:,} params), {'bf16 autocast' if setup.bf16 else 'fp32'}, CPU, {args.nproc} gloo ranks, "
-          f"{setup.steps} steps, "
-          f"{setup.accum} micro-step(s) of {setup.micro_batch} sequences per rank; against single accumulating "
-          f"{setup.accum * args.nproc} micro-steps", flush=True)
+    header = (f"tiny GPT ({params:,} params), {'bf16 autocast' if setup.bf16 else 'fp32'}, CPU, {args.nproc} gloo "
+              f"ranks, {setup.steps} steps, {setup.accum} micro-step(s) of {setup.micro_batch} sequences per rank, "
+              f"grad clip {setup.grad_clip:g}; against single accumulating {setup.accum * args.nproc} micro-steps")
+    print(header, flush=True)
     try:
         results = run_ranks(equivalence, args.nproc, specs, setup)[0]
     except (RankFailed, ConfigError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
-    print(format_table(results))
+    table = format_table(results)
+    print(table)
+    if args.out:  # appended, but written whole: an interrupted run leaves the file as it was
+        out = Path(args.out)
+        write_atomic(out, (out.read_text() if out.exists() else "") + f"{header}\n\n```\n{table}\n```\n\n")
     return 0
 
 

@@ -257,9 +257,16 @@ class Start:
 
 
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
+    """The run's strategy, built from the model factory (compiled first when asked, then the strategy
+    applies checkpointing and sharding), the weight-decay rule and AdamW."""
+    def make_model() -> GPT:
+        model = GPT(cfg.model, seed=cfg.train.seed)
+        if cfg.train.compile:
+            model.compile()
+        return model
+
     strategy = parallel.create(cfg.parallel, world, precision, loop_settings(cfg, step_plan(cfg, world.world_size)))
-    strategy.build(lambda: GPT(cfg.model, seed=cfg.train.seed),
-                   lambda model: param_groups(model, cfg.train.weight_decay),
+    strategy.build(make_model, lambda model: param_groups(model, cfg.train.weight_decay),
                    adamw_factory(cfg.train, world.device))
     return strategy
 
@@ -346,7 +353,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     every = checkpoint_interval(cfg, plan.total_steps)
     fpt = accounting.flops_per_token(cfg.model)
     recent: list[float] = []
-    eval_loss, skipped, loop_start = None, 0, time.perf_counter()
+    eval_loss, skipped, loop_start, warned = None, 0, time.perf_counter(), False
 
     def save(step: int) -> None:
         if not strategy.params_finite():
@@ -388,6 +395,11 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
+            if rec["mfu"] > 1 and not warned:
+                warned = True
+                log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
+                        f"probably measured while other work ran; measure it again on a quiet machine with "
+                        f"python launch/bench.py --measure-peak, or set train.peak_flops")
         if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
             eval_loss = evaluate(strategy, world, data, cfg)
             log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})

@@ -16,11 +16,12 @@ from lab.device import Precision
 from lab.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import World, create
+from lab.parallel import LoopSettings, World, create
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import train_step
 
 FP32 = Precision("cpu", bf16=False)
+LOOP = LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0)  # as the direct train_step calls
 
 DDP_FAMILY = ["ddp_naive", "ddp", "torch_ddp"]
 
@@ -88,7 +89,7 @@ def _ddp_cases(world: World) -> dict:
         strategy_trace = train_tiny(world, setup, ParallelConfig(strategy="ddp", **options))
         out[label] = compare(ref, strategy_trace) if world.is_main else None
     for mb in (1000.0, 0.02, 1e-9):
-        s = create(ParallelConfig(strategy="ddp", bucket_mb=mb), world, FP32)
+        s = create(ParallelConfig(strategy="ddp", bucket_mb=mb), world, FP32, LOOP)
         s.build(lambda: GPT(TINY, seed=1), lambda m: [], lambda groups: torch.optim.SGD([torch.zeros(1)]))
         out[f"buckets at {mb}"] = (len(s.buckets), len(s.trainable))
 
@@ -103,14 +104,15 @@ def _ddp_cases(world: World) -> dict:
             out[f"unused {name}"] = compare(unused_ref, got) if world.is_main else None
 
     for name in DDP_FAMILY:
-        s = create(ParallelConfig(strategy=name), world, FP32)
+        s = create(ParallelConfig(strategy=name), world, FP32, LOOP)
         s.build(lambda: rank_dependent_gpt(7), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(),
                                                                                                 world.device))
         out[f"start {name}"] = {k: v.clone() for k, v in s.module.state_dict().items()}
     out["rank 0 init"] = GPT(TINY, seed=7).state_dict()
 
     for name in DDP_FAMILY:
-        s = create(ParallelConfig(strategy=name, **({"bucket_mb": 0.02} if name != "ddp_naive" else {})), world, FP32)
+        options = {"bucket_mb": 0.02} if name != "ddp_naive" else {}
+        s = create(ParallelConfig(strategy=name, **options), world, FP32, LOOP)
         s.build(lambda: GPT(TINY, seed=3), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
         for step in range(3):
             x, y = batch(setup, step, 4)
@@ -172,7 +174,7 @@ def test_meters_match_theory(ddp_cases, name):
 
 def _mismatched_model(world: World) -> None:
     shape = ModelConfig(n_layer=2, n_head=2, d_model=32 if world.rank == 0 else 64, block_size=32, vocab_size=96)
-    s = create(ParallelConfig(strategy="ddp"), world, FP32)
+    s = create(ParallelConfig(strategy="ddp"), world, FP32, LOOP)
     s.build(lambda: GPT(shape), lambda m: [], lambda groups: torch.optim.SGD([torch.zeros(1)]))
 
 

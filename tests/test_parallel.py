@@ -14,15 +14,16 @@ from lab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from lab.device import Precision
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import STRATEGIES, World, create, strategy_class, validate
+from lab.parallel import STRATEGIES, LoopSettings, World, create, strategy_class, validate
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 FP32 = Precision("cpu", bf16=False)
+LOOP = LoopSettings(micro_batch=1, accum_steps=1, grad_clip=1.0)
 SHAPE = ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=50)
 
 
 def built(strategy="single", **options):
-    s = create(ParallelConfig(strategy=strategy, **options), WORLD, FP32)
+    s = create(ParallelConfig(strategy=strategy, **options), WORLD, FP32, LOOP)
     s.build(lambda: GPT(SHAPE, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(RunConfig().train, WORLD.device))
     return s
 
@@ -34,7 +35,7 @@ def test_registry_knows_the_strategies_and_rejects_unknown_names():
     with pytest.raises(ConfigError, match="unknown strategy 'zero7' \\(known: .*single"):
         strategy_class("zero7")
     with pytest.raises(ConfigError, match="at most 1 process"):
-        validate(ParallelConfig(strategy="single"), 2)
+        validate(ParallelConfig(strategy="single"), 2, LOOP)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -46,7 +47,7 @@ def test_registry_knows_the_strategies_and_rejects_unknown_names():
 ])
 def test_parallel_options_are_validated_up_front(options, message):
     with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
-        validate(ParallelConfig(**options), 2)
+        validate(ParallelConfig(**options), 2, LOOP)
 
 
 def test_weight_decay_is_decided_by_name_and_role_before_any_flattening():

@@ -76,10 +76,26 @@ def test_the_cpu_peak_is_measured_quickly_once_and_cached(tmp_path, monkeypatch)
 
 
 def test_a_slow_cpu_stops_growing_the_matmul_within_the_budget(monkeypatch):
-    calls = []
-    monkeypatch.setattr(device, "_timed", lambda fn: calls.append(1) or 0.2)  # as if each 256³ matmul took 0.2 s
+    clock = {"now": 0.0}
+
+    def slow_matmul(fn):  # as if each 256³ matmul took 0.2 s
+        clock["now"] += 0.2
+        return 0.2
+
+    monkeypatch.setattr(device, "_timed", slow_matmul)
+    monkeypatch.setattr(device.time, "perf_counter", lambda: clock["now"])
     assert device.measure_matmul_peak(torch.bfloat16, budget_s=1.5) == pytest.approx(2 * 256**3 / 0.2)
-    assert len(calls) == 3  # one size only: the next would need 8 × 0.2 s × 4 runs
+    assert clock["now"] <= 1.5  # one size only (the next would need 8 × 0.2 s × 4 runs), repeated within budget
+
+
+def test_a_later_quieter_measurement_replaces_a_low_cached_peak(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = iter([1e9, 5e9, 2e9])  # busy, quiet, busy again
+    monkeypatch.setattr(device, "measure_matmul_peak", lambda *a: next(figures))
+    assert device.cpu_peak_flops(torch.float32).flops == 1e9
+    assert device.remeasure_cpu_peak(torch.float32) == 5e9
+    assert device.remeasure_cpu_peak(torch.float32) == 5e9  # the best figure stays
+    assert device.cpu_peak_flops(torch.float32).flops == 5e9
 
 
 def test_measuring_the_peak_leaves_the_training_rng_alone(args, tmp_path, monkeypatch):
@@ -93,6 +109,12 @@ def test_measuring_the_peak_leaves_the_training_rng_alone(args, tmp_path, monkey
     assert losses(tmp_path / "measured") == losses(tmp_path / "given")
     assert json.loads((tmp_path / "measured" / "summary.json").read_text())["peak_flops_source"].startswith(
         "measured matmul peak")
+
+
+def test_an_impossible_mfu_says_the_peak_is_wrong_once(args, tmp_path, capsys):
+    assert run(tmp_path / "r", *args, "--train.peak_flops", "1e6") == 0  # far below what the CPU does
+    out = capsys.readouterr().out
+    assert out.count("warning: MFU above 100%: the peak (1e+06 FLOP/s, train.peak_flops) reads low") == 1
 
 
 # ---------------------------------------------------------------- 3. unknown and abbreviated options

@@ -15,12 +15,13 @@ from lab.device import Precision
 from lab.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import World, create, parse_spec
+from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.activations import SavedBytes, apply
 from lab.parallel.spawn import run_ranks
 from lab.train import train_step
 from test_distributed import GPTWithSometimesUnusedLayer, frozen_gpt
 
+LOOP = LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0)  # as the direct train_step calls
 SHARDED = ["zero1", "zero2", "zero3", "fsdp", "fsdp:reshard_after_forward=false"]
 OFFLOADED = ["zero1:offload=optimizer", "zero2:offload=optimizer", "zero3:offload=optimizer", "fsdp:offload=optimizer"]
 CHECKPOINTED = ["ddp:activation_checkpointing=full", "torch_ddp:activation_checkpointing=full",
@@ -54,7 +55,7 @@ ODD = ModelConfig(n_layer=2, n_head=3, d_model=30, block_size=16, vocab_size=97)
 def _odd_sizes(world: World) -> dict:
     setup = Setup(steps=3, model=ODD)
     results = equivalence(world, ["zero1", "zero2", "zero3", "fsdp"], setup)
-    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False))
+    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False), LOOP)
     s.build(lambda: GPT(ODD, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     return {"results": results, "units": [(u.numel, u.padded) for u in s.units]}
 
@@ -105,7 +106,7 @@ DEEP = ModelConfig(n_layer=6, n_head=2, d_model=64, block_size=32, vocab_size=64
 
 
 def _zero3_memory(world: World) -> dict:
-    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False))
+    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False), LOOP)
     s.build(lambda: GPT(DEEP, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     built = s.take_peak_param_bytes()
     x, y = batch(Setup(model=DEEP), 0, 4)

@@ -196,9 +196,13 @@ def test_bf16_autocast_path_runs_on_cpu(tmp_path, args):
 
 @pytest.mark.slow
 def test_compiled_model_matches_eager(tmp_path, args):
+    from torch._dynamo.utils import counters
+
     short = ["--train.tokens", "768"]
     assert run(tmp_path / "eager", *args, *short) == 0
+    counters.clear()
     assert run(tmp_path / "compiled", *args, *short, "--train.compile", "true") == 0
+    assert counters["stats"]["unique_graphs"] > 0  # compilation really happened
     assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(tmp_path / "eager"), rel=1e-4)
 
 

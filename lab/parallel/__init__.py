@@ -31,8 +31,8 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
-def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None) -> type[Strategy]:
-    """Check the [parallel] section for ``world_size`` processes (and the loop's settings, when known);
+def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[Strategy]:
+    """Check the [parallel] section for ``world_size`` processes under the loop's ``loop`` settings;
     return the strategy's class."""
     cls = strategy_class(cfg.strategy)
     if not cfg.timeout_s > 0:
@@ -62,9 +62,10 @@ def parse_spec(text: str) -> ParallelConfig:
     return resolve({"parallel": {"strategy": name, **dict(pairs)}}).parallel
 
 
-def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings | None = None) -> Strategy:
+def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
+    """The strategy ``cfg`` names, validated and constructed (not yet built)."""
     return validate(cfg, world.world_size, loop)(world, cfg, precision, loop)
 
 
-__all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy", "World",
-           "create", "parse_spec", "strategy_class", "validate"]
+__all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",
+           "World", "create", "parse_spec", "strategy_class", "validate"]

@@ -180,9 +180,9 @@ class Strategy:
     max_world_size: ClassVar[int | None] = None
 
     @classmethod
-    def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None) -> None:
+    def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
         """Raise ConfigError (one line) when this strategy cannot run ``cfg`` on ``world_size`` processes
-        (with ``loop``, the loop's settings, when they are known)."""
+        under the loop's ``loop`` settings."""
         if world_size < cls.min_world_size:
             raise ConfigError(f"strategy '{cls.name}' needs at least {cls.min_world_size} processes, got "
                               f"world size {world_size} (start it with torchrun --nproc_per_node=N)")
@@ -190,7 +190,7 @@ class Strategy:
             raise ConfigError(f"strategy '{cls.name}' runs on at most {cls.max_world_size} process(es), "
                               f"got world size {world_size}")
 
-    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings | None = None):
+    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         self.validate(cfg, world.world_size, loop)
         self.world, self.cfg, self.precision, self.loop = world, cfg, precision, loop
         self.comm = Comm(world.world_size)

@@ -36,7 +36,6 @@ def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
 
 class NaiveDDP(Strategy):
     name = "ddp_naive"
-    min_world_size = 1
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)

@@ -106,14 +106,16 @@ def import_deepspeed() -> ModuleType:
 # ---------------------------------------------------------------- the engine's config
 
 
-def _lab_values(cfg: ParallelConfig, world_size: int, loop: LoopSettings | None,
+def _lab_values(cfg: ParallelConfig, world_size: int, loop: LoopSettings,
                 bf16: bool | None) -> dict[str, tuple[Any, str]]:
-    """The settings the lab owns, by dotted DeepSpeed key: (value, the lab option it comes from).
-
-    Loop values are left out when ``loop`` is None, precision when ``bf16`` is None (not known yet).
-    """
+    """The settings the lab owns, by dotted DeepSpeed key: (value, the lab option it comes from); precision
+    is left out when ``bf16`` is None (not known before the device is)."""
     offload = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "all": ("cpu", "cpu")}[cfg.offload]
     values: dict[str, tuple[Any, str]] = {
+        "train_micro_batch_size_per_gpu": (loop.micro_batch, "train.micro_batch"),
+        "gradient_accumulation_steps": (loop.accum_steps, "the accumulation steps"),
+        "train_batch_size": (loop.micro_batch * loop.accum_steps * world_size, "train.batch_tokens"),
+        "gradient_clipping": (loop.grad_clip, "train.grad_clip"),
         "zero_optimization.stage": (cfg.zero_stage, "parallel.zero_stage"),
         "zero_optimization.offload_optimizer.device": (offload[0], "parallel.offload"),
         "zero_optimization.offload_param.device": (offload[1], "parallel.offload"),
@@ -126,11 +128,6 @@ def _lab_values(cfg: ParallelConfig, world_size: int, loop: LoopSettings | None,
         # DeepSpeed's memory-efficient linear replaces torch.nn.functional.linear in the whole process, for
         # good, and gives wrong gradients under selective checkpointing (measured: 4 % off the norm)
         values["zero_optimization.memory_efficient_linear"] = (False, "the lab's correctness checks")
-    if loop is not None:
-        values |= {"train_micro_batch_size_per_gpu": (loop.micro_batch, "train.micro_batch"),
-                   "gradient_accumulation_steps": (loop.accum_steps, "the accumulation steps"),
-                   "train_batch_size": (loop.micro_batch * loop.accum_steps * world_size, "train.batch_tokens"),
-                   "gradient_clipping": (loop.grad_clip, "train.grad_clip")}
     if bf16 is not None:
         # gradients are reduced in fp32, as under every strategy (DeepSpeed would send nn.Linear's in bf16)
         values |= {"torch_autocast.enabled": (bf16, "train.dtype"),
@@ -165,8 +162,7 @@ def read_user_config(path: str) -> dict[str, Any]:
     return tree
 
 
-def engine_config(cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None,
-                  bf16: bool | None = None) -> dict[str, Any]:
+def engine_config(cfg: ParallelConfig, world_size: int, loop: LoopSettings, bf16: bool | None = None) -> dict[str, Any]:
     """The engine's config: the user's file (if any) over the lab's defaults, with the lab's own values
     written in; ConfigError naming the key when the file contradicts one of them."""
     user = read_user_config(cfg.deepspeed_config) if cfg.deepspeed_config else {}
@@ -226,7 +222,7 @@ class DeepSpeed(Strategy):
     state_layout = comm_layout = "zero1"
 
     @classmethod
-    def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings | None = None) -> None:
+    def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
         super().validate(cfg, world_size, loop)
         if cfg.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"parallel.zero_stage must be one of 1, 2, 3, got {cfg.zero_stage}")
@@ -236,9 +232,7 @@ class DeepSpeed(Strategy):
         engine_config(cfg, world_size, loop)
         import_deepspeed()
 
-    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings | None = None):
-        if loop is None:
-            raise ValueError("strategy 'deepspeed' needs the loop's settings (micro-batch, accumulation, clipping)")
+    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         super().__init__(world, cfg, precision, loop)
         self.stage = cfg.zero_stage
         self.config = engine_config(cfg, world.world_size, loop, precision.bf16)

@@ -1,0 +1,8 @@
+"""Entry point: see `python launch/slurm.py --help`."""
+
+import sys
+
+from lab.slurm import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Command line: ``python -m sweeps {plan,run,status,retry,cancel,export}``.
+
+Bad input ends a command before any work with one ``error: ...`` line per problem on stderr and
+exit code 2. ``run`` and ``retry`` exit 0 when every run of the sweep is done, 1 when some failed or
+were cancelled, 130 when interrupted (what finished is recorded; running the sweep again resumes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sweeps import plan as planner, spec as specs
+from sweeps.driver import attempt_for, driver_lock, execute, run_dir
+from sweeps.executors.attempt import Executor
+from sweeps.registry import DB_NAME, Registry, RegistryError, Row
+
+EXIT_BAD_INPUT = 2
+SWEEP_COPY = "sweep.toml"
+
+
+class UsageError(ValueError):
+    """Bad input found by the command line itself."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m sweeps", description="Plan, run and follow IsoFLOP sweeps.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    folder_help = "the sweep's folder (default: [sweep] folder of the file, else runs/sweeps/NAME)"
+
+    p = sub.add_parser("plan", help="print the runs a sweep file asks for (nothing is run)")
+    p.add_argument("file", help="sweep file (TOML)")
+    p.add_argument("--folder", help=folder_help)
+
+    p = sub.add_parser("run", help="run the sweep: skip finished runs, resume unfinished ones")
+    p.add_argument("file", help="sweep file (TOML)")
+    p.add_argument("--folder", help=folder_help)
+    _executor_options(p)
+
+    for name, text in (("status", "print the sweep's runs and progress"),
+                       ("retry", "run failed or cancelled runs again (all, or the named ones)"),
+                       ("cancel", "cancel unfinished runs (all, or the named ones), stopping their jobs"),
+                       ("export", "write the finished runs as a CSV or Parquet table for the analysis")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("sweep", help="sweep file or sweep folder")
+        p.add_argument("--folder", help=folder_help)
+        if name in ("retry", "cancel"):
+            p.add_argument("names", nargs="*", metavar="NAME", help="run names")
+        if name == "retry":
+            _executor_options(p)
+        if name == "export":
+            p.add_argument("--out", required=True, help="output table: .csv or .parquet")
+    return parser
+
+
+def _executor_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executor", choices=("local", "slurm"), help="where runs go (default: local, or the "
+                                                                  "executor the sweep last ran on)")
+    p.add_argument("--parallel", type=int, help="local executor: runs at once (default: [local] parallel)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _locate(args: argparse.Namespace) -> tuple[Path, specs.Sweep | None]:
+    """The sweep folder named by a sweep file or a folder, and the sweep (from the file, or the folder's copy)."""
+    path = Path(args.sweep)
+    if path.is_dir():
+        folder = Path(args.folder or path).absolute()
+        copy = folder / SWEEP_COPY
+        return folder, specs.load(copy, folder=folder) if copy.is_file() else None
+    if path.is_file():
+        sweep = specs.load(path, folder=args.folder)
+        return sweep.folder, sweep
+    raise UsageError(f"no such sweep file or folder: {path}")
+
+
+def _executor(args: argparse.Namespace, sweep: specs.Sweep, registry: Registry | None) -> Executor:
+    """The executor asked for, else the one the sweep last ran on, else local."""
+    kind = args.executor or (registry.meta("executor") if registry else None) or "local"
+    if args.parallel is not None and args.parallel < 1:
+        raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
+    if kind == "local":
+        from sweeps.executors.local import LocalExecutor
+
+        return LocalExecutor(parallel=args.parallel or sweep.parallel, threads=sweep.threads)
+    try:
+        from sweeps.executors.slurm import SlurmExecutor
+
+        return SlurmExecutor(sweep.folder / "slurm", sweep.name, sweep.slurm, cwd=Path.cwd())
+    except ImportError:
+        raise UsageError("the slurm executor needs submitit: pip install -e '.[slurm]'") from None
+    except RuntimeError as e:  # submitit finds no srun
+        raise UsageError(f"the slurm executor needs a SLURM cluster ({e})") from None
+
+
+def _check_fits(executor: Executor, runs: list[planner.PlannedRun]) -> None:
+    """The local executor runs on this machine only."""
+    multi = next((r for r in runs if r.launch.nodes > 1), None)
+    if executor.name == "local" and multi is not None:
+        raise UsageError(f"run '{multi.name}' asks for {multi.launch.nodes} nodes; use --executor slurm")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _plan(args: argparse.Namespace) -> int:
+    sweep = specs.load(args.file, folder=args.folder)
+    result = planner.plan(sweep)
+    print(f"sweep {sweep.name} → {sweep.folder}")
+    print(planner.table(result.runs, sweep.count, sweep.parallel))
+    for line in result.refused:
+        print(f"error: {line}", file=sys.stderr)
+    return EXIT_BAD_INPUT if result.refused else 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    sweep = specs.load(args.file, folder=args.folder)
+    result = planner.plan(sweep)
+    if result.refused:
+        for line in result.refused:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    with driver_lock(sweep.folder):
+        known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
+        executor = _executor(args, sweep, known)
+        _check_fits(executor, result.runs)
+        registry = known or Registry.open(sweep.folder, create=True)
+        registry.sync(result.runs, lambda name: run_dir(sweep.folder, name))
+        registry.set_meta("executor", executor.name)
+        _write_atomic(sweep.folder / SWEEP_COPY, sweep.source)
+        return execute(sweep.folder, registry, [r.name for r in result.runs], executor, not args.no_progress)
+
+
+def _retry(args: argparse.Namespace) -> int:
+    folder, sweep = _locate(args)
+    if sweep is None:
+        raise UsageError(f"{folder} has no {SWEEP_COPY}; retry with the sweep file")
+    with driver_lock(folder):
+        registry = Registry.open(folder)
+        rows = _select(registry, args.names, default=("failed", "cancelled"))
+        wrong = [r for r in rows if r.status not in ("failed", "cancelled")]
+        if wrong:
+            raise UsageError(f"run '{wrong[0].name}' is {wrong[0].status}; retry takes failed or cancelled runs")
+        if not rows:
+            print("nothing to retry: no failed or cancelled runs")
+            return 0
+        executor = _executor(args, sweep, registry)
+        _check_fits(executor, [r.plan for r in rows])
+        for row in rows:
+            registry.set_status(row.name, "planned")
+        registry.set_meta("executor", executor.name)
+        return execute(folder, registry, [r.name for r in rows], executor, not args.no_progress)
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    folder, _ = _locate(args)
+    registry = Registry.open(folder)
+    rows = _select(registry, args.names, default=("planned", "running", "failed"))
+    for row in rows:
+        if row.status in ("done", "cancelled"):
+            print(f"{row.name}: already {row.status}")
+            continue
+        registry.set_status(row.name, "cancelled", error="cancelled")
+        kind, _, job = (row.job or "").partition(":")
+        stopped = ""
+        if row.status == "running" and kind == "slurm":
+            from sweeps.executors.slurm import cancel
+
+            cancel(folder / "slurm", job)
+            stopped = f" (scancel {job})"
+        elif row.status == "running" and kind == "local":
+            from sweeps.executors.local import stop
+
+            if stop(int(job), attempt_for(folder, row, follow=True).lock):
+                stopped = f" (SIGTERM to process {job})"
+        print(f"{row.name}: cancelled{stopped}")
+    return 0
+
+
+def _select(registry: Registry, names: list[str], default: tuple[str, ...]) -> list[Row]:
+    """The named rows (all must exist), or every row whose status is in ``default``."""
+    if not names:
+        return [r for r in registry.rows() if r.status in default]
+    rows = []
+    for name in names:
+        row = registry.get(name)
+        if row is None:
+            raise UsageError(f"no run named {name!r} in this sweep")
+        rows.append(row)
+    return rows
+
+
+def _export(args: argparse.Namespace) -> int:
+    from sweeps import export  # pandas: only here
+
+    folder, _ = _locate(args)
+    out = Path(args.out)
+    if out.suffix.lower() not in export.FORMATS:
+        raise UsageError(f"--out must end in .csv or .parquet, got '{out.name}'")
+    table = export.results(Registry.open(folder).rows())
+    if table.empty:
+        raise UsageError(f"no finished runs in {folder} yet")
+    export.write(table, out)
+    print(f"wrote {len(table)} runs to {out}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    folder, _ = _locate(args)
+    rows = Registry.open(folder).rows()
+    print(f"sweep folder {folder}")
+    head = f"{'run':<24} {'status':<9} {'N':>10} {'D':>11} {'C':>9} {'loss':>7} {'tries':>5}  job / progress"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        p = r.plan
+        loss = (r.summary or {}).get("final_eval_loss")
+        detail = r.job or ""
+        if r.status == "running":
+            detail += f"  step {_last_step(r.run_dir)}/{math.ceil(p.tokens / p.batch_tokens)}"
+        print(f"{r.name:<24} {r.status:<9} {p.params:>10,} {p.tokens:>11,} {p.flops:>9.3g} "
+              f"{'' if loss is None else f'{loss:.4f}':>7} {r.attempts:>5}  {detail}")
+        if r.error and r.status in ("failed", "cancelled"):
+            print(f"{'':<26}{r.error}")
+    counts = {s: sum(r.status == s for r in rows) for s in ("done", "running", "planned", "failed", "cancelled")}
+    print(" | ".join(f"{s} {n}" for s, n in counts.items()))
+    print(tqdm.format_meter(counts["done"], len(rows), 0, ncols=72, prefix="done",
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}"))
+    return 0
+
+
+def _last_step(run_directory: Path) -> int:
+    """The newest step in a run's metrics.jsonl (0 before the first record)."""
+    try:
+        lines = (run_directory / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+COMMANDS = {"plan": _plan, "run": _run, "status": _status, "retry": _retry, "cancel": _cancel, "export": _export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except (UsageError, specs.SpecError, RegistryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT

@@ -1,0 +1,124 @@
+"""The driver: records the plan in the registry, hands the unfinished runs to an executor and records
+each outcome as it comes, with a progress bar.
+
+The sweep folder holds ``sweep.db`` (the registry), ``sweep.toml`` (the sweep file as last run),
+``runs/NAME/`` (one run directory per run), ``logs/NAME/`` (each attempt's output and the run's
+lock) and, with SLURM, ``slurm/`` (submitit's files). One driver at a time per sweep: a second is
+refused while the first holds ``.driver.lock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
+from sweeps.registry import Registry, RegistryError, Row
+
+EXIT_OK, EXIT_UNFINISHED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+def run_dir(folder: Path, name: str) -> Path:
+    return folder / "runs" / name
+
+
+def attempt_for(folder: Path, row: Row, follow: bool) -> Attempt:
+    """The next attempt of ``row``, or with ``follow`` the one its recorded job is running."""
+    logs = folder / "logs" / row.name
+    number = max(1, row.attempts) if follow else row.attempts + 1
+    job = row.job.partition(":")[2] if follow and row.job else None
+    return Attempt(run=row.plan, run_dir=row.run_dir, log=logs / f"attempt-{number}.log", lock=logs / "run.lock",
+                   job=job)
+
+
+@contextlib.contextmanager
+def driver_lock(folder: Path) -> Iterator[None]:
+    """Hold the sweep's driver lock; RegistryError if another driver holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".driver.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise RegistryError(f"another driver is running this sweep (pid {lock.read().strip() or '?'})") from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+class Recorder:
+    """The executor's events, written to the registry and shown on the progress bar."""
+
+    def __init__(self, registry: Registry, executor_name: str, bar: tqdm):
+        self.registry, self.kind, self.bar = registry, executor_name, bar
+
+    def start(self, attempt: Attempt) -> bool:
+        row = self.registry.get(attempt.run.name)
+        if row is None or row.status in ("done", "cancelled"):  # finished or cancelled meanwhile
+            self.bar.update(1)
+            return False
+        summary = read_summary(attempt.run_dir)
+        if summary is not None and summary.get("status") == "completed":  # finished after a driver stopped
+            self.finished(attempt, Outcome("done", summary=summary))
+            return False
+        return True
+
+    def started(self, attempt: Attempt, job: str) -> None:
+        self.registry.set_status(attempt.run.name, "running", job=f"{self.kind}:{job}", new_attempt=True,
+                                 unless=("cancelled", "done"))
+
+    def finished(self, attempt: Attempt, outcome: Outcome) -> None:
+        name = attempt.run.name
+        # a completed run counts whatever happened meanwhile; any other ending does not undo a cancel
+        changed = self.registry.set_status(name, outcome.status, error=outcome.error, summary=outcome.summary,
+                                           unless=() if outcome.status == "done" else ("cancelled",))
+        status = outcome.status if changed else "cancelled"
+        if status == "done":
+            s = outcome.summary or {}
+            loss = s.get("final_eval_loss")
+            detail = f"loss {loss:.4f}" if loss is not None else "no eval loss"
+            detail += f", {s.get('wall_time_s', 0):.0f} s"
+        else:
+            detail = outcome.error or ""
+        self.bar.write(f"{status:<9} {name}  {detail}")
+        self.bar.update(1)
+
+
+def execute(folder: Path, registry: Registry, names: list[str], executor: Executor, progress: bool = True) -> int:
+    """Run the named rows that are not done or cancelled; the exit code says whether all are done."""
+    rows = [registry.get(n) for n in names]
+    todo = [r for r in rows if r.status not in ("done", "cancelled")]
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="runs", unit="run", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    events = Recorder(registry, executor.name, bar)
+    # SLURM jobs outlive a driver: follow the ones an earlier driver left running
+    attempts = [attempt_for(folder, r, follow=executor.name == "slurm" and r.status == "running"
+                            and (r.job or "").startswith("slurm:")) for r in todo]
+    for attempt in attempts:
+        attempt.log.parent.mkdir(parents=True, exist_ok=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        executor.run(attempts, events)
+    except KeyboardInterrupt:
+        bar.write("interrupted: what finished is recorded; run the sweep again to resume")
+        return EXIT_INTERRUPTED
+    except ExecutorError as e:
+        bar.write(f"error: {e}")
+        return EXIT_UNFINISHED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+    statuses = [registry.get(n).status for n in names]
+    return EXIT_OK if all(s == "done" for s in statuses) else EXIT_UNFINISHED

@@ -1,0 +1,124 @@
+"""What every executor shares: one attempt of a run, its command line, its lock and its outcome.
+
+A run is started as ``torchrun ... launch/run.py OPTIONS --run-dir DIR --resume auto``: a first
+attempt starts afresh, a later one continues from the run's newest checkpoint. Each attempt writes
+its output to ``SWEEP/logs/NAME/attempt-K.log``. While a single-node attempt is alive it holds an
+exclusive lock on ``SWEEP/logs/NAME/run.lock``, so a restarted driver never starts a second copy
+of a run that an earlier driver left running. The outcome is read from the run directory: ``summary.json``
+with status ``completed`` means done; anything else is a failure, explained by the last
+``error: ...`` line of the attempt's output.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Protocol
+
+from sweeps.plan import PlannedRun
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_PY = REPO / "launch" / "run.py"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try at a run. ``job`` is set when following a job an earlier driver submitted."""
+
+    run: PlannedRun
+    run_dir: Path
+    log: Path
+    lock: Path
+    job: str | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # done, failed or cancelled
+    error: str | None = None
+    summary: dict | None = None
+
+
+class ExecutorError(RuntimeError):
+    """An executor cannot go on (e.g. sbatch refused a job); the message is one line."""
+
+
+class Events(Protocol):
+    """How an executor reports to the driver (which records everything in the registry)."""
+
+    def start(self, attempt: Attempt) -> bool:
+        """Whether to start ``attempt`` now (False: it was cancelled or finished meanwhile)."""
+
+    def started(self, attempt: Attempt, job: str) -> None:
+        """``attempt`` is running as ``job`` (a process id or a SLURM job id)."""
+
+    def finished(self, attempt: Attempt, outcome: Outcome) -> None:
+        """``attempt`` ended."""
+
+
+class Executor(Protocol):
+    name: str  # recorded with each job: "local" or "slurm"
+
+    def run(self, attempts: list[Attempt], events: Events) -> None:
+        """Run every attempt, reporting to ``events``; return when all have ended."""
+
+
+def torchrun_command(attempt: Attempt) -> list[str]:
+    """A single-node command: torchrun with a private rendezvous and the run's process count."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={attempt.run.launch.nproc}", str(RUN_PY), *attempt.run.args,
+            "--run-dir", str(attempt.run_dir), "--resume", "auto"]
+
+
+def environment(threads: int) -> dict[str, str]:
+    """The driver's environment with the threads per process set (torchrun would otherwise pick 1)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+
+
+def open_lock(path: Path) -> IO[bytes]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "ab")
+
+
+def try_lock(lock: IO[bytes]) -> bool:
+    """Take the run's lock if no live attempt holds it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def error_line(*logs: Path) -> str | None:
+    """The last ``error: ...`` line in the first of ``logs`` that holds one."""
+    for log in logs:
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found = next((line.strip() for line in reversed(lines) if line.startswith("error: ")), None)
+        if found:
+            return found
+    return None
+
+
+def outcome(attempt: Attempt, failure: str, more_logs: list[Path] | tuple[Path, ...] = ()) -> Outcome:
+    """Done if the run directory holds a completed summary; else failed, with the error line the attempt
+    printed (in its log, else in ``more_logs``), or ``failure`` (e.g. the exit code) when it printed none."""
+    summary = read_summary(attempt.run_dir)
+    if summary is not None and summary.get("status") == "completed":
+        return Outcome("done", summary=summary)
+    line = error_line(attempt.log, *more_logs)
+    return Outcome("failed", error=line or f"{failure} (no error line; see {attempt.log})")

@@ -1,0 +1,100 @@
+"""The local executor: runs one after another, or several at once, each through torchrun.
+
+Runs are child processes of the driver. On Linux each gets SIGTERM when the driver dies (even by
+SIGKILL), so it checkpoints and stops; elsewhere it finishes on its own, and a restarted driver
+waits for its lock before running it again. Ctrl-C or SIGTERM to the driver stops the runs the
+same way and records them as failed (a later ``run`` resumes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO
+
+from sweeps.executors.attempt import Attempt, Events, environment, open_lock, outcome, torchrun_command, try_lock
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalExecutor:
+    """Up to ``parallel`` runs at once, each process with ``threads`` threads."""
+
+    name = "local"
+
+    def __init__(self, parallel: int = 1, threads: int = 0, poll_s: float = 0.2):
+        self.parallel = parallel
+        self.poll_s = poll_s
+        self.threads = threads
+
+    def _threads(self, attempt: Attempt) -> int:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return self.threads or max(1, cores // (self.parallel * attempt.run.launch.world_size))
+
+    def run(self, attempts: list[Attempt], events: Events) -> None:
+        """Run every attempt, the longest (by the plan's estimate) first, so that runs done side by side end
+        together; return when all have ended (re-raises KeyboardInterrupt after stopping them)."""
+        queue = deque(sorted(attempts, key=lambda a: -a.run.est_seconds))
+        active: dict[subprocess.Popen, tuple[Attempt, IO[bytes], IO[bytes]]] = {}
+        try:
+            while queue or active:
+                while queue and len(active) < self.parallel:
+                    attempt = queue.popleft()
+                    if not events.start(attempt):
+                        continue
+                    lock = open_lock(attempt.lock)
+                    if not try_lock(lock):
+                        print(f"waiting for an earlier attempt of '{attempt.run.name}' to stop", file=sys.stderr)
+                        fcntl.flock(lock, fcntl.LOCK_EX)
+                    if not events.start(attempt):  # the earlier attempt may have finished it
+                        lock.close()
+                        continue
+                    log = open(attempt.log, "ab")
+                    proc = subprocess.Popen(torchrun_command(attempt), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=environment(self._threads(attempt)),
+                                            pass_fds=(lock.fileno(),), preexec_fn=_die_with_parent)
+                    active[proc] = (attempt, log, lock)
+                    events.started(attempt, str(proc.pid))
+                for proc in [p for p in active if p.poll() is not None]:
+                    self._finish(proc, active.pop(proc), events)
+                time.sleep(self.poll_s)
+        except KeyboardInterrupt:
+            for proc in active:
+                proc.send_signal(signal.SIGTERM)  # the run writes a checkpoint and stops
+            for proc, entry in active.items():
+                proc.wait()
+                self._finish(proc, entry, events)
+            raise
+
+    @staticmethod
+    def _finish(proc: subprocess.Popen, entry: tuple[Attempt, IO[bytes], IO[bytes]], events: Events) -> None:
+        attempt, log, lock = entry
+        log.close()
+        lock.close()
+        events.finished(attempt, outcome(attempt, f"exit code {proc.returncode}"))
+
+
+def stop(pid: int, lock: Path) -> bool:
+    """SIGTERM the attempt running as ``pid`` if it is still alive (it holds the run's lock); True if signalled."""
+    with open_lock(lock) as held:
+        if try_lock(held):
+            return False  # nothing alive holds the lock: the process is gone (its pid may be reused)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        return True
+    return False

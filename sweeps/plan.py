@@ -1,0 +1,195 @@
+"""The planner: budgets × shapes → runs, each with its shape, token count, learning rate, batch and launch.
+
+For a budget C and a shape with F FLOPs per token (``lab.accounting.flops_per_token``), the run's
+token count is D = C / F rounded to whole batches, so it spends C to within half a batch; its
+schedule spans exactly those tokens. The learning rate and the batch (in tokens) come from the
+sweep's power rules at the shape's N; the batch is rounded to a multiple of what one micro-step of
+all processes takes (micro_batch × block_size × world size). Entries that cannot run (a shape that
+cannot exist, D below one batch, two entries giving the same run) are refused with one line each.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lab import accounting
+from lab.config import RunConfig
+
+from sweeps.shapes import family_shape, model_config, vocab_size
+from sweeps.spec import Launch, SpecError, Sweep, check_name
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a sweep: what it is (its command-line options) and how it is launched."""
+
+    name: str
+    budget: float  # C asked for
+    target: float | None  # the size it was planned for (family), else None
+    shape: dict[str, int]
+    params: int
+    params_non_embedding: int
+    flops_per_token: float
+    tokens: int  # D
+    batch_tokens: int
+    lr: float
+    launch: Launch
+    args: tuple[str, ...]  # launch/run.py options, without --run-dir and --resume
+    est_seconds: float
+
+    @property
+    def flops(self) -> float:
+        """Compute the run spends: F × D."""
+        return self.flops_per_token * self.tokens
+
+    @property
+    def config_hash(self) -> str:
+        """Identity of what the run computes: its options, process count and nodes (not its name)."""
+        key = json.dumps({"args": list(self.args), "nproc": self.launch.nproc, "nodes": self.launch.nodes})
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["args"] = list(self.args)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PlannedRun":
+        return cls(**{**d, "launch": Launch(**d["launch"]), "args": tuple(d["args"])})
+
+
+@dataclass
+class Plan:
+    runs: list[PlannedRun]
+    refused: list[str]  # one line per entry that cannot run
+
+
+def format_flops(c: float) -> str:
+    """3e12, 1.5e13: short and stable, for run names."""
+    mantissa, exponent = f"{c:.3g}".split("e") if "e" in f"{c:.3g}" else (f"{c:.3g}", "0")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _option(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def run_args(base: dict[str, dict[str, Any]], planned: dict[str, dict[str, Any]]) -> tuple[str, ...]:
+    """``--section.field value`` options for ``[base]`` with the planner's fields on top, sorted."""
+    tree = copy.deepcopy(base)
+    for section, values in planned.items():
+        tree.setdefault(section, {}).update(values)
+    return tuple(item for section in sorted(tree) for key in sorted(tree[section])
+                 for item in (f"--{section}.{key}", _option(tree[section][key])))
+
+
+def launch_for(sweep: Sweep, params: float, entry_launch: dict[str, Any]) -> Launch:
+    """Sweep defaults, then each matching ``[[launch.by_size]]`` rule in order, then the shape's own settings."""
+    launch = sweep.launch
+    for rule in sweep.launch_rules:
+        if rule.min_params <= params < rule.max_params:
+            launch = dataclasses.replace(launch, **rule.settings)
+    return dataclasses.replace(launch, **entry_launch)
+
+
+def _shapes(sweep: Sweep) -> tuple[list[tuple[str, float | None, dict, dict]], list[str]]:
+    """(shape name, target size, model fields, launch settings) per shape, and refusals."""
+    shapes, refused = [], []
+    if sweep.family is None:
+        return [(e.name, None, e.model, e.launch) for e in sweep.shapes], refused
+    for size in sweep.sizes:
+        try:
+            s = family_shape(size, sweep.family, sweep.count, sweep.base)
+        except SpecError as e:
+            refused.append(f"size {size:.3g}: {e}")
+            continue
+        shapes.append((f"L{s['n_layer']}-d{s['d_model']}", size, s, {}))
+    return shapes, refused
+
+
+def plan(sweep: Sweep) -> Plan:
+    """Every run of ``sweep`` in budget order, and a one-line refusal for each entry that cannot run."""
+    shapes, refused = _shapes(sweep)
+    train = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train
+    runs: list[PlannedRun] = []
+    by_name: dict[str, str] = {}
+    by_hash: dict[str, str] = {}
+    for budget in sweep.budgets:
+        for shape_name, target, shape, entry_launch in shapes:
+            where = f"budget {budget:.3g}, " + (f"size {target:.3g} ({shape_name})" if target else f"shape {shape_name}")
+            try:
+                cfg = model_config(sweep.base, shape)
+            except SpecError as e:
+                refused.append(f"{where}: {e}")
+                continue
+            counts = accounting.param_counts(cfg)
+            n = counts.total if sweep.count == "total" else counts.non_embedding
+            launch = launch_for(sweep, n, entry_launch)
+            unit = train.micro_batch * cfg.block_size * launch.world_size
+            batch = unit * max(1, round(sweep.batch_tokens.at(n) / unit))
+            fpt = accounting.flops_per_token(cfg)
+            tokens = budget / fpt
+            if tokens < batch:
+                refused.append(f"{where}: D = {tokens:,.0f} tokens is below one batch ({batch:,} tokens)")
+                continue
+            tokens = batch * round(tokens / batch)
+            lr = float(f"{sweep.lr.at(n):.4g}")
+            args = run_args(sweep.base, {
+                "model": {**shape, "vocab_size": vocab_size(sweep.base)},
+                "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch},
+                "parallel": {"strategy": launch.strategy},
+            })
+            eval_flops = fpt / 3 * train.eval_tokens  # forward only
+            est = (sweep.overhead_s + tokens // batch * sweep.step_s
+                   + (fpt * tokens + eval_flops) / (sweep.flops_per_s * launch.world_size))
+            name = f"C{format_flops(budget)}-{shape_name}"
+            try:
+                check_name(name, "run name")
+            except SpecError as e:
+                refused.append(f"{where}: {e}")
+                continue
+            run = PlannedRun(name=name, budget=budget, target=target, shape=dict(shape), params=counts.total,
+                             params_non_embedding=counts.non_embedding, flops_per_token=fpt, tokens=tokens,
+                             batch_tokens=batch, lr=lr, launch=launch, args=args, est_seconds=est)
+            if name in by_name:
+                refused.append(f"{where}: duplicate run '{name}' (same name as {by_name[name]})")
+                continue
+            if run.config_hash in by_hash:
+                refused.append(f"{where}: same config as run '{by_hash[run.config_hash]}'")
+                continue
+            by_name[name], by_hash[run.config_hash] = where, name
+            runs.append(run)
+    return Plan(runs=runs, refused=refused)
+
+
+def table(runs: list[PlannedRun], count_which: str = "total", parallel: int = 1) -> str:
+    """The plan as a fixed-width text table, with totals (``parallel``: local runs at once)."""
+    head = f"{'run':<24} {'N':>10} {'shape':>14} {'D (tokens)':>12} {'C (FLOPs)':>10} {'batch':>7} " \
+           f"{'lr':>8} {'launch':>14} {'est. time':>9}"
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        n = r.params if count_which == "total" else r.params_non_embedding
+        shape = f"{r.shape['n_layer']}×{r.shape['d_model']}/{r.shape['n_head']}h"
+        launch = f"{r.launch.strategy}×{r.launch.world_size}"
+        lines.append(f"{r.name:<24} {n:>10,} {shape:>14} {r.tokens:>12,} {r.flops:>10.3g} {r.batch_tokens:>7,} "
+                     f"{r.lr:>8.3g} {launch:>14} {_duration(r.est_seconds):>9}")
+    total = sum(r.est_seconds for r in runs)
+    lines.append(f"{len(runs)} runs, {sum(r.flops for r in runs):.3g} FLOPs, estimated {_duration(total)} one after "
+                 f"another" + (f", about {_duration(total / parallel)} with {parallel} at once" if parallel > 1 else ""))
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+

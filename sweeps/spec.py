@@ -1,0 +1,329 @@
+"""Sweep files: a TOML description of an IsoFLOP grid, parsed and checked into a :class:`Sweep`.
+
+Every problem raises :class:`SpecError` with one line meant for the user; see ``sweeps/tiny_isoflop.toml``
+for a commented example and the README section "Sweeps" for each table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab.config import ConfigError, RunConfig, TrainConfig
+
+
+class SpecError(ValueError):
+    """A sweep file that cannot be planned; the message is one line."""
+
+
+# Fields the planner sets for every run; a sweep file may not fix them in [base].
+PLANNED_FIELDS = {"model": ("n_layer", "d_model", "n_head"), "train": ("tokens", "lr", "batch_tokens"),
+                  "parallel": ("strategy",)}
+SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
+NAME_RE = re.compile(r"^[^/\x00-\x1f\x7f]+$")  # one path component, printable on one line
+
+
+@dataclass(frozen=True)
+class PowerRule:
+    """``value × (N / reference) ** exponent``: a per-model hyperparameter from its parameter count."""
+
+    value: float
+    exponent: float = 0.0
+    reference: float = 1e5
+
+    def at(self, params: float) -> float:
+        return self.value * (params / self.reference) ** self.exponent
+
+
+@dataclass(frozen=True)
+class Family:
+    """The depth/width rule that turns a target N into a shape (see ``sweeps.shapes``)."""
+
+    aspect: float = 32.0
+    width_multiple: int = 64
+    head_dim: int = 64
+    max_layers: int = 48
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one run is started and what it may use."""
+
+    strategy: str = "single"
+    nproc: int = 1  # processes per node (torchrun --nproc_per_node)
+    nodes: int = 1  # > 1: an sbatch script running torchrun with c10d rendezvous on every node
+    cpus_per_proc: int = 1
+    gpus_per_proc: int = 0
+    mem_gb: float = 4.0  # per node
+    time_min: int = 60
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nodes
+
+
+@dataclass(frozen=True)
+class LaunchRule:
+    """``[[launch.by_size]]``: launch settings for runs whose N lies in [min_params, max_params)."""
+
+    min_params: float
+    max_params: float
+    settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ShapeEntry:
+    """An explicit shape from ``[[shapes.list]]``: model fields plus optional launch settings."""
+
+    name: str
+    model: dict[str, Any]
+    launch: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    folder: Path
+    budgets: tuple[float, ...]
+    sizes: tuple[float, ...]  # target N for the family (empty with an explicit list)
+    count: str  # which count the sizes and launch rules refer to: total or non_embedding
+    family: Family | None
+    shapes: tuple[ShapeEntry, ...]
+    lr: PowerRule
+    batch_tokens: PowerRule
+    launch: Launch
+    launch_rules: tuple[LaunchRule, ...]
+    base: dict[str, dict[str, Any]]  # [base] tables, as a run config file would hold them
+    flops_per_s: float  # assumed model FLOP/s per process, for the plan's time estimate
+    step_s: float  # fixed cost of one optimizer step (dominant for tiny models on a CPU)
+    overhead_s: float  # start-up per run
+    parallel: int  # local executor: runs at once
+    threads: int  # local executor: threads per process (0: cores / (parallel × nproc))
+    slurm: dict[str, Any] = field(default_factory=dict)  # partition, account, qos, array_parallelism, ...
+    source: str = ""  # the file's text, kept in the sweep folder
+
+
+_TABLES = {
+    "sweep": {"name", "folder", "budgets", "sizes", "count"},
+    "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "list"},
+    "rules": {"lr", "batch_tokens"},
+    "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
+    "base": {"model", "data", "train", "parallel"},
+    "estimate": {"flops_per_s", "step_s", "overhead_s"},
+    "local": {"parallel", "threads"},
+    "slurm": {"partition", "account", "qos", "constraint", "array_parallelism", "setup", "poll_s"},
+}
+
+
+def _table(doc: dict, name: str) -> dict[str, Any]:
+    value = doc.get(name, {})
+    if not isinstance(value, dict):
+        raise SpecError(f"[{name}] must be a table")
+    unknown = sorted(set(value) - _TABLES[name])
+    if unknown:
+        raise SpecError(f"[{name}]: unknown key '{unknown[0]}' (known: {', '.join(sorted(_TABLES[name]))})")
+    return value
+
+
+def _number(value: Any, where: str, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(f"{where} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise SpecError(f"{where} must be positive, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _numbers(value: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(value, list):
+        raise SpecError(f"{where} must be a list of numbers")
+    numbers = tuple(_number(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if len(set(numbers)) != len(numbers):
+        raise SpecError(f"{where} has duplicate values")
+    return numbers
+
+
+def check_name(name: Any, where: str) -> str:
+    """A run or sweep name: any text that is one path component (no '/', no control characters, no leading '.')."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or name.startswith(".") or len(name) > 120:
+        raise SpecError(f"{where} must be 1-120 characters with no '/', no control characters and no leading '.', "
+                        f"got {name!r}")
+    return name
+
+
+def _rule(value: Any, where: str, default: float) -> PowerRule:
+    if value is None:
+        return PowerRule(default)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return PowerRule(_number(value, where))
+    if not isinstance(value, dict) or set(value) - {"value", "exponent", "reference"} or "value" not in value:
+        raise SpecError(f"{where} must be a number or {{ value = V, exponent = E, reference = N }}")
+    return PowerRule(_number(value["value"], f"{where}.value"),
+                     _number(value.get("exponent", 0.0), f"{where}.exponent", positive=False),
+                     _number(value.get("reference", 1e5), f"{where}.reference"))
+
+
+def check_launch(settings: dict[str, Any], where: str) -> dict[str, Any]:
+    """Validate launch settings (a subset of :class:`Launch`'s fields) and return them."""
+    known = [f.name for f in dataclasses.fields(Launch)]
+    for key, value in settings.items():
+        if key not in known:
+            raise SpecError(f"{where}: unknown launch setting '{key}' (known: {', '.join(known)})")
+        if key == "strategy":
+            if not isinstance(value, str) or not value:
+                raise SpecError(f"{where}.strategy must be a non-empty string")
+        elif key == "mem_gb":
+            _number(value, f"{where}.mem_gb")
+        else:
+            _integer(value, f"{where}.{key}", minimum=0 if key == "gpus_per_proc" else 1)
+    return dict(settings)
+
+
+def _base(value: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    try:
+        RunConfig.from_dict(value)  # unknown sections or options, wrong types
+    except ConfigError as e:
+        raise SpecError(f"[base]: {e}") from None
+    for section, fields in PLANNED_FIELDS.items():
+        for name in fields:
+            if name in value.get(section, {}):
+                raise SpecError(f"[base.{section}] sets '{name}', which the planner sets for every run")
+    if "preset" in value.get("model", {}):
+        raise SpecError("[base.model] sets 'preset'; give the fields it would set instead")
+    return value
+
+
+def _shape_list(items: Any) -> tuple[ShapeEntry, ...]:
+    if not isinstance(items, list) or not items:
+        raise SpecError("[[shapes.list]] must hold at least one shape")
+    entries = []
+    for i, item in enumerate(items):
+        where = f"shapes.list[{i}]"
+        if not isinstance(item, dict):
+            raise SpecError(f"{where} must be a table")
+        item = dict(item)
+        name = check_name(item.pop("name", None), f"{where}.name")
+        launch = check_launch(item.pop("launch", {}), f"{where}.launch")
+        for key in ("n_layer", "d_model", "n_head"):
+            if key not in item:
+                raise SpecError(f"{where} ({name}) needs '{key}'")
+        unknown = sorted(set(item) - set(SHAPE_KEYS))
+        if unknown:
+            raise SpecError(f"{where} ({name}): unknown key '{unknown[0]}' (known: name, launch, {', '.join(SHAPE_KEYS)})")
+        entries.append(ShapeEntry(name=name, model=item, launch=launch))
+    return tuple(entries)
+
+
+def _shape_source(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family | None, tuple[float, ...],
+                                                                           tuple[ShapeEntry, ...]]:
+    """(family, sizes, explicit shapes) from [sweep] and [shapes]."""
+    family_name = shapes.get("family", "aspect")
+    if family_name == "list":
+        if "sizes" in sweep:
+            raise SpecError("[sweep] sizes are for the 'aspect' family; an explicit list sets its own shapes")
+        return None, (), _shape_list(shapes.get("list"))
+    if family_name != "aspect":
+        raise SpecError(f"[shapes] family must be 'aspect' or 'list', got {family_name!r}")
+    if "list" in shapes:
+        raise SpecError("[shapes] has a list but family is 'aspect'; set family = \"list\"")
+    if "sizes" not in sweep:
+        raise SpecError("[sweep] needs 'sizes' (target N) with the 'aspect' shape family")
+    family = Family(aspect=_number(shapes.get("aspect", Family.aspect), "[shapes] aspect"),
+                    width_multiple=_integer(shapes.get("width_multiple", Family.width_multiple),
+                                            "[shapes] width_multiple"),
+                    head_dim=_integer(shapes.get("head_dim", Family.head_dim), "[shapes] head_dim"),
+                    max_layers=_integer(shapes.get("max_layers", Family.max_layers), "[shapes] max_layers"))
+    if family.width_multiple % family.head_dim:
+        raise SpecError(f"[shapes] head_dim ({family.head_dim}) must divide width_multiple "
+                        f"({family.width_multiple}) so that heads divide every width")
+    return family, _numbers(sweep["sizes"], "[sweep] sizes"), ()
+
+
+def _launch_rules(by_size: Any) -> tuple[LaunchRule, ...]:
+    if not isinstance(by_size, list):
+        raise SpecError("[[launch.by_size]] must be a list of tables")
+    rules = []
+    for i, rule in enumerate(by_size):
+        where = f"launch.by_size[{i}]"
+        if not isinstance(rule, dict):
+            raise SpecError(f"{where} must be a table")
+        rule = dict(rule)
+        lo = _number(rule.pop("min_params", 0.0), f"{where}.min_params", positive=False)
+        hi = _number(rule.pop("max_params"), f"{where}.max_params") if "max_params" in rule else math.inf
+        rules.append(LaunchRule(lo, hi, check_launch(rule, where)))
+    return tuple(rules)
+
+
+def _slurm(slurm: dict[str, Any]) -> dict[str, Any]:
+    for key in ("partition", "account", "qos", "constraint"):
+        if key in slurm and (not isinstance(slurm[key], str) or not slurm[key]):
+            raise SpecError(f"[slurm] {key} must be a non-empty string")
+    if "array_parallelism" in slurm:
+        _integer(slurm["array_parallelism"], "[slurm] array_parallelism")
+    if "poll_s" in slurm:
+        _number(slurm["poll_s"], "[slurm] poll_s")
+    if "setup" in slurm and not (isinstance(slurm["setup"], list) and all(isinstance(x, str) for x in slurm["setup"])):
+        raise SpecError("[slurm] setup must be a list of shell lines")
+    return slurm
+
+
+def parse(text: str, source: str = "sweep file", folder: str | Path | None = None) -> Sweep:
+    """Parse and check a sweep file's text; ``folder`` overrides ``[sweep] folder``."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{source}: invalid TOML ({e})") from None
+    unknown = sorted(set(doc) - set(_TABLES))
+    if unknown:
+        raise SpecError(f"{source}: unknown table [{unknown[0]}] (known: {', '.join(_TABLES)})")
+    sweep, shapes, rules = _table(doc, "sweep"), _table(doc, "shapes"), _table(doc, "rules")
+    launch, estimate, local = dict(_table(doc, "launch")), _table(doc, "estimate"), _table(doc, "local")
+    base = _base(_table(doc, "base"))
+
+    name = check_name(sweep.get("name"), "[sweep] name")
+    if folder is None and not isinstance(sweep.get("folder", ""), str):
+        raise SpecError("[sweep] folder must be a path (a string)")
+    if "budgets" not in sweep:
+        raise SpecError("[sweep] needs 'budgets' (training FLOPs per run)")
+    budgets = _numbers(sweep["budgets"], "[sweep] budgets")
+    count = sweep.get("count", "total")
+    if count not in ("total", "non_embedding"):
+        raise SpecError(f"[sweep] count must be total or non_embedding, got {count!r}")
+
+    family, sizes, entries = _shape_source(sweep, shapes)
+    launch_rules = _launch_rules(launch.pop("by_size", []))
+    slurm = _slurm(_table(doc, "slurm"))
+
+    defaults = TrainConfig()
+    return Sweep(
+        name=name,
+        folder=Path(folder if folder is not None else sweep.get("folder", Path("runs/sweeps") / name)).absolute(),
+        budgets=budgets, sizes=sizes, count=count, family=family, shapes=entries,
+        lr=_rule(rules.get("lr"), "[rules] lr", defaults.lr),
+        batch_tokens=_rule(rules.get("batch_tokens"), "[rules] batch_tokens", defaults.batch_tokens),
+        launch=Launch(**check_launch(launch, "[launch]")), launch_rules=launch_rules, base=base,
+        flops_per_s=_number(estimate.get("flops_per_s", 3e10), "[estimate] flops_per_s"),
+        step_s=_number(estimate.get("step_s", 0.0), "[estimate] step_s", positive=False),
+        overhead_s=_number(estimate.get("overhead_s", 5.0), "[estimate] overhead_s", positive=False),
+        parallel=_integer(local.get("parallel", 1), "[local] parallel"),
+        threads=_integer(local.get("threads", 0), "[local] threads", minimum=0),
+        slurm=slurm, source=text,
+    )
+
+
+def load(path: str | Path, folder: str | Path | None = None) -> Sweep:
+    """Read and parse a sweep file."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"sweep file not found: {p}")
+    return parse(p.read_text(), source=str(p), folder=folder)

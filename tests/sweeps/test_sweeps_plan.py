@@ -1,0 +1,207 @@
+"""Sweep files and the planner: shapes from a target N, D from C, rules, refusals, the plan command."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from lab import accounting
+from lab.config import ModelConfig
+from sweeps import plan as planner
+from sweeps import shapes, spec
+
+FAMILY = """
+[sweep]
+name = "fam"
+budgets = [1e13, 1e14]
+sizes = [3e5, 1e6, 3e6, 1e7]
+[shapes]
+aspect = 32
+width_multiple = 64
+head_dim = 64
+[rules]
+lr = { value = 2e-3, exponent = -0.5, reference = 1e6 }
+batch_tokens = { value = 16384, exponent = 0.5, reference = 1e6 }
+[base]
+model = { block_size = 256 }
+data = { vocab_size = 4096 }
+train = { micro_batch = 8 }
+[launch]
+strategy = "single"
+[[launch.by_size]]
+min_params = 2e6
+strategy = "ddp"
+nproc = 2
+"""
+
+
+def parse(text: str, **kw) -> spec.Sweep:
+    return spec.parse(text, folder="/tmp/unused", **kw)
+
+
+def test_family_shapes_follow_the_documented_rule():
+    sweep = parse(FAMILY)
+    for target in sweep.sizes:
+        s = shapes.family_shape(target, sweep.family, "total", sweep.base)
+        assert s["d_model"] % 64 == 0 and s["d_model"] % s["n_head"] == 0 and s["d_model"] // s["n_head"] == 64
+
+        def error(layers: int, width: int) -> float:
+            shape = {"n_layer": layers, "d_model": width, "n_head": width // 64}
+            return abs(math.log(shapes.count(shapes.model_config(sweep.base, shape), "total") / target))
+        # width: no other multiple of 64 at depth round(width / aspect) gets N nearer the target
+        aspect_error = {w: error(max(1, math.floor(w / 32 + 0.5)), w) for w in range(64, 2049, 64)}
+        assert aspect_error[s["d_model"]] == min(aspect_error.values())
+        # depth: no other depth at that width gets N nearer the target
+        best = error(s["n_layer"], s["d_model"])
+        assert all(best <= error(L, s["d_model"]) for L in range(1, 49))
+        assert best < math.log(1.3)  # and it lands within 30 % here
+
+
+def test_each_run_spends_its_budget_with_its_own_token_count():
+    result = planner.plan(parse(FAMILY))
+    assert not result.refused and len(result.runs) == 8
+    for run in result.runs:
+        cfg = ModelConfig(**{**run.shape, "block_size": 256, "vocab_size": 4096})
+        fpt = accounting.flops_per_token(cfg)
+        assert run.flops_per_token == fpt and run.params == accounting.param_counts(cfg).total
+        assert run.tokens % run.batch_tokens == 0
+        assert abs(run.flops - run.budget) <= fpt * run.batch_tokens / 2  # within half a batch of C
+        args = dict(zip(run.args[::2], run.args[1::2]))
+        assert args["--train.tokens"] == str(run.tokens)  # the schedule spans exactly D
+        assert args["--model.d_model"] == str(run.shape["d_model"]) and args["--model.vocab_size"] == "4096"
+
+
+def test_rules_set_lr_batch_and_launch_per_model():
+    runs = planner.plan(parse(FAMILY)).runs
+    for run in runs:
+        assert run.lr == pytest.approx(2e-3 * (run.params / 1e6) ** -0.5, rel=1e-3)
+        unit = 8 * 256 * run.launch.world_size  # micro_batch × block_size × processes
+        assert run.batch_tokens % unit == 0
+        assert abs(run.batch_tokens - 16384 * (run.params / 1e6) ** 0.5) <= unit / 2
+        big = run.params >= 2e6
+        assert (run.launch.strategy, run.launch.nproc) == (("ddp", 2) if big else ("single", 1))
+        args = dict(zip(run.args[::2], run.args[1::2]))
+        assert args["--parallel.strategy"] == run.launch.strategy
+    assert {r.launch.strategy for r in runs} == {"single", "ddp"}
+
+
+def test_run_names_and_config_hashes_are_unique_and_stable():
+    a, b = planner.plan(parse(FAMILY)).runs, planner.plan(parse(FAMILY)).runs
+    assert [r.config_hash for r in a] == [r.config_hash for r in b]
+    assert len({r.name for r in a}) == len({r.config_hash for r in a}) == len(a)
+    assert a[0].name == "C1e13-" + f"L{a[0].shape['n_layer']}-d{a[0].shape['d_model']}"
+    assert planner.PlannedRun.from_dict(a[0].to_dict()) == a[0]
+
+
+LIST = """
+[sweep]
+name = "list"
+budgets = [1e12, 1e15]
+[shapes]
+family = "list"
+[[shapes.list]]
+name = "ok"
+n_layer = 2
+d_model = 64
+n_head = 2
+[[shapes.list]]
+name = "bad-heads"
+n_layer = 2
+d_model = 64
+n_head = 3
+[[shapes.list]]
+name = "huge"
+n_layer = 24
+d_model = 1024
+n_head = 16
+[[shapes.list]]
+name = "ok-again"
+n_layer = 2
+d_model = 64
+n_head = 2
+[rules]
+batch_tokens = 8192
+[base]
+model = { block_size = 64 }
+data = { vocab_size = 512 }
+train = { micro_batch = 16 }
+"""
+
+
+def test_impossible_entries_are_refused_one_line_each():
+    result = planner.plan(parse(LIST))
+    refused = "\n".join(result.refused)
+    assert len(result.refused) == 5, refused
+    assert all("\n" not in line for line in result.refused)
+    assert sum("n_head (3) must divide model.d_model (64)" in r for r in result.refused) == 2
+    assert "budget 1e+12, shape huge: D = 545 tokens is below one batch (8,192 tokens)" in result.refused
+    assert "budget 1e+12, shape ok-again: same config as run 'C1e12-ok'" in result.refused
+    assert "budget 1e+15, shape ok-again: same config as run 'C1e15-ok'" in result.refused
+    assert [r.name for r in result.runs] == ["C1e12-ok", "C1e15-ok", "C1e15-huge"]
+
+
+def test_family_sizes_that_round_to_one_shape_are_refused():
+    text = FAMILY.replace("sizes = [3e5, 1e6, 3e6, 1e7]", "sizes = [1e6, 1.01e6]")
+    result = planner.plan(parse(text))
+    assert len(result.runs) == 2 and len(result.refused) == 2
+    assert all("duplicate run" in r for r in result.refused)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, -1]"), "[sweep] budgets[1] must be positive"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e13]"), "[sweep] budgets has duplicate values"),
+    (("aspect = 32", "aspect = 32\nwidth = 3"), "[shapes]: unknown key 'width'"),
+    (("head_dim = 64", "head_dim = 48"), "head_dim (48) must divide width_multiple (64)"),
+    (("train = { micro_batch = 8 }", "train = { micro_batch = 8, tokens = 5 }"),
+     "[base.train] sets 'tokens', which the planner sets"),
+    (("train = { micro_batch = 8 }", "train = { micro_batch = 8, warmpu = 0.1 }"), "unknown option 'train.warmpu'"),
+    (('name = "fam"', 'name = "a/b"'), "[sweep] name must be"),
+    (('name = "fam"', 'name = "a\\nb"'), "no control characters"),
+    (("model = { block_size = 256 }", "model = 3"), "[base]: config: 'model' must be a table"),
+    (("[launch]", '[slurm]\npartition = 3\n[launch]'), "[slurm] partition must be a non-empty string"),
+    (("nproc = 2", "nproc = 0"), "launch.by_size[0].nproc must be an integer >= 1"),
+    (("[rules]", "[rulez]"), "unknown table [rulez]"),
+    (("sizes = [3e5, 1e6, 3e6, 1e7]", "sizes = 3"), "[sweep] sizes must be a list of numbers"),
+])
+def test_bad_sweep_files_fail_with_one_line(edit, message):
+    with pytest.raises(spec.SpecError) as info:
+        parse(FAMILY.replace(*edit))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_plan_command_prints_the_table_and_refuses_with_one_line_each(tmp_path, sweeps_cli):
+    good = tmp_path / "good.toml"
+    good.write_text(FAMILY)
+    proc = sweeps_cli("plan", good, "--folder", tmp_path / "out", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].split()[:6] == ["run", "N", "shape", "D", "(tokens)", "C"] and "est. time" in lines[1]
+    assert sum(line.startswith("C1e1") for line in lines) == 8
+    assert lines[-1].startswith("8 runs, ")
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(LIST)
+    proc = sweeps_cli("plan", bad, "--folder", tmp_path / "out", timeout=120)
+    assert proc.returncode == 2
+    errors = proc.stderr.splitlines()
+    assert len(errors) == 5 and all(e.startswith("error: ") for e in errors)
+
+    proc = sweeps_cli("plan", tmp_path / "missing.toml", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: sweep file not found: {tmp_path / 'missing.toml'}"]
+
+
+def test_the_default_sweep_plans_three_budgets_by_five_sizes():
+    sweep = spec.load(Path(__file__).resolve().parents[2] / "sweeps" / "tiny_isoflop.toml", folder="/tmp/unused")
+    result = planner.plan(sweep)
+    assert not result.refused and len(sweep.budgets) >= 3 and len(sweep.sizes) >= 5
+    assert len(result.runs) == len(sweep.budgets) * len(sweep.sizes)
+    for budget in sweep.budgets:
+        runs = [r for r in result.runs if r.budget == budget]
+        assert len({r.params for r in runs}) == len(sweep.sizes)  # five distinct models per budget
+        assert all(abs(r.flops / budget - 1) < 0.01 for r in runs)
+    # the plan's own estimate, calibrated on the development machine, stays near 10 minutes with 2 at once
+    assert sum(r.est_seconds for r in result.runs) / sweep.parallel < 12 * 60

@@ -1,0 +1,286 @@
+"""The SLURM executor against a real single-node cluster on localhost (sweeps/slurm/local_cluster.sh):
+arrays, a failing run, a cancelled run, a driver killed and restarted mid-sweep, quoting, and the
+multi-node sbatch script (torchrun with c10d rendezvous) run on one node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "sweeps" / "slurm" / "local_cluster.sh"
+SHAPES = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2},
+          {"name": "mid", "n_layer": 2, "d_model": 48, "n_head": 2},
+          {"name": "wide", "n_layer": 2, "d_model": 64, "n_head": 2}]
+SLURM = '[slurm]\npartition = "debug"\npoll_s = 0.5\n[launch]\nmem_gb = 1\ntime_min = 10\n'
+
+
+def _cluster_status() -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running cluster: the one .ci/run started, else one started here (root, packages installed), else skip."""
+    if _cluster_status().returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0 or not shutil.which("slurmctld") or not shutil.which("slurmdbd"):
+        pytest.skip("no SLURM cluster on localhost and none can start here (needs root and Debian's slurmctld, "
+                    "slurmd, slurmdbd, munge, mariadb-server); run sweeps/slurm/local_cluster.sh start")
+    start = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=300)
+    if start.returncode != 0:
+        pytest.skip(f"the local SLURM cluster did not start: {start.stderr.strip().splitlines()[-1:]}")
+    yield
+    subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
+
+
+def sacct_states(job: str) -> dict[str, str]:
+    """{job id: state} of a job (all tasks of an array) from SLURM's accounting."""
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", job], capture_output=True, text=True,
+                         check=True).stdout
+    return {line.split("|")[0]: line.split("|")[1] for line in out.splitlines() if line}
+
+
+def job_id(row: dict) -> str:
+    kind, _, job = row["job"].partition(":")
+    assert kind == "slurm", row["job"]
+    return job
+
+
+def wait_for(predicate, timeout: float = 180, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_sweep(file: Path, folder: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder),
+                           "--executor", "slurm", "--no-progress", *extra], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_arrays_run_every_run_with_its_own_resources(cluster, tmp_path, write_sweep, registry_rows, completions):
+    # small and mid share their resources (one array of two); wide asks for another time limit (its own job)
+    shapes = SHAPES[:2] + [{**SHAPES[2], "launch": {"time_min": 7}}]
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8, 1.2e9], shapes=shapes, extra=SLURM)
+    folder = tmp_path / "sweep"
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = registry_rows(folder)
+    assert len(rows) == 6 and all(r["status"] == "done" and r["attempts"] == 1 for r in rows.values())
+    arrays: dict[str, list[str]] = {}
+    for name, row in rows.items():
+        arrays.setdefault(job_id(row).split("_")[0], []).append(name.split("-", 1)[1])
+    assert sorted(sorted(v) for v in arrays.values()) == [["mid", "mid", "small", "small"], ["wide", "wide"]]
+    for array, names in arrays.items():
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State,Timelimit", "-j", array],
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert len(out) == len(names)
+        assert {line.split("|")[1] for line in out} == {"COMPLETED"}
+        assert {line.split("|")[2] for line in out} == {"00:07:00" if names[0] == "wide" else "00:10:00"}
+    for name, row in rows.items():
+        assert json.loads(row["summary"])["status"] == "completed" and completions(folder, name) == 1
+
+
+def test_array_parameters_carry_each_runs_resources():
+    from sweeps.executors.slurm import array_parameters
+    from sweeps.spec import Launch
+
+    launch = Launch(strategy="ddp", nproc=4, cpus_per_proc=8, gpus_per_proc=1, mem_gb=64, time_min=90)
+    got = array_parameters(launch, {"partition": "gpu", "account": "lab", "array_parallelism": 8}, "sweep-x")
+    assert got == {"job_name": "sweep-x", "time": 90, "nodes": 1, "ntasks_per_node": 1, "cpus_per_task": 32,
+                   "mem": "65536M", "array_parallelism": 8, "gpus_per_node": 4, "partition": "gpu", "account": "lab"}
+
+
+def test_a_failing_run_is_recorded_as_failed_with_its_error_line(cluster, tmp_path, write_sweep, registry_rows,
+                                                                 sweeps_cli):
+    shapes = [SHAPES[0], {**SHAPES[1], "launch": {"strategy": "no-such-strategy"}}]
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=shapes, extra=SLURM)
+    folder = tmp_path / "sweep"
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = registry_rows(folder)
+    assert rows["C6e8-small"]["status"] == "done"
+    bad = rows["C6e8-mid"]
+    assert bad["status"] == "failed" and bad["error"].startswith("error: unknown strategy 'no-such-strategy'")
+    assert sacct_states(job_id(bad))[job_id(bad)] == "FAILED"
+    assert bad["error"] in sweeps_cli("status", folder).stdout
+
+
+def test_a_cancelled_run_is_recorded_as_cancelled(cluster, tmp_path, write_sweep, registry_rows, sweeps_cli):
+    file = write_sweep(tmp_path / "s.toml", budgets=[1e11], shapes=SHAPES[:1], extra=SLURM)  # about 1,400 steps
+    folder = tmp_path / "sweep"
+    driver = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder),
+                               "--executor", "slurm", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    name = "C1e11-small"
+    wait_for(lambda: (folder / "runs" / name / "metrics.jsonl").exists(), what="the job to start training")
+    job = job_id(registry_rows(folder)[name])
+    proc = sweeps_cli("cancel", folder)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{name}: cancelled (scancel {job})"
+    assert driver.wait(timeout=180) == 1
+    row = registry_rows(folder)[name]
+    assert row["status"] == "cancelled"
+    assert wait_for(lambda: sacct_states(job).get(job, "").startswith("CANCELLED"), what="sacct to say CANCELLED")
+    assert f"cancelled {name}" in driver.stdout.read()
+
+
+def test_a_driver_killed_mid_sweep_follows_its_jobs_when_restarted(cluster, tmp_path, write_sweep, registry_rows,
+                                                                   completions):
+    # three runs of a few hundred steps, one at a time (array_parallelism 1)
+    extra = SLURM.replace('poll_s = 0.5', 'poll_s = 0.5\narray_parallelism = 1')
+    file = write_sweep(tmp_path / "s.toml", budgets=[1.5e10], shapes=SHAPES, extra=extra)
+    folder = tmp_path / "sweep"
+    driver = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder),
+                               "--executor", "slurm", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+
+    def one_done_one_training():
+        rows = registry_rows(folder) if (folder / "sweep.db").exists() else {}
+        done = [r for r in rows.values() if r["status"] == "done"]
+        training = [r for r in rows.values() if r["status"] == "running"
+                    and (Path(r["run_dir"]) / "metrics.jsonl").exists()]
+        return bool(done and training)
+
+    wait_for(one_done_one_training, timeout=300, what="a finished run and one in training")
+    before = registry_rows(folder)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+    jobs = {n: job_id(r) for n, r in before.items()}
+    array = next(iter(jobs.values())).split("_")[0]
+    assert any(s in ("RUNNING", "PENDING") for s in sacct_states(array).values())  # the jobs outlive the driver
+
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = registry_rows(folder)
+    for name, row in after.items():
+        assert row["status"] == "done" and row["attempts"] == 1, name  # followed, not submitted again
+        assert job_id(row) == jobs[name] and completions(folder, name) == 1
+    assert set(sacct_states(array).values()) == {"COMPLETED"}
+
+
+NASTY = "it's a \"run\"; touch PWNED-$(id -u) `touch PWNED2` && rm -rf nothing"
+
+
+def test_names_with_spaces_quotes_and_semicolons_stay_inert_on_slurm(cluster, tmp_path, write_sweep, registry_rows):
+    file = write_sweep(tmp_path / "s.toml", name="sweep 'one'; touch PWNED3", budgets=[6e8],
+                       shapes=[{**SHAPES[0], "name": NASTY}], extra=SLURM)
+    folder = tmp_path / "a folder; with 'quotes' \"and\" spaces"
+    proc = run_sweep(file, folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = registry_rows(folder)[f"C6e8-{NASTY}"]
+    assert row["status"] == "done" and Path(row["run_dir"]) == folder / "runs" / f"C6e8-{NASTY}"
+    for place in (REPO, tmp_path, folder, folder / "runs"):
+        assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
+
+
+def _script_attempt(tmp_path, write_sweep, launch: dict, name: str = NASTY, folder: str = "it's; here"):
+    """A planned attempt of one run with these launch settings, in a sweep folder with an awkward name."""
+    from sweeps import plan as planner
+    from sweeps import spec
+    from sweeps.executors.attempt import Attempt
+
+    file = write_sweep(tmp_path / f"{launch['strategy']}.toml", budgets=[6e8],
+                       shapes=[{**SHAPES[0], "name": name, "launch": launch}], extra=SLURM)
+    sweep = spec.load(file, folder=tmp_path / folder)
+    [run] = planner.plan(sweep).runs
+    logs = sweep.folder / "logs" / run.name
+    logs.mkdir(parents=True)
+    return sweep, Attempt(run=run, run_dir=sweep.folder / "runs" / run.name, log=logs / "attempt-1.log",
+                          lock=logs / "run.lock")
+
+
+class _Events:
+    def __init__(self):
+        self.jobs: list[str] = []
+
+    def start(self, attempt):
+        return True
+
+    def started(self, attempt, job):
+        self.jobs.append(job)
+
+
+def test_the_multi_node_script_runs_torchrun_with_c10d_rendezvous(cluster, tmp_path, write_sweep):
+    """The path multi-node runs take (a script from launch/slurm.py, submitted with sbatch), run here on
+    the one node with two processes; then a failing one, whose error line comes from the task logs."""
+    from sweeps.executors.slurm import FINAL_STATES, SlurmExecutor
+
+    sweep, attempt = _script_attempt(tmp_path, write_sweep, {"nproc": 2, "strategy": "ddp"})
+    executor = SlurmExecutor(sweep.folder / "slurm", sweep.name, sweep.slurm, cwd=REPO)
+    events = _Events()
+    _, job = executor.submit_script(attempt, events)
+    assert events.jobs == [job.job_id]
+    state = wait_for(lambda: (s := sacct_states(job.job_id).get(job.job_id, "")) in FINAL_STATES and s,
+                     what="the script job to end")
+    task_logs = "".join(p.read_text() for p in attempt.run_dir.glob(f"logs/slurm-{job.job_id}-task*.out"))
+    assert state == "COMPLETED" and "strategy ddp × 2" in task_logs, task_logs[-2000:]
+    summary = json.loads((attempt.run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["strategy"], summary["world_size"]) == ("completed", "ddp", 2)
+    assert executor._outcome(attempt, job, state).status == "done"
+    script = attempt.log.with_suffix(".sbatch").read_text()
+    assert "--rdzv_backend=c10d" in script and '--nnodes="$SLURM_NTASKS"' in script
+
+    _, failing = _script_attempt(tmp_path, write_sweep, {"strategy": "no-such-strategy"}, name="bad",
+                                 folder="second")
+    _, job = executor.submit_script(failing, events)
+    state = wait_for(lambda: (s := sacct_states(job.job_id).get(job.job_id, "")) in FINAL_STATES and s,
+                     what="the failing script job to end")
+    result = executor._outcome(failing, job, state)
+    assert state == "FAILED" and result.status == "failed"
+    assert result.error.startswith("error: unknown strategy 'no-such-strategy'")
+    for place in (REPO, tmp_path, sweep.folder):
+        assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
+
+
+def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_sweep):
+    """No cluster needed: the script launch/slurm.py writes for a two-node run is run with stand-ins for
+    scontrol and srun that record what they get."""
+    from sweeps.executors.slurm import SLURM_PY, sbatch_options, script_command
+
+    sweep, attempt = _script_attempt(tmp_path, write_sweep,
+                                     {"nproc": 4, "nodes": 2, "strategy": "ddp", "gpus_per_proc": 1},
+                                     folder="it's; $(touch PWNED4) here")
+    script = attempt.log.with_suffix(".sbatch")
+    command = script_command(attempt, sweep.slurm, "sweep-x", script)
+    assert command[:2] == [sys.executable, str(SLURM_PY)] and command[command.index("--") + 1:] == list(attempt.run.args)
+    written = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert written.returncode == 0, written.stderr
+    text = script.read_text()
+    assert all(d in text for d in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=debug",
+                                   "#SBATCH --time=00:10:00", "#SBATCH --cpus-per-task=4"))
+    assert set(sbatch_options(attempt, sweep.slurm)) == {f"--output={attempt.log}", "--open-mode=append",
+                                                        "--mem=1024M"}
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'node-a\\nnode-b\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$ARGS_OUT"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
+           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2"}
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = (tmp_path / "args").read_text().split("\0")[:-1]
+    assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", "--rdzv_id=4242",
+            f"--rdzv_endpoint=node-a:{20000 + 4242}"} <= set(argv)
+    # the run's path and options arrive character for character
+    assert argv[argv.index("launch/run.py"):] == ["launch/run.py", "--run-dir", str(attempt.run_dir), "--resume", "auto",
+                                                  *attempt.run.args]
+    assert NASTY in attempt.run_dir.name
+    for place in (REPO, tmp_path, sweep.folder):
+        assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place

@@ -1,0 +1,98 @@
+"""One run across several machines: two torchrun agents meeting by c10d rendezvous, and the SLURM launcher.
+
+The two agents run on this host (127.0.0.1 only), each standing in for a node with one process;
+each prepares its own copy of the data, as nodes without a shared data disk would.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab.parallel.spawn import free_port
+from lab.slurm import MultiNode, main, sbatch_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def two_nodes(argv: list[str], run_dir: Path) -> list[subprocess.CompletedProcess]:
+    """Start two torchrun agents that meet on a free localhost port, like two nodes of one job."""
+    port = free_port()
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=test-{port}",
+                                "launch/run.py", *argv, "--run-dir", str(run_dir)], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}) for _ in range(2)]
+    return [subprocess.CompletedProcess(a.args, a.wait(timeout=300), *a.communicate()) for a in agents]
+
+
+@pytest.fixture(scope="module")
+def multinode_runs(args, tmp_path_factory):
+    root = tmp_path_factory.mktemp("multinode")
+    single = subprocess.run([sys.executable, "launch/run.py", *args, "--run-dir", str(root / "single")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    runs = {"single": root / "single"}
+    for strategy in ("ddp", "zero2"):
+        cache = root / f"cache-{strategy}"  # not yet prepared: each "node" prepares it
+        argv = [*args, "--strategy", strategy, "--data.cache_dir", str(cache)]
+        for agent in two_nodes(argv, root / strategy):
+            assert agent.returncode == 0, agent.stderr[-3000:]
+        runs[strategy] = root / strategy
+    return runs
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_two_nodes_train_the_single_process_model(multinode_runs, strategy):
+    single, got = losses(multinode_runs["single"]), losses(multinode_runs[strategy])
+    assert len(got) == len(single) == 8
+    assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(single, got))
+    summary = json.loads((multinode_runs[strategy] / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["status"] == "completed"
+
+
+# ---------------------------------------------------------------- the SLURM script
+
+NASTY = "it's a \"run\"; rm -rf ~ $(whoami) %j"
+
+
+def test_the_sbatch_script_quotes_every_value(tmp_path):
+    run_dir = tmp_path / NASTY
+    script = sbatch_script(MultiNode(run_dir=run_dir, run_args=["--config", "my config.toml", "--strategy", "zero2"],
+                                     nodes=4, procs_per_task=8, gpus_per_node=8, job_name=NASTY, partition="gpu",
+                                     max_restarts=2))
+    lines = script.splitlines()
+    directives = [line for line in lines if line.startswith("#SBATCH")]
+    assert directives == ["#SBATCH --job-name=it_s_a__run___rm_-rf_____whoami___j", "#SBATCH --nodes=4",
+                          "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=8", "#SBATCH --time=01:00:00",
+                          "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu"]
+    assert f"run_dir={shlex.quote(str(run_dir))}" in lines
+    srun = next(line for line in lines if line.startswith("srun "))
+    words = shlex.split(srun)  # what the shell would pass, before expanding the $ variables
+    assert words[words.index("--run-dir") + 1] == "$run_dir" and "'my config.toml'" in srun
+    assert "--nnodes=$SLURM_NTASKS" in words and "--rdzv_backend=c10d" in words and "--max-restarts=2" in words
+    assert "--rdzv_endpoint=$head:$port" in words and words[words.index("--resume") + 1] == "auto"
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script and "NCCL_SOCKET_IFNAME" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "0"], "--nodes must be positive"),
+    (["--partition", "gpu;rm"], "--partition 'gpu;rm' holds characters SLURM would not read as written"),
+    (["--port", "80"], "--port must be in 1024..65535"),
+    (["--", "--run-dir", "elsewhere"], "give the run directory with --run-dir before '--'"),
+])
+def test_the_launcher_refuses_bad_input_in_one_line(tmp_path, capsys, argv, message):
+    own, sep, rest = (argv[:argv.index("--")], ["--"], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [], [])
+    assert main(["--run-dir", str(tmp_path / "r"), *own, *sep, *rest]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "r").exists()
