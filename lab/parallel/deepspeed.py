@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -63,6 +62,7 @@ from lab.parallel.base import (
     ModelFactory,
     OptimizerFactory,
     ParamGroupRule,
+    StepMeters,
     Strategy,
     World,
     adam_entries,
@@ -99,7 +99,8 @@ def import_deepspeed() -> ModuleType:
     # only inference uses the shared-memory kernel; without this DeepSpeed compiles it (~23 s) at initialize
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed calls torch's flat collectives by their pre-2.13 names
-    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*(all_gather_into_tensor|reduce_scatter_tensor)")
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*(all_gather_into_tensor|reduce_scatter_tensor)")
     return deepspeed
 
 
@@ -194,10 +195,9 @@ def engine_config(cfg: ParallelConfig, world_size: int, loop: LoopSettings, bf16
 
 
 def _same(given: Any, value: Any) -> bool:
+    """Equal values, where JSON's true is not the number 1."""
     if isinstance(value, bool) or isinstance(given, bool):
         return given is value
-    if isinstance(value, (int, float)) and isinstance(given, (int, float)):
-        return math.isclose(given, value, rel_tol=0, abs_tol=0)
     return given == value
 
 
@@ -296,10 +296,10 @@ class DeepSpeed(Strategy):
             self._measured = self.measure_state_bytes()
 
     def skip_step(self) -> None:
-        """The engine's step: it finds the non-finite gradient norm itself, leaves the weights and clears the gradients."""
+        """The engine's step: it finds the non-finite norm itself, leaves the weights and clears the gradients."""
         self.engine.step()
 
-    def take_step_meters(self):
+    def take_step_meters(self) -> StepMeters:
         self._take_logged()
         return super().take_step_meters()
 
@@ -356,9 +356,8 @@ class DeepSpeed(Strategy):
     def checkpoint_state(self) -> CheckpointState:
         """Each parameter's range in this rank's fp32 master partition, and its Adam moments, as live views."""
         self._materialize_states()
-        opt, state = self.optimizer, {}
-        moments_of = {id(m): opt.optimizer.state[m] for m in self._masters}
-        masters = self._masters
+        opt, masters, state = self.optimizer, self._masters, {}
+        moments_of = {id(m): opt.optimizer.state[m] for m in masters}
         for name, p in self.module.named_parameters():
             numel = p.ds_numel if self.stage == 3 else p.numel()
             lo, view, moments, lo_in = 0, torch.empty(0), None, 0
@@ -367,15 +366,16 @@ class DeepSpeed(Strategy):
                 lo = self.world.rank * p.partition_numel()
                 size = max(0, min(size, numel - lo))
                 if size:
-                    view, moments, lo_in = masters[group].narrow(0, offset, size), moments_of[id(masters[group])], offset
+                    view, lo_in = masters[group].narrow(0, offset, size), offset
+                    moments = moments_of[id(masters[group])]
             elif p._hp_mapping is not None:
                 mapping = p._hp_mapping
                 lo, lo_in, size = mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, \
                     mapping.hp_fragment_address.numel
                 view, moments = mapping.get_hp_fragment(), moments_of[id(masters[mapping.param_group_index])]
-            state[f"model/{name}"] = Held(numel, lo if view.numel() else 0, view)
-            adam_entries(state, name, moments, numel, lo if view.numel() else 0, lo_in, lo_in + view.numel(),
-                         sharded=True)
+            lo = lo if view.numel() else 0
+            state[f"model/{name}"] = Held(numel, lo, view)
+            adam_entries(state, name, moments, numel, lo, lo_in, lo_in + view.numel(), sharded=True)
         return state
 
     def _materialize_states(self) -> None:
@@ -404,18 +404,13 @@ class DeepSpeed(Strategy):
         """Every weight (the fp32 masters, gathered by DeepSpeed) under the model's names, on rank 0."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        owner = {id(p): p for p in self.module.parameters()}
-        names = {name: owner[id(p)] for name, p in self.module.named_parameters(remove_duplicate=False)}
-        full = {}
-        with self._uncounted():
-            for name, p in self.module.named_parameters():
-                full[id(p)] = safe_get_full_fp32_param(p).detach().cpu().clone()
+        with self._uncounted():  # every rank takes part in stage 3's gathers
+            full = {id(p): safe_get_full_fp32_param(p).detach().cpu().clone() for p in self.module.parameters()}
         if not self.world.is_main:
             return {}
-        out = {}
-        for name, value in self.module.state_dict().items():
-            out[name] = full[id(names[name])] if name in names else value.detach().cpu().clone()
-        return out
+        params = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight under each name
+        return {name: full[id(params[name])] if name in params else value.detach().cpu().clone()
+                for name, value in self.module.state_dict().items()}
 
     # ------------------------------------------------------------ meters
 
