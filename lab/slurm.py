@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(out, sbatch_script(job))
     print(f"wrote {out}")
     if args.submit:
-        proc = subprocess.run(["sbatch", "--parsable", str(out)], capture_output=True, text=True)
+        # submitted from the script's folder, so sbatch's own output (slurm-JOBID.out) lands beside it
+        proc = subprocess.run(["sbatch", "--parsable", out.name], capture_output=True, text=True, cwd=out.parent)
         if proc.returncode:
             print(f"error: sbatch failed: {' '.join(proc.stderr.split())[:300]}", file=sys.stderr)
             return 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -67,3 +69,28 @@ def args(tiny_corpus: Path, tiny_cache_dir: Path, tiny_prepared: Path) -> tuple[
     """Command-line arguments of a tiny run on the tiny corpus (already prepared)."""
     return (*TINY_RUN, "--data.corpus", str(tiny_corpus), "--data.cache_dir", str(tiny_cache_dir),
             "--data.vocab_size", "512")
+
+
+# ---------------------------------------------------------------- a SLURM cluster on localhost
+
+CLUSTER = Path(__file__).resolve().parents[1] / "sweeps" / "slurm" / "local_cluster.sh"
+
+
+def _cluster_status() -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A running cluster: the one .ci/run started, else one started here (root, packages installed), else skip."""
+    if _cluster_status().returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0 or not shutil.which("slurmctld") or not shutil.which("slurmdbd"):
+        pytest.skip("no SLURM cluster on localhost and none can start here (needs root and Debian's slurmctld, "
+                    "slurmd, slurmdbd, munge, mariadb-server); run sweeps/slurm/local_cluster.sh start")
+    start = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=300)
+    if start.returncode != 0:
+        pytest.skip(f"the local SLURM cluster did not start: {start.stderr.strip().splitlines()[-1:]}")
+    yield
+    subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
