@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2},
