@@ -16,6 +16,10 @@ from lab.data.corpora import builtin_folder
 
 # The suite's own cache folder (CPU peak measurements), shared with the processes tests start.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lab-test-cache-")
+# Matplotlib's font cache would follow it; build it here, once, so that no process a test starts
+# builds it again (on a loaded machine that takes over 5 s and prints a warning to stderr).
+os.environ["MPLCONFIGDIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "matplotlib")
+import matplotlib.font_manager  # noqa: E402, F401
 
 # ---------------------------------------------------------------- data: a tiny real corpus
 
