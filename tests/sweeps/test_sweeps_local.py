@@ -15,6 +15,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from analysis.__main__ import EXIT_UNIDENTIFIED
+
 REPO = Path(__file__).resolve().parents[2]
 THREE = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2},
          {"name": "mid", "n_layer": 2, "d_model": 48, "n_head": 2},
@@ -143,8 +145,14 @@ def test_export_is_read_by_the_analysis_with_no_column_mapping(finished, sweeps_
     from analysis.table import load_runs
 
     loaded = load_runs(out)  # no column mapping
-    assert len(loaded.runs) == 8 and loaded.params_count == "total"
-    assert sorted(loaded.runs["loss"]) == pytest.approx(sorted(table["loss"]))
+    assert loaded.params_count == "total"
+    # the runs repeated on 2 processes have the N and D of their 1-process twins: the analysis averages each
+    # pair into one point
+    assert sorted(sorted(g["run_ids"]) for g in loaded.duplicates) == [["C3e9-small", "C3e9-small-ddp2"],
+                                                                       ["C6e9-small", "C6e9-small-ddp2"]]
+    distinct = table.drop_duplicates(["params", "tokens"])
+    assert len(loaded.runs) == len(distinct) == 6
+    assert sorted(loaded.runs["loss"]) == pytest.approx(sorted(distinct["loss"]), rel=1e-3)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
@@ -158,10 +166,15 @@ def test_analysis_fit_runs_on_the_export_and_on_the_sweep_folder(finished, sweep
     proc = subprocess.run([sys.executable, "-m", "analysis", "fit", str(target), "--out", str(tmp_path / "fit"),
                            "--bootstrap", "20", "--no-progress", "--no-holdout"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("fitted 8 runs:")
+    # six distinct points on two budgets may not pin a law down: then the fit says so (exit 3) and still
+    # writes its report; it never fails to read the sweep
+    assert proc.returncode in (0, EXIT_UNIDENTIFIED), proc.stderr
     doc = json.loads((tmp_path / "fit" / "fit.json").read_text())
-    assert doc["params_count"] == "total" and len(doc["isoflop"]["minima"]) == 2
+    assert doc["params_count"] == "total" and doc["data"]["n_runs"] == 6 and len(doc["data"]["duplicates"]) == 2
+    assert len(doc["data"]["budgets"]["groups"]) == 2
+    # only the sweep folder carries the training curves (metrics.jsonl) the envelope approach reads
+    assert doc["envelope"]["skipped"] == (source == "export") and doc["data"]["n_curves"] == (8 if source == "folder"
+                                                                                               else 0)
 
 
 def test_export_refuses_a_bad_output_name(finished, sweeps_cli, tmp_path):
