@@ -134,10 +134,15 @@ def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
         (staging / "report.md").write_text(render_markdown(blocks))
         (staging / "report.html").write_text(render_html(blocks, images))
         names = sorted((p.name for p in staging.iterdir()), key=lambda name: (name == "fit.json", name))
-        if _SIGNALS:  # a signal whose KeyboardInterrupt was swallowed (see _interrupt): publish nothing
-            raise KeyboardInterrupt(_SIGNALS[0])
-        for name in names:
-            (staging / name).replace(out / name)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the renames happen all or not at all
+        try:
+            if _SIGNALS:  # a signal whose KeyboardInterrupt was swallowed (see _interrupt): publish nothing
+                raise KeyboardInterrupt(_SIGNALS[0])
+            for name in names:
+                (staging / name).replace(out / name)
+            _PUBLISHED.append(str(out))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came meanwhile is raised here
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return names
@@ -196,7 +201,9 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNALS: list[str] = []
+_PUBLISHED: list[str] = []  # output folders this process has finished writing
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -216,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = build_parser().parse_args(argv)
     _SIGNALS.clear()
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    _PUBLISHED.clear()
+    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
         return _fit(args) if args.command == "fit" else _plan(args)
@@ -227,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("error: interrupted; earlier outputs are untouched", file=sys.stderr)
+        print(f"error: interrupted after writing the outputs to {_PUBLISHED[0]}" if _PUBLISHED
+              else "error: interrupted; earlier outputs are untouched", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         for s, handler in previous.items():

@@ -7,9 +7,10 @@ With theta = (a, b, e, alpha, beta), A = e^a, B = e^b, E = e^e, the objective is
 minimised by L-BFGS. The paper starts L-BFGS from every point of a 4,500-point grid. Here the
 objective is evaluated on the whole grid at once (vectorised over grid points and runs; on at
 most ``GRID_RUNS`` runs, since it only ranks starting points), and L-BFGS (scipy, analytic
-gradient, all runs) runs only from the ``n_starts`` best grid points; the best result is kept. Internally log N and log D are centred on their means, which leaves the
-minimiser unchanged but makes a and alpha (b and beta) far less correlated, so L-BFGS needs
-fewer iterations. Convergence is reported, with how many starts reached the best objective.
+gradient, all runs) runs only from the ``n_starts`` best grid points; the best result is kept.
+Internally log N and log D are centred on their means, which leaves the minimiser unchanged but
+makes a and alpha (b and beta) far less correlated, so L-BFGS needs fewer iterations.
+Convergence is reported, with how many starts reached the best objective.
 
 Whether the data pin the five parameters down at all is measured by ``gauss_newton_condition``:
 the condition number of J^T J, J the Jacobian of the predicted log loss with respect to theta

@@ -111,7 +111,7 @@ def _fitted(doc: dict) -> list[str]:
     return [
         f"Loss: {loss['source']}, in {loss['unit']} ({loss['note']}).",
         f"N: {doc['params_count']} parameter count" + ("; " + "; ".join(doc["notes"]) if doc["notes"] else "") + ".",
-        f"C: " + ("6ND (no FLOPs column)" if k["derived"] else
+        "C: " + ("6ND (no FLOPs column)" if k["derived"] else
                   f"the FLOPs column, which follows C = {k['k']:.4g} N D (median over the runs)")
         + f"; compute-optimal allocations are taken along C = {a3['fit']['flops_k']:.4g} N D.",
         "Approach 3: L(N, D) = E + A/N^alpha + B/D^beta, " + a3["fit"]["method"] + ".",
@@ -209,10 +209,10 @@ def _predictions_blocks(doc: dict) -> list[Block]:
 def _data_blocks(doc: dict) -> list[Block]:
     data, iso = doc["data"], doc["isoflop"]
     k, budgets = data["flops_per_param_token"], data["budgets"]
-    checks = [f"FLOPs: C = {k['k']:.4g} N D " + ("(derived)" if k["derived"] else
-                                                 f"(median); {len(k['outliers'])} run(s) off by more than 2x"
-                                                 + (": " + ", ".join(f"{o['run_id']} ({o['ratio']:.3g}x)"
-                                                                    for o in k["outliers"][:10]) if k["outliers"] else ""))]
+    off = ", ".join(f"{o['run_id']} ({o['ratio']:.3g}x)" for o in k["outliers"][:10])
+    derivation = "(derived)" if k["derived"] else (f"(median); {len(k['outliers'])} run(s) off by more than 2x"
+                                                   + (f": {off}" if off else ""))
+    checks = [f"FLOPs: C = {k['k']:.4g} N D {derivation}"]
     checks.append(f"Duplicates (same N and D): {len(data['duplicates'])} group(s) averaged into one run each"
                   + (f", largest loss spread within a group {max(g['loss_spread'] for g in data['duplicates']):.2%}"
                      if data["duplicates"] else ""))

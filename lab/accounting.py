@@ -2,8 +2,9 @@
 
 No torch and nothing else from ``lab`` here: every function takes a shape (any object with the
 ``ModelShape`` attributes, such as ``lab.config.ModelShape``) or plain numbers, so the analysis
-package, the sweep planner and the run planner can use it without a model. ``tests/test_accounting.py`` checks each formula against a
-hand computation and against the parameters of a real ``lab.model.GPT``.
+package, the sweep planner and the run planner can use it without a model.
+``tests/test_accounting.py`` checks each formula against a hand computation and against the
+parameters of a real ``lab.model.GPT``.
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ def load(folder: Path, rank: int, world_size: int, state: CheckpointState) -> di
         with _quiet():
             dcp.load(_to_dcp(state, rank), checkpoint_id=folder, no_dist=world_size == 1)
     except UNREADABLE as e:
-        raise ConfigError(f"checkpoint {folder} is unreadable ({_reason(e)}); delete it to use an earlier one") from None
+        raise ConfigError(f"checkpoint {folder} is unreadable ({_reason(e)}); "
+                          "delete it to use an earlier one") from None
     return meta
 
 

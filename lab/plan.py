@@ -174,8 +174,8 @@ def _memory(args: argparse.Namespace) -> str:
                     str(fit.n_layer), _si(fit.params, _COUNT), f"{fit.gpu_bytes / 1e9:.2f}"]
             rows.append(row)
     lines.append(_table(header, rows, left=2))
-    lines.append("mixed: 2 B weights + 2 B grads + 12 B fp32 master/moments; fp32: 4 + 4 + 8 (Rajbhandari et al. 2019); "
-                 "comm/step: elements each rank sends per step in a ring, Ψ = params")
+    lines.append("mixed: 2 B weights + 2 B grads + 12 B fp32 master/moments; fp32: 4 + 4 + 8 "
+                 "(Rajbhandari et al. 2019); comm/step: elements each rank sends per step in a ring, Ψ = params")
     if shape is not None:
         lines.append("layers: deepest model at this width whose states + activations fit; '-': not even one layer")
     return "\n".join(lines)

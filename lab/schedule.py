@@ -12,7 +12,8 @@ SCHEDULES = ("cosine", "wsd", "constant")
 def validate(cfg: TrainConfig) -> None:
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.schedule}'")
-    if not 0 <= cfg.warmup < 1 or not 0 <= cfg.decay <= 1 or cfg.warmup + (cfg.decay if cfg.schedule == "wsd" else 0) > 1:
+    decay = cfg.decay if cfg.schedule == "wsd" else 0
+    if not 0 <= cfg.warmup < 1 or not 0 <= cfg.decay <= 1 or cfg.warmup + decay > 1:
         raise ConfigError("train.warmup and train.decay must be fractions of the run that add up to at most 1")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")

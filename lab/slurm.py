@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         own, rest = own[:own.index("--")], own[own.index("--") + 1:]
     args = p.parse_args(own)
     job = MultiNode(run_dir=Path(args.run_dir).absolute(), run_args=rest, nodes=args.nodes,
-                    tasks_per_node=args.tasks_per_node, procs_per_task=args.procs_per_node or max(1, args.gpus_per_node),
+                    tasks_per_node=args.tasks_per_node,
+                    procs_per_task=args.procs_per_node or max(1, args.gpus_per_node),
                     gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, job_name=args.job_name,
                     time=args.time, partition=args.partition, account=args.account, max_restarts=args.max_restarts,
                     port=args.port)
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(out, sbatch_script(job))
     print(f"wrote {out}")
     if args.submit:
-        proc = subprocess.run(["sbatch", "--parsable", str(out)], capture_output=True, text=True)
+        # submitted from the script's folder, so sbatch's own output (slurm-JOBID.out) lands beside it
+        proc = subprocess.run(["sbatch", "--parsable", out.name], capture_output=True, text=True, cwd=out.parent)
         if proc.returncode:
             print(f"error: sbatch failed: {' '.join(proc.stderr.split())[:300]}", file=sys.stderr)
             return 1

@@ -123,7 +123,8 @@ def plan(sweep: Sweep) -> Plan:
     by_hash: dict[str, str] = {}
     for budget in sweep.budgets:
         for shape_name, target, shape, entry_launch in shapes:
-            where = f"budget {budget:.3g}, " + (f"size {target:.3g} ({shape_name})" if target else f"shape {shape_name}")
+            size = f"size {target:.3g} ({shape_name})" if target else f"shape {shape_name}"
+            where = f"budget {budget:.3g}, {size}"
             try:
                 cfg = model_config(sweep.base, shape)
             except SpecError as e:
@@ -181,8 +182,9 @@ def table(runs: list[PlannedRun], count_which: str = "total", parallel: int = 1)
         lines.append(f"{r.name:<24} {n:>10,} {shape:>14} {r.tokens:>12,} {r.flops:>10.3g} {r.batch_tokens:>7,} "
                      f"{r.lr:>8.3g} {launch:>14} {_duration(r.est_seconds):>9}")
     total = sum(r.est_seconds for r in runs)
+    at_once = f", about {_duration(total / parallel)} with {parallel} at once" if parallel > 1 else ""
     lines.append(f"{len(runs)} runs, {sum(r.flops for r in runs):.3g} FLOPs, estimated {_duration(total)} one after "
-                 f"another" + (f", about {_duration(total / parallel)} with {parallel} at once" if parallel > 1 else ""))
+                 f"another{at_once}")
     return "\n".join(lines)
 
 

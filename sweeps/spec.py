@@ -219,7 +219,8 @@ def _shape_list(items: Any) -> tuple[ShapeEntry, ...]:
                 raise SpecError(f"{where} ({name}) needs '{key}'")
         unknown = sorted(set(item) - set(SHAPE_KEYS))
         if unknown:
-            raise SpecError(f"{where} ({name}): unknown key '{unknown[0]}' (known: name, launch, {', '.join(SHAPE_KEYS)})")
+            known = ", ".join(["name", "launch", *SHAPE_KEYS])
+            raise SpecError(f"{where} ({name}): unknown key '{unknown[0]}' (known: {known})")
         entries.append(ShapeEntry(name=name, model=item, launch=launch))
     return tuple(entries)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,10 @@ from lab.data.corpora import builtin_folder
 
 # The suite's own cache folder (CPU peak measurements), shared with the processes tests start.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lab-test-cache-")
+# Matplotlib's font cache would follow it; build it here, once, so that no process a test starts
+# builds it again (on a loaded machine that takes over 5 s and prints a warning to stderr).
+os.environ["MPLCONFIGDIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "matplotlib")
+import matplotlib.font_manager  # noqa: E402, F401
 
 # ---------------------------------------------------------------- data: a tiny real corpus
 
@@ -67,3 +73,28 @@ def args(tiny_corpus: Path, tiny_cache_dir: Path, tiny_prepared: Path) -> tuple[
     """Command-line arguments of a tiny run on the tiny corpus (already prepared)."""
     return (*TINY_RUN, "--data.corpus", str(tiny_corpus), "--data.cache_dir", str(tiny_cache_dir),
             "--data.vocab_size", "512")
+
+
+# ---------------------------------------------------------------- a SLURM cluster on localhost
+
+CLUSTER = Path(__file__).resolve().parents[1] / "sweeps" / "slurm" / "local_cluster.sh"
+
+
+def _cluster_status() -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A running cluster: the one .ci/run started, else one started here (root, packages installed), else skip."""
+    if _cluster_status().returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0 or not shutil.which("slurmctld") or not shutil.which("slurmdbd"):
+        pytest.skip("no SLURM cluster on localhost and none can start here (needs root and Debian's slurmctld, "
+                    "slurmd, slurmdbd, munge, mariadb-server); run sweeps/slurm/local_cluster.sh start")
+    start = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=300)
+    if start.returncode != 0:
+        pytest.skip(f"the local SLURM cluster did not start: {start.stderr.strip().splitlines()[-1:]}")
+    yield
+    subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,29 @@ def test_the_sbatch_script_quotes_every_value(tmp_path):
     assert "--rdzv_endpoint=$head:$port" in words and words[words.index("--resume") + 1] == "auto"
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script and "NCCL_SOCKET_IFNAME" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_the_sbatch_script_trains_on_the_local_cluster(cluster, multinode_runs, args, tmp_path, capsys):
+    """The generated script, submitted to the localhost cluster: one node with two tasks stands in for two
+    nodes (two torchrun agents, c10d rendezvous); a name full of shell syntax stays a name."""
+    run_dir = tmp_path / f"$(touch PWNED) {NASTY}"
+    assert main(["--run-dir", str(run_dir), "--nodes", "1", "--tasks-per-node", "2", "--cpus-per-task", "1",
+                 "--job-name", NASTY, "--time", "00:10:00", "--submit", "--", *args, "--strategy", "ddp"]) == 0
+    job = capsys.readouterr().out.split("submitted job ")[1].strip()
+    deadline, state = time.monotonic() + 300, ""
+    while time.monotonic() < deadline and state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        time.sleep(1)
+        state = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job], capture_output=True,
+                               text=True).stdout.strip()
+    task_logs = "".join(p.read_text() for p in sorted((run_dir / "logs").glob(f"slurm-{job}-task*.out")))
+    assert state == "COMPLETED", (state, task_logs[-3000:], (run_dir / f"slurm-{job}.out").read_text()[-2000:])
+    assert len(list((run_dir / "logs").glob(f"slurm-{job}-task*.out"))) == 2  # two tasks: two "nodes"
+    single, got = losses(multinode_runs["single"]), losses(run_dir)
+    assert len(got) == len(single) == 8 and all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(single, got))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["world_size"], summary["strategy"]) == ("completed", 2, "ddp")
+    for place in (ROOT, tmp_path, run_dir):
+        assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -328,7 +328,8 @@ class Zero(Strategy):
 
     def param_count(self) -> int:
         """Ψ from the layout (stage 3's parameters are empty at rest), frozen ones included."""
-        return sum(u.numel for u in self.units) + sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
+        frozen = sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
+        return sum(u.numel for u in self.units) + frozen
 
     def comm_elements(self) -> int:
         """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""

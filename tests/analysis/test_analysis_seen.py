@@ -167,6 +167,27 @@ def test_plan_shows_every_approach_and_warns_when_they_disagree(tmp_path, capsys
     assert set(x["approaches"]) == {"envelope", "approach3"} and x["ratio"] > 1.5 and x["ci"][0] > 1.0
 
 
+def test_a_signal_while_the_outputs_are_renamed_into_place_publishes_all_of_them(tmp_path, monkeypatch, capsys):
+    """The renames are all or nothing: SIGTERM arriving during them is handled after the last one."""
+    path = _csv(tmp_path, isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "fit.json").write_text("earlier fit")
+    rename = Path.replace
+
+    def replace_after_a_signal(self, target):
+        if Path(target).parent == out and not getattr(replace_after_a_signal, "sent", False):
+            replace_after_a_signal.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace_after_a_signal)
+    assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress"]) == 130
+    assert json.loads((out / "fit.json").read_text())["data"]["n_runs"] > 0  # the new fit, whole
+    assert (out / "report.html").exists() and not list(out.glob(".fit-staging-*"))
+    assert capsys.readouterr().err.strip().endswith(f"error: interrupted after writing the outputs to {out}")
+
+
 def test_interrupted_fits_leave_no_staging_folders(tmp_path):
     runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0)
     path = _csv(tmp_path, runs)

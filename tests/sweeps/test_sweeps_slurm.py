@@ -6,41 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER = REPO / "sweeps" / "slurm" / "local_cluster.sh"
 SHAPES = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2},
           {"name": "mid", "n_layer": 2, "d_model": 48, "n_head": 2},
           {"name": "wide", "n_layer": 2, "d_model": 64, "n_head": 2}]
 SLURM = '[slurm]\npartition = "debug"\npoll_s = 0.5\n[launch]\nmem_gb = 1\ntime_min = 10\n'
-
-
-def _cluster_status() -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A running cluster: the one .ci/run started, else one started here (root, packages installed), else skip."""
-    if _cluster_status().returncode == 0:
-        yield
-        return
-    if os.geteuid() != 0 or not shutil.which("slurmctld") or not shutil.which("slurmdbd"):
-        pytest.skip("no SLURM cluster on localhost and none can start here (needs root and Debian's slurmctld, "
-                    "slurmd, slurmdbd, munge, mariadb-server); run sweeps/slurm/local_cluster.sh start")
-    start = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=300)
-    if start.returncode != 0:
-        pytest.skip(f"the local SLURM cluster did not start: {start.stderr.strip().splitlines()[-1:]}")
-    yield
-    subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
 
 
 def sacct_states(job: str) -> dict[str, str]:
