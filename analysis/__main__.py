@@ -134,7 +134,7 @@ def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
         (staging / "report.md").write_text(render_markdown(blocks))
         (staging / "report.html").write_text(render_html(blocks, images))
         names = sorted((p.name for p in staging.iterdir()), key=lambda name: (name == "fit.json", name))
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the renames happen all or not at all
+        _HOLD.append(True)  # the renames happen all or not at all
         try:
             if _SIGNALS:  # a signal whose KeyboardInterrupt was swallowed (see _interrupt): publish nothing
                 raise KeyboardInterrupt(_SIGNALS[0])
@@ -142,7 +142,9 @@ def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
                 (staging / name).replace(out / name)
             _PUBLISHED.append(str(out))
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came meanwhile is raised here
+            _HOLD.clear()
+        if _SIGNALS:  # one that came during the renames
+            raise KeyboardInterrupt(_SIGNALS[0])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return names
@@ -204,14 +206,19 @@ def _plan(args: argparse.Namespace) -> int:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNALS: list[str] = []
 _PUBLISHED: list[str] = []  # output folders this process has finished writing
+# Non-empty while outputs are renamed into place. A signal mask would not do: it is per thread, and with
+# any other thread alive (a pool's, a library's) the process's signal is taken there and the handler runs.
+_HOLD: list[bool] = []
 
 
 def _interrupt(signum: int, frame: object) -> None:
     """Stop on SIGINT, SIGTERM or SIGHUP. The KeyboardInterrupt raised here is lost when the signal
     lands in code whose exceptions Python ignores (the at-fork hooks run while a process pool
-    starts), so the signal is also recorded and checked before any output is published."""
+    starts), so the signal is also recorded and checked before any output is published. During the
+    renames (``_HOLD``) it is only recorded: ``write_outputs`` raises it after the last one."""
     _SIGNALS.append(signal.Signals(signum).name)
-    raise KeyboardInterrupt(_SIGNALS[-1])
+    if not _HOLD:
+        raise KeyboardInterrupt(_SIGNALS[-1])
 
 
 def _unraisable(info: sys.UnraisableHookArgs) -> None:
