@@ -67,6 +67,7 @@ class Trace:
 
 
 def loop_settings(setup: Setup) -> LoopSettings:
+    """What ``train_tiny``'s loop does each step, for the strategy's config."""
     return LoopSettings(micro_batch=setup.micro_batch, accum_steps=setup.accum, grad_clip=setup.grad_clip)
 
 

@@ -298,7 +298,8 @@ def test_the_same_deepspeed_run_resumes_bit_for_bit_and_exports_and_samples(tree
 
 def test_torchrun_two_ranks_and_one_process_train_as_single_does(args, tmp_path):
     # an empty extension cache: nothing may be compiled into it
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     runs = {"single": [sys.executable, "launch/run.py", "--strategy", "single"],
             "one process": [sys.executable, "launch/run.py", "--strategy", "deepspeed", "--parallel.zero_stage", "3",
