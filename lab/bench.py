@@ -302,3 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.strategies:
         return strategies(args)
     return throughput(args.steps, args.warmup, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
