@@ -31,6 +31,7 @@ from analysis.fit import FitConfig, FitResult, fit_runs  # noqa: E402
 from analysis.parametric import named_samples  # noqa: E402
 from analysis.planner import LAW_COLUMNS, PARAMETRIC_COLUMNS, Unidentified, describe, load_fit, plan  # noqa: E402
 from analysis.table import DUPLICATE_POLICIES, PARAMS_COUNTS, InputError, load_runs, parse_column_map  # noqa: E402
+from lab.files import process_alive  # noqa: E402
 
 EXIT_USAGE = 2
 EXIT_UNIDENTIFIED = 3
@@ -101,19 +102,9 @@ def remove_stale_staging(out: Path) -> None:
     """Remove staging folders whose process is gone (or that carry no process id)."""
     for path in out.glob(STAGING_PREFIX + "*"):
         match = re.match(re.escape(STAGING_PREFIX) + r"(\d+)-", path.name)
-        if match and _alive(int(match.group(1))):
+        if match and process_alive(int(match.group(1))):
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:

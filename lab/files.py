@@ -67,3 +67,14 @@ def probe_writable(path: Path, what: str) -> None:
             pass
     except OSError as e:
         raise ConfigError(f"{what} {path} is not writable ({e.strerror or e})") from None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this machine (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -42,7 +42,7 @@ from lab.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-from lab.files import probe_writable, write_atomic
+from lab.files import probe_writable, process_alive, write_atomic
 
 FORMAT = 1
 META = "meta.json"
@@ -278,18 +278,8 @@ def _remove_abandoned(folder: Path) -> None:
     for tmp in folder.parent.glob(f".{glob.escape(folder.name)}.*.tmp"):
         owner = tmp.name[len(folder.name) + 2:].split(".", 1)[0]
         who, _, pid = owner.rpartition("-")
-        if who == host and pid.isdigit() and not _alive(int(pid)):
+        if who == host and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _move_into_place(tmp: Path, folder: Path) -> None:
