@@ -10,12 +10,15 @@ Throughput: forward, backward and fused AdamW on synthetic tokens; the MFU denom
 
 Strategies: every strategy trains the same model on the same random batches on ``--nproc`` gloo
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
-again and again) so that a noisy shared machine slows them alike, and each figure is the median
-over all timed steps. Per strategy: step time, tokens/s, the ratio to ``torch_ddp`` measured in
-the same run (``single`` runs on rank 0 alone, the one-process baseline), the time a step waited
-on communication (exposed), the bytes sent per step
-against theory, the model-state bytes per rank against theory and the activation bytes a
-micro-step saved for its backward. ``--out`` writes a Markdown table, a JSON file and a PNG plot.
+again and again; round r starts at the (r mod k)-th of the k strategies, so each takes every place
+in the order equally often) so that a noisy shared machine slows them alike. Per strategy: the
+median step time and tokens/s over all timed steps; the ratio to ``torch_ddp``'s tokens/s, paired
+by round (each round's ratio compares steps taken seconds apart, so slow drifts of the machine
+cancel), as the median over rounds with a 95 % bootstrap interval; the time a step waited on
+communication (exposed); the bytes sent per step against theory; the model-state bytes per rank
+against theory; and the activation bytes a micro-step saved for its backward. ``single`` runs on
+rank 0 alone, the one-process baseline. ``--out`` writes a Markdown table, a JSON file and a PNG
+plot.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -158,10 +162,12 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         built.append(s)
     g = torch.Generator().manual_seed(world.rank)
     x = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
-    times = {c.label: [] for c in cases}
+    times: dict[str, list[list[float]]] = {c.label: [[] for _ in range(rounds)] for c in cases}
     waits = {c.label: [] for c in cases}
+    pairs = list(zip(cases, built, strict=True))
     for r in range(-1, rounds):  # round -1 warms up
-        for case, s in zip(cases, built, strict=True):
+        first = max(r, 0) % len(pairs)
+        for case, s in pairs[first:] + pairs[:first]:
             if s is None:  # single, on another rank
                 dist.barrier()
                 continue
@@ -170,23 +176,44 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
                 train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
                 elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
                 if r >= 0:
-                    times[case.label].append(elapsed)
+                    times[case.label][r].append(elapsed)
                     waits[case.label].append(meters.comm_wait_s)
             if _alone(case, world).world_size == 1 and world.world_size > 1:
                 dist.barrier()
             if world.is_main and r >= 0:
-                print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * statistics.median(times[case.label]):8.1f} "
+                so_far = [t for steps_of_round in times[case.label] for t in steps_of_round]
+                print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * statistics.median(so_far):8.1f} "
                       f"ms/step so far", flush=True)
     rows = []
     for case, s in zip(cases, built, strict=True):
         if s is None:
             continue
-        step = statistics.median(times[case.label])
+        step = statistics.median(t for steps_of_round in times[case.label] for t in steps_of_round)
         tokens = micro_batch * shape.block_size * _alone(case, world).world_size
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens / step, "exposed_comm_s": statistics.median(waits[case.label]),
+                     "round_tokens_per_s": [tokens / statistics.median(ts) for ts in times[case.label]],
                      **s.meters()})
     return rows
+
+
+def paired_ratio(case: list[float], reference: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """Median over rounds of ``case[r] / reference[r]`` (tokens/s of one round each), with a 95 %
+    percentile-bootstrap interval of that median (rounds resampled with replacement, fixed seed)."""
+    ratios = np.array(case) / np.array(reference)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(ratios, size=(resamples, len(ratios))), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(np.median(ratios)), float(low), float(high)
+
+
+def add_ratios(rows: list[dict], reference: str = "torch_ddp") -> None:
+    """Give every row ``vs_reference``: its paired tokens/s ratio to the ``reference`` row (absent: no ratios)."""
+    ref = next((r for r in rows if r["label"] == reference), None)
+    for r in rows:
+        if ref is not None:
+            median, low, high = paired_ratio(r["round_tokens_per_s"], ref["round_tokens_per_s"])
+            r["vs_reference"] = {"reference": reference, "median": median, "ci95": [low, high]}
 
 
 def plot_strategies(rows: list[dict], path: Path) -> None:
@@ -220,17 +247,19 @@ def plot_strategies(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def format_strategies(rows: list[dict], reference: str = "torch_ddp") -> str:
-    ref = next((r["tokens_per_s"] for r in rows if r["label"] == reference), None)
-    lines = ["| strategy | step ms | tokens/s | vs torch_ddp (tokens/s) | exposed comm ms | comm MB/step: counted / theory "
+def format_strategies(rows: list[dict]) -> str:
+    lines = ["| strategy | step ms | tokens/s | vs torch_ddp (tokens/s): paired median [95 % interval] "
+             "| exposed comm ms | comm MB/step: counted / theory "
              "| model states MB/rank: measured / theory | saved activations MB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         counted, theory = sum(r["comm_bytes_per_step"].values()), sum(r["comm_bytes_per_step_theory"].values())
-        ratio = f"{r['tokens_per_s'] / ref:.3f}×" if ref else "-"
+        vs = r.get("vs_reference")
+        ratio = f"{vs['median']:.3f}× [{vs['ci95'][0]:.3f}, {vs['ci95'][1]:.3f}]" if vs else "-"
         lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
                      f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
-                     f"{r['model_state_bytes']['total'] / 1e6:.2f} / {r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
+                     f"{r['model_state_bytes']['total'] / 1e6:.2f} / "
+                     f"{r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
                      f"{r['activation_saved_bytes'] / 1e6:.1f} |")
     return "\n".join(lines)
 
@@ -250,9 +279,10 @@ def strategies(args: argparse.Namespace) -> int:
     params = accounting.param_counts(shape).total
     load = os.getloadavg()[0]
     header = (f"{args.nproc} gloo ranks on {cpu_name()} ({os.cpu_count()} cores), 1 thread each | torch "
-              f"{torch.__version__} | model d={shape.d_model} L={shape.n_layer} T={shape.block_size} V={shape.vocab_size}"
-              f" ({params:,} params), fp32, micro-batch {args.micro_batch} per rank | median of {args.rounds} rounds × "
-              f"{args.steps} steps, strategies interleaved | load average at start {load:.2f}")
+              f"{torch.__version__} | model d={shape.d_model} L={shape.n_layer} T={shape.block_size} "
+              f"V={shape.vocab_size} ({params:,} params), fp32, micro-batch {args.micro_batch} per rank | median of "
+              f"{args.rounds} rounds × {args.steps} steps, strategies interleaved, order rotated each round | "
+              f"load average at start {load:.2f}")
     print(header, flush=True)
     try:
         rows = run_ranks(_bench_strategies, args.nproc, cases, shape, args.micro_batch, args.steps, args.rounds,
@@ -260,6 +290,7 @@ def strategies(args: argparse.Namespace) -> int:
     except RankFailed as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+    add_ratios(rows)
     table = format_strategies(rows)
     print(table)
     if args.out:

@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lab.bench import main
+import pytest
+
+from lab.bench import main, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,9 +44,24 @@ def test_strategies_side_by_side_on_two_ranks(tmp_path):
     assert "| torch_ddp |" in table and "1.000×" in table
     ref = rows[3]["tokens_per_s"]
     for r in rows[:2]:  # the ratio is of tokens/s, as its header says (single runs half the tokens per step)
+        ratio = r["tokens_per_s"] / ref  # one round: the paired ratio is the ratio of the medians
         assert f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | " \
-               f"{r['tokens_per_s'] / ref:.3f}× |" in table
+               f"{ratio:.3f}× [{ratio:.3f}, {ratio:.3f}] |" in table
     assert "round 1/1: ddp_naive" in proc.stdout  # progress while it runs
+
+
+def test_paired_ratio_cancels_a_drift_that_unpaired_medians_do_not():
+    # the machine slows down threefold during the run; the case is 5 % faster than the reference in every round
+    reference = [100.0 / (1 + 0.1 * r) for r in range(21)]
+    case = [1.05 * t for t in reference]
+    assert paired_ratio(case, reference) == pytest.approx((1.05, 1.05, 1.05))
+    # one disturbed round does not move the median
+    noisy = case[:]
+    noisy[3] *= 0.5
+    assert paired_ratio(noisy, reference) == pytest.approx((1.05, 1.05, 1.05))
+    # with half the rounds slower and half faster, the interval straddles both
+    median, low, high = paired_ratio([0.9 * t if r % 2 else 1.1 * t for r, t in enumerate(reference)], reference)
+    assert low == pytest.approx(0.9) and high == pytest.approx(1.1)
 
 
 def test_strategies_with_a_bad_option_fail_before_starting_ranks(capsys):

@@ -1,19 +1,22 @@
 """Data parallelism by hand: every rank holds the whole model and averages gradients with all-reduce.
 
 - ``ddp_naive``: after the backward, one blocking all-reduce per parameter. The baseline.
-- ``ddp``: gradients live in flat buckets of ``parallel.bucket_mb`` (each parameter's ``.grad`` is a
-  view into its bucket, so nothing is copied), ordered as the backward produces them. A
-  post-accumulate-grad hook counts each parameter in; the moment a bucket is full its all-reduce
-  is launched asynchronously, so communication overlaps the rest of the backward. Buckets are
-  launched strictly in order, the same on every rank; those the hooks did not complete (a
-  parameter unused in this step) are launched when the backward returns, and all are waited for
-  before the backward call returns. Nothing is sent on the non-final micro-steps of an
+- ``ddp``: gradients live in flat buckets of ``parallel.bucket_mb``, ordered as the backward produces
+  them. A post-accumulate-grad hook copies each parameter's first gradient of a step into its
+  slice of the bucket and makes ``.grad`` that slice (later micro-steps accumulate into it in
+  place), then counts the parameter in; the moment a bucket is full its all-reduce is launched
+  asynchronously, so communication overlaps the rest of the backward. Buckets are launched
+  strictly in order, the same on every rank; those the hooks did not complete (a parameter unused
+  in this step, whose slice is zeroed) are launched when the backward returns, and all are waited
+  for before the backward call returns. Nothing is sent on the non-final micro-steps of an
   accumulation. The first synced backward records the order gradients arrive in; after that step
   the buckets are rebuilt in rank 0's recorded order.
 
-Both start from rank 0's weights (broadcast at build) and divide the summed gradient by the world
-size. With two ranks a sum of two numbers does not depend on the order, and halving is exact, so
-both reproduce one process that accumulates the same micro-batches bit for bit.
+``ddp_naive`` divides the summed gradient by the world size; ``ddp`` scales the loss by 1/N before
+its backward instead, which saves a pass over the gradients. Both start from rank 0's weights
+(broadcast at build). With two ranks a sum of two numbers does not depend on the order, and
+halving (of the loss or of the sum) is exact, so both reproduce one process that accumulates the
+same micro-batches bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lab.parallel.base import ParamGroup, Strategy
@@ -55,7 +59,7 @@ class NaiveDDP(Strategy):
 @dataclass
 class Bucket:
     params: list[nn.Parameter]
-    buffer: torch.Tensor  # the flat gradients; each parameter's .grad is a view into it
+    buffer: torch.Tensor  # the flat gradients; each parameter's .grad becomes a view into it
 
 
 class BucketedDDP(Strategy):
@@ -82,17 +86,24 @@ class BucketedDDP(Strategy):
             size += nbytes
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
+        self._slice_of: dict[nn.Parameter, torch.Tensor] = {}
         for params in groups:
             bucket = Bucket(params, torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                                 device=params[0].device))
             offset = 0
             for p in params:
-                p.grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                self._slice_of[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
                 self._bucket_of[p] = len(self.buckets)
             self.buckets.append(bucket)
-        self._launches = InOrder([len(b.params) for b in self.buckets],
-                                 lambda i: self.comm.all_reduce(self.buckets[i].buffer, async_op=True))
+        self._launches = InOrder([len(b.params) for b in self.buckets], self._launch)
+
+    def _launch(self, i: int) -> dist.Work:
+        for p in self.buckets[i].params:
+            if p.grad is None:  # unused in every micro-step of this step: its slice still holds the last step's
+                self._slice_of[p].zero_()
+                p.grad = self._slice_of[p]
+        return self.comm.all_reduce(self.buckets[i].buffer, async_op=True)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         if sync:
@@ -100,6 +111,10 @@ class BucketedDDP(Strategy):
         return super().forward(x, y, sync=sync)
 
     def _on_gradient(self, p: nn.Parameter) -> None:
+        place = self._slice_of[p]
+        if p.grad.data_ptr() != place.data_ptr():  # the step's first gradient: into the bucket
+            place.copy_(p.grad)
+            p.grad = place
         if not self._sync:
             return
         if self._arrivals is not None:
@@ -107,16 +122,15 @@ class BucketedDDP(Strategy):
         self._launches.arrived(self._bucket_of[p], eager=self.cfg.overlap)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss / self.world.world_size).backward()  # the all-reduced sum is then the mean
         if not self._sync:
             return
-        for bucket, work in zip(self.buckets, self._launches.finish(), strict=True):
+        for work in self._launches.finish():
             self.comm.wait(work)
-            bucket.buffer.div_(self.world.world_size)
 
     def zero_grad(self) -> None:
-        for bucket in self.buckets:
-            bucket.buffer.zero_()  # in place: the gradients stay views into the buckets
+        for p in self.trainable:
+            p.grad = None  # the backward's own gradient is copied into the bucket: no memset, no accumulation
 
     def step(self, lr: float) -> None:
         super().step(lr)

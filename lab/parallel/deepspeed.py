@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from lab import accounting
 from lab.checkpoint import CheckpointState, Held
