@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -181,14 +182,14 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
             if _alone(case, world).world_size == 1 and world.world_size > 1:
                 dist.barrier()
             if world.is_main and r >= 0:
-                so_far = [t for steps_of_round in times[case.label] for t in steps_of_round]
-                print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * statistics.median(so_far):8.1f} "
+                so_far = statistics.median(chain.from_iterable(times[case.label]))
+                print(f"  round {r + 1}/{rounds}: {case.label:<24} {1e3 * so_far:8.1f} "
                       f"ms/step so far", flush=True)
     rows = []
     for case, s in zip(cases, built, strict=True):
         if s is None:
             continue
-        step = statistics.median(t for steps_of_round in times[case.label] for t in steps_of_round)
+        step = statistics.median(chain.from_iterable(times[case.label]))
         tokens = micro_batch * shape.block_size * _alone(case, world).world_size
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens / step, "exposed_comm_s": statistics.median(waits[case.label]),
@@ -210,10 +211,11 @@ def paired_ratio(case: list[float], reference: list[float], resamples: int = 200
 def add_ratios(rows: list[dict], reference: str = "torch_ddp") -> None:
     """Give every row ``vs_reference``: its paired tokens/s ratio to the ``reference`` row (absent: no ratios)."""
     ref = next((r for r in rows if r["label"] == reference), None)
+    if ref is None:
+        return
     for r in rows:
-        if ref is not None:
-            median, low, high = paired_ratio(r["round_tokens_per_s"], ref["round_tokens_per_s"])
-            r["vs_reference"] = {"reference": reference, "median": median, "ci95": [low, high]}
+        median, low, high = paired_ratio(r["round_tokens_per_s"], ref["round_tokens_per_s"])
+        r["vs_reference"] = {"reference": reference, "median": median, "ci95": [low, high]}
 
 
 def plot_strategies(rows: list[dict], path: Path) -> None:

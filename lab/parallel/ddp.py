@@ -129,7 +129,7 @@ class BucketedDDP(Strategy):
             self.comm.wait(work)
 
     def zero_grad(self) -> None:
-        for p in self.trainable:
+        for p in self._slice_of:  # every trainable parameter
             p.grad = None  # the backward's own gradient is copied into the bucket: no memset, no accumulation
 
     def step(self, lr: float) -> None:
