@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from lab import checkpoint
-from lab.cli import export_main, sample_main
-from lab.config import resolve
+from lab.cli import export_main, resolve_vocab, sample_main
+from lab.config import build_parser, config_from_args, resolve
+from lab.data import load_tokenizer, prepare
 from lab.device import Precision
 from lab.parallel import World
-from lab.parallel.spawn import RankFailed, free_port, run_ranks
+from lab.parallel.spawn import RankFailed, free_port, run_pooled, run_ranks
 from lab.train import build_strategy, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,14 @@ def _train(world: World, tree: dict, data_dir: Path, run_dir: Path, resume: bool
     return train(resolve(tree), data_dir, run_dir, world, resume=resume)["steps"]
 
 
+def train_argv(world: World, argv: list[str], run_dir: Path) -> str:
+    """What launch/run.py does on each rank once the group is up: parse, prepare, train; the final status."""
+    cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--run-dir", str(run_dir)]))
+    data_dir = prepare(cfg.data, progress=False)
+    resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
+    return train(cfg, data_dir, run_dir, world)["status"]
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in checkpoint.load_everything(checkpoint.latest(run_dir)).items() if k.startswith("model/")}
 
@@ -49,7 +58,7 @@ def nproc(strategy: str, n: int) -> int:
 def segment(tree, data_dir, run_dir, strategy, n, resume, **train_opts) -> int:
     """One run segment under ``strategy`` on ``n`` ranks (4 ranks need smaller micro-batches)."""
     opts = {"micro_batch": 2, **train_opts} if n == 4 else train_opts
-    return run_ranks(_train, nproc(strategy, n), with_(tree, strategy, **opts), data_dir, run_dir, resume)[0]
+    return run_pooled(_train, nproc(strategy, n), with_(tree, strategy, **opts), data_dir, run_dir, resume)[0]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +149,8 @@ def _gathered(world: World, tree: dict, run_dir: Path) -> dict[str, torch.Tensor
 def test_export_and_sample_from_any_strategy(tree, tiny_prepared, tmp_path, strategy, capsys):
     run_dir, short = tmp_path / "r", with_(tree, strategy, tokens=512)
     n = nproc(strategy, 2)
-    assert run_ranks(_train, n, short, tiny_prepared, run_dir, False)[0] == 2
-    gathered = run_ranks(_gathered, n, short, run_dir)[0]
+    assert run_pooled(_train, n, short, tiny_prepared, run_dir, False)[0] == 2
+    gathered = run_pooled(_gathered, n, short, run_dir)[0]
     assert export_main([str(run_dir), "--out", str(tmp_path / "model.pt")]) == 0
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     assert exported["step"] == 2 and exported.keys() == {"model", "config", "step"}
@@ -186,8 +195,7 @@ def torchrun(*argv: str, restarts: int = 0) -> subprocess.Popen:
 
 def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_run_finishes(args, tmp_path):
     long = [*args, "--strategy", "zero2", "--train.tokens", "8192", "--train.checkpoint_every", "4"]  # 32 steps
-    whole = torchrun(*long, "--run-dir", str(tmp_path / "whole"))
-    assert whole.wait(timeout=300) == 0, whole.stderr.read()
+    assert run_pooled(train_argv, 2, long, tmp_path / "whole") == ["completed"] * 2
     proc = torchrun(*long, "--run-dir", str(tmp_path / "r"), restarts=1)
     deadline = time.monotonic() + 120
     while not (tmp_path / "r" / "checkpoints" / "step-000008" / "meta.json").exists():
@@ -203,6 +211,13 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_run_finishes(arg
 
 
 # ---------------------------------------------------------------- failing fast
+
+
+def wait_for(predicate, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
 
 
 def test_a_missing_rank_fails_with_one_line_within_the_timeout(args, tmp_path):
@@ -224,10 +239,15 @@ def test_a_frozen_rank_ends_the_run_within_the_timeout(args, tmp_path):
     for line in proc.stdout:
         if line.startswith("step     2/"):
             break
-    os.kill(_rank_pid(tmp_path / "r", 1), signal.SIGSTOP)
+    frozen = _rank_pid(tmp_path / "r", 1)
+    os.kill(frozen, signal.SIGSTOP)
     start = time.monotonic()
+    wait_for(lambda: (tmp_path / "r" / "logs" / "rank-0-error.txt").is_file() or proc.poll() is not None, 60)
+    assert time.monotonic() - start < 30
+    # torchrun now stops the group; a stopped process would sit on its SIGTERM for torchrun's 30 s grace
+    os.kill(frozen, signal.SIGCONT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert proc.returncode != 0
     assert "error: rank 0: a collective failed or timed out after parallel.timeout_s (5 s)" in err
     assert (tmp_path / "r" / "logs" / "rank-0-error.txt").is_file()
 

@@ -22,7 +22,7 @@ from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.deepspeed import engine_config
-from lab.parallel.spawn import run_ranks
+from lab.parallel.spawn import run_pooled
 from lab.train import train_step
 from test_checkpoints import _train, final_weights, tree  # noqa: F401 (tree: the tiny run's config, a fixture)
 
@@ -140,7 +140,7 @@ def _equivalences(world: World) -> dict:
 
 @pytest.fixture(scope="module")
 def equivalences():
-    return run_ranks(_equivalences, 2, deadline_s=600)[0]
+    return run_pooled(_equivalences, 2, deadline_s=600)[0]
 
 
 def test_every_stage_with_and_without_offload_reproduces_single_bit_for_bit_on_two_ranks(equivalences):
@@ -202,7 +202,7 @@ def _meters_and_skips(world: World) -> dict:
 
 @pytest.fixture(scope="module")
 def meters_and_skips():
-    return run_ranks(_meters_and_skips, 2, deadline_s=600)[0]
+    return run_pooled(_meters_and_skips, 2, deadline_s=600)[0]
 
 
 def test_model_state_bytes_are_measured_from_the_engines_tensors(meters_and_skips):
@@ -249,7 +249,7 @@ def segment(tree: dict, data_dir: Path, run_dir: Path, spec: str, n: int, resume
     name, _, options = spec.partition(":")
     parallel = {"strategy": name, **dict(kv.split("=") for kv in options.split(",") if kv)}
     opts = {"micro_batch": 2, **train_opts} if n == 4 else train_opts
-    return run_ranks(_train, n, {**tree, "train": {**tree["train"], **opts}, "parallel": parallel}, data_dir, run_dir,
+    return run_pooled(_train, n, {**tree, "train": {**tree["train"], **opts}, "parallel": parallel}, data_dir, run_dir,
                      resume)[0]
 
 

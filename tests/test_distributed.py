@@ -17,7 +17,7 @@ from lab.equivalence import TINY, Setup, batch, compare, equivalence, reference,
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create
-from lab.parallel.spawn import RankFailed, run_ranks
+from lab.parallel.spawn import RankFailed, run_pooled, run_ranks
 from lab.train import train_step
 
 FP32 = Precision("cpu", bf16=False)
@@ -31,7 +31,7 @@ DDP_FAMILY = ["ddp_naive", "ddp", "torch_ddp"]
 
 @pytest.mark.parametrize("nproc, accum", [(2, 1), (2, 4), (4, 1), (4, 4)])
 def test_the_ddp_family_trains_the_single_process_model(nproc, accum):
-    results = run_ranks(equivalence, nproc, ["single", *DDP_FAMILY], Setup(steps=6, accum=accum))[0]
+    results = run_pooled(equivalence, nproc, ["single", *DDP_FAMILY], Setup(steps=6, accum=accum))[0]
     assert results["single"].bitwise
     for name in DDP_FAMILY:
         r = results[name]
@@ -125,7 +125,7 @@ def _ddp_cases(world: World) -> dict:
 
 @pytest.fixture(scope="module")
 def ddp_cases():
-    return run_ranks(_ddp_cases, 2)
+    return run_pooled(_ddp_cases, 2)
 
 
 @pytest.mark.parametrize("label", ["one bucket", "several", "one per parameter", "no overlap"])
@@ -229,6 +229,6 @@ def test_with_dropout_each_rank_draws_its_own_masks(tiny_data_config, tiny_prepa
             "data": {"corpus": tiny_data_config.corpus, "cache_dir": tiny_data_config.cache_dir, "vocab_size": 512},
             "train": {"tokens": 512, "batch_tokens": 256, "micro_batch": 4, "eval_tokens": 64},
             "parallel": {"strategy": "ddp"}}
-    masks = run_ranks(_first_dropout_mask, 2, tree, tiny_prepared, tmp_path / "r")
+    masks = run_pooled(_first_dropout_mask, 2, tree, tiny_prepared, tmp_path / "r")
     assert masks[0].shape == masks[1].shape and 0.3 < masks[0].float().mean() < 0.7
     assert not torch.equal(masks[0], masks[1])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.cli import run_main
 from lab.parallel.spawn import free_port
 from lab.slurm import MultiNode, main, sbatch_script
 
@@ -38,9 +39,7 @@ def two_nodes(argv: list[str], run_dir: Path) -> list[subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def multinode_runs(args, tmp_path_factory):
     root = tmp_path_factory.mktemp("multinode")
-    single = subprocess.run([sys.executable, "launch/run.py", *args, "--run-dir", str(root / "single")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr
+    assert run_main([*args, "--run-dir", str(root / "single")]) == 0  # the reference: one process, in this one
     runs = {"single": root / "single"}
     for strategy in ("ddp", "zero2"):
         cache = root / f"cache-{strategy}"  # not yet prepared: each "node" prepares it

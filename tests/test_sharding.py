@@ -17,7 +17,7 @@ from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.activations import SavedBytes, apply
-from lab.parallel.spawn import run_ranks
+from lab.parallel.spawn import run_pooled
 from lab.train import train_step
 from test_distributed import GPTWithSometimesUnusedLayer, frozen_gpt
 
@@ -33,7 +33,7 @@ CHECKPOINTED = ["ddp:activation_checkpointing=full", "torch_ddp:activation_check
 def test_every_sharded_variant_reproduces_single_bit_for_bit_on_two_ranks():
     # One micro-batch per rank on 2 ranks: sums of two numbers and exact halving (see lab.equivalence).
     # Clipping off: the sharded gradient norm is summed shard by shard, so it may differ in the last bits.
-    results = run_ranks(equivalence, 2, ["ddp", *SHARDED, *OFFLOADED, *CHECKPOINTED], Setup(steps=4, grad_clip=0))[0]
+    results = run_pooled(equivalence, 2, ["ddp", *SHARDED, *OFFLOADED, *CHECKPOINTED], Setup(steps=4, grad_clip=0))[0]
     for spec, r in results.items():
         assert r.same_losses and r.same_params, (spec, r)
         assert r.max_rel_grad_norm_diff <= 1e-6, (spec, r)
@@ -42,7 +42,7 @@ def test_every_sharded_variant_reproduces_single_bit_for_bit_on_two_ranks():
 def test_every_sharded_variant_matches_single_on_four_ranks_with_accumulation():
     specs = [*SHARDED, *OFFLOADED, "zero1:activation_checkpointing=full", "zero3:activation_checkpointing=full",
              "fsdp:activation_checkpointing=full", "zero2:activation_checkpointing=selective"]
-    results = run_ranks(equivalence, 4, specs, Setup(steps=4, accum=4))[0]
+    results = run_pooled(equivalence, 4, specs, Setup(steps=4, accum=4))[0]
     for spec, r in results.items():
         # regrouped fp32 sums: last-bit differences, carried by AdamW (tolerance as in test_distributed)
         assert r.max_rel_loss_diff <= 1e-6 and r.max_rel_grad_norm_diff <= 1e-5, (spec, r)
@@ -61,7 +61,7 @@ def _odd_sizes(world: World) -> dict:
 
 
 def test_parameter_counts_that_the_world_size_does_not_divide_are_padded():
-    out = run_ranks(_odd_sizes, 4)[0]
+    out = run_pooled(_odd_sizes, 4)[0]
     assert any(numel % 4 for numel, _ in out["units"]) and all(padded % 4 == 0 for _, padded in out["units"])
     for spec, r in out["results"].items():
         assert r.max_rel_loss_diff <= 1e-6 and r.max_param_diff <= 1e-3, (spec, r)
@@ -99,7 +99,7 @@ def test_frozen_and_unused_parameters_under_each_stage(odd_parameters, case):
 
 @pytest.fixture(scope="module")
 def odd_parameters():
-    return run_ranks(_odd_parameters, 2)[0]
+    return run_pooled(_odd_parameters, 2)[0]
 
 
 DEEP = ModelConfig(n_layer=6, n_head=2, d_model=64, block_size=32, vocab_size=64)
@@ -116,7 +116,7 @@ def _zero3_memory(world: World) -> dict:
 
 
 def test_zero3_never_holds_the_whole_model():
-    m = run_ranks(_zero3_memory, 2)[0]
+    m = run_pooled(_zero3_memory, 2)[0]
     bound = m["shard"] + m["root"] + 2 * m["block"]  # its shard, the root unit, about two blocks at once
     assert m["built"] == m["shard"]  # built from the meta device: only this rank's chunks ever existed
     assert m["shard"] < m["step"] <= bound < m["model"], m
@@ -141,6 +141,6 @@ def test_activation_checkpointing_saves_what_it_promises():
 
 
 def test_bf16_autocast_runs_under_every_sharded_strategy():
-    results = run_ranks(equivalence, 2, SHARDED, dataclasses.replace(Setup(steps=3), bf16=True))[0]
+    results = run_pooled(equivalence, 2, SHARDED, dataclasses.replace(Setup(steps=3), bf16=True))[0]
     for spec, r in results.items():
         assert r.max_rel_loss_diff <= 1e-3, (spec, r)

@@ -1,17 +1,23 @@
-"""Run a function on N real ranks: fresh processes joined in a gloo group on a free localhost port.
+"""Run a function on N real ranks: processes joined in a gloo group on a free localhost port.
 
-``run_ranks(fn, n, *args)`` starts ``n`` processes (forked from a fork server that imported torch
-and the lab once, so later groups start in a fraction of a second), each with one thread (as torchrun
-gives), initialises the process group with a short collective timeout (so a mismatched collective
-fails in seconds instead of hanging), calls ``fn(world, *args)`` and returns every rank's result in
-rank order. A rank that raises makes the call raise ``RankFailed`` with that rank's traceback; a
-rank that dies or a group that outlives ``deadline_s`` is killed and reported. ``fn`` and its
-arguments must be picklable (a module-level function). The equivalence harness and the
-distributed tests use it.
+``run_ranks(fn, n, *args)`` starts ``n`` fresh processes (forked from a fork server that imported
+torch and the lab once, so later groups start in a fraction of a second), each with one thread (as
+torchrun gives), initialises the process group with a short collective timeout (so a mismatched
+collective fails in seconds instead of hanging), calls ``fn(world, *args)`` and returns every rank's
+result in rank order. ``run_pooled(fn, n, *args)`` does the same on a world of ``n`` ranks kept
+alive between calls (one per world size, per process), so that many checks share one group and what
+a rank imports or initialises lazily is paid once; each call starts from the state a fresh rank has
+(random state, threads, grad mode, environment). A rank that raises makes the call raise
+``RankFailed`` with that rank's traceback; a rank that dies or a call that outlives ``deadline_s``
+is killed and reported, and a pooled world that failed is replaced by a fresh one at its next call.
+``fn`` and its arguments must be picklable (a module-level function). The equivalence harness, the
+benchmark and the distributed tests use them; tests that break the group on purpose (a rank that
+dies, a collective that times out) use ``run_ranks``.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue
@@ -39,21 +45,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, results: mp.Queue,
-               fn: Callable[..., Any], args: tuple) -> None:
+def _join(rank: int, world_size: int, port: int, timeout_s: float) -> World:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        world = World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
-        # plain pickle: tensors travel by value, not as shared memory that dies with this process
-        results.put((rank, True, pickle.dumps(fn(world, *args))))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
+
+
+def _call(rank: int, fn: Callable[..., Any], world: World, args: tuple) -> tuple[int, bool, Any]:
+    try:  # plain pickle: tensors travel by value, not as shared memory that dies with this process
+        return rank, True, pickle.dumps(fn(world, *args))
     except BaseException as e:  # reported to the parent, never swallowed
+        return rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, results: mp.Queue,
+               fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        world = _join(rank, world_size, port, timeout_s)
+        results.put(_call(rank, fn, world, args))
+    except BaseException as e:
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _pooled_rank_main(rank: int, world_size: int, port: int, timeout_s: float, tasks: mp.Queue,
+                      results: mp.Queue) -> None:
+    """Join the group once, then run each task from ``tasks`` (None ends the loop) from a fresh rank's state."""
+    try:
+        world = _join(rank, world_size, port, timeout_s)
+    except BaseException as e:
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    rng, environ = torch.random.get_rng_state(), dict(os.environ)
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        torch.random.set_rng_state(rng)
+        torch.set_num_threads(1)
+        torch.set_grad_enabled(True)
+        os.environ.clear()
+        os.environ.update(environ)
+        results.put(_call(rank, fn, world, args))
+    dist.destroy_process_group()
 
 
 # Imported once by the fork server; every rank forked from it starts with them loaded (importing
@@ -67,9 +103,45 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
+def _collect(procs: list, results: mp.Queue, deadline_s: float) -> list[Any]:
+    """Every rank's result in rank order, or ``RankFailed`` for the first rank that raised, died or overran."""
+    world_size = len(procs)
+    got: dict[int, Any] = {}
+    failures: list[str] = []
+    end = time.monotonic() + deadline_s
+    while len(got) + len(failures) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() > end:
+                failures.append(f"ranks {sorted(set(range(world_size)) - set(got))} still running after "
+                                f"{deadline_s:.0f} s")
+                break
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+            if dead and results.empty():
+                failures.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                break
+            continue
+        if ok:
+            got[rank] = pickle.loads(value)
+        else:
+            failures.append(f"rank {rank}: {value}")
+    if failures:
+        raise RankFailed(failures[0])
+    return [got[r] for r in range(world_size)]
+
+
+def _stop(procs: list, grace_s: float = 10) -> None:
+    for p in procs:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 30.0,
               deadline_s: float = 300.0) -> list[Any]:
-    """``fn(world, *args)`` on ``world_size`` gloo ranks; each rank's return value, in rank order."""
+    """``fn(world, *args)`` on ``world_size`` fresh gloo ranks; each rank's return value, in rank order."""
     ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
@@ -77,33 +149,66 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
              for r in range(world_size)]
     for p in procs:
         p.start()
-    got: dict[int, Any] = {}
-    failures: list[str] = []
-    end = time.monotonic() + deadline_s
     try:
-        while len(got) + len(failures) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() > end:
-                    failures.append(f"ranks {sorted(set(range(world_size)) - set(got))} still running after "
-                                    f"{deadline_s:.0f} s")
-                    break
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
-                if dead and results.empty():
-                    failures.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                    break
-                continue
-            if ok:
-                got[rank] = pickle.loads(value)
-            else:
-                failures.append(f"rank {rank}: {value}")
+        return _collect(procs, results, deadline_s)
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        _stop(procs)
+
+
+class RankPool:
+    """A world of ``world_size`` gloo ranks that stays up between calls of ``run``."""
+
+    def __init__(self, world_size: int, timeout_s: float = 30.0):
+        ctx = _context()
+        self.world_size = world_size
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks: list[mp.Queue] = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_pooled_rank_main, args=(r, world_size, port, timeout_s, self.tasks[r],
+                                                                  self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, deadline_s: float = 300.0) -> list[Any]:
+        """``fn(world, *args)`` on every rank; each rank's return value, in rank order."""
+        for q in self.tasks:
+            q.put((fn, args))
+        return _collect(self.procs, self.results, deadline_s)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for p, q in zip(self.procs, self.tasks):
             if p.is_alive():
-                p.kill()
-                p.join()
-    if failures:
-        raise RankFailed(failures[0])
-    return [got[r] for r in range(world_size)]
+                q.put(None)
+        _stop(self.procs, grace_s=5)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+        _stop(self.procs)
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def run_pooled(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 300.0) -> list[Any]:
+    """``run_ranks`` on this process's kept-alive world of ``world_size`` ranks (rebuilt after a failure)."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world_size] = RankPool(world_size)
+    try:
+        return pool.run(fn, *args, deadline_s=deadline_s)
+    except BaseException:  # a failed call can leave collectives half done: never reuse that group
+        _POOLS.pop(world_size).kill()
+        raise
+
+
+@atexit.register
+def close_pools() -> None:
+    """End every kept-alive world (also run at interpreter exit)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()

@@ -1,7 +1,8 @@
 """What every executor shares: one attempt of a run, its command line, its lock and its outcome.
 
-A run is started as ``torchrun ... launch/run.py OPTIONS --run-dir DIR --resume auto``: a first
-attempt starts afresh, a later one continues from the run's newest checkpoint. Each attempt writes
+A run is started as ``python launch/run.py OPTIONS --run-dir DIR --resume auto`` (one process) or
+under ``torchrun --standalone --nproc_per_node=K`` (several): a first attempt starts afresh, a later
+one continues from the run's newest checkpoint. Each attempt writes
 its output to ``SWEEP/logs/NAME/attempt-K.log``. While a single-node attempt is alive it holds an
 exclusive lock on ``SWEEP/logs/NAME/run.lock``, so a restarted driver never starts a second copy
 of a run that an earlier driver left running. The outcome is read from the run directory: ``summary.json``
@@ -67,11 +68,13 @@ class Executor(Protocol):
         """Run every attempt, reporting to ``events``; return when all have ended."""
 
 
-def torchrun_command(attempt: Attempt) -> list[str]:
-    """A single-node command: torchrun with a private rendezvous and the run's process count."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={attempt.run.launch.nproc}", str(RUN_PY), *attempt.run.args,
-            "--run-dir", str(attempt.run_dir), "--resume", "auto"]
+def run_command(attempt: Attempt) -> list[str]:
+    """A single-node command: the run itself for one process (no launcher to start and wait on), else
+    torchrun with a private rendezvous and the run's process count."""
+    nproc = attempt.run.launch.nproc
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    return [sys.executable, *launcher, str(RUN_PY), *attempt.run.args, "--run-dir", str(attempt.run_dir),
+            "--resume", "auto"]
 
 
 def environment(threads: int) -> dict[str, str]:

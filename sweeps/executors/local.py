@@ -1,4 +1,4 @@
-"""The local executor: runs one after another, or several at once, each through torchrun.
+"""The local executor: runs one after another, or several at once, as child processes.
 
 Runs are child processes of the driver. On Linux each gets SIGTERM when the driver dies (even by
 SIGKILL), so it checkpoints and stops; elsewhere it finishes on its own, and a restarted driver
@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO
 
-from sweeps.executors.attempt import Attempt, Events, environment, open_lock, outcome, torchrun_command, try_lock
+from sweeps.executors.attempt import Attempt, Events, environment, open_lock, outcome, run_command, try_lock
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
@@ -65,7 +65,7 @@ class LocalExecutor:
                         lock.close()
                         continue
                     log = open(attempt.log, "ab")
-                    proc = subprocess.Popen(torchrun_command(attempt), stdin=subprocess.DEVNULL, stdout=log,
+                    proc = subprocess.Popen(run_command(attempt), stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, env=environment(self._threads(attempt)),
                                             pass_fds=(lock.fileno(),), preexec_fn=_die_with_parent)
                     active[proc] = (attempt, log, lock)

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sweeps.executors.attempt import REPO, Attempt, Events, ExecutorError, Outcome, outcome, torchrun_command
+from sweeps.executors.attempt import REPO, Attempt, Events, ExecutorError, Outcome, outcome, run_command
 from sweeps.executors.job import run_attempt
 from sweeps.spec import Launch
 
@@ -101,7 +101,7 @@ class SlurmExecutor:
             with executor.batch():
                 for a in chosen:
                     threads = a.run.launch.cpus_per_proc
-                    jobs.append(executor.submit(run_attempt, torchrun_command(a), threads, str(self.cwd),
+                    jobs.append(executor.submit(run_attempt, run_command(a), threads, str(self.cwd),
                                                 str(a.log), str(a.lock)))
         except Exception as e:  # submitit raises plain exceptions carrying sbatch's message
             raise SlurmError(f"sbatch failed: {_one_line(str(e))}") from None

@@ -231,9 +231,10 @@ def test_sigkill_in_the_middle_then_restart_completes_every_run_exactly_once(tmp
 
 def test_sigterm_to_the_driver_stops_its_runs_and_the_next_run_resumes_them(tmp_path, write_sweep, registry_rows,
                                                                            completions):
-    file = write_sweep(tmp_path / "s.toml", budgets=[6e10], shapes=THREE[:1])  # about 860 steps
+    file = write_sweep(tmp_path / "s.toml", budgets=[1.2e10], shapes=THREE[:1],  # about 170 steps
+                      train={"checkpoint_every": 10})
     folder = tmp_path / "sweep"
-    name = "C6e10-small"
+    name = "C1.2e10-small"
     driver = start_driver("run", file, "--folder", folder, "--no-progress")
     wait_for(lambda: (folder / "sweep.db").exists() and registry_rows(folder)[name]["status"] == "running"
              and (folder / "runs" / name / "checkpoints").is_dir(), timeout=120, what="a checkpointed run")
@@ -294,10 +295,11 @@ def test_failed_run_is_recorded_with_its_error_line_and_the_rest_goes_on(tmp_pat
 
 def test_cancel_stops_a_running_run_and_retry_resumes_it(tmp_path, write_sweep, sweeps_cli, registry_rows,
                                                          completions):
-    file = write_sweep(tmp_path / "s.toml", budgets=[6e10], shapes=THREE[:1])  # about 860 steps
+    file = write_sweep(tmp_path / "s.toml", budgets=[1.2e10], shapes=THREE[:1],  # about 170 steps
+                      train={"checkpoint_every": 10})
     folder = tmp_path / "sweep"
     driver = start_driver("run", file, "--folder", folder, "--no-progress")
-    name = "C6e10-small"
+    name = "C1.2e10-small"
     wait_for(lambda: (folder / "sweep.db").exists() and registry_rows(folder)[name]["status"] == "running"
              and (folder / "runs" / name / "checkpoints").is_dir(), timeout=120, what="a checkpointed run")
     pid = int(registry_rows(folder)[name]["job"].split(":")[1])

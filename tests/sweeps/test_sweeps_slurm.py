@@ -117,9 +117,9 @@ def test_a_cancelled_run_is_recorded_as_cancelled(cluster, tmp_path, write_sweep
 
 def test_a_driver_killed_mid_sweep_follows_its_jobs_when_restarted(cluster, tmp_path, write_sweep, registry_rows,
                                                                    completions):
-    # three runs of a few hundred steps, one at a time (array_parallelism 1)
+    # two runs of about a hundred steps, one at a time (array_parallelism 1)
     extra = SLURM.replace('poll_s = 0.5', 'poll_s = 0.5\narray_parallelism = 1')
-    file = write_sweep(tmp_path / "s.toml", budgets=[1.5e10], shapes=SHAPES, extra=extra)
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e9], shapes=SHAPES, extra=extra)
     folder = tmp_path / "sweep"
     driver = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder),
                                "--executor", "slurm", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
