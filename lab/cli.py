@@ -166,13 +166,15 @@ class StopSignals:
         return self.received
 
 
-def _preflight(args: argparse.Namespace, ranks: int | None = None) -> tuple[RunConfig, World, Path | None, str,
-                                                                          Estimate]:
+def _preflight(args: argparse.Namespace,
+               ranks: int | None = None) -> tuple[RunConfig, World, Path | None, str, Estimate]:
     """Every check that can run before the process group and the data: ConfigError on bad input. ``ranks``:
     check for that many processes on this machine (before starting them) instead of torchrun's variables."""
     cfg = config_from_args(args)
-    world = _world_from_env(cfg.train.device) if ranks is None else \
-        World(rank=0, world_size=ranks, local_rank=0, device=resolve_device(cfg.train.device, 0))
+    if ranks is None:
+        world = _world_from_env(cfg.train.device)
+    else:
+        world = World(rank=0, world_size=ranks, local_rank=0, device=resolve_device(cfg.train.device, 0))
     validate(cfg, world.world_size)
     check_source(cfg.data)
     run_dir = Path(args.run_dir) if args.run_dir else None
@@ -211,7 +213,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
         rank, failure = e.get_first_failure()
         if failure.exitcode > 0:
             return failure.exitcode
-        print_error(f"rank {rank} was killed by {signal.Signals(-failure.exitcode).name}")
+        print_error(f"rank {rank} was killed by signal {-failure.exitcode} ({failure.signal_name()})")
         return 128 - failure.exitcode
     return 0
 

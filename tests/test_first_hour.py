@@ -113,6 +113,16 @@ def test_nproc_per_node_checks_the_run_for_its_ranks_before_starting_any(args, t
     assert not (tmp_path / "r").exists()
 
 
+def test_bad_input_found_after_three_ranks_started_gives_one_line_and_exit_2(args, tmp_path):
+    # the vocabulary is checked against the tokenizer, which every rank loads after the group has formed
+    proc = subprocess.run([sys.executable, "-m", "lab", "train", "--nproc-per-node", "3", "--strategy", "ddp", *args,
+                           "--train.batch_tokens", "384", "--model.vocab_size", "100", "--train.peak_flops", "1e12",
+                           "--run-dir", str(tmp_path / "r")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert one_error_line(proc.stderr) == "error: model.vocab_size (100) is smaller than the tokenizer's (512)"
+
+
 @pytest.mark.parametrize("strategy", [["--strategy", "zero3"], ["--strategy", "deepspeed", "--parallel.zero_stage", "3"]])
 def test_compile_is_refused_up_front_where_unsupported(strategy, args, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
