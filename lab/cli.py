@@ -2,7 +2,9 @@
 
 Exit codes of a run: 0 done (or stopped by ``train.stop_after``), 1 diverged, 2 bad input (one
 ``error:`` line, before any work where the check allows), 130 / 143 interrupted by SIGINT /
-SIGTERM (a checkpoint and ``summary.json`` with status ``interrupted`` are written first).
+SIGTERM (a checkpoint and ``summary.json`` with status ``interrupted`` are written first). Under
+torchrun the first process of each machine prints a bad-input line; with ``--nproc-per-node N`` the
+run starts its own ranks and exits with the first failed rank's code.
 """
 
 from __future__ import annotations
