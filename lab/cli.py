@@ -249,7 +249,7 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
             print(f"error: the {world.world_size} processes did not meet within parallel.timeout_s "
                   f"({cfg.parallel.timeout_s:g} s), is a rank missing? ({_first_line(e)})", file=sys.stderr)
             return 1
-    elif cfg.parallel.strategy != "single":
+    elif cfg.parallel.strategy != "single" and not dist.is_initialized():
         join_group_of_one(world.device)  # a multi-rank strategy as a world of one (plain python, or torchrun with 1)
     try:
         run_dir = run_dir or world.broadcast_from_main(default_run_dir)
