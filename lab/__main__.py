@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = p.parse_args(argv)
     if args.command not in COMMANDS:
-        print_error(f"unknown command '{args.command}'{did_you_mean(args.command, COMMANDS)} (see python -m lab --help)")
+        print_error(f"unknown command '{args.command}'{did_you_mean(args.command, COMMANDS)} "
+                    f"(see python -m lab --help)")
         return 2
     module, function, _ = COMMANDS[args.command]
     return getattr(importlib.import_module(module), function)(args.args, prog=f"python -m lab {args.command}")

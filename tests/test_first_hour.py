@@ -123,7 +123,8 @@ def test_bad_input_found_after_three_ranks_started_gives_one_line_and_exit_2(arg
     assert one_error_line(proc.stderr) == "error: model.vocab_size (100) is smaller than the tokenizer's (512)"
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "zero3"], ["--strategy", "deepspeed", "--parallel.zero_stage", "3"]])
+@pytest.mark.parametrize("strategy", [["--strategy", "zero3"],
+                                      ["--strategy", "deepspeed", "--parallel.zero_stage", "3"]])
 def test_compile_is_refused_up_front_where_unsupported(strategy, args, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert run(tmp_path / "r", *args, *strategy, "--train.compile", "true") == 2
@@ -182,7 +183,8 @@ def test_the_start_line_names_the_deepspeed_stage_and_the_peak():
     world = World(0, 1, 0, torch.device("cpu"))
     line = start_line(cfg, world, step_plan(cfg, 1), Precision("cpu", False), Peak(3e11, "measured matmul peak (x)"),
                       Start(), None)
-    assert "strategy deepspeed (ZeRO stage 3) × 1" in line and "3e+11 FLOP/s per device (measured matmul peak (x))" in line
+    assert "strategy deepspeed (ZeRO stage 3) × 1" in line
+    assert "MFU against 3e+11 FLOP/s per device (measured matmul peak (x))" in line
 
 
 # ---------------------------------------------------------------- one entry point
