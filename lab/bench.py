@@ -45,7 +45,7 @@ from lab.device import (
     describe,
     peak_flops,
     peak_memory_bytes,
-    remeasure_cpu_peaks,
+    peak_main,
     setup_device,
     synchronize,
 )
@@ -306,8 +306,8 @@ def strategies(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch/bench.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+def main(argv: list[str] | None = None, prog: str = "launch/bench.py") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=20, help="timed steps per case (per round with --strategies)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
@@ -324,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                "do it on a quiet machine) and keep the best figure")
     args = p.parse_args(argv)
     if args.measure_peak:
-        for dtype, peak in remeasure_cpu_peaks(budget_s=10.0).items():
-            print(f"{cpu_name()}, {torch.get_num_threads()} threads, {dtype}: "
-                  f"{peak / 1e9:,.1f} GFLOP/s (best measured on this machine)")
-        return 0
+        return peak_main(["--remeasure"])
     if args.steps <= 0 or args.warmup < 0 or args.nproc < 1 or args.rounds < 1 or args.micro_batch < 1:
         print("error: --steps, --nproc, --rounds and --micro-batch must be positive and --warmup >= 0",
               file=sys.stderr)

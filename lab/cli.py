@@ -2,7 +2,9 @@
 
 Exit codes of a run: 0 done (or stopped by ``train.stop_after``), 1 diverged, 2 bad input (one
 ``error:`` line, before any work where the check allows), 130 / 143 interrupted by SIGINT /
-SIGTERM (a checkpoint and ``summary.json`` with status ``interrupted`` are written first).
+SIGTERM (a checkpoint and ``summary.json`` with status ``interrupted`` are written first). Under
+torchrun the first process of each machine prints a bad-input line; with ``--nproc-per-node N`` the
+run starts its own ranks and exits with the first failed rank's code.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from lab import checkpoint
-from lab.config import ConfigError, Parser, RunConfig, build_parser, config_from_args
+from lab.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
 from lab.files import dumps, probe_writable, save_json
 from lab.model import GPT
-from lab.parallel import World
+from lab.parallel import World, join_group_of_one
 from lab.train import Estimate, TrainingDiverged, check_resources, train, validate
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
@@ -40,7 +43,7 @@ RESUMABLE_CHANGES = {"train.stop_after", "train.log_every", "train.checkpoint_ev
 
 
 def _error(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
+    print_error(msg)
     return 2
 
 
@@ -71,13 +74,15 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
 
     ``latest`` needs a complete checkpoint; ``auto`` resumes from one when there is one and otherwise
     starts afresh (a run stopped before its first checkpoint has nothing to lose); ``never`` refuses a
-    directory that already holds a run.
+    directory that already holds a run: one that took a step (a checkpoint, metrics or a summary). What a
+    run that failed before its first step left (its config.json and tokenizer) is written again.
     """
     probe_writable(run_dir, "--run-dir")
     has_checkpoint = checkpoint.latest(run_dir) is not None
     if mode == "latest" and not has_checkpoint:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-    if mode == "never" and ((run_dir / "config.json").exists() or has_checkpoint):
+    took_a_step = has_checkpoint or (run_dir / "metrics.jsonl").exists() or (run_dir / "summary.json").exists()
+    if mode == "never" and took_a_step:
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it (--resume auto also "
                           f"restarts one stopped before its first checkpoint) or choose another --run-dir")
     return has_checkpoint and mode != "never"
@@ -123,6 +128,16 @@ def resolve_vocab(cfg: RunConfig, tokenizer_vocab: int) -> None:
 # ---------------------------------------------------------------- processes and signals
 
 
+def shared_store_warning() -> str | None:
+    """A warning when torchrun may restart the group while it shares its rendezvous store with the workers:
+    the restarted workers then fail to meet (pytorch/pytorch#135712)."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
+            os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        return ("warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment: "
+                "a restarted group fails to meet (pytorch/pytorch#135712)")
+    return None
+
+
 def _world_from_env(device_name: str) -> World:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -153,10 +168,15 @@ class StopSignals:
         return self.received
 
 
-def _preflight(args: argparse.Namespace) -> tuple[RunConfig, World, Path | None, str, Estimate]:
-    """Every check that can run before the process group and the data: ConfigError on bad input."""
+def _preflight(args: argparse.Namespace,
+               ranks: int | None = None) -> tuple[RunConfig, World, Path | None, str, Estimate]:
+    """Every check that can run before the process group and the data: ConfigError on bad input. ``ranks``:
+    check for that many processes on this machine (before starting them) instead of torchrun's variables."""
     cfg = config_from_args(args)
-    world = _world_from_env(cfg.train.device)
+    if ranks is None:
+        world = _world_from_env(cfg.train.device)
+    else:
+        world = World(rank=0, world_size=ranks, local_rank=0, device=resolve_device(cfg.train.device, 0))
     validate(cfg, world.world_size)
     check_source(cfg.data)
     run_dir = Path(args.run_dir) if args.run_dir else None
@@ -167,14 +187,50 @@ def _preflight(args: argparse.Namespace) -> tuple[RunConfig, World, Path | None,
     precision = resolve_precision(cfg.train.dtype, world.device)
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, available_memory_bytes(world.device),
-                               int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)))
+                               ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)))
     return cfg, world, run_dir, mode, estimate
 
 
-def run_main(argv: list[str] | None = None) -> int:
+def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--nproc-per-node N``: check the run for N ranks here, then start them on this machine with torchrun's
+    launcher (standalone). Bad input gives one ``error:`` line and exit 2 before any rank starts; afterwards
+    the exit code is the first failed rank's (that rank printed why), or 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if args.nproc_per_node < 1:
+        return _error(f"--nproc-per-node must be positive, got {args.nproc_per_node}")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return _error("--nproc-per-node starts the processes itself; under torchrun leave it out")
+    try:
+        _preflight(args, ranks=args.nproc_per_node)
+    except ConfigError as e:
+        return _error(str(e))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several processes, without its banner
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the ranks say what failed
+    torchrun = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "lab", "train"]
+    try:
+        run(get_args_parser().parse_args([*torchrun, *argv, "--nproc-per-node", "1"]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode > 0:
+            return failure.exitcode
+        print_error(f"rank {rank} was killed by signal {-failure.exitcode} ({failure.signal_name()})")
+        return 128 - failure.exitcode
+    return 0
+
+
+def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
     """Train one run; see the module docstring for the exit codes."""
-    parser = build_parser("launch/run.py", "Train a GPT on prepared text and write a run directory.")
+    parser = build_parser(prog, "Train a GPT on prepared text and write a run directory.")
+    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                        help="start N processes on this machine (torchrun's launcher) after checking the run for N "
+                             "ranks: bad input then fails once, before any starts (default: this process alone, or "
+                             "the ranks torchrun started)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.nproc_per_node != 1:
+        return launch_ranks(args, argv)
     try:
         cfg, world, run_dir, mode, estimate = _preflight(args)
     except ConfigError as e:
@@ -182,6 +238,8 @@ def run_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted before training started", file=sys.stderr)
         return 130
+    if world.is_main and (warning := shared_store_warning()):
+        print(warning, file=sys.stderr, flush=True)
 
     if world.world_size > 1:
         try:
@@ -191,6 +249,8 @@ def run_main(argv: list[str] | None = None) -> int:
             print(f"error: the {world.world_size} processes did not meet within parallel.timeout_s "
                   f"({cfg.parallel.timeout_s:g} s), is a rank missing? ({_first_line(e)})", file=sys.stderr)
             return 1
+    elif cfg.parallel.strategy != "single" and not dist.is_initialized():
+        join_group_of_one(world.device)  # a multi-rank strategy as a world of one (plain python, or torchrun with 1)
     try:
         run_dir = run_dir or world.broadcast_from_main(default_run_dir)
         world.check_same(hashlib.sha256(dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest(), "the config")
@@ -217,7 +277,7 @@ def run_main(argv: list[str] | None = None) -> int:
         if world.is_main:
             save_json(run_dir / "summary.json", {"status": "diverged", "error": str(e),
                                                  "strategy": cfg.parallel.strategy, "world_size": world.world_size})
-        print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr)  # every rank sees the same loss and norm
         return 1
     except RuntimeError as e:
         if world.world_size == 1:
@@ -276,9 +336,9 @@ def checkpoint_weights(run_dir: Path, folder: str | None, model: torch.nn.Module
     return checkpoint.load_model(path, shapes)
 
 
-def export_main(argv: list[str] | None = None) -> int:
+def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -> int:
     """Write one run's weights, from any checkpoint, as a single file loadable with weights_only=True."""
-    p = Parser(prog="launch/export.py", description="Export a run's weights as one plain state-dict file "
+    p = Parser(prog=prog, description="Export a run's weights as one plain state-dict file "
                                                     "(torch.load(path, weights_only=True) reads it).")
     p.add_argument("run_dir", help="a run directory written by launch/run.py")
     p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
@@ -303,9 +363,9 @@ def export_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def sample_main(argv: list[str] | None = None) -> int:
+def sample_main(argv: list[str] | None = None, prog: str = "launch/sample.py") -> int:
     """Generate text from a run's newest (or a given) checkpoint."""
-    p = Parser(prog="launch/sample.py", description="Sample text from a trained run.")
+    p = Parser(prog=prog, description="Sample text from a trained run.")
     p.add_argument("--run-dir", required=True, help="a run directory written by launch/run.py")
     p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
     p.add_argument("--prompt", default="\n", help="text to continue")

@@ -11,11 +11,14 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import tomllib
@@ -150,6 +153,12 @@ NONFINITE = ("skip", "stop")
 # ---------------------------------------------------------------- value parsing
 
 
+def did_you_mean(value: Any, known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` naming the known value closest to ``value``, or nothing when none is close."""
+    close = difflib.get_close_matches(str(value), list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _field_kind(section_cls: type, name: str) -> tuple[type, bool]:
     """(scalar type, optional?) of a dataclass field, from its annotation."""
     hints = typing.get_type_hints(section_cls)
@@ -227,7 +236,8 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
     preset = tree.get("model", {}).get("preset")
     if preset is not None:
         if preset not in PRESETS:
-            raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})")
+            raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})"
+                              f"{did_you_mean(preset, PRESETS)}")
         _apply(cfg, {"model": PRESETS[preset]}, source=f"preset {preset}")
     _apply(cfg, tree, source="config")
     return cfg
@@ -236,19 +246,28 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
 # ---------------------------------------------------------------- command line
 
 
+def print_error(message: str) -> None:
+    """``error: message`` on stderr, once per machine: every rank of a torchrun group meets the same bad input,
+    and the first process of each node speaks for it."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with whole option names only and one-line errors (with a suggestion) instead of the usage."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        # A value that starts like a negative number (-1e5, -.5, -3) is a value, not an option: the rule
+        # argparse itself adopted in Python 3.13 (3.11 takes only -3 and -0.5).
+        self._negative_number_matcher = re.compile(r"-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments: "):
             unknown = message.removeprefix("unrecognized arguments: ").split()[0].split("=")[0]
             known = [o for a in self._actions for o in a.option_strings]
-            close = difflib.get_close_matches(unknown, known, n=1)
-            message = f"unknown option {unknown}" + (f" (did you mean {close[0]}?)" if close else "")
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+            message = f"unknown option {unknown}{did_you_mean(unknown, known)}"
+        print_error(f"{message} (see {self.prog} --help)")
         sys.exit(2)
 
 

@@ -5,13 +5,15 @@
 - ``peak_flops``: the dense data-sheet peak on a GPU (``lab.accounting``), or on a CPU a matmul
   peak measured once per machine, thread count, torch version and dtype, within a time budget and
   with a private random generator (the training RNG is never touched), then cached in
-  ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json``;
+  ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement
+  (``python -m lab peak --remeasure`` measures again; the best figure is kept);
 - memory: the peak this process used, and what is available before a run starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -24,16 +26,18 @@ from pathlib import Path
 import torch
 
 from lab import accounting
-from lab.config import ConfigError
+from lab.config import ConfigError, Parser, did_you_mean, print_error
+from lab.files import write_atomic
 
+DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 PEAK_BUDGET_S = 1.5  # measuring a CPU peak stops before this much time has gone
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
     """``cuda`` (device ``local_rank``) when asked for or, with ``auto``, when there is one; else the CPU."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device must be auto, cpu or cuda, got '{name}'")
+    if name not in DEVICES:
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got '{name}'{did_you_mean(name, DEVICES)}")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device is cuda but no CUDA device is available")
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
@@ -73,7 +77,7 @@ class Precision:
 def resolve_precision(dtype: str, device: torch.device) -> Precision:
     """``auto`` means bf16 autocast on CUDA and fp32 on the CPU."""
     if dtype not in DTYPES:
-        raise ConfigError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+        raise ConfigError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{dtype}'{did_you_mean(dtype, DTYPES)}")
     return Precision(device.type, dtype == "bf16" or (dtype == "auto" and device.type == "cuda"))
 
 
@@ -128,40 +132,89 @@ def _peak_key(dtype: torch.dtype) -> str:
     return f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {dtype}"
 
 
-def _read_cache() -> dict[str, float]:
+@dataclass(frozen=True)
+class PeakRecord:
+    """One CPU matmul peak measurement: its FLOP/s, when it was taken and under what load."""
+
+    flops: float
+    measured_at: str  # UTC
+    load: float | None  # the 1-minute load average just before (other work competing for the cores)
+
+    def describe(self) -> str:
+        load = "load unknown" if self.load is None else f"load {self.load:.2f} on {os.cpu_count()} cores"
+        return f"{self.measured_at}, {load}"
+
+
+def _read_cache() -> dict[str, PeakRecord]:
     try:
         cache = json.loads(_cache_file().read_text())
     except (OSError, ValueError):
         return {}
-    return {k: float(v) for k, v in cache.items() if isinstance(v, (int, float)) and v > 0} \
-        if isinstance(cache, dict) else {}
+    records = {}
+    for key, value in cache.items() if isinstance(cache, dict) else ():
+        if isinstance(value, (int, float)):  # written before the time and load were recorded
+            value = {"flops": value}
+        if isinstance(value, dict) and isinstance(value.get("flops"), (int, float)) and value["flops"] > 0:
+            load = value.get("load")
+            records[key] = PeakRecord(float(value["flops"]), str(value.get("measured_at", "at an unknown time")),
+                                      float(load) if isinstance(load, (int, float)) else None)
+    return records
 
 
 def cpu_peak_flops(dtype: torch.dtype) -> Peak:
     """This CPU's matmul FLOP/s in ``dtype``: the cached figure, or one measured now (< 2 s) and cached."""
     cached = _read_cache().get(_peak_key(dtype))
     if cached:
-        return Peak(cached, f"measured matmul peak, cached in {_cache_file()}")
-    return Peak(remeasure_cpu_peak(dtype), "measured matmul peak")
+        return Peak(cached.flops, f"measured matmul peak ({cached.describe()}; cached in {_cache_file()})")
+    best = record_cpu_peak(dtype)[1]
+    return Peak(best.flops, f"measured matmul peak ({best.describe()})")
 
 
-def remeasure_cpu_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> float:
-    """Measure again and cache the best figure this machine has shown (a measurement taken while other
-    work competed for the cores reads low; a later, quieter one replaces it). Returns that figure."""
+def record_cpu_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> tuple[PeakRecord, PeakRecord]:
+    """Measure again and cache the best figure this machine has shown, with its time and load (a measurement
+    taken while other work competed for the cores reads low; a later, quieter one replaces it).
+    Returns (this measurement, the best one kept)."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    now = PeakRecord(measure_matmul_peak(dtype, budget_s), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                     load)
     cache, key = _read_cache(), _peak_key(dtype)
-    best = max(measure_matmul_peak(dtype, budget_s), cache.get(key, 0.0))
+    best = cache[key] if key in cache and cache[key].flops >= now.flops else now
     with contextlib.suppress(OSError):  # an unwritable cache only costs a measurement next time
         path = _cache_file()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**cache, key: best}, indent=1))
-        tmp.replace(path)
-    return best
+        write_atomic(path, json.dumps({k: dataclasses.asdict(r) for k, r in {**cache, key: best}.items()}, indent=1))
+    return now, best
 
 
-def remeasure_cpu_peaks(budget_s: float = PEAK_BUDGET_S) -> dict[torch.dtype, float]:
-    """``remeasure_cpu_peak`` for every dtype a CPU run can train in (fp32 and bf16)."""
-    return {dtype: remeasure_cpu_peak(dtype, budget_s) for dtype in (torch.float32, torch.bfloat16)}
+def remeasure_cpu_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> float:
+    """``record_cpu_peak``'s best figure."""
+    return record_cpu_peak(dtype, budget_s)[1].flops
+
+
+def peak_main(argv: list[str] | None = None, prog: str = "python -m lab peak") -> int:
+    """Show this CPU's cached matmul peaks (the MFU denominators of CPU runs), or measure them again."""
+    p = Parser(prog=prog, description="This CPU's matmul peaks, the MFU denominators of CPU runs: "
+                                                      "the best figure measured, with when and under what load.")
+    p.add_argument("--remeasure", action="store_true", help="measure fp32 and bf16 again (do it on a quiet machine); "
+                                                            "the cache keeps the best figure seen")
+    p.add_argument("--budget", type=float, default=10.0, help="seconds per dtype for --remeasure")
+    args = p.parse_args(argv)
+    if not args.budget > 0:
+        print_error(f"--budget must be positive, got {args.budget}")
+        return 2
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; cache {_cache_file()}")
+    cache = _read_cache()
+    for dtype in (torch.float32, torch.bfloat16):
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        if args.remeasure:
+            now, best = record_cpu_peak(dtype, args.budget)
+            print(f"{name}: {now.flops / 1e9:,.1f} GFLOP/s now ({now.describe()}); "
+                  f"kept {best.flops / 1e9:,.1f} GFLOP/s (measured {best.describe()})")
+        elif (kept := cache.get(_peak_key(dtype))) is not None:
+            print(f"{name}: {kept.flops / 1e9:,.1f} GFLOP/s (measured {kept.describe()})")
+        else:
+            print(f"{name}: not measured yet (the first CPU run measures it, or pass --remeasure)")
+    return 0
 
 
 def measure_matmul_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> float:

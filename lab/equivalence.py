@@ -150,8 +150,8 @@ def format_table(results: dict[str, Comparison]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lab.equivalence", description=__doc__.split("\n\n")[0],
+def main(argv: list[str] | None = None, prog: str = "python -m lab.equivalence") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--strategies", default="single,ddp_naive,ddp,torch_ddp",
                    help="space-separated specs name[:key=value,...], e.g. 'zero2 zero3:offload=optimizer'; or "

@@ -23,12 +23,14 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from lab import accounting
-from lab.config import ConfigError, ModelConfig
+from lab.config import ConfigError, ModelConfig, did_you_mean
+
+ARCHS = ("gpt2", "modern")
 
 def validate(cfg: ModelConfig) -> None:
     """Raise ConfigError for a shape the model cannot be built with."""
-    if cfg.arch not in ("gpt2", "modern"):
-        raise ConfigError(f"model.arch must be gpt2 or modern, got '{cfg.arch}'")
+    if cfg.arch not in ARCHS:
+        raise ConfigError(f"model.arch must be gpt2 or modern, got '{cfg.arch}'{did_you_mean(cfg.arch, ARCHS)}")
     for name in ("n_layer", "n_head", "d_model", "block_size", "pad_vocab_to"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"model.{name} must be positive, got {getattr(cfg, name)}")

@@ -192,8 +192,8 @@ def _peaks(args: argparse.Namespace) -> str:
 # ---------------------------------------------------------------- command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="plan", description="Training time and memory on paper (see lab.accounting).")
+def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Training time and memory on paper (see lab.accounting).")
     sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,peaks}")
 
     t = sub.add_parser("time", help="training FLOPs, GPU-hours and wall-clock days")
@@ -225,10 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "plan") -> int:
     """Run the planner; 0 on success, 2 (and one ``error:`` line on stderr) on bad input."""
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(prog).parse_args(argv)
         run: Callable[[argparse.Namespace], str] = args.run
         print(run(args))
     except (PlanError, ValueError) as e:

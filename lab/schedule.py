@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 
-from lab.config import ConfigError, TrainConfig
+from lab.config import ConfigError, TrainConfig, did_you_mean
 
 SCHEDULES = ("cosine", "wsd", "constant")
 
 
 def validate(cfg: TrainConfig) -> None:
     if cfg.schedule not in SCHEDULES:
-        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.schedule}'")
+        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.schedule}'"
+                          f"{did_you_mean(cfg.schedule, SCHEDULES)}")
     decay = cfg.decay if cfg.schedule == "wsd" else 0
     if not 0 <= cfg.warmup < 1 or not 0 <= cfg.decay <= 1 or cfg.warmup + decay > 1:
         raise ConfigError("train.warmup and train.decay must be fractions of the run that add up to at most 1")

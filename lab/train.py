@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from lab import accounting, checkpoint, parallel, schedule
-from lab.config import NONFINITE, ConfigError, RunConfig
+from lab.config import NONFINITE, ConfigError, RunConfig, did_you_mean
 from lab.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.device import Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device, synchronize
@@ -80,7 +80,8 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     plan = step_plan(cfg, world_size)
     parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
     if cfg.train.nonfinite not in NONFINITE:
-        raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'")
+        raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'"
+                          f"{did_you_mean(cfg.train.nonfinite, NONFINITE)}")
     for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints", "seed", "grad_clip",
                  "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:
@@ -90,7 +91,8 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
 
 def loop_settings(cfg: RunConfig, plan: StepPlan) -> LoopSettings:
     """What the loop will do that a strategy may need to know before it builds."""
-    return LoopSettings(micro_batch=plan.micro_batch, accum_steps=plan.accum_steps, grad_clip=cfg.train.grad_clip)
+    return LoopSettings(micro_batch=plan.micro_batch, accum_steps=plan.accum_steps, grad_clip=cfg.train.grad_clip,
+                        compile=cfg.train.compile)
 
 
 @dataclass(frozen=True)
@@ -308,7 +310,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
         checkpoint.clean_stale_temporaries(run_dir)
         save_json(run_dir / "config.json", cfg.to_dict())
         data.tokenizer.save(run_dir / "tokenizer")
-        log.say(start_line(cfg, world, plan, precision, start, estimate))
+        log.say(start_line(cfg, world, plan, precision, peak, start, estimate))
     try:
         outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
     finally:
@@ -321,13 +323,16 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     return summary
 
 
-def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, start: Start,
+def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, peak: Peak, start: Start,
                estimate: Estimate | None) -> str:
     counts, t = accounting.param_counts(cfg.model), cfg.train
+    strategy = cfg.parallel.strategy + (f" (ZeRO stage {cfg.parallel.zero_stage})"
+                                        if cfg.parallel.strategy == "deepspeed" else "")
     line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding), "
-            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token | strategy {cfg.parallel.strategy} × "
+            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token | strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
-            f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}")
+            f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name} | "
+            f"MFU against {peak.flops:.3g} FLOP/s per device ({peak.source})")
     if estimate is not None:
         remaining = estimate.seconds * (1 - start.step / plan.total_steps)
         line += f" | about {_duration(remaining)} at {ESTIMATE_MFU:.0%} MFU"
@@ -399,7 +404,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                 warned = True
                 log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
                         f"probably measured while other work ran; measure it again on a quiet machine with "
-                        f"python launch/bench.py --measure-peak, or set train.peak_flops")
+                        f"python -m lab peak --remeasure, or set train.peak_flops")
         if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
             eval_loss = evaluate(strategy, world, data, cfg)
             log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})

@@ -316,7 +316,7 @@ def test_torchrun_two_ranks_and_one_process_train_as_single_does(args, tmp_path)
                         if "loss" in r]
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["model_state_bytes"]["total"] > 0
-    assert "strategy deepspeed × 2" in proc.stdout and summary["world_size"] == 2
+    assert "strategy deepspeed (ZeRO stage 2) × 2" in proc.stdout and summary["world_size"] == 2
     assert sum(summary["comm_bytes_per_step"].values()) > 0
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
     for name in ("one process", "torchrun"):

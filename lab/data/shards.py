@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from lab.config import ConfigError, DataConfig
+from lab.config import ConfigError, DataConfig, did_you_mean
 from lab.data.corpora import Document, Source, check_files, id_fraction, is_held_out, iter_documents, resolve_source
 from lab.data.tokenizer import (
     BPE_FILE,
@@ -66,7 +66,8 @@ def check_source(cfg: DataConfig) -> None:
 
 def _resolve(cfg: DataConfig) -> Source:
     if cfg.tokenizer not in KINDS:
-        raise ConfigError(f"unknown tokenizer '{cfg.tokenizer}' (data.tokenizer: {' or '.join(KINDS)})")
+        raise ConfigError(f"unknown tokenizer '{cfg.tokenizer}' (data.tokenizer: {' or '.join(KINDS)})"
+                          f"{did_you_mean(cfg.tokenizer, KINDS)}")
     if cfg.tokenizer == "bpe" and not MIN_BPE_VOCAB <= cfg.vocab_size <= MAX_VOCAB:
         raise ConfigError(f"data.vocab_size {cfg.vocab_size} is out of range for BPE "
                           f"({MIN_BPE_VOCAB} to 2**32)")

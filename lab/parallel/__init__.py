@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lab.config import ConfigError, ParallelConfig
+from lab.config import ConfigError, ParallelConfig, did_you_mean
 from lab.device import Precision
 from lab.parallel import activations
 from lab.parallel.base import (
@@ -14,6 +14,7 @@ from lab.parallel.base import (
     Strategy,
     World,
     changed_options,
+    join_group_of_one,
 )
 from lab.parallel.ddp import BucketedDDP, NaiveDDP
 from lab.parallel.deepspeed import DeepSpeed
@@ -27,7 +28,7 @@ STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, Naive
 
 def strategy_class(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
-        raise ConfigError(f"unknown strategy '{name}' (known: {', '.join(STRATEGIES)})")
+        raise ConfigError(f"unknown strategy '{name}' (known: {', '.join(STRATEGIES)}){did_you_mean(name, STRATEGIES)}")
     return STRATEGIES[name]
 
 
@@ -40,8 +41,9 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
     if not cfg.bucket_mb > 0:
         raise ConfigError(f"parallel.bucket_mb must be positive, got {cfg.bucket_mb}")
     for option, allowed in (("activation_checkpointing", activations.MODES), ("offload", cls.offload_modes)):
-        if getattr(cfg, option) not in allowed:
-            raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{getattr(cfg, option)}'")
+        if (value := getattr(cfg, option)) not in allowed:
+            raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{value}'"
+                              f"{did_you_mean(value, allowed)}")
     for option in changed_options(cfg):
         if option not in cls.options:
             users = [name for name, c in STRATEGIES.items() if option in c.options]
@@ -68,4 +70,4 @@ def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSe
 
 
 __all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",
-           "World", "create", "parse_spec", "strategy_class", "validate"]
+           "World", "create", "join_group_of_one", "parse_spec", "strategy_class", "validate"]

@@ -92,6 +92,12 @@ class World:
                               f"rank 0 has {values[0][:12]}")
 
 
+def join_group_of_one(device: torch.device) -> None:
+    """A process group holding this process alone (an in-process store, no port), so that a strategy written
+    for N ranks runs as a world of one, started by plain python or by torchrun with one process."""
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 @dataclass(frozen=True)
 class LoopSettings:
     """What the loop decides that a strategy may need before it builds (an engine's config takes them)."""
@@ -99,6 +105,7 @@ class LoopSettings:
     micro_batch: int  # sequences per rank per micro-step
     accum_steps: int  # micro-steps per optimizer step
     grad_clip: float  # the max_norm clip_grad_norm is called with (0: off)
+    compile: bool = False  # the model factory returns a torch.compile'd model
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,7 @@ class Strategy:
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
+    compiles: ClassVar[bool] = True  # whether it can train a torch.compile'd model (train.compile)
 
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
@@ -189,6 +197,9 @@ class Strategy:
         if cls.max_world_size is not None and world_size > cls.max_world_size:
             raise ConfigError(f"strategy '{cls.name}' runs on at most {cls.max_world_size} process(es), "
                               f"got world size {world_size}")
+        if loop.compile and not cls.compiles:
+            raise ConfigError(f"train.compile is not supported under strategy '{cls.name}' (dynamo cannot trace "
+                              f"parameters sharded at rest); set train.compile false or choose another strategy")
 
     def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         self.validate(cfg, world.world_size, loop)

@@ -65,6 +65,7 @@ from lab.parallel.base import (
     Strategy,
     World,
     adam_entries,
+    join_group_of_one,
     materialize_adam_state,
     storage_bytes,
 )
@@ -225,6 +226,9 @@ class DeepSpeed(Strategy):
         super().validate(cfg, world_size, loop)
         if cfg.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"parallel.zero_stage must be one of 1, 2, 3, got {cfg.zero_stage}")
+        if loop.compile and cfg.zero_stage == 3:
+            raise ConfigError("train.compile is not supported under deepspeed with parallel.zero_stage 3 (dynamo "
+                              "cannot trace its partitioned parameters); set train.compile false or a lower stage")
         if cfg.offload == "all" and cfg.zero_stage != 3:
             raise ConfigError(f"parallel.offload all (parameters too) needs parallel.zero_stage 3, got "
                               f"{cfg.zero_stage}")
@@ -240,10 +244,10 @@ class DeepSpeed(Strategy):
         if accelerator != world.device.type:
             raise ConfigError(f"DeepSpeed's accelerator is '{accelerator}' but the run's device is {world.device}; "
                               f"set DS_ACCELERATOR={world.device.type}")
-        if not dist.is_initialized():  # one process: the engine still wants a process group and torchrun's variables
+        if world.world_size == 1:  # one process: the engine still wants torchrun's variables and a process group
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-            backend = "nccl" if world.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            if not dist.is_initialized():
+                join_group_of_one(world.device)
         self._grad_bytes: int | None = None
 
     # ------------------------------------------------------------ building

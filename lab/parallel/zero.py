@@ -358,6 +358,7 @@ class Zero3(Zero):
 
     name, stage, state_layout, comm_layout = "zero3", 3, "zero3", "zero3"
     options = Zero.options - {"bucket_mb"} | {"overlap"}
+    compiles = False
 
     def make_module(self, model_factory: ModelFactory) -> nn.Module:
         """Build on the meta device: nothing is allocated until each rank fills its own chunks."""
