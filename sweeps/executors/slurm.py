@@ -11,6 +11,7 @@ and cancelled jobs to be seen.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from sweeps.executors.job import run_attempt
 from sweeps.spec import Launch
 
 SLURM_PY = REPO / "launch" / "slurm.py"
+SLURM_TOOLS = ("sbatch", "srun", "sacct")  # submit, start tasks (submitit checks it), follow jobs
 # sacct states after which a job will not run again (PREEMPTED is not one: SLURM may requeue it).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                 "DEADLINE", "REVOKED"}
@@ -80,8 +82,12 @@ class SlurmExecutor:
     name = "slurm"
 
     def __init__(self, folder: Path, sweep_name: str, settings: dict[str, Any], cwd: Path):
+        """RuntimeError if SLURM's tools are not on PATH (before anything is submitted or recorded)."""
         import submitit  # the 'slurm' extra
 
+        missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} not found on PATH")
         self.submitit = submitit
         self.folder, self.settings, self.cwd = folder, settings, cwd
         self.job_name = job_name(sweep_name)
@@ -154,6 +160,7 @@ class SlurmExecutor:
                     else:
                         still.append((attempt, job))
                 watched = still
+                events.tick()
         except KeyboardInterrupt:
             print(f"{len(watched)} job(s) keep running on the cluster: run the sweep again to follow them, "
                   f"or cancel them", file=sys.stderr)

@@ -261,3 +261,30 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     assert NASTY in attempt.run_dir.name
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
+
+
+def test_without_slurm_the_executor_is_refused_in_one_line_before_anything_is_recorded(tmp_path, write_sweep,
+                                                                                      monkeypatch, capsys):
+    """No cluster needed: a PATH that holds no sbatch, srun or sacct stands for a machine without SLURM."""
+    from sweeps.cli import main
+    from sweeps.registry import Registry
+
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=SHAPES[:1], extra=SLURM)
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    folder = tmp_path / "sweep"
+    assert main(["run", str(file), "--folder", str(folder), "--executor", "slurm", "--no-progress"]) == 2
+    needs = "error: the slurm executor needs a SLURM cluster (sbatch, srun, sacct not found on PATH)"
+    assert capsys.readouterr().err == needs + "\n"
+    assert not folder.exists()  # nothing recorded, no folder made
+    # a sweep that ran locally stays on the local executor
+    Registry.open(folder, create=True).set_meta("executor", "local")
+    before = (folder / "sweep.db").read_bytes()
+    assert main(["run", str(file), "--folder", str(folder), "--executor", "slurm", "--no-progress"]) == 2
+    assert capsys.readouterr().err == needs + "\n"
+    assert (folder / "sweep.db").read_bytes() == before and Registry.open(folder).meta("executor") == "local"
+    # one that last ran on slurm says how to run it here instead
+    Registry.open(folder).set_meta("executor", "slurm")
+    assert main(["run", str(file), "--folder", str(folder), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"{needs}; this sweep last ran on slurm: --executor local runs it here\n"
+    assert Registry.open(folder).rows() == []
