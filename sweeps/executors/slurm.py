@@ -50,17 +50,17 @@ def script_command(attempt: Attempt, settings: dict[str, Any], name: str, script
     command = [sys.executable, str(SLURM_PY), "--run-dir", str(attempt.run_dir), "--nodes", str(launch.nodes),
                "--gpus-per-node", str(launch.nproc * launch.gpus_per_proc), "--procs-per-node", str(launch.nproc),
                "--cpus-per-task", str(launch.nproc * launch.cpus_per_proc), "--job-name", name,
-               "--time", f"{hours:02d}:{minutes:02d}:00", "--out", str(script)]
-    for key in ("partition", "account"):
+               "--time", f"{hours:02d}:{minutes:02d}:00", "--mem", f"{int(launch.mem_gb * 1024)}M",
+               "--out", str(script)]
+    for key in ("partition", "account", "qos", "constraint"):
         if key in settings:
             command += [f"--{key}", settings[key]]
     return command + ["--", *attempt.run.args]
 
 
-def sbatch_options(attempt: Attempt, settings: dict[str, Any]) -> list[str]:
+def sbatch_options(attempt: Attempt) -> list[str]:
     """What sbatch adds to the script's own #SBATCH lines (arguments, so no shell parses them)."""
-    return [f"--output={attempt.log}", "--open-mode=append", f"--mem={int(attempt.run.launch.mem_gb * 1024)}M",
-            *(f"--{key}={settings[key]}" for key in ("qos", "constraint") if key in settings)]
+    return [f"--output={attempt.log}", "--open-mode=append"]
 
 
 def array_parameters(launch: Launch, settings: dict[str, Any], name: str) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class SlurmExecutor:
                                  text=True, cwd=self.cwd)
         if written.returncode != 0:
             raise SlurmError(f"launch/slurm.py failed: {_one_line(written.stderr)}")
-        proc = subprocess.run(["sbatch", "--parsable", *sbatch_options(attempt, self.settings), str(script)],
+        proc = subprocess.run(["sbatch", "--parsable", *sbatch_options(attempt), str(script)],
                               capture_output=True, text=True, cwd=self.cwd)
         if proc.returncode != 0:
             raise SlurmError(f"sbatch failed: {_one_line(proc.stderr)}")

@@ -164,14 +164,15 @@ def test_names_with_spaces_quotes_and_semicolons_stay_inert_on_slurm(cluster, tm
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
 
 
-def _script_attempt(tmp_path, write_sweep, launch: dict, name: str = NASTY, folder: str = "it's; here"):
+def _script_attempt(tmp_path, write_sweep, launch: dict, name: str = NASTY, folder: str = "it's; here",
+                    slurm: str = SLURM):
     """A planned attempt of one run with these launch settings, in a sweep folder with an awkward name."""
     from sweeps import plan as planner
     from sweeps import spec
     from sweeps.executors.attempt import Attempt
 
     file = write_sweep(tmp_path / f"{launch['strategy']}.toml", budgets=[6e8],
-                       shapes=[{**SHAPES[0], "name": name, "launch": launch}], extra=SLURM)
+                       shapes=[{**SHAPES[0], "name": name, "launch": launch}], extra=slurm)
     sweep = spec.load(file, folder=tmp_path / folder)
     [run] = planner.plan(sweep).runs
     logs = sweep.folder / "logs" / run.name
@@ -230,7 +231,8 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
 
     sweep, attempt = _script_attempt(tmp_path, write_sweep,
                                      {"nproc": 4, "nodes": 2, "strategy": "ddp", "gpus_per_proc": 1},
-                                     folder="it's; $(touch PWNED4) here")
+                                     folder="it's; $(touch PWNED4) here",
+                                     slurm=SLURM.replace("poll_s = 0.5", 'poll_s = 0.5\nqos = "normal"\nconstraint = "cpu&x86"'))
     script = attempt.log.with_suffix(".sbatch")
     command = script_command(attempt, sweep.slurm, "sweep-x", script)
     assert command[:2] == [sys.executable, str(SLURM_PY)] and command[command.index("--") + 1:] == list(attempt.run.args)
@@ -238,9 +240,9 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     assert written.returncode == 0, written.stderr
     text = script.read_text()
     assert all(d in text for d in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=debug",
-                                   "#SBATCH --time=00:10:00", "#SBATCH --cpus-per-task=4"))
-    assert set(sbatch_options(attempt, sweep.slurm)) == {f"--output={attempt.log}", "--open-mode=append",
-                                                        "--mem=1024M"}
+                                   "#SBATCH --time=00:10:00", "#SBATCH --cpus-per-task=4", "#SBATCH --mem=1024M",
+                                   "#SBATCH --qos=normal", "#SBATCH --constraint=cpu&x86"))
+    assert sbatch_options(attempt) == [f"--output={attempt.log}", "--open-mode=append"]
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
