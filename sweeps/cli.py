@@ -1,8 +1,10 @@
 """Command line: ``python -m sweeps {plan,run,status,retry,cancel,export}``.
 
 Bad input ends a command before any work with one ``error: ...`` line per problem on stderr and
-exit code 2. ``run`` and ``retry`` exit 0 when every run of the sweep is done, 1 when some failed or
-were cancelled, 130 when interrupted (what finished is recorded; running the sweep again resumes).
+exit code 2. ``run`` and ``retry`` exit 0 when every run of the sweep is done, 1 when some failed, were
+interrupted or were cancelled, 130 when the driver was interrupted (what finished is recorded; running
+the sweep again resumes). ``plan``, ``run`` and ``retry`` take the sweep file's ``[slurm]`` keys (and
+``plan`` and ``run`` its ``[launch]`` keys) as options, checked like the file.
 """
 
 from __future__ import annotations

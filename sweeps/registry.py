@@ -1,9 +1,9 @@
 """The sweep's registry: one SQLite row per run in ``SWEEP/sweep.db``.
 
-A row holds the run's name, config hash, status (planned, running, done, failed, interrupted,
-cancelled), run
-directory, planned row (JSON), attempt count, the job of its latest attempt (a local process id or
-a SLURM job id), the error line of a failed run and the summary of a finished one. Every change is
+A row holds the run's name, config hash, status (planned, running, done, failed, interrupted: stopped
+at a signal after saving a checkpoint, cancelled), run directory, planned row (JSON), attempt count,
+the job of its latest attempt (a local process id or a SLURM job id), the error line of a failed or
+interrupted run and the summary of a finished one. Every change is
 one SQLite transaction, so killing the driver at any moment loses nothing already recorded. An
 unreadable or foreign database is reported (:class:`RegistryError`) and never replaced.
 """

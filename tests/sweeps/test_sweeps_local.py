@@ -284,7 +284,8 @@ def test_failed_run_is_recorded_with_its_error_line_and_the_rest_goes_on(tmp_pat
     assert bad["status"] == "failed" and bad["error"].startswith("error: unknown strategy 'no-such-strategy'")
     assert f"failed    C6e8-mid  {bad['error']}" in proc.stdout
     status = sweeps_cli("status", folder)
-    assert bad["error"] in status.stdout and "done 1 | running 0 | planned 0 | failed 1 | interrupted 0 | cancelled 0" in status.stdout
+    assert bad["error"] in status.stdout
+    assert "done 1 | running 0 | planned 0 | failed 1 | interrupted 0 | cancelled 0" in status.stdout
     # a failed run is tried again by the next run of the sweep, and by retry; it fails the same way
     proc = sweeps_cli("run", file, "--folder", folder, "--no-progress")
     assert proc.returncode == 1 and proc.stdout.startswith("failed    C6e8-mid")

@@ -229,10 +229,10 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     scontrol and srun that record what they get."""
     from sweeps.executors.slurm import SLURM_PY, sbatch_options, script_command
 
+    slurm = SLURM.replace("[launch]", 'qos = "normal"\nconstraint = "cpu&x86"\n[launch]')
     sweep, attempt = _script_attempt(tmp_path, write_sweep,
                                      {"nproc": 4, "nodes": 2, "strategy": "ddp", "gpus_per_proc": 1},
-                                     folder="it's; $(touch PWNED4) here",
-                                     slurm=SLURM.replace("poll_s = 0.5", 'poll_s = 0.5\nqos = "normal"\nconstraint = "cpu&x86"'))
+                                     folder="it's; $(touch PWNED4) here", slurm=slurm)
     script = attempt.log.with_suffix(".sbatch")
     command = script_command(attempt, sweep.slurm, "sweep-x", script)
     assert command[:2] == [sys.executable, str(SLURM_PY)] and command[command.index("--") + 1:] == list(attempt.run.args)
