@@ -4,11 +4,24 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
+# Where pip may take torch from besides PyPI (torch's version is pinned in constraints-cpu.txt). By
+# default: nowhere else when this machine already has a wheel of that version (pip's find-links) or a
+# GPU (nvidia-smi runs; PyPI's Linux build is the CUDA one); otherwise PyTorch's CPU index, whose CPU
+# build is a few hundred MB instead of several GB. `make setup TORCH_INDEX=URL` picks another index
+# (e.g. https://download.pytorch.org/whl/cu126); `make setup TORCH_INDEX=` uses PyPI only. Evaluated
+# once, only when the environment is (re)built, with the virtual environment's pip.
+CPU_INDEX   := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null || $(PY) -m pip install -q --dry-run --no-index --no-deps \
+	-c constraints-cpu.txt torch >/dev/null 2>&1 || echo $(CPU_INDEX))
+
 .PHONY: setup demo test bench clean
 
-$(STAMP): pyproject.toml constraints-cpu.txt
+$(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev,deepspeed]'
+
+$(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
+	@index='$(TORCH_INDEX)'; set -x; \
+	$(PY) -m pip install -q -c constraints-cpu.txt $${index:+--extra-index-url "$$index"} -e '.[dev,deepspeed]'
 	touch $(STAMP)
 
 setup: $(STAMP)

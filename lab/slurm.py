@@ -12,7 +12,8 @@ SLURM requeues after a preemption. The run directory must be on a filesystem eve
 (checkpoints are written by every rank into it); each node prepares its own copy of the data.
 
 Every value that reaches the shell is quoted; values that reach ``#SBATCH`` lines are reduced to
-characters SLURM reads the same way on every version (a job name) or refused (a partition name).
+characters SLURM reads the same way on every version (a job name) or refused (a partition, account,
+QOS, constraint or memory size with other characters).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from lab.files import probe_writable, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 _PLAIN = re.compile(r"[A-Za-z0-9_.:+-]+")  # what may stand unquoted in an #SBATCH line
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.:+&|*\[\]()-]+")  # node features joined by & and |, counts, brackets
+_MEMORY = re.compile(r"[0-9]+[KMGT]?")  # sbatch --mem: megabytes, or with a unit
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class MultiNode:
     time: str = "01:00:00"
     partition: str | None = None
     account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None  # node features, e.g. h100 or "h100&ib"
+    mem: str | None = None  # per node, as sbatch reads it: 64G, 500000 (MB); 0 is all of it
     max_restarts: int = 1
     port: int | None = None  # rendezvous port on the first node (default: derived from the job id)
     python: str = sys.executable
@@ -59,10 +65,13 @@ class MultiNode:
             raise ConfigError("--gpus-per-node and --max-restarts must be >= 0")
         if self.port is not None and not 1024 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 1024..65535, got {self.port}")
-        for name in ("time", "partition", "account"):
+        for name, allowed in (("time", _PLAIN), ("partition", _PLAIN), ("account", _PLAIN), ("qos", _PLAIN),
+                              ("constraint", _CONSTRAINT)):
             value = getattr(self, name)
-            if value is not None and not _PLAIN.fullmatch(value):
+            if value is not None and not allowed.fullmatch(value):
                 raise ConfigError(f"--{name} {value!r} holds characters SLURM would not read as written")
+        if self.mem is not None and not _MEMORY.fullmatch(self.mem):
+            raise ConfigError(f"--mem {self.mem!r} is not a memory size sbatch reads (e.g. 64G, 512000 for MB)")
         if "--run-dir" in self.run_args or any(a.startswith("--run-dir=") for a in self.run_args):
             raise ConfigError("give the run directory with --run-dir before '--', not among the run's options")
 
@@ -75,7 +84,8 @@ def sbatch_script(job: MultiNode) -> str:
                   f"--cpus-per-task={job.cpus_per_task}", f"--time={job.time}"]
     if job.gpus_per_node:
         directives.append(f"--gpus-per-node={job.gpus_per_node}")
-    directives += [f"--{key}={getattr(job, key)}" for key in ("partition", "account") if getattr(job, key)]
+    directives += [f"--{key}={getattr(job, key)}" for key in ("partition", "account", "qos", "constraint", "mem")
+                   if getattr(job, key)]
     port = str(job.port) if job.port else "$((20000 + SLURM_JOB_ID % 20000))"
     torchrun = [q(job.python), "-m", "torch.distributed.run", '--nnodes="$SLURM_NTASKS"',
                 f"--nproc_per_node={job.procs_per_task}", "--rdzv_backend=c10d", '--rdzv_id="$SLURM_JOB_ID"',
@@ -110,17 +120,24 @@ def sbatch_script(job: MultiNode) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="launch/slurm.py", description="Write (and submit) an sbatch script for one multi-node run. "
                                                    "Options after '--' go to launch/run.py.")
-    p.add_argument("--run-dir", required=True, help="on a filesystem every node sees")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; torchrun starts one process each")
+    p.formatter_class = argparse.HelpFormatter  # each help below states its own default, once
+    p.add_argument("--run-dir", required=True, help="the run directory, on a filesystem every node sees")
+    p.add_argument("--nodes", type=int, default=2, help="nodes (default: %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="GPUs per node; torchrun starts one process each (default: %(default)s)")
     p.add_argument("--procs-per-node", type=int, help="processes per node (default: the GPUs per node, or 1)")
     p.add_argument("--tasks-per-node", type=int, default=1, help=argparse.SUPPRESS)  # 2 on one node stands in for 2
-    p.add_argument("--cpus-per-task", type=int, default=8)
-    p.add_argument("--job-name", default="lab-run")
-    p.add_argument("--time", default="01:00:00", help="SLURM time limit")
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--max-restarts", type=int, default=1, help="torchrun restarts of a failed group")
+    p.add_argument("--cpus-per-task", type=int, default=8, help="CPUs per node's task (default: %(default)s)")
+    p.add_argument("--mem", help="memory per node as sbatch reads it: 64G, 512000 (MB); 0 is all of it "
+                                 "(default: the cluster's)")
+    p.add_argument("--job-name", default="lab-run", help="the name SLURM shows (default: %(default)s)")
+    p.add_argument("--time", default="01:00:00", help="SLURM time limit (default: %(default)s)")
+    p.add_argument("--partition", help="SLURM partition (default: the cluster's)")
+    p.add_argument("--account", help="account charged (default: the user's)")
+    p.add_argument("--qos", help="quality of service (default: the cluster's)")
+    p.add_argument("--constraint", help="node features, e.g. h100 or 'h100&ib' (default: any node)")
+    p.add_argument("--max-restarts", type=int, default=1,
+                   help="torchrun restarts of a failed group (default: %(default)s)")
     p.add_argument("--port", type=int, help="rendezvous port on the first node (default: from the job id)")
     p.add_argument("--out", help="where to write the script (default: RUN_DIR/run.sbatch)")
     p.add_argument("--submit", action="store_true", help="submit it with sbatch")
@@ -132,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     tasks_per_node=args.tasks_per_node,
                     procs_per_task=args.procs_per_node or max(1, args.gpus_per_node),
                     gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, job_name=args.job_name,
-                    time=args.time, partition=args.partition, account=args.account, max_restarts=args.max_restarts,
-                    port=args.port)
+                    time=args.time, partition=args.partition, account=args.account, qos=args.qos,
+                    constraint=args.constraint, mem=args.mem, max_restarts=args.max_restarts, port=args.port)
     out = Path(args.out) if args.out else job.run_dir / "run.sbatch"
     try:
         job.validate()

@@ -1,28 +1,29 @@
 """Command line: ``python -m sweeps {plan,run,status,retry,cancel,export}``.
 
 Bad input ends a command before any work with one ``error: ...`` line per problem on stderr and
-exit code 2. ``run`` and ``retry`` exit 0 when every run of the sweep is done, 1 when some failed or
-were cancelled, 130 when interrupted (what finished is recorded; running the sweep again resumes).
+exit code 2. ``run`` and ``retry`` exit 0 when every run of the sweep is done, 1 when some failed, were
+interrupted or were cancelled, 130 when the driver was interrupted (what finished is recorded; running
+the sweep again resumes). ``plan``, ``run`` and ``retry`` take the sweep file's ``[slurm]`` keys (and
+``plan`` and ``run`` its ``[launch]`` keys) as options, checked like the file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-from sweeps import plan as planner, spec as specs
+from sweeps import plan as planner, progress, spec as specs
 from sweeps.driver import attempt_for, driver_lock, execute, run_dir
 from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
 
 EXIT_BAD_INPUT = 2
 SWEEP_COPY = "sweep.toml"
+RETRIED = ("failed", "interrupted", "cancelled")  # what retry takes
 
 
 class UsageError(ValueError):
@@ -42,14 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the runs a sweep file asks for (nothing is run)")
     p.add_argument("file", help="sweep file (TOML)")
     p.add_argument("--folder", help=folder_help)
+    _override_options(p, launch=True)
 
     p = sub.add_parser("run", help="run the sweep: skip finished runs, resume unfinished ones")
     p.add_argument("file", help="sweep file (TOML)")
     p.add_argument("--folder", help=folder_help)
-    _executor_options(p)
+    _executor_options(p, launch=True)
 
     for name, text in (("status", "print the sweep's runs and progress"),
-                       ("retry", "run failed or cancelled runs again (all, or the named ones)"),
+                       ("retry", "run failed, interrupted or cancelled runs again (all, or the named ones)"),
                        ("cancel", "cancel unfinished runs (all, or the named ones), stopping their jobs"),
                        ("export", "write the finished runs as a CSV or Parquet table for the analysis")):
         p = sub.add_parser(name, help=text)
@@ -58,17 +60,51 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("retry", "cancel"):
             p.add_argument("names", nargs="*", metavar="NAME", help="run names")
         if name == "retry":
-            _executor_options(p)
+            _executor_options(p, launch=False)
         if name == "export":
             p.add_argument("--out", required=True, help="output table: .csv or .parquet")
     return parser
 
 
-def _executor_options(p: argparse.ArgumentParser) -> None:
+# Command-line overrides of the sweep file: (key, type, help), as --key-with-dashes.
+LAUNCH_OPTIONS = (("strategy", str, "strategy of every run"), ("nproc", int, "processes per node"),
+                  ("nodes", int, "nodes per run (> 1: SLURM only)"), ("cpus_per_proc", int, "CPUs per process"),
+                  ("gpus_per_proc", int, "GPUs per process"), ("mem_gb", float, "memory per node in GB"),
+                  ("time_min", int, "time limit per run in minutes"))
+SLURM_OPTIONS = (("partition", str, "SLURM partition"), ("account", str, "account charged"),
+                 ("qos", str, "quality of service"), ("constraint", str, "node features, e.g. h100"),
+                 ("array_parallelism", int, "array tasks running at once"))
+
+
+def _executor_options(p: argparse.ArgumentParser, launch: bool) -> None:
     p.add_argument("--executor", choices=("local", "slurm"), help="where runs go (default: local, or the "
                                                                   "executor the sweep last ran on)")
     p.add_argument("--parallel", type=int, help="local executor: runs at once (default: [local] parallel)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _override_options(p, launch)
+
+
+def _override_options(p: argparse.ArgumentParser, launch: bool) -> None:
+    """--partition, --nproc, ...: the sweep file's [slurm] and (with ``launch``) [launch] keys."""
+    groups = [("SLURM settings (over the file's [slurm])", SLURM_OPTIONS)]
+    if launch:
+        groups.insert(0, ("launch settings of every run (over the file's [launch], [[launch.by_size]] and shapes)",
+                          LAUNCH_OPTIONS))
+    for title, options in groups:
+        group = p.add_argument_group(title)
+        for key, kind, text in options:
+            group.add_argument(specs.option_name(key), dest=key, type=kind, help=text,
+                               metavar={str: "NAME", int: "N", float: "X"}[kind])
+
+
+def _overrides(args: argparse.Namespace, options: tuple) -> dict:
+    return {key: getattr(args, key) for key, _, _ in options if getattr(args, key, None) is not None}
+
+
+def _load(args: argparse.Namespace) -> specs.Sweep:
+    """The sweep file with the command line's launch and SLURM settings on top."""
+    sweep = specs.load(args.file, folder=args.folder)
+    return specs.with_overrides(sweep, _overrides(args, LAUNCH_OPTIONS), _overrides(args, SLURM_OPTIONS))
 
 
 # ---------------------------------------------------------------- helpers
@@ -102,8 +138,9 @@ def _executor(args: argparse.Namespace, sweep: specs.Sweep, registry: Registry |
         return SlurmExecutor(sweep.folder / "slurm", sweep.name, sweep.slurm, cwd=Path.cwd())
     except ImportError:
         raise UsageError("the slurm executor needs submitit: pip install -e '.[slurm]'") from None
-    except RuntimeError as e:  # submitit finds no srun
-        raise UsageError(f"the slurm executor needs a SLURM cluster ({e})") from None
+    except RuntimeError as e:  # no SLURM tools here
+        remembered = "" if args.executor else "; this sweep last ran on slurm: --executor local runs it here"
+        raise UsageError(f"the slurm executor needs a SLURM cluster ({e}){remembered}") from None
 
 
 def _check_fits(executor: Executor, runs: list[planner.PlannedRun]) -> None:
@@ -123,7 +160,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    sweep = specs.load(args.file, folder=args.folder)
+    sweep = _load(args)
     result = planner.plan(sweep)
     print(f"sweep {sweep.name} → {sweep.folder}")
     print(planner.table(result.runs, sweep.count, sweep.parallel))
@@ -133,16 +170,17 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    sweep = specs.load(args.file, folder=args.folder)
+    sweep = _load(args)
     result = planner.plan(sweep)
     if result.refused:
         for line in result.refused:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # the executor is checked before the lock, which creates the folder: a refusal leaves nothing behind
+    known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
+    executor = _executor(args, sweep, known)
+    _check_fits(executor, result.runs)
     with driver_lock(sweep.folder):
-        known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
-        executor = _executor(args, sweep, known)
-        _check_fits(executor, result.runs)
         registry = known or Registry.open(sweep.folder, create=True)
         registry.sync(result.runs, lambda name: run_dir(sweep.folder, name))
         registry.set_meta("executor", executor.name)
@@ -154,14 +192,16 @@ def _retry(args: argparse.Namespace) -> int:
     folder, sweep = _locate(args)
     if sweep is None:
         raise UsageError(f"{folder} has no {SWEEP_COPY}; retry with the sweep file")
+    sweep = specs.with_overrides(sweep, {}, _overrides(args, SLURM_OPTIONS))
     with driver_lock(folder):
         registry = Registry.open(folder)
-        rows = _select(registry, args.names, default=("failed", "cancelled"))
-        wrong = [r for r in rows if r.status not in ("failed", "cancelled")]
+        rows = _select(registry, args.names, default=RETRIED)
+        wrong = [r for r in rows if r.status not in RETRIED]
         if wrong:
-            raise UsageError(f"run '{wrong[0].name}' is {wrong[0].status}; retry takes failed or cancelled runs")
+            raise UsageError(f"run '{wrong[0].name}' is {wrong[0].status}; retry takes failed, interrupted or "
+                             f"cancelled runs")
         if not rows:
-            print("nothing to retry: no failed or cancelled runs")
+            print("nothing to retry: no failed, interrupted or cancelled runs")
             return 0
         executor = _executor(args, sweep, registry)
         _check_fits(executor, [r.plan for r in rows])
@@ -174,7 +214,7 @@ def _retry(args: argparse.Namespace) -> int:
 def _cancel(args: argparse.Namespace) -> int:
     folder, _ = _locate(args)
     registry = Registry.open(folder)
-    rows = _select(registry, args.names, default=("planned", "running", "failed"))
+    rows = _select(registry, args.names, default=("planned", "running", "failed", "interrupted"))
     for row in rows:
         if row.status in ("done", "cancelled"):
             print(f"{row.name}: already {row.status}")
@@ -228,7 +268,7 @@ def _status(args: argparse.Namespace) -> int:
     folder, _ = _locate(args)
     rows = Registry.open(folder).rows()
     print(f"sweep folder {folder}")
-    head = f"{'run':<24} {'status':<9} {'N':>10} {'D':>11} {'C':>9} {'loss':>7} {'tries':>5}  job / progress"
+    head = f"{'run':<24} {'status':<11} {'N':>10} {'D':>11} {'C':>9} {'loss':>7} {'tries':>5}  job / progress"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -236,29 +276,16 @@ def _status(args: argparse.Namespace) -> int:
         loss = (r.summary or {}).get("final_eval_loss")
         detail = r.job or ""
         if r.status == "running":
-            detail += f"  step {_last_step(r.run_dir)}/{math.ceil(p.tokens / p.batch_tokens)}"
-        print(f"{r.name:<24} {r.status:<9} {p.params:>10,} {p.tokens:>11,} {p.flops:>9.3g} "
+            detail += f"  {progress.describe(p, r.run_dir)}"
+        print(f"{r.name:<24} {r.status:<11} {p.params:>10,} {p.tokens:>11,} {p.flops:>9.3g} "
               f"{'' if loss is None else f'{loss:.4f}':>7} {r.attempts:>5}  {detail}")
-        if r.error and r.status in ("failed", "cancelled"):
+        if r.error and r.status in RETRIED:
             print(f"{'':<26}{r.error}")
-    counts = {s: sum(r.status == s for r in rows) for s in ("done", "running", "planned", "failed", "cancelled")}
+    counts = {s: sum(r.status == s for r in rows) for s in ("done", "running", "planned", "failed", "interrupted",
+                                                            "cancelled")}
     print(" | ".join(f"{s} {n}" for s, n in counts.items()))
     print(tqdm.format_meter(counts["done"], len(rows), 0, ncols=72, prefix="done",
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}"))
-    return 0
-
-
-def _last_step(run_directory: Path) -> int:
-    """The newest step in a run's metrics.jsonl (0 before the first record)."""
-    try:
-        lines = (run_directory / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
     return 0
 
 

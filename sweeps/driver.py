@@ -1,5 +1,5 @@
 """The driver: records the plan in the registry, hands the unfinished runs to an executor and records
-each outcome as it comes, with a progress bar.
+each outcome as it comes, with a progress bar that names the runs in flight and their steps.
 
 The sweep folder holds ``sweep.db`` (the registry), ``sweep.toml`` (the sweep file as last run),
 ``runs/NAME/`` (one run directory per run), ``logs/NAME/`` (each attempt's output and the run's
@@ -14,12 +14,14 @@ import fcntl
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
 from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
+from sweeps.progress import last_step, total_steps
 from sweeps.registry import Registry, RegistryError, Row
 
 EXIT_OK, EXIT_UNFINISHED, EXIT_INTERRUPTED = 0, 1, 130
@@ -59,10 +61,23 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 class Recorder:
-    """The executor's events, written to the registry and shown on the progress bar."""
+    """The executor's events, written to the registry and shown on the progress bar (whose postfix names
+    each run in flight with its step and steps, refreshed every ``refresh_s``)."""
 
-    def __init__(self, registry: Registry, executor_name: str, bar: tqdm):
+    def __init__(self, registry: Registry, executor_name: str, bar: tqdm, refresh_s: float = 1.0):
         self.registry, self.kind, self.bar = registry, executor_name, bar
+        self.running: dict[str, Attempt] = {}
+        self.refresh_s, self.shown_at = refresh_s, 0.0
+
+    def in_flight(self) -> str:
+        """``NAME STEP/STEPS`` of every run in flight, in start order."""
+        return ", ".join(f"{name} {last_step(a.run_dir)}/{total_steps(a.run)}" for name, a in self.running.items())
+
+    def tick(self) -> None:
+        if self.bar.disable or time.monotonic() - self.shown_at < self.refresh_s:
+            return
+        self.shown_at = time.monotonic()
+        self.bar.set_postfix_str(self.in_flight())
 
     def start(self, attempt: Attempt) -> bool:
         row = self.registry.get(attempt.run.name)
@@ -78,9 +93,14 @@ class Recorder:
     def started(self, attempt: Attempt, job: str) -> None:
         self.registry.set_status(attempt.run.name, "running", job=f"{self.kind}:{job}", new_attempt=True,
                                  unless=("cancelled", "done"))
+        self.running[attempt.run.name] = attempt
+        self.shown_at = 0.0  # show it now
+        self.tick()
 
     def finished(self, attempt: Attempt, outcome: Outcome) -> None:
         name = attempt.run.name
+        self.running.pop(name, None)
+        self.shown_at = 0.0
         # a completed run counts whatever happened meanwhile; any other ending does not undo a cancel
         changed = self.registry.set_status(name, outcome.status, error=outcome.error, summary=outcome.summary,
                                            unless=() if outcome.status == "done" else ("cancelled",))
@@ -94,6 +114,7 @@ class Recorder:
             detail = outcome.error or ""
         self.bar.write(f"{status:<9} {name}  {detail}")
         self.bar.update(1)
+        self.tick()
 
 
 def execute(folder: Path, registry: Registry, names: list[str], executor: Executor, progress: bool = True) -> int:

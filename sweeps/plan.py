@@ -91,12 +91,13 @@ def run_args(base: dict[str, dict[str, Any]], planned: dict[str, dict[str, Any]]
 
 
 def launch_for(sweep: Sweep, params: float, entry_launch: dict[str, Any]) -> Launch:
-    """Sweep defaults, then each matching ``[[launch.by_size]]`` rule in order, then the shape's own settings."""
+    """Sweep defaults, then each matching ``[[launch.by_size]]`` rule in order, then the shape's own settings,
+    then the command line's overrides."""
     launch = sweep.launch
     for rule in sweep.launch_rules:
         if rule.min_params <= params < rule.max_params:
             launch = dataclasses.replace(launch, **rule.settings)
-    return dataclasses.replace(launch, **entry_launch)
+    return dataclasses.replace(launch, **{**entry_launch, **sweep.launch_overrides})
 
 
 def _shapes(sweep: Sweep) -> tuple[list[tuple[str, float | None, dict, dict]], list[str]]:

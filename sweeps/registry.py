@@ -1,8 +1,9 @@
 """The sweep's registry: one SQLite row per run in ``SWEEP/sweep.db``.
 
-A row holds the run's name, config hash, status (planned, running, done, failed, cancelled), run
-directory, planned row (JSON), attempt count, the job of its latest attempt (a local process id or
-a SLURM job id), the error line of a failed run and the summary of a finished one. Every change is
+A row holds the run's name, config hash, status (planned, running, done, failed, interrupted: stopped
+at a signal after saving a checkpoint, cancelled), run directory, planned row (JSON), attempt count,
+the job of its latest attempt (a local process id or a SLURM job id), the error line of a failed or
+interrupted run and the summary of a finished one. Every change is
 one SQLite transaction, so killing the driver at any moment loses nothing already recorded. An
 unreadable or foreign database is reported (:class:`RegistryError`) and never replaced.
 """
@@ -22,10 +23,9 @@ from typing import Any
 from sweeps.plan import PlannedRun
 
 DB_NAME = "sweep.db"
-STATUSES = ("planned", "running", "done", "failed", "cancelled")
-SCHEMA_VERSION = "1"
-_SCHEMA = f"""
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+STATUSES = ("planned", "running", "done", "failed", "interrupted", "cancelled")
+SCHEMA_VERSION = "2"  # 2 added the status 'interrupted'; a version 1 registry is upgraded when opened
+_RUNS_TABLE = f"""
 CREATE TABLE runs (
     name TEXT PRIMARY KEY,
     config_hash TEXT NOT NULL UNIQUE,
@@ -40,6 +40,7 @@ CREATE TABLE runs (
     updated REAL NOT NULL
 );
 """
+_SCHEMA = "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);" + _RUNS_TABLE
 _COLUMNS = ("name", "config_hash", "status", "run_dir", "plan", "attempts", "job", "error", "summary", "position",
             "updated")
 
@@ -102,6 +103,7 @@ class Registry:
         try:
             conn = sqlite3.connect(_uri(path, "rw"), uri=True, timeout=30, isolation_level=None)
             cls._check(conn, path)
+            _upgrade(conn)
         except sqlite3.DatabaseError as e:
             raise RegistryError(f"{path} is not a readable sweep registry ({e}); it was left as it is: "
                                 f"move it aside to start the sweep afresh") from None
@@ -116,7 +118,7 @@ class Registry:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         columns = tuple(r[1] for r in conn.execute("PRAGMA table_info(runs)"))
         schema = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() if "meta" in tables else None
-        if columns != _COLUMNS or schema != (SCHEMA_VERSION,):
+        if columns != _COLUMNS or schema not in (("1",), (SCHEMA_VERSION,)):
             raise RegistryError(f"{path} is not a sweep registry of this version; it was left as it is")
 
     # ------------------------------------------------------------ reading
@@ -192,6 +194,23 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """Rebuild a version 1 runs table (its CHECK lacks 'interrupted') as version 2, in one transaction."""
+    def version() -> tuple | None:
+        return conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+
+    if version() != ("1",):
+        return
+    with _transaction(conn):
+        if version() != ("1",):  # upgraded meanwhile by another process
+            return
+        conn.execute("ALTER TABLE runs RENAME TO runs_v1")
+        conn.execute(_RUNS_TABLE)
+        conn.execute(f"INSERT INTO runs SELECT {', '.join(_COLUMNS)} FROM runs_v1")
+        conn.execute("DROP TABLE runs_v1")
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (SCHEMA_VERSION,))
 
 
 def _row(r: tuple) -> Row:

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,7 @@ class Sweep:
     parallel: int  # local executor: runs at once
     threads: int  # local executor: threads per process (0: cores / (parallel × nproc))
     slurm: dict[str, Any] = field(default_factory=dict)  # partition, account, qos, array_parallelism, ...
+    launch_overrides: dict[str, Any] = field(default_factory=dict)  # from the command line: over every run's launch
     source: str = ""  # the file's text, kept in the sweep folder
 
 
@@ -173,19 +175,24 @@ def _rule(value: Any, where: str, default: float) -> PowerRule:
                      _number(value.get("reference", 1e5), f"{where}.reference"))
 
 
+def _launch_value(key: str, value: Any, where: str) -> None:
+    """Check one launch setting; ``where`` names it in the message."""
+    if key == "strategy":
+        if not isinstance(value, str) or not value:
+            raise SpecError(f"{where} must be a non-empty string")
+    elif key == "mem_gb":
+        _number(value, where)
+    else:
+        _integer(value, where, minimum=0 if key == "gpus_per_proc" else 1)
+
+
 def check_launch(settings: dict[str, Any], where: str) -> dict[str, Any]:
     """Validate launch settings (a subset of :class:`Launch`'s fields) and return them."""
     known = [f.name for f in dataclasses.fields(Launch)]
     for key, value in settings.items():
         if key not in known:
             raise SpecError(f"{where}: unknown launch setting '{key}' (known: {', '.join(known)})")
-        if key == "strategy":
-            if not isinstance(value, str) or not value:
-                raise SpecError(f"{where}.strategy must be a non-empty string")
-        elif key == "mem_gb":
-            _number(value, f"{where}.mem_gb")
-        else:
-            _integer(value, f"{where}.{key}", minimum=0 if key == "gpus_per_proc" else 1)
+        _launch_value(key, value, f"{where}.{key}")
     return dict(settings)
 
 
@@ -265,14 +272,15 @@ def _launch_rules(by_size: Any) -> tuple[LaunchRule, ...]:
     return tuple(rules)
 
 
-def _slurm(slurm: dict[str, Any]) -> dict[str, Any]:
+def _slurm(slurm: dict[str, Any], name: Callable[[str], str] = "[slurm] {}".format) -> dict[str, Any]:
+    """Check ``[slurm]`` settings; ``name(key)`` names one in a message."""
     for key in ("partition", "account", "qos", "constraint"):
         if key in slurm and (not isinstance(slurm[key], str) or not slurm[key]):
-            raise SpecError(f"[slurm] {key} must be a non-empty string")
+            raise SpecError(f"{name(key)} must be a non-empty string")
     if "array_parallelism" in slurm:
-        _integer(slurm["array_parallelism"], "[slurm] array_parallelism")
+        _integer(slurm["array_parallelism"], name("array_parallelism"))
     if "poll_s" in slurm:
-        _number(slurm["poll_s"], "[slurm] poll_s")
+        _number(slurm["poll_s"], name("poll_s"))
     if "setup" in slurm and not (isinstance(slurm["setup"], list) and all(isinstance(x, str) for x in slurm["setup"])):
         raise SpecError("[slurm] setup must be a list of shell lines")
     return slurm
@@ -320,6 +328,21 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         threads=_integer(local.get("threads", 0), "[local] threads", minimum=0),
         slurm=slurm, source=text,
     )
+
+
+def option_name(key: str) -> str:
+    """The command-line option that overrides a ``[launch]`` or ``[slurm]`` key: mem_gb → --mem-gb."""
+    return "--" + key.replace("_", "-")
+
+
+def with_overrides(sweep: Sweep, launch: dict[str, Any], slurm: dict[str, Any]) -> Sweep:
+    """``sweep`` with command-line values checked like the file's: ``launch`` applies to every run, over
+    ``[launch]``, ``[[launch.by_size]]`` and the shapes' own settings; ``slurm`` over ``[slurm]``."""
+    for key, value in launch.items():
+        _launch_value(key, value, option_name(key))
+    _slurm(slurm, option_name)
+    return dataclasses.replace(sweep, launch_overrides={**sweep.launch_overrides, **launch},
+                               slurm={**sweep.slurm, **slurm})
 
 
 def load(path: str | Path, folder: str | Path | None = None) -> Sweep:

@@ -111,6 +111,9 @@ def test_the_sbatch_script_trains_on_the_local_cluster(cluster, multinode_runs, 
     (["--nodes", "0"], "--nodes must be positive"),
     (["--partition", "gpu;rm"], "--partition 'gpu;rm' holds characters SLURM would not read as written"),
     (["--port", "80"], "--port must be in 1024..65535"),
+    (["--mem", "64 GB"], "--mem '64 GB' is not a memory size sbatch reads"),
+    (["--constraint", "h100 ib"], "--constraint 'h100 ib' holds characters SLURM would not read as written"),
+    (["--qos", "hi;gh"], "--qos 'hi;gh' holds characters SLURM would not read as written"),
     (["--", "--run-dir", "elsewhere"], "give the run directory with --run-dir before '--'"),
 ])
 def test_the_launcher_refuses_bad_input_in_one_line(tmp_path, capsys, argv, message):
@@ -119,3 +122,19 @@ def test_the_launcher_refuses_bad_input_in_one_line(tmp_path, capsys, argv, mess
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_the_launcher_asks_for_qos_constraint_and_memory_and_states_each_default_once(tmp_path, capsys):
+    out = tmp_path / "job.sbatch"
+    assert main(["--run-dir", str(tmp_path / "r"), "--qos", "high", "--constraint", "h100&ib", "--mem", "500G",
+                 "--out", str(out)]) == 0
+    directives = [line for line in out.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert directives[-3:] == ["#SBATCH --qos=high", "#SBATCH --constraint=h100&ib", "#SBATCH --mem=500G"]
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and ") (default:" not in text
+    for option, default in (("--nodes", "2"), ("--cpus-per-task", "8"), ("--time", "01:00:00"),
+                            ("--max-restarts", "1"), ("--procs-per-node", "the GPUs per node, or 1")):
+        after = text.split(f" {option} ", 1)[1]
+        assert after.split(" --", 1)[0].endswith(f"(default: {default})"), option

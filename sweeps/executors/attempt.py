@@ -6,8 +6,9 @@ one continues from the run's newest checkpoint. Each attempt writes
 its output to ``SWEEP/logs/NAME/attempt-K.log``. While a single-node attempt is alive it holds an
 exclusive lock on ``SWEEP/logs/NAME/run.lock``, so a restarted driver never starts a second copy
 of a run that an earlier driver left running. The outcome is read from the run directory: ``summary.json``
-with status ``completed`` means done; anything else is a failure, explained by the last
-``error: ...`` line of the attempt's output.
+with status ``completed`` means done; one with status ``interrupted`` written by this attempt (the run
+stopped at a signal and saved a checkpoint) means interrupted, as does an ``error: interrupted`` line;
+anything else is a failure, explained by the last ``error: ...`` line of the attempt's output.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Attempt:
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # done, failed or cancelled
+    status: str  # done, failed, interrupted or cancelled
     error: str | None = None
     summary: dict | None = None
 
@@ -59,6 +60,9 @@ class Events(Protocol):
 
     def finished(self, attempt: Attempt, outcome: Outcome) -> None:
         """``attempt`` ended."""
+
+    def tick(self) -> None:
+        """Called every poll while attempts run (the driver refreshes its progress display)."""
 
 
 class Executor(Protocol):
@@ -117,11 +121,20 @@ def error_line(*logs: Path) -> str | None:
     return None
 
 
-def outcome(attempt: Attempt, failure: str, more_logs: list[Path] | tuple[Path, ...] = ()) -> Outcome:
-    """Done if the run directory holds a completed summary; else failed, with the error line the attempt
-    printed (in its log, else in ``more_logs``), or ``failure`` (e.g. the exit code) when it printed none."""
+def outcome(attempt: Attempt, failure: str, more_logs: list[Path] | tuple[Path, ...] = (),
+            since: float | None = None) -> Outcome:
+    """Done if the run directory holds a completed summary; interrupted if the attempt printed
+    ``error: interrupted ...`` or printed no error line and left an interrupted summary (written after
+    ``since``, the attempt's start, when known); else failed, with the error line the attempt printed (in
+    its log, else in ``more_logs``), or ``failure`` (e.g. the exit code) when it printed none."""
     summary = read_summary(attempt.run_dir)
     if summary is not None and summary.get("status") == "completed":
         return Outcome("done", summary=summary)
     line = error_line(attempt.log, *more_logs)
+    if line is not None and line.startswith("error: interrupted"):
+        return Outcome("interrupted", error=line)
+    if line is None and summary is not None and summary.get("status") == "interrupted" \
+            and (since is None or (attempt.run_dir / "summary.json").stat().st_mtime >= since):
+        return Outcome("interrupted", error=f"interrupted by {summary.get('signal', 'a signal')} after step "
+                                            f"{summary.get('steps')} of {summary.get('total_steps')}")
     return Outcome("failed", error=line or f"{failure} (no error line; see {attempt.log})")

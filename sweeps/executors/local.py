@@ -3,7 +3,7 @@
 Runs are child processes of the driver. On Linux each gets SIGTERM when the driver dies (even by
 SIGKILL), so it checkpoints and stops; elsewhere it finishes on its own, and a restarted driver
 waits for its lock before running it again. Ctrl-C or SIGTERM to the driver stops the runs the
-same way and records them as failed (a later ``run`` resumes them).
+same way; each saves a checkpoint and is recorded as interrupted (a later ``run`` resumes it).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class LocalExecutor:
         """Run every attempt, the longest (by the plan's estimate) first, so that runs done side by side end
         together; return when all have ended (re-raises KeyboardInterrupt after stopping them)."""
         queue = deque(sorted(attempts, key=lambda a: -a.run.est_seconds))
-        active: dict[subprocess.Popen, tuple[Attempt, IO[bytes], IO[bytes]]] = {}
+        active: dict[subprocess.Popen, tuple[Attempt, IO[bytes], IO[bytes], float]] = {}
         try:
             while queue or active:
                 while queue and len(active) < self.parallel:
@@ -64,14 +64,15 @@ class LocalExecutor:
                     if not events.start(attempt):  # the earlier attempt may have finished it
                         lock.close()
                         continue
-                    log = open(attempt.log, "ab")
+                    log, since = open(attempt.log, "ab"), time.time()
                     proc = subprocess.Popen(run_command(attempt), stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, env=environment(self._threads(attempt)),
                                             pass_fds=(lock.fileno(),), preexec_fn=_die_with_parent)
-                    active[proc] = (attempt, log, lock)
+                    active[proc] = (attempt, log, lock, since)
                     events.started(attempt, str(proc.pid))
                 for proc in [p for p in active if p.poll() is not None]:
                     self._finish(proc, active.pop(proc), events)
+                events.tick()
                 time.sleep(self.poll_s)
         except KeyboardInterrupt:
             for proc in active:
@@ -82,11 +83,11 @@ class LocalExecutor:
             raise
 
     @staticmethod
-    def _finish(proc: subprocess.Popen, entry: tuple[Attempt, IO[bytes], IO[bytes]], events: Events) -> None:
-        attempt, log, lock = entry
+    def _finish(proc: subprocess.Popen, entry: tuple[Attempt, IO[bytes], IO[bytes], float], events: Events) -> None:
+        attempt, log, lock, since = entry
         log.close()
         lock.close()
-        events.finished(attempt, outcome(attempt, f"exit code {proc.returncode}"))
+        events.finished(attempt, outcome(attempt, f"exit code {proc.returncode}", since=since))
 
 
 def stop(pid: int, lock: Path) -> bool:

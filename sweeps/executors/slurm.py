@@ -11,6 +11,7 @@ and cancelled jobs to be seen.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from sweeps.executors.job import run_attempt
 from sweeps.spec import Launch
 
 SLURM_PY = REPO / "launch" / "slurm.py"
+SLURM_TOOLS = ("sbatch", "srun", "sacct")  # submit, start tasks (submitit checks it), follow jobs
 # sacct states after which a job will not run again (PREEMPTED is not one: SLURM may requeue it).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                 "DEADLINE", "REVOKED"}
@@ -48,17 +50,17 @@ def script_command(attempt: Attempt, settings: dict[str, Any], name: str, script
     command = [sys.executable, str(SLURM_PY), "--run-dir", str(attempt.run_dir), "--nodes", str(launch.nodes),
                "--gpus-per-node", str(launch.nproc * launch.gpus_per_proc), "--procs-per-node", str(launch.nproc),
                "--cpus-per-task", str(launch.nproc * launch.cpus_per_proc), "--job-name", name,
-               "--time", f"{hours:02d}:{minutes:02d}:00", "--out", str(script)]
-    for key in ("partition", "account"):
+               "--time", f"{hours:02d}:{minutes:02d}:00", "--mem", f"{int(launch.mem_gb * 1024)}M",
+               "--out", str(script)]
+    for key in ("partition", "account", "qos", "constraint"):
         if key in settings:
             command += [f"--{key}", settings[key]]
     return command + ["--", *attempt.run.args]
 
 
-def sbatch_options(attempt: Attempt, settings: dict[str, Any]) -> list[str]:
+def sbatch_options(attempt: Attempt) -> list[str]:
     """What sbatch adds to the script's own #SBATCH lines (arguments, so no shell parses them)."""
-    return [f"--output={attempt.log}", "--open-mode=append", f"--mem={int(attempt.run.launch.mem_gb * 1024)}M",
-            *(f"--{key}={settings[key]}" for key in ("qos", "constraint") if key in settings)]
+    return [f"--output={attempt.log}", "--open-mode=append"]
 
 
 def array_parameters(launch: Launch, settings: dict[str, Any], name: str) -> dict[str, Any]:
@@ -80,8 +82,12 @@ class SlurmExecutor:
     name = "slurm"
 
     def __init__(self, folder: Path, sweep_name: str, settings: dict[str, Any], cwd: Path):
+        """RuntimeError if SLURM's tools are not on PATH (before anything is submitted or recorded)."""
         import submitit  # the 'slurm' extra
 
+        missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} not found on PATH")
         self.submitit = submitit
         self.folder, self.settings, self.cwd = folder, settings, cwd
         self.job_name = job_name(sweep_name)
@@ -118,7 +124,7 @@ class SlurmExecutor:
                                  text=True, cwd=self.cwd)
         if written.returncode != 0:
             raise SlurmError(f"launch/slurm.py failed: {_one_line(written.stderr)}")
-        proc = subprocess.run(["sbatch", "--parsable", *sbatch_options(attempt, self.settings), str(script)],
+        proc = subprocess.run(["sbatch", "--parsable", *sbatch_options(attempt), str(script)],
                               capture_output=True, text=True, cwd=self.cwd)
         if proc.returncode != 0:
             raise SlurmError(f"sbatch failed: {_one_line(proc.stderr)}")
@@ -154,6 +160,7 @@ class SlurmExecutor:
                     else:
                         still.append((attempt, job))
                 watched = still
+                events.tick()
         except KeyboardInterrupt:
             print(f"{len(watched)} job(s) keep running on the cluster: run the sweep again to follow them, "
                   f"or cancel them", file=sys.stderr)

@@ -121,7 +121,7 @@ def test_status_prints_a_table_and_a_progress_bar(finished, sweeps_cli):
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
         assert sum(" done " in line for line in lines) == 8
-        assert "done 8 | running 0 | planned 0 | failed 0 | cancelled 0" in lines
+        assert "done 8 | running 0 | planned 0 | failed 0 | interrupted 0 | cancelled 0" in lines
         assert lines[-1].startswith("done: 100%|") and lines[-1].endswith("| 8/8")
 
 
@@ -240,9 +240,14 @@ def test_sigterm_to_the_driver_stops_its_runs_and_the_next_run_resumes_them(tmp_
              and (folder / "runs" / name / "checkpoints").is_dir(), timeout=120, what="a checkpointed run")
     driver.send_signal(signal.SIGTERM)
     assert driver.wait(timeout=120) == 130
-    assert "interrupted: what finished is recorded" in driver.stdout.read()
+    out = driver.stdout.read()
+    assert "interrupted: what finished is recorded" in out
     row = registry_rows(folder)[name]
-    assert row["status"] == "failed" and row["attempts"] == 1 and completions(folder, name) == 0
+    summary = json.loads((folder / "runs" / name / "summary.json").read_text())
+    assert summary["status"] == "interrupted"  # the run saved a checkpoint and said so: recorded as such
+    assert row["status"] == "interrupted" and row["attempts"] == 1 and completions(folder, name) == 0
+    assert row["error"] == f"interrupted by SIGTERM after step {summary['steps']} of {summary['total_steps']}"
+    assert f"interrupted {name}  {row['error']}" in out
     assert not alive(int(row["job"].split(":")[1]))
 
     proc = subprocess.run([sys.executable, "-m", "sweeps", "run", str(file), "--folder", str(folder), "--no-progress"],
@@ -280,7 +285,8 @@ def test_failed_run_is_recorded_with_its_error_line_and_the_rest_goes_on(tmp_pat
     assert bad["status"] == "failed" and bad["error"].startswith("error: unknown strategy 'no-such-strategy'")
     assert f"failed    C6e8-mid  {bad['error']}" in proc.stdout
     status = sweeps_cli("status", folder)
-    assert bad["error"] in status.stdout and "done 1 | running 0 | planned 0 | failed 1 | cancelled 0" in status.stdout
+    assert bad["error"] in status.stdout
+    assert "done 1 | running 0 | planned 0 | failed 1 | interrupted 0 | cancelled 0" in status.stdout
     # a failed run is tried again by the next run of the sweep, and by retry; it fails the same way
     proc = sweeps_cli("run", file, "--folder", folder, "--no-progress")
     assert proc.returncode == 1 and proc.stdout.startswith("failed    C6e8-mid")
@@ -290,7 +296,7 @@ def test_failed_run_is_recorded_with_its_error_line_and_the_rest_goes_on(tmp_pat
     assert registry_rows(folder)["C6e8-mid"]["attempts"] == 3
     proc = sweeps_cli("retry", folder, "C6e8-small")
     assert proc.returncode == 2 and proc.stderr.strip() == \
-        "error: run 'C6e8-small' is done; retry takes failed or cancelled runs"
+        "error: run 'C6e8-small' is done; retry takes failed, interrupted or cancelled runs"
 
 
 def test_cancel_stops_a_running_run_and_retry_resumes_it(tmp_path, write_sweep, sweeps_cli, registry_rows,
@@ -388,3 +394,121 @@ def test_changed_or_duplicated_run_configs_are_refused_before_any_work(tmp_path,
     assert proc.stderr.strip() == "error: run 'C6e8-tiny' has the same config as recorded run 'C6e8-small'"
     assert registry_rows(folder) == before  # nothing recorded, not even the new run 'C6e8-mid'
     assert sorted(p.name for p in (folder / "runs").iterdir()) == ["C6e8-small"]
+
+
+# ---------------------------------------------------------------- interrupts and runs in flight, in process
+
+
+@pytest.fixture
+def recorded(tmp_path, write_sweep):
+    """A registry holding two planned runs of a tiny sweep: (folder, registry, rows)."""
+    from sweeps import plan as planner, spec
+    from sweeps.driver import run_dir
+    from sweeps.registry import Registry
+
+    sweep = spec.load(write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=THREE[:2]), folder=tmp_path / "sweep")
+    registry = Registry.open(sweep.folder, create=True)
+    registry.sync(planner.plan(sweep).runs, lambda name: run_dir(sweep.folder, name))
+    return sweep.folder, registry, registry.rows()
+
+
+def write_metrics(run_dir: Path, last_step: int) -> None:
+    """Records of steps 1..last_step, an eval record, and a torn last line (a run killed mid-write)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records = [{"step": s, "tokens": 256 * s, "loss": 5.0} for s in range(1, last_step + 1)]
+    lines = [json.dumps(r) for r in records + [{"step": last_step, "tokens": 256 * last_step, "eval_loss": 5.0}]]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 9')
+
+
+def test_an_interrupted_summary_from_this_attempt_records_the_run_as_interrupted(recorded):
+    from sweeps.driver import attempt_for
+    from sweeps.executors.attempt import outcome
+
+    folder, _, rows = recorded
+    attempt = attempt_for(folder, rows[0], follow=False)
+    attempt.run_dir.mkdir(parents=True)
+    attempt.log.parent.mkdir(parents=True)
+    attempt.log.write_text("interrupted by SIGTERM after step 3 of 8; checkpoint saved; resume with ...\n")
+    since = time.time() - 1
+    (attempt.run_dir / "summary.json").write_text(json.dumps({"status": "interrupted", "signal": "SIGTERM",
+                                                              "steps": 3, "total_steps": 8}))
+    got = outcome(attempt, "exit code -15", since=since)
+    assert (got.status, got.error) == ("interrupted", "interrupted by SIGTERM after step 3 of 8")
+    # a summary an earlier attempt left behind says nothing about this one
+    got = outcome(attempt, "exit code 1", since=time.time() + 60)
+    assert got.status == "failed" and got.error.startswith("exit code 1 (no error line")
+    # the run's own line for a second signal (stopped at once, the last checkpoint kept)
+    attempt.log.write_text("error: interrupted (a second Ctrl-C stops without a checkpoint; the last one is kept)\n")
+    assert outcome(attempt, "exit code 130", since=since).status == "interrupted"
+    attempt.log.write_text("error: unknown strategy 'x'\n")  # any other error line is a failure
+    assert outcome(attempt, "exit code 2", since=since).error == "error: unknown strategy 'x'"
+
+
+def test_the_progress_bar_names_the_runs_in_flight_with_their_steps(recorded, capsys):
+    import io
+
+    from tqdm import tqdm
+
+    from sweeps.driver import Recorder, attempt_for
+    from sweeps.executors.attempt import Outcome
+
+    folder, registry, rows = recorded
+    out = io.StringIO()
+    bar = tqdm(total=2, file=out)
+    recorder = Recorder(registry, "local", bar, refresh_s=0)
+    first, second = (attempt_for(folder, row, follow=False) for row in rows)
+    steps = [row.plan.tokens // row.plan.batch_tokens for row in rows]
+    recorder.started(first, "101")
+    assert bar.postfix == f"{rows[0].name} 0/{steps[0]}"  # shown from its start, before any record
+    write_metrics(first.run_dir, 3)
+    recorder.started(second, "102")
+    assert bar.postfix == f"{rows[0].name} 3/{steps[0]}, {rows[1].name} 0/{steps[1]}"
+    write_metrics(second.run_dir, 2)
+    recorder.tick()
+    assert bar.postfix == f"{rows[0].name} 3/{steps[0]}, {rows[1].name} 2/{steps[1]}"
+    recorder.finished(first, Outcome("interrupted", error="interrupted by SIGINT after step 3 of 8"))
+    assert bar.postfix == f"{rows[1].name} 2/{steps[1]}"
+    assert registry.get(rows[0].name).status == "interrupted"
+    assert capsys.readouterr().out == f"interrupted {rows[0].name}  interrupted by SIGINT after step 3 of 8\n"
+    assert out.getvalue().split("\r")[-1].rstrip().endswith(f"{rows[1].name} 2/{steps[1]}]")  # what the bar shows
+
+
+def test_status_shows_each_running_runs_progress_and_interrupted_runs(recorded, capsys):
+    from sweeps.cli import RETRIED, main
+
+    folder, registry, rows = recorded
+    registry.set_status(rows[0].name, "running", job="local:101", new_attempt=True)
+    write_metrics(rows[0].run_dir, 3)
+    registry.set_status(rows[1].name, "interrupted", error="interrupted by SIGINT after step 2 of 16")
+    assert main(["status", str(folder)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps = rows[0].plan.tokens // rows[0].plan.batch_tokens
+    running = next(line for line in lines if line.startswith(rows[0].name))
+    assert running.endswith(f"local:101  step 3/{steps} ({300 // steps} %)")
+    assert next(line for line in lines if line.startswith(rows[1].name)).split()[1] == "interrupted"
+    assert "interrupted by SIGINT after step 2 of 16" in [line.strip() for line in lines]
+    assert "done 0 | running 1 | planned 0 | failed 0 | interrupted 1 | cancelled 0" in lines
+    assert "interrupted" in RETRIED  # retry takes them, as run does
+
+
+def test_a_version_1_registry_is_upgraded_with_its_runs_kept(tmp_path):
+    import sqlite3
+
+    from sweeps import registry as reg
+
+    folder = tmp_path / "old"
+    folder.mkdir()
+    conn = sqlite3.connect(folder / reg.DB_NAME)
+    old_runs = reg._RUNS_TABLE.replace(", 'interrupted'", "")
+    conn.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);" + old_runs)
+    conn.execute("INSERT INTO meta VALUES ('schema', '1')")
+    conn.execute("INSERT INTO runs (name, config_hash, status, run_dir, plan, position, updated) "
+                 "VALUES ('a', 'h', 'failed', '/r/a', '{}', 0, 0)")
+    conn.commit()
+    conn.close()
+    registry = reg.Registry.open(folder)
+    assert registry.meta("schema") == reg.SCHEMA_VERSION == "2"
+    assert registry.set_status("a", "interrupted", error="interrupted by SIGTERM after step 1 of 2")
+    conn = sqlite3.connect(folder / reg.DB_NAME)
+    assert conn.execute("SELECT name, status, run_dir FROM runs").fetchall() == [("a", "interrupted", "/r/a")]
+    assert "interrupted" in conn.execute("SELECT sql FROM sqlite_master WHERE name = 'runs'").fetchone()[0]

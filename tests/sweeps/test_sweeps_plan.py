@@ -205,3 +205,42 @@ def test_the_default_sweep_plans_three_budgets_by_five_sizes():
         assert all(abs(r.flops / budget - 1) < 0.01 for r in runs)
     # the plan's own estimate, calibrated on the development machine, stays near 10 minutes with 2 at once
     assert sum(r.est_seconds for r in result.runs) / sweep.parallel < 12 * 60
+
+
+def test_the_gpu_example_sweep_plans_with_its_resources_per_size(tmp_path, capsys):
+    from sweeps.cli import main
+
+    file = Path(__file__).resolve().parents[2] / "sweeps" / "gpu_isoflop.toml"
+    assert main(["plan", str(file), "--folder", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines()[-1].startswith("24 runs, ")
+    sweep = spec.load(file, folder=tmp_path / "out")
+    assert sweep.base["train"]["dtype"] == "bf16" and sweep.slurm["partition"]
+    runs = planner.plan(sweep).runs
+    for run in runs:
+        small, large = run.params_non_embedding < 1e8, run.params_non_embedding >= 4e8
+        assert run.launch.gpus_per_proc == 1 and run.launch.nproc == (2 if small else 8)
+        assert run.launch.strategy == ("zero2" if large else "ddp")
+        assert run.est_seconds < run.launch.time_min * 60  # the time limit covers the estimate
+    assert not (tmp_path / "out").exists()
+
+
+def test_command_line_settings_override_the_file_for_every_run_and_are_checked_alike(tmp_path, capsys):
+    from sweeps.cli import main
+
+    sweep = spec.with_overrides(parse(FAMILY), {"nproc": 4, "time_min": 30, "mem_gb": 16.5},
+                                {"partition": "h100", "qos": "high"})
+    runs = planner.plan(sweep).runs
+    # over [launch], and over the by_size rule that sets nproc 2 for the larger sizes
+    assert {(r.launch.nproc, r.launch.time_min, r.launch.mem_gb) for r in runs} == {(4, 30, 16.5)}
+    assert {r.launch.strategy for r in runs} == {"single", "ddp"}  # what the options leave alone stays
+    assert sweep.slurm == {"partition": "h100", "qos": "high"}
+    file = tmp_path / "fam.toml"
+    file.write_text(FAMILY)
+    for option, value, message in (("--nproc", "0", "--nproc must be an integer >= 1, got 0"),
+                                   ("--mem-gb", "-1", "--mem-gb must be positive, got -1.0"),
+                                   ("--partition", "", "--partition must be a non-empty string"),
+                                   ("--time-min", "1.5", "argument --time-min: invalid int value: '1.5'")):
+        assert main(["run", str(file), "--folder", str(tmp_path / "out"), option, value]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()  # refused before anything was written

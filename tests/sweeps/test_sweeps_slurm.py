@@ -164,14 +164,15 @@ def test_names_with_spaces_quotes_and_semicolons_stay_inert_on_slurm(cluster, tm
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
 
 
-def _script_attempt(tmp_path, write_sweep, launch: dict, name: str = NASTY, folder: str = "it's; here"):
+def _script_attempt(tmp_path, write_sweep, launch: dict, name: str = NASTY, folder: str = "it's; here",
+                    slurm: str = SLURM):
     """A planned attempt of one run with these launch settings, in a sweep folder with an awkward name."""
     from sweeps import plan as planner
     from sweeps import spec
     from sweeps.executors.attempt import Attempt
 
     file = write_sweep(tmp_path / f"{launch['strategy']}.toml", budgets=[6e8],
-                       shapes=[{**SHAPES[0], "name": name, "launch": launch}], extra=SLURM)
+                       shapes=[{**SHAPES[0], "name": name, "launch": launch}], extra=slurm)
     sweep = spec.load(file, folder=tmp_path / folder)
     [run] = planner.plan(sweep).runs
     logs = sweep.folder / "logs" / run.name
@@ -228,9 +229,10 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     scontrol and srun that record what they get."""
     from sweeps.executors.slurm import SLURM_PY, sbatch_options, script_command
 
+    slurm = SLURM.replace("[launch]", 'qos = "normal"\nconstraint = "cpu&x86"\n[launch]')
     sweep, attempt = _script_attempt(tmp_path, write_sweep,
                                      {"nproc": 4, "nodes": 2, "strategy": "ddp", "gpus_per_proc": 1},
-                                     folder="it's; $(touch PWNED4) here")
+                                     folder="it's; $(touch PWNED4) here", slurm=slurm)
     script = attempt.log.with_suffix(".sbatch")
     command = script_command(attempt, sweep.slurm, "sweep-x", script)
     assert command[:2] == [sys.executable, str(SLURM_PY)] and command[command.index("--") + 1:] == list(attempt.run.args)
@@ -238,9 +240,9 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     assert written.returncode == 0, written.stderr
     text = script.read_text()
     assert all(d in text for d in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=debug",
-                                   "#SBATCH --time=00:10:00", "#SBATCH --cpus-per-task=4"))
-    assert set(sbatch_options(attempt, sweep.slurm)) == {f"--output={attempt.log}", "--open-mode=append",
-                                                        "--mem=1024M"}
+                                   "#SBATCH --time=00:10:00", "#SBATCH --cpus-per-task=4", "#SBATCH --mem=1024M",
+                                   "#SBATCH --qos=normal", "#SBATCH --constraint=cpu&x86"))
+    assert sbatch_options(attempt) == [f"--output={attempt.log}", "--open-mode=append"]
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -261,3 +263,30 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     assert NASTY in attempt.run_dir.name
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
+
+
+def test_without_slurm_the_executor_is_refused_in_one_line_before_anything_is_recorded(tmp_path, write_sweep,
+                                                                                      monkeypatch, capsys):
+    """No cluster needed: a PATH that holds no sbatch, srun or sacct stands for a machine without SLURM."""
+    from sweeps.cli import main
+    from sweeps.registry import Registry
+
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=SHAPES[:1], extra=SLURM)
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    folder = tmp_path / "sweep"
+    assert main(["run", str(file), "--folder", str(folder), "--executor", "slurm", "--no-progress"]) == 2
+    needs = "error: the slurm executor needs a SLURM cluster (sbatch, srun, sacct not found on PATH)"
+    assert capsys.readouterr().err == needs + "\n"
+    assert not folder.exists()  # nothing recorded, no folder made
+    # a sweep that ran locally stays on the local executor
+    Registry.open(folder, create=True).set_meta("executor", "local")
+    before = (folder / "sweep.db").read_bytes()
+    assert main(["run", str(file), "--folder", str(folder), "--executor", "slurm", "--no-progress"]) == 2
+    assert capsys.readouterr().err == needs + "\n"
+    assert (folder / "sweep.db").read_bytes() == before and Registry.open(folder).meta("executor") == "local"
+    # one that last ran on slurm says how to run it here instead
+    Registry.open(folder).set_meta("executor", "slurm")
+    assert main(["run", str(file), "--folder", str(folder), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"{needs}; this sweep last ran on slurm: --executor local runs it here\n"
+    assert Registry.open(folder).rows() == []
