@@ -14,7 +14,7 @@ CPU_INDEX   := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null || $(PY) -m pip install -q --dry-run --no-index --no-deps \
 	-c constraints-cpu.txt torch >/dev/null 2>&1 || echo $(CPU_INDEX))
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The edit loop (under a minute on 2 cores): every test but those marked slow (launchers, many runs).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) launch/bench.py

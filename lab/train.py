@@ -310,7 +310,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
         checkpoint.clean_stale_temporaries(run_dir)
         save_json(run_dir / "config.json", cfg.to_dict())
         data.tokenizer.save(run_dir / "tokenizer")
-        log.say(start_line(cfg, world, plan, precision, peak, start, estimate))
+        log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
     try:
         outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
     finally:
@@ -324,10 +324,8 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
 
 
 def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, peak: Peak, start: Start,
-               estimate: Estimate | None) -> str:
+               estimate: Estimate | None, strategy: str) -> str:
     counts, t = accounting.param_counts(cfg.model), cfg.train
-    strategy = cfg.parallel.strategy + (f" (ZeRO stage {cfg.parallel.zero_stage})"
-                                        if cfg.parallel.strategy == "deepspeed" else "")
     line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding), "
             f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token | strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "

@@ -12,6 +12,7 @@ from lab.bench import main, paired_ratio
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_benchmark_script_runs_and_reports_mfu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
@@ -26,6 +27,7 @@ def test_benchmark_rejects_bad_arguments(capsys):
     assert capsys.readouterr().err.startswith("error: ")
 
 
+@pytest.mark.slow
 def test_strategies_side_by_side_on_two_ranks(tmp_path):
     out = tmp_path / "parallel"
     labels = ["single", "ddp_naive", "ddp:bucket_mb=1", "torch_ddp", "deepspeed:zero_stage=2,offload=optimizer"]

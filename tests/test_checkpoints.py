@@ -19,6 +19,8 @@ from lab.parallel import World
 from lab.parallel.spawn import RankFailed, free_port, run_pooled, run_ranks
 from lab.train import build_strategy, train
 
+pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

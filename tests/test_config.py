@@ -60,6 +60,7 @@ def test_missing_and_invalid_toml(tmp_path):
         parse(["--config", str(bad)])
 
 
+@pytest.mark.slow
 def test_help_lists_every_option():
     out = subprocess.run([sys.executable, "launch/run.py", "--help"], capture_output=True, text=True, check=True).stdout
     for option in ("--model.d_model", "--train.tokens", "--data.corpus", "--parallel.strategy", "--strategy",

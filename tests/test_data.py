@@ -413,6 +413,7 @@ def test_cli_reports_a_bad_corpus_in_one_line_and_writes_nothing(tmp_path, capsy
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_launch_script_exits_2_on_a_bad_option_value(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "launch" / "prepare.py"), "--data.vocab_size", "100",
                         "--data.cache_dir", str(tmp_path / "c")], capture_output=True, text=True, cwd=tmp_path)
@@ -443,6 +444,7 @@ def sotu(tmp_path_factory) -> PreparedData:
     return PreparedData.load(prepare(cfg, progress=False))
 
 
+@pytest.mark.slow
 def test_sotu_holds_out_whole_speeches(sotu):
     speeches = sorted(builtin_folder("sotu").glob("*.txt"))
     assert sotu.meta["corpus"] == "sotu" and sotu.folder.name.startswith("sotu-bpe512-")
@@ -452,6 +454,7 @@ def test_sotu_holds_out_whole_speeches(sotu):
     assert held == [(builtin_folder("sotu") / i).read_text(encoding="utf-8") for i in sotu.meta["eval_ids"]]
 
 
+@pytest.mark.slow
 def test_sotu_token_counts_and_unigram_entropy_are_plausible(sotu):
     tokens = sotu.meta["tokens"]
     assert tokens["train"] > 2_000_000 and 0.02 < tokens["eval"] / (tokens["train"] + tokens["eval"]) < 0.15

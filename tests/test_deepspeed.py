@@ -26,6 +26,8 @@ from lab.parallel.spawn import run_pooled
 from lab.train import train_step
 from test_checkpoints import _train, final_weights, tree  # noqa: F401 (tree: the tiny run's config, a fixture)
 
+pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = LoopSettings(micro_batch=4, accum_steps=2, grad_clip=1.0)
 STAGES = ["deepspeed:zero_stage=1", "deepspeed:zero_stage=2", "deepspeed:zero_stage=3"]

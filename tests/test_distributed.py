@@ -29,6 +29,7 @@ DDP_FAMILY = ["ddp_naive", "ddp", "torch_ddp"]
 # ---------------------------------------------------------------- equivalence
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, accum", [(2, 1), (2, 4), (4, 1), (4, 4)])
 def test_the_ddp_family_trains_the_single_process_model(nproc, accum):
     results = run_pooled(equivalence, nproc, ["single", *DDP_FAMILY], Setup(steps=6, accum=accum))[0]

@@ -7,6 +7,8 @@ import pytest
 from analysis.table import load_runs
 from lab.cli import run_main
 
+pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
+
 
 def test_analysis_reads_real_run_directories(tmp_path, tiny_data_config):
     cfg = tiny_data_config

@@ -13,6 +13,8 @@ import torch
 from lab.cli import run_main
 from lab.parallel import STRATEGIES
 
+pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -175,14 +177,15 @@ def test_peak_remeasure_records_time_and_load_and_keeps_the_best(tmp_path, monke
 def test_the_start_line_names_the_deepspeed_stage_and_the_peak():
     from lab.config import RunConfig
     from lab.device import Peak, Precision
-    from lab.parallel import World
-    from lab.train import Start, start_line, step_plan
+    from lab.parallel import World, create
+    from lab.train import Start, loop_settings, start_line, step_plan
 
     cfg = RunConfig()
     cfg.model.vocab_size, cfg.parallel.strategy, cfg.parallel.zero_stage = 512, "deepspeed", 3
-    world = World(0, 1, 0, torch.device("cpu"))
-    line = start_line(cfg, world, step_plan(cfg, 1), Precision("cpu", False), Peak(3e11, "measured matmul peak (x)"),
-                      Start(), None)
+    world, plan, precision = World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu", False)
+    strategy = create(cfg.parallel, world, precision, loop_settings(cfg, plan))  # described before it is built
+    line = start_line(cfg, world, plan, precision, Peak(3e11, "measured matmul peak (x)"), Start(), None,
+                      strategy.describe())
     assert "strategy deepspeed (ZeRO stage 3) × 1" in line
     assert "MFU against 3e+11 FLOP/s per device (measured matmul peak (x))" in line
 

@@ -20,6 +20,7 @@ SHAPES = {
 }
 
 
+@pytest.mark.slow
 def test_gpt2_124m_has_124_439_808_parameters():
     cfg = resolve({"model": {"preset": "gpt2-124m"}}).model
     assert accounting.param_counts(cfg).total == 124_439_808

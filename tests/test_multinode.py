@@ -18,6 +18,8 @@ from lab.cli import run_main
 from lab.parallel.spawn import free_port
 from lab.slurm import MultiNode, main, sbatch_script
 
+pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

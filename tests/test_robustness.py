@@ -98,6 +98,7 @@ def test_a_later_quieter_measurement_replaces_a_low_cached_peak(tmp_path, monkey
     assert device.cpu_peak_flops(torch.float32).flops == 5e9
 
 
+@pytest.mark.slow
 def test_measuring_the_peak_leaves_the_training_rng_alone(args, tmp_path, monkeypatch):
     state = torch.get_rng_state()
     device.measure_matmul_peak(torch.float32, budget_s=0.2)
@@ -111,6 +112,7 @@ def test_measuring_the_peak_leaves_the_training_rng_alone(args, tmp_path, monkey
         "measured matmul peak")
 
 
+@pytest.mark.slow
 def test_an_impossible_mfu_says_the_peak_is_wrong_once(args, tmp_path, capsys):
     assert run(tmp_path / "r", *args, "--train.peak_flops", "1e6") == 0  # far below what the CPU does
     out = capsys.readouterr().out
@@ -120,6 +122,7 @@ def test_an_impossible_mfu_says_the_peak_is_wrong_once(args, tmp_path, capsys):
 # ---------------------------------------------------------------- 3. unknown and abbreviated options
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option, message", [
     ("--train.tok", "error: unknown option --train.tok (did you mean --train.tokens?)"),
     ("--modle.d_model", "error: unknown option --modle.d_model (did you mean --model.d_model?)"),
@@ -149,6 +152,7 @@ def test_an_unwritable_cache_dir_is_refused_before_any_work(args, tmp_path, caps
 # ---------------------------------------------------------------- 5. corrupt checkpoints, wrong paths
 
 
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_file_or_meta_gives_one_line(args, tmp_path, capsys):
     r = tmp_path / "r"
     assert run(r, *args, "--train.stop_after", "4") == 0
@@ -207,6 +211,7 @@ def _interrupt(run_dir: Path, argv: list[str], sig: int) -> tuple[int, str, str]
     return proc.returncode, "".join(out) + rest, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupt_saves_a_checkpoint_and_says_how_to_resume(args, tmp_path, sig, code):
     long = [*args, "--train.tokens", "2560", "--train.checkpoint_every", "0"]  # 10 steps, no periodic saves
@@ -293,6 +298,7 @@ def test_replacing_a_checkpoint_keeps_the_old_one_until_the_new_one_is_in_place(
 # ---------------------------------------------------------------- 12. progress, ETA, leftovers
 
 
+@pytest.mark.slow
 def test_training_prints_an_estimate_and_an_eta(args, tmp_path):
     proc = launch(*args, "--run-dir", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr

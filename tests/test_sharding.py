@@ -39,6 +39,7 @@ def test_every_sharded_variant_reproduces_single_bit_for_bit_on_two_ranks():
         assert r.max_rel_grad_norm_diff <= 1e-6, (spec, r)
 
 
+@pytest.mark.slow
 def test_every_sharded_variant_matches_single_on_four_ranks_with_accumulation():
     specs = [*SHARDED, *OFFLOADED, "zero1:activation_checkpointing=full", "zero3:activation_checkpointing=full",
              "fsdp:activation_checkpointing=full", "zero2:activation_checkpointing=selective"]
@@ -60,6 +61,7 @@ def _odd_sizes(world: World) -> dict:
     return {"results": results, "units": [(u.numel, u.padded) for u in s.units]}
 
 
+@pytest.mark.slow
 def test_parameter_counts_that_the_world_size_does_not_divide_are_padded():
     out = run_pooled(_odd_sizes, 4)[0]
     assert any(numel % 4 for numel, _ in out["units"]) and all(padded % 4 == 0 for _, padded in out["units"])
@@ -90,6 +92,7 @@ def _odd_parameters(world: World) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [f"{label} {spec}" for label in ("frozen", "unused", "never used")
                                   for spec in ("zero1", "zero2", "zero3", "fsdp") if (label, spec) != ("unused", "fsdp")])
 def test_frozen_and_unused_parameters_under_each_stage(odd_parameters, case):
@@ -140,6 +143,7 @@ def test_activation_checkpointing_saves_what_it_promises():
         assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[mode])), mode
 
 
+@pytest.mark.slow
 def test_bf16_autocast_runs_under_every_sharded_strategy():
     results = run_pooled(equivalence, 2, SHARDED, dataclasses.replace(Setup(steps=3), bf16=True))[0]
     for spec, r in results.items():

@@ -69,6 +69,7 @@ def test_run_directory_contract(tmp_path, args):
     assert (r / "tokenizer").is_dir()
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_losses(tmp_path, args):
     assert run(tmp_path / "a", *args) == 0
     assert run(tmp_path / "b", *args) == 0
@@ -78,6 +79,7 @@ def test_same_seed_gives_the_same_losses(tmp_path, args):
     assert train_losses(tmp_path / "a") != train_losses(tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_interrupted_then_resumed_run_is_bitwise_identical(tmp_path, args):
     assert run(tmp_path / "full", *args) == 0
     part = tmp_path / "part"
@@ -90,6 +92,7 @@ def test_interrupted_then_resumed_run_is_bitwise_identical(tmp_path, args):
     assert_states_equal(final_state(part), final_state(tmp_path / "full"))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, args):
     assert run(tmp_path / "accum1", *args, "--train.micro_batch", "8") == 0
     assert run(tmp_path / "accum4", *args, "--train.micro_batch", "2") == 0
@@ -151,6 +154,7 @@ def test_single_strategy_refuses_several_processes(tmp_path, args, capsys, monke
     assert "strategy 'single' runs on at most 1 process(es), got world size 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_existing_runs_are_never_overwritten_and_resume_checks_the_config(tmp_path, args, capsys):
     r = tmp_path / "r"
     assert run(r, *args) == 0
@@ -162,6 +166,7 @@ def test_existing_runs_are_never_overwritten_and_resume_checks_the_config(tmp_pa
     assert (r / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_torchrun_on_two_ranks_and_plain_python_train_the_same_model(tmp_path, args):
     """The launchers themselves: plain python (single) and torchrun with 2 ranks (zero2), the README's commands."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -190,6 +195,7 @@ def test_sample_continues_a_prompt(tmp_path, args, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bf16_autocast_path_runs_on_cpu(tmp_path, args):
     assert run(tmp_path / "bf16", *args, "--train.dtype", "bf16") == 0
     losses = train_losses(tmp_path / "bf16")
@@ -210,6 +216,7 @@ def test_compiled_model_matches_eager(tmp_path, args):
     assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(tmp_path / "eager"), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_changes_nothing(tmp_path, args, capsys):
     r = tmp_path / "r"
     assert run(r, *args) == 0
@@ -219,6 +226,7 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, args, capsys):
     assert (r / "summary.json").read_text() == summary
 
 
+@pytest.mark.slow
 def test_launch_script_exits_2_with_one_line_on_bad_input(tmp_path, args):
     r = tmp_path / "bad"
     proc = subprocess.run([sys.executable, "launch/run.py", *args, "--model.n_head", "3", "--run-dir", str(r)],
@@ -228,6 +236,7 @@ def test_launch_script_exits_2_with_one_line_on_bad_input(tmp_path, args):
     assert not r.exists()
 
 
+@pytest.mark.slow
 def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, args, capsys):
     full, r = tmp_path / "full", tmp_path / "r"
     assert run(full, *args) == 0
@@ -240,6 +249,7 @@ def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path
     assert [x["step"] for x in metrics(r) if "loss" in x] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_from_the_newest_checkpoint_and_drops_a_torn_line(tmp_path, args):
     full, r = tmp_path / "full", tmp_path / "r"
     assert run(full, *args) == 0
@@ -268,6 +278,7 @@ def two_rank_runs(tmp_path_factory, args):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", TWO_RANK_STRATEGIES)
 def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strategy):
     single, got = metrics(two_rank_runs["single"]), metrics(two_rank_runs[strategy])
@@ -287,6 +298,7 @@ def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strateg
     assert all(r["comm_time_s"] >= 0 and r["compute_time_s"] > 0 for r in got if "loss" in r)
 
 
+@pytest.mark.slow
 def test_each_zero_stage_shows_its_saving(two_rank_runs):
     """Per rank on 2 ranks: zero1 halves optimizer states, zero2 also gradients, zero3 also parameters."""
     state = {s: json.loads((two_rank_runs[s] / "summary.json").read_text())["model_state_bytes"]
@@ -299,6 +311,7 @@ def test_each_zero_stage_shows_its_saving(two_rank_runs):
         assert all(half(strategy, kind) == pytest.approx(0.5, rel=0.02) for kind in ("params", "grads", "optimizer"))
 
 
+@pytest.mark.slow
 def test_single_runs_write_the_meters_too(two_rank_runs):
     summary = json.loads((two_rank_runs["single"] / "summary.json").read_text())
     assert summary["model_state_bytes"]["total"] == pytest.approx(16 * summary["params"], rel=0.05)

@@ -214,6 +214,10 @@ class Strategy:
         self._last = StepMeters(dict.fromkeys(accounting.COLLECTIVES, 0.0), 0.0, 0)
         self._most_saved = 0
 
+    def describe(self) -> str:
+        """The strategy as the run's start line names it."""
+        return self.name
+
     # ------------------------------------------------------------ building
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,

@@ -221,6 +221,9 @@ class DeepSpeed(Strategy):
     # the pre-flight memory estimate knows only the class: the least sharded stage (meters use the real one)
     state_layout = comm_layout = "zero1"
 
+    def describe(self) -> str:
+        return f"{self.name} (ZeRO stage {self.cfg.zero_stage})"
+
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
         super().validate(cfg, world_size, loop)

@@ -35,6 +35,7 @@ def fit_out(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_fit_json_has_the_documented_keys(fit_out):
     doc = json.loads((fit_out / "fit.json").read_text())
     assert doc["schema_version"] == 2 and doc["loss"]["unit"] == "nats per token"

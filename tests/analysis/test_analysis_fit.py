@@ -40,6 +40,7 @@ def test_draw_weights_are_seeded_resamples_drawn_chunk_by_chunk():
     assert w.mean() == pytest.approx(1.0) and 0.2 < (w == 0).mean() < 0.5
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_intervals(table, fitted):
     again = fit_runs(table, FitConfig(n_bootstrap=200, seed=7, predict=(1e21, 1e22, 1e24), progress=False))
     first, second = fitted.to_dict(), again.to_dict()
@@ -50,6 +51,7 @@ def test_same_seed_gives_the_same_intervals(table, fitted):
     assert other["approach3"]["ci"]["alpha"] != first["approach3"]["ci"]["alpha"]
 
 
+@pytest.mark.slow
 def test_process_pool_gives_the_same_refits_as_one_process(table):
     n, d, loss, c = table.n, table.d, table.loss, table.c
     budgets = group_budgets(c, 0.05)

@@ -59,6 +59,7 @@ def test_power_law_checks():
     assert not identify.refused("a single compute budget").identified
 
 
+@pytest.mark.slow
 def test_conditioning_separates_several_budgets_from_one():
     many = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0)
     one = isoflop_runs(BUDGETS[3:4], per_budget=30, spread=8, noise=0.002, seed=0)
@@ -69,6 +70,7 @@ def test_conditioning_separates_several_budgets_from_one():
     assert conds[0] < 1e4 < 1e8 < conds[1], conds
 
 
+@pytest.mark.slow
 def test_the_fit_marks_a_sparse_noisy_isoflop_law_unidentified_and_plans_from_approach_3(tmp_path):
     # Four budgets of seven sizes at 1% noise: approach 3 pins the law down from all 28 runs, while
     # approach 2's exponent, from four minima, has an interval too wide to use.
@@ -132,6 +134,7 @@ def test_single_budget_holdout_and_envelope_on_continuous_data(tmp_path):
     assert doc["approach3"]["alpha"] == pytest.approx(CHINCHILLA["alpha"], abs=0.05)
 
 
+@pytest.mark.slow
 def test_a_law_without_an_optimum_is_reported_not_used(tmp_path, capsys):
     from analysis.__main__ import main
 

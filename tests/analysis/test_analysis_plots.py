@@ -33,6 +33,7 @@ def many(tmp_path_factory):
     return _fit(tmp_path_factory.mktemp("many"), runs, n_bootstrap=20)
 
 
+@pytest.mark.slow
 def test_forty_budgets_get_a_colour_bar_not_forty_legend_entries(many):
     assert many.budgets.count == 40
     fig = plot_isoflop(many)
@@ -58,6 +59,7 @@ def test_published_laws_are_drawn_beside_the_fit(many):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_unidentified_laws_are_marked_in_the_figures(tmp_path):
     result = fit_runs(load_runs(LAB_RUNS), FitConfig(n_bootstrap=50, progress=False))
     fig = plot_allocation(result)
@@ -71,6 +73,7 @@ def test_unidentified_laws_are_marked_in_the_figures(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_plots_drawn_over_two_processes_are_the_ones_drawn_in_one(many, tmp_path):
     one = make_plots(many, tmp_path, workers=1)
     two = make_plots(many, tmp_path, workers=2)

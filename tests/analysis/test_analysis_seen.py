@@ -43,6 +43,7 @@ def _csv(tmp_path: Path, runs: pd.DataFrame, name: str = "runs.csv") -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_labs_own_tiny_runs_give_no_law_and_no_plan(tmp_path, capsys):
     # Six real runs of the lab (tests/test_end_to_end.py's sweep, kept in tests/analysis/data):
     # 3 sizes x 2 token counts at a few thousand tokens. Before: alpha ~ 59 or ~ 0.005, exit 0, and
@@ -62,6 +63,7 @@ def test_the_labs_own_tiny_runs_give_no_law_and_no_plan(tmp_path, capsys):
     assert captured.out == "" and captured.err.startswith("error: refusing to plan")
 
 
+@pytest.mark.slow
 def test_a_single_compute_budget_is_refused_for_approaches_1_and_2(tmp_path, capsys):
     runs = isoflop_runs(np.array([1e20]), per_budget=12, spread=8, noise=0.005, seed=0)
     write_sweep(runs, tmp_path / "sweep")  # with training curves, so approach 1 has data to misuse
@@ -89,6 +91,7 @@ def test_lopsided_isoflop_profiles_give_the_optimum_and_flag_one_sided_ones(tmp_
     assert any(w["code"] == "isoflop_one_sided" and f"{BUDGETS[6]:.3g}" in w["message"] for w in doc["warnings"])
 
 
+@pytest.mark.slow
 def test_duplicate_rows_are_reported_and_do_not_narrow_the_intervals(tmp_path, capsys):
     runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0)
     twice = pd.concat([runs, runs.assign(run_id=runs["run_id"] + "-again")], ignore_index=True)
@@ -116,6 +119,7 @@ def test_flops_far_from_k_n_d_are_flagged(tmp_path, capsys):
     assert [o["run_id"] for o in k["outliers"]] == ["run0005", "run0040"]
 
 
+@pytest.mark.slow
 def test_a_ladder_of_budgets_1_percent_apart_stays_four_budgets(tmp_path, capsys):
     runs = pd.concat([isoflop_runs(np.array([1e19 * 1.01 ** i]), per_budget=7, spread=6, noise=0.0)
                       .assign(run_id=lambda r, i=i: r["run_id"] + f"-{i}") for i in range(4)], ignore_index=True)
@@ -124,6 +128,7 @@ def test_a_ladder_of_budgets_1_percent_apart_stays_four_budgets(tmp_path, capsys
     assert [m["n_runs"] for m in doc["isoflop"]["minima"]] == [7, 7, 7, 7]
 
 
+@pytest.mark.slow
 def test_continuous_budgets_make_no_fake_groups_and_a_legible_plot(tmp_path, capsys):
     from analysis.fit import FitConfig, fit_runs
     from analysis.plots import plot_isoflop
@@ -146,6 +151,7 @@ def test_the_start_grid_warning_is_quiet_on_clean_data(tmp_path, capsys):
     assert not [w for w in doc["warnings"] if "grid" in w["code"]], doc["warnings"]
 
 
+@pytest.mark.slow
 def test_plan_shows_every_approach_and_warns_when_they_disagree(tmp_path, capsys):
     # Continuous budgets as in tables read off published plots: approach 1 (frontier of final
     # losses) and approach 3 differ by about 2x in N_opt at 100x the data, beyond their intervals.

@@ -17,6 +17,8 @@ import pytest
 
 from analysis.__main__ import EXIT_UNIDENTIFIED
 
+pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 THREE = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2},
          {"name": "mid", "n_layer": 2, "d_model": 48, "n_head": 2},

@@ -171,6 +171,7 @@ def test_bad_sweep_files_fail_with_one_line(edit, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_table_and_refuses_with_one_line_each(tmp_path, sweeps_cli):
     good = tmp_path / "good.toml"
     good.write_text(FAMILY)

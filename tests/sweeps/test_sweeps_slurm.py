@@ -12,6 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
+
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2},
