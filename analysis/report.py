@@ -11,7 +11,7 @@ import html
 import math
 from datetime import datetime, timezone
 
-from analysis.compare import APPROACHES, TITLES
+from analysis.compare import APPROACHES, TITLES, disagreement_note
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, TABLE3
@@ -100,7 +100,8 @@ def _verdict(doc: dict) -> list[Block]:
     if comp["preferred"] is None:
         return [("alert", [f"No approach gives an identified law, so `python -m analysis plan` refuses to plan "
                            f"from this fit: {comp['why']}."] + loud)]
-    used = ("p", f"**Law used for planning: {TITLES[comp['preferred']]}**, because {comp['why']}.")
+    used = ("p", f"**Law used for planning: {TITLES[comp['preferred']]}**, because {comp['why']}"
+                 f"{disagreement_note(comp['preferred'], comp['disagreements'])}.")
     return [used] + ([("alert", loud)] if loud else [])
 
 
@@ -247,8 +248,10 @@ _METHOD = (
     "cluster, no IsoFLOP profiles are formed. A budget's minimum is its lowest run or the vertex of a parabola "
     "in log N fitted in a window symmetric about the lowest run (analysis/isoflop.py), because a parabola "
     "through a lopsided profile is pulled towards its longer side; budgets with fewer than two sizes on a "
-    "side of their lowest run are left out. The envelope takes, at each FLOP count, the run whose training "
-    "curve is lowest, or without curves the runs whose final loss beats every run with less compute. Each "
+    "side of their lowest run are left out. The envelope uses end points only by default: per budget (or per "
+    "run's own C when C is continuous) the lowest final loss, where it beats every smaller budget, since the "
+    "intermediate points of a run's single schedule are not the losses runs of those lengths reach; with "
+    "--envelope curves it takes, at each FLOP count, the run whose training curve is lowest. Each "
     "bootstrap resample draws the runs with replacement and refits every approach on it; approaches are "
     "compared pair by pair on the same resamples. The hold-out check refits approach 3 without the largest "
     "budget (or the top fifth of C) and predicts the runs held out.")
