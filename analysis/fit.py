@@ -148,7 +148,7 @@ class FitResult:
         t, b = self.table, self.budgets
         ratio = t.d / t.n
         return {
-            "n_runs": len(t.runs), "n_curves": len(t.curves), "curve_loss": t.curve_loss,
+            "n_runs": len(t.runs), "n_curves": len(t.curves), "curve_loss": t.curve_loss, "dataset": t.dataset,
             "params": [t.n.min(), t.n.max()], "tokens": [t.d.min(), t.d.max()], "flops": [t.c.min(), t.c.max()],
             "loss": [t.loss.min(), t.loss.max()], "tokens_per_param": [ratio.min(), ratio.max()],
             "flops_per_param_token": {"k": t.flops_k, "derived": t.flops_derived, "outliers": t.flops_outliers},
