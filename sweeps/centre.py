@@ -4,10 +4,10 @@ Two priors (``[sweep] centre``):
 
 - ``tokens_per_param`` r: C = k N D with D = r N gives N_opt = sqrt(C / (k r)). k is F / N of the
   family's own shape at that N (F from ``lab.accounting.flops_per_token``, N counted as the sweep's
-  ``count``), not 6: F counts the output head and attention but not the embedding lookups that N
-  counts, so k moves with the shape (6.5-6.8 for the default sweep's byte-vocabulary family at 20
-  tokens per parameter). Since k depends on the shape and the shape on N, N_opt is iterated to a
-  fixed point.
+  ``count``), not 6: F adds the attention FLOPs and counts only the parameters used in matmuls, so
+  k moves with the shape (6.5-6.8 for the default sweep's family at 2.5e11-4e12 FLOPs and 20 tokens
+  per parameter). Since k depends on the shape and the shape on N, N_opt is iterated to a fixed
+  point.
 - ``fit``: N_opt = k_N C^a of a fit.json written by ``python -m analysis fit``; the file is read as
   JSON (the sweep driver does not import the analysis), and only an identified law is used.
 

@@ -91,7 +91,8 @@ class Centre:
 
     ``prior = "tokens_per_param"``: D = r N with r = ``tokens_per_param``; ``prior = "fit"``: the
     N_opt = k_N C^a law of a fit.json written by ``python -m analysis fit`` (``approach``: the one its
-    comparison prefers, or a named identified one). The file is read when the sweep is planned.
+    comparison prefers, or a named identified one). The file (a path from the working directory, like
+    ``folder``) is read when the sweep is planned, so ``status`` and ``export`` work without it.
     """
 
     prior: str
