@@ -26,8 +26,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pandas as pd  # noqa: E402
 
-from analysis.compare import APPROACHES, TITLES  # noqa: E402
-from analysis.fit import FitConfig, FitResult, fit_runs  # noqa: E402
+from analysis.compare import APPROACHES, TITLES, disagreement_note  # noqa: E402
+from analysis.fit import ENVELOPE_SOURCES, FitConfig, FitResult, fit_runs  # noqa: E402
 from analysis.parametric import named_samples  # noqa: E402
 from analysis.planner import LAW_COLUMNS, PARAMETRIC_COLUMNS, Unidentified, describe, load_fit, plan  # noqa: E402
 from analysis.table import DUPLICATE_POLICIES, PARAMS_COUNTS, InputError, load_runs, parse_column_map  # noqa: E402
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--budget-tol", type=float, default=0.05, help="relative spread of C within one budget")
     f.add_argument("--isoflop-minimum", choices=("vertex", "lowest"), default="vertex",
                    help="per-budget minimum for the IsoFLOP power laws (default: windowed parabola vertex)")
+    f.add_argument("--envelope", choices=ENVELOPE_SOURCES, default="final",
+                   help="approach 1's points: final losses only (default), or every point of the training curves, "
+                        "valid only when each logged point is an end point (not for single cosine schedules)")
     f.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (0: none)")
     f.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     f.add_argument("--ci", type=float, default=0.95, help="interval level")
@@ -154,12 +157,16 @@ def _summary(doc: dict) -> list[str]:
         state = "identified" if section["identification"]["identified"] else "NOT identified"
         extra = (f" alpha={section['alpha']:.4g} beta={section['beta']:.4g} E={section['E']:.4g} "
                  f"A={section['A']:.4g} B={section['B']:.4g}" if key == "approach3" else "")
+        if key == "envelope":
+            extra = (" from training curves (--envelope curves)" if section["points_from"] == "curves"
+                     else " from final losses (end points only)")
         a = "-" if section["a"] is None else f"{section['a']:.4g}"
         lines.append(f"{TITLES[key]}: a={a}" + (f" [{a_ci[0]:.4g}, {a_ci[1]:.4g}]" if a_ci else "")
                      + f"{extra} ({state})")
     comp = doc["comparison"]
     if comp["preferred"]:
-        lines.append(f"plan uses {TITLES[comp['preferred']]}: {comp['why']}")
+        lines.append(f"plan uses {TITLES[comp['preferred']]}: {comp['why']}"
+                     + disagreement_note(comp["preferred"], comp["disagreements"]))
     return lines
 
 
@@ -169,7 +176,8 @@ def _fit(args: argparse.Namespace) -> int:
         raise InputError(f"--out {out} exists and is not a folder")
     config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
-                       predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress)
+                       predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
+                       envelope=args.envelope)
     config.validate()
     table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates)
     result = fit_runs(table, config)

@@ -85,3 +85,12 @@ def disagreements(allocations: dict[str, Allocation], flops: float, level: float
                                        f"{TITLES[second]} ({level:.0%} paired interval of the ratio "
                                        f"[{paired[0]:.3g}, {paired[1]:.3g}] excludes 1)"})
     return out
+
+
+def disagreement_note(key: str, found: list[dict]) -> str:
+    """'' or a loud clause naming the approaches that ``key``, the law in use, disagrees with."""
+    others = sorted({TITLES[k] for x in found if key in x["approaches"] for k in x["approaches"] if k != key})
+    if not others:
+        return ""
+    return (f"; WARNING: it DISAGREES with {' and '.join(others)} beyond their paired bootstrap interval "
+            "(see the warnings): do not trust either law alone")

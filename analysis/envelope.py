@@ -1,16 +1,24 @@
-"""Approach 1: the lower envelope of training curves, or of final losses when there are none.
+"""Approach 1: the lower envelope of final losses (end points), or of training curves when asked.
 
-Each run's curve (loss against FLOPs spent so far) is interpolated linearly in log C onto a
-shared log-spaced grid of FLOP counts, only within the span the run covers. At every grid point
-the run with the lowest loss gives N_opt(C), and D_opt(C) is the tokens that run had seen at C.
-Without curves (a table of final losses with continuous budgets, where no IsoFLOP profiles
-exist), the envelope is the frontier of final losses: the runs whose loss is below that of every
-run with less compute. That frontier is a rough estimator: where the sampled sizes do not reach
-N_opt(C) it follows the nearest edge, and on synthetic continuous tables its a comes out 0.04-0.08
-above the truth (tests/analysis/test_analysis_envelope.py), which the comparison with approach 3
-then reports as a disagreement. Power laws N_opt = k_N C^a and D_opt = k_D C^b are fitted to the
-envelope's points by least squares in log space. As with the IsoFLOP analysis, everything is computed for a
-matrix of run weights.
+By default approach 1 uses end points only. A point of a training curve is the loss a run of that
+length would reach only if its schedule ended there; the lab's runs each follow one cosine
+schedule over their own D, so their intermediate points are not (the learning rate has not
+decayed there), and an envelope of such curves mixes mid-schedule points with end points: on the
+default sweep it gave a = 0.046, N_opt almost constant in C (issue 24). The frontier of final
+losses keeps, per compute budget (or per run's own C when budgets are continuous), the lowest
+final loss, where it beats every run of smaller budget. ``--envelope curves`` builds the envelope of
+the training curves instead, for runs whose every logged point is an end point (a cooldown from
+each checkpoint, or synthetic curves that follow L(N, D) as in ``analysis.synthetic``).
+
+With curves, each run's curve (loss against FLOPs spent so far) is interpolated linearly in log C
+onto a shared log-spaced grid of FLOP counts, only within the span the run covers; at every grid
+point the run with the lowest loss gives N_opt(C), and D_opt(C) is the tokens that run had seen at
+C. On continuous budgets the frontier of final losses is a rough estimator: where the sampled sizes
+do not reach N_opt(C) it follows the nearest edge, and on synthetic continuous tables its a comes
+out 0.04-0.08 above the truth (tests/analysis/test_analysis_envelope.py), which the comparison with
+approach 3 then reports as a disagreement. Power laws N_opt = k_N C^a and D_opt = k_D C^b are
+fitted to the envelope's points by least squares in log space. As with the IsoFLOP analysis,
+everything is computed for a matrix of run weights.
 """
 
 from __future__ import annotations
@@ -67,21 +75,29 @@ class Envelope:
 
 @dataclass
 class Frontier:
-    """Final losses sorted by C; the frontier runs beat every run with less compute."""
+    """Final losses sorted by budget, then loss; a budget's lowest run is on the frontier when it beats
+    every run of smaller budget."""
 
-    flops: np.ndarray  # (R,) sorted increasing
+    flops: np.ndarray  # (R,) each run's own C
     params: np.ndarray
     tokens: np.ndarray
     loss: np.ndarray
     rows: np.ndarray  # run index in the table
+    group: np.ndarray  # (R,) budget of each position, consecutive from 0
+    starts: np.ndarray  # (G,) first position of each budget
 
     def winners(self, weights: np.ndarray) -> np.ndarray:
-        """(B, R) whether each run, in C order, is on the frontier of the runs drawn."""
+        """(B, R) whether each run, in budget order, is on the frontier of the runs drawn."""
         present = np.atleast_2d(weights)[:, self.rows] > 0
         loss = np.where(present, self.loss[None, :], np.inf)
-        best_before = np.concatenate([np.full((len(loss), 1), np.inf),
-                                      np.minimum.accumulate(loss, axis=1)[:, :-1]], axis=1)
-        return present & (loss < best_before)
+        lowest = np.minimum.reduceat(loss, self.starts, axis=1)  # (B, G)
+        before = np.concatenate([np.full((len(loss), 1), np.inf), np.minimum.accumulate(lowest, axis=1)[:, :-1]],
+                                axis=1)
+        candidate = present & (loss == lowest[:, self.group])
+        seen = np.cumsum(candidate, axis=1)
+        seen_before = np.concatenate([np.zeros((len(loss), 1), int), seen[:, self.starts[1:] - 1]], axis=1)
+        first = candidate & (seen - seen_before[:, self.group] == 1)  # one run per budget, even on ties
+        return first & (lowest < before)[:, self.group]
 
     def power_laws(self, weights: np.ndarray) -> PowerLaws:
         on = self.winners(weights)
@@ -96,10 +112,15 @@ class Frontier:
                  "loss": float(self.loss[i]), "row": int(self.rows[i])} for i in np.flatnonzero(on)]
 
 
-def build_frontier(flops: np.ndarray, params: np.ndarray, tokens: np.ndarray, loss: np.ndarray) -> Frontier:
-    """The final-loss frontier of a table of runs."""
-    order = np.argsort(flops, kind="stable")
-    return Frontier(flops=flops[order], params=params[order], tokens=tokens[order], loss=loss[order], rows=order)
+def build_frontier(flops: np.ndarray, params: np.ndarray, tokens: np.ndarray, loss: np.ndarray,
+                   budget: np.ndarray | None = None) -> Frontier:
+    """The final-loss frontier of a table of runs; ``budget``: each run's budget C (default: its own C)."""
+    key = flops if budget is None else np.asarray(budget, float)
+    order = np.lexsort((loss, key))
+    starts = np.flatnonzero(np.r_[True, np.diff(key[order]) != 0])
+    group = np.cumsum(np.r_[True, np.diff(key[order]) != 0]) - 1
+    return Frontier(flops=flops[order], params=params[order], tokens=tokens[order], loss=loss[order], rows=order,
+                    group=group, starts=starts)
 
 
 def build_envelope(curves: list[Curve], n_points: int = 40) -> Envelope:

@@ -2,8 +2,8 @@
 
 ``fit_runs`` is a pure function of the runs and a :class:`FitConfig`. It groups the runs into
 compute budgets (``budgets``), fits approach 3 (``parametric``), approach 2 (``isoflop``, when there
-are budgets) and approach 1 (``envelope``: training curves, or final losses when budgets are
-continuous), refits all of them on the same bootstrap resamples, checks whether each law is
+are budgets) and approach 1 (``envelope``: the frontier of final losses, or the envelope of training
+curves with ``envelope="curves"``), refits all of them on the same bootstrap resamples, checks whether each law is
 identified (``identify``), compares them and picks the one to plan with (``compare``), predicts
 N_opt, D_opt and loss at the requested budgets, runs a hold-out check and gathers warnings.
 """
@@ -38,6 +38,9 @@ from analysis.table import MIN_RUNS, InputError, RunTable
 SCHEMA_VERSION = 2
 THETA_NAMES = ("log A", "log B", "log E", "alpha", "beta")
 HOLDOUT_FRACTION = 0.2  # with continuous budgets, the runs with the largest C that the hold-out keeps back
+# What approach 1 takes its points from: end points only (final losses), or every point of the training curves,
+# valid only when each logged point is an end point (see analysis.envelope).
+ENVELOPE_SOURCES = ("final", "curves")
 
 
 @dataclass
@@ -54,6 +57,7 @@ class FitConfig:
     predict: tuple[float, ...] = ()  # FLOP budgets; empty: 1x, 10x and 100x the largest C in the data
     holdout: bool = True
     extrapolation_warn: float = 100.0  # warn when a prediction exceeds this multiple of the data's C
+    envelope: str = "final"  # approach 1's points: one of ENVELOPE_SOURCES
     progress: bool = field(default=True, compare=False)
 
     def validate(self) -> None:
@@ -66,6 +70,7 @@ class FitConfig:
             (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
             (self.n_starts >= 1, f"starts must be >= 1, got {self.n_starts}"),
             (all(math.isfinite(c) and c > 0 for c in self.predict), "--predict budgets must be positive FLOPs"),
+            (self.envelope in ENVELOPE_SOURCES, f"envelope source must be one of {', '.join(ENVELOPE_SOURCES)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -143,7 +148,7 @@ class FitResult:
         t, b = self.table, self.budgets
         ratio = t.d / t.n
         return {
-            "n_runs": len(t.runs), "n_curves": len(t.curves), "curve_loss": t.curve_loss,
+            "n_runs": len(t.runs), "n_curves": len(t.curves), "curve_loss": t.curve_loss, "dataset": t.dataset,
             "params": [t.n.min(), t.n.max()], "tokens": [t.d.min(), t.d.max()], "flops": [t.c.min(), t.c.max()],
             "loss": [t.loss.min(), t.loss.max()], "tokens_per_param": [ratio.min(), ratio.max()],
             "flops_per_param_token": {"k": t.flops_k, "derived": t.flops_derived, "outliers": t.flops_outliers},
@@ -244,13 +249,29 @@ class FitResult:
                "identification": app.identification.to_dict()}
         if app.skipped is not None:
             return out
-        source = (f"training curves ({self.table.curve_loss} loss)" if isinstance(self.envelope, Envelope)
-                  else "final losses (frontier of runs with the lowest loss so far in C)")
+        if isinstance(self.envelope, Envelope):
+            source = (f"training curves ({self.table.curve_loss} loss), every logged point taken as an end point "
+                      "(--envelope curves)")
+        elif self.budgets.continuous:
+            source = "final losses, end points only (frontier of runs with the lowest loss so far in C)"
+        else:
+            source = ("final losses, end points only (per budget the lowest run, where it beats every smaller "
+                      "budget)")
         points = self.envelope.points()
         for p in points:
             p["run_id"] = str(self.table.runs["run_id"].iloc[p.pop("row")])
-        return {**out, "source": source, "n_curves": len(self.table.curves),
+        return {**out, "source": source, "points_from": self.config.envelope, "n_curves": len(self.table.curves),
                 **self._law(app.law, app.samples), "points": points}
+
+
+def _edge_check(points: list[dict], n: np.ndarray, labels: np.ndarray) -> identify.Check:
+    """Approach 1 on budgets: a frontier run at the smallest or largest size of its budget is no sampled minimum."""
+    edge = [p for p in points if labels[p["row"]] >= 0
+            and p["params"] in (n[labels == labels[p["row"]]].min(), n[labels == labels[p["row"]]].max())]
+    shown = ", ".join(f"{p['params']:.3g} at C = {p['flops']:.3g}" for p in edge[:5])
+    return identify.Check("edges", not edge, f"{len(edge)} of {len(points)} envelope point(s) are the smallest or "
+                          "largest size of their budget, so the minimum there was not sampled"
+                          + (f" (N = {shown})" if edge else ""))
 
 
 def _status(m: BudgetMinima, g: int) -> str:
@@ -369,6 +390,9 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     """Fit all approaches to ``table`` with bootstrap intervals; see the module docstring."""
     config = config or FitConfig()
     config.validate()
+    if config.envelope == "curves" and len(table.curves) < 2:
+        raise InputError("--envelope curves needs the training curves (metrics.jsonl) of at least 2 runs; "
+                         f"the input has {len(table.curves)}")
     warnings = list(table.warnings)
     n, d, c, loss, k = table.n, table.d, table.c, table.loss, table.flops_k
     level = config.ci_level
@@ -394,12 +418,12 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
             iso_skip = f"{usable} budget(s) with a located minimum; the power law needs 2"
     envelope, env_skip = None, single if budgets.single else None
     if env_skip is None:
-        if len(table.curves) >= 2:
+        if config.envelope == "curves":
             envelope = build_envelope(table.curves)
-        elif budgets.continuous:
-            envelope = build_frontier(c, n, d, loss)
         else:
-            env_skip = "no training curves (metrics.jsonl) in the input"
+            in_budget = budgets.labels >= 0
+            budget_c = np.where(in_budget, budgets.flops[np.maximum(budgets.labels, 0)] if budgets.count else c, c)
+            envelope = build_frontier(c, n, d, loss, budget_c)
     env_law = None
     if envelope is not None and env_skip is None:
         env_law = envelope.power_laws(np.ones((1, len(n))))
@@ -464,9 +488,12 @@ def _approaches(table: RunTable, config: FitConfig, budgets: Budgets, parametric
 
     if env_skip is None:
         samples = None if resamples is None else resamples.envelope
-        sizes = len({p["params"] for p in envelope.points()})
+        points = envelope.points()
+        sizes = len({p["params"] for p in points})
         ident = identify.power_law(env_law.row(), sizes, "distinct sizes on the envelope",
                                    None if samples is None else interval(samples.a, level), level)
+        if isinstance(envelope, Frontier) and budgets.count:
+            ident.checks.append(_edge_check(points, table.n, budgets.labels))
         out["envelope"] = Approach("envelope", None, env_law, samples, ident)
     else:
         out["envelope"] = Approach("envelope", env_skip, None, None, identify.refused(env_skip))

@@ -21,7 +21,15 @@ import numpy as np
 import pandas as pd
 
 from analysis.bootstrap import interval
-from analysis.compare import APPROACHES, TITLES, Allocation, disagreements, parametric_allocation, preferred
+from analysis.compare import (
+    APPROACHES,
+    TITLES,
+    Allocation,
+    disagreement_note,
+    disagreements,
+    parametric_allocation,
+    preferred,
+)
 from analysis.isoflop import PowerLaws
 from analysis.parametric import compute_optimal
 from analysis.table import InputError
@@ -183,7 +191,7 @@ def describe(p: Plan) -> str:
         f"budget      {p.flops:.4g} FLOPs = {p.gpu_hours:.4g} GPU-hours on {p.n_gpus} x {p.gpu} "
         f"({p.dtype}) at MFU {p.mfu:g}",
         f"wall-clock  {p.seconds:.4g} s = {p.seconds / 3600:.4g} h = {p.seconds / 86400:.4g} days",
-        f"law         {TITLES[p.approach]}: {p.why}",
+        f"law         {TITLES[p.approach]}: {p.why}{disagreement_note(p.approach, p.disagreements)}",
         f"N_opt       {with_ci(p.params, ci.get('params'))} parameters",
         f"D_opt       {with_ci(p.tokens, ci.get('tokens'))} tokens "
         f"({with_ci(p.tokens_per_param, ci.get('tokens_per_param'))} per parameter)",

@@ -1,8 +1,10 @@
 """Figures of a fit as PNG (matplotlib, Agg backend).
 
 Budgets are coloured on one logarithmic colour scale with a colour bar rather than one legend
-entry each, so the figures stay legible with any number of budgets. Log axes use plain-text tick
-labels: matplotlib's default mathtext labels cost more time than everything else drawn here.
+entry each, so the figures stay legible with any number of budgets. Log axes carry labelled ticks
+inside the data range however narrow it is (``LogRangeLocator``), as plain text: matplotlib's
+default mathtext labels cost more time than everything else drawn here. Published laws are drawn
+only where their units compare (``analysis.published.comparable``); otherwise a note lists them.
 """
 
 from __future__ import annotations
@@ -26,47 +28,101 @@ from analysis.compare import TITLES  # noqa: E402
 from analysis.fit import FitResult  # noqa: E402
 from analysis.isoflop import PowerLaws  # noqa: E402
 from analysis.parametric import compute_optimal, predict_loss  # noqa: E402
-from analysis.published import LAWS  # noqa: E402
+from analysis.published import LAWS, PublishedLaw, comparable, listed_note  # noqa: E402
 from analysis.synthetic import law_loss, law_optimum  # noqa: E402
 
 # (file stem, caption) of every figure, in report order.
 FIGURES = (
     ("isoflop", "IsoFLOP profiles: loss against N per budget, the parabola fitted in each budget's window "
                 "around its lowest run, its vertex and the lowest run"),
-    ("allocation", "Compute-optimal N and D against C for every approach, with bootstrap bands, beside the "
-                   "published laws of Hoffmann et al. (2022) and Besiroglu et al. (2024)"),
-    ("frontier", "Loss against compute: the runs, the compute-optimal frontier of approach 3 and of the published "
-                 "laws (Hoffmann et al. 2022; Besiroglu et al. 2024; other data and tokenizer: compare shapes, "
-                 "not levels)"),
-    ("contours", "L(N, D) from approach 3, with its efficient frontier, the published laws' frontiers and the runs"),
+    ("allocation", "Compute-optimal N and D against C for every approach, with bootstrap bands; the published "
+                   "laws of Hoffmann et al. (2022) and Besiroglu et al. (2024) are drawn only for runs on their data "
+                   "set, and listed in a note otherwise"),
+    ("frontier", "Loss against compute: the runs, approach 1's points and the compute-optimal frontier of approach "
+                 "3 (published laws only for runs on their data set)"),
+    ("contours", "L(N, D) from approach 3, with its efficient frontier and the runs (published laws' frontiers "
+                 "only for runs on their data set)"),
     ("residuals", "Residuals of approach 3 in loss (nats per token): observed minus predicted"),
 )
 _DPI = 100
 # Fixed margins: a layout engine would measure every tick label once more, doubling the drawing time.
+# The figures that may carry a note on published laws leave room for it under the x label.
 _MARGINS = {"default": {"left": 0.1, "right": 0.97, "bottom": 0.11, "top": 0.93},
             "isoflop": {"left": 0.1, "right": 1.0, "bottom": 0.11, "top": 0.93},
-            "contours": {"left": 0.13, "right": 0.97, "bottom": 0.1, "top": 0.94},
-            "frontier": {"left": 0.1, "right": 1.0, "bottom": 0.11, "top": 0.93},
-            "allocation": {"left": 0.07, "right": 0.98, "bottom": 0.11, "top": 0.93, "wspace": 0.2},
+            "contours": {"left": 0.13, "right": 0.97, "bottom": 0.14, "top": 0.94},
+            "frontier": {"left": 0.1, "right": 1.0, "bottom": 0.15, "top": 0.93},
+            "allocation": {"left": 0.07, "right": 0.98, "bottom": 0.15, "top": 0.93, "wspace": 0.2},
             "residuals": {"left": 0.08, "right": 1.04, "bottom": 0.12, "top": 0.9, "wspace": 0.05}}
 _COLORS = {"envelope": "C2", "isoflop": "C1", "approach3": "C0"}
 _STYLES = {"envelope": ":", "isoflop": "--", "approach3": "-"}
 _PUBLISHED_STYLES = (("grey", (0, (5, 2))), ("black", (0, (1, 2))))
 
 
+def short_number(value: float, _position: object = None) -> str:
+    """A tick label: 1.6, 2, 500, 2.5e4, 1e21 (three significant figures, no '+' or leading zeros)."""
+    text = f"{value:.3g}"
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}e{int(exponent)}"
+    return text
+
+
+class LogRangeLocator(ticker.Locator):
+    """Major ticks of a log axis, labelled inside any data range: decades over more than three of them,
+    1-2-5 steps over one to three, 1-2-3-5 steps within one, and round linear steps (1.6, 1.8, 2, ...)
+    over less than a factor 3, where linear steps are still close to even on the log scale."""
+
+    def __call__(self) -> np.ndarray:
+        return self.tick_values(*self.axis.get_view_interval())
+
+    def tick_values(self, vmin: float, vmax: float) -> np.ndarray:
+        lo, hi = sorted((vmin, vmax))
+        if not (lo > 0 and np.isfinite(hi)):
+            return ticker.LogLocator().tick_values(vmin, vmax)
+        decades = np.log10(hi / lo)
+        if decades > 3:
+            ticks = ticker.LogLocator(numticks=12).tick_values(lo, hi)
+        elif decades > 1:
+            ticks = ticker.LogLocator(subs=(1.0, 2.0, 5.0), numticks=30).tick_values(lo, hi)
+        elif hi / lo > 3:
+            ticks = ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0), numticks=30).tick_values(lo, hi)
+        else:
+            ticks = ticker.MaxNLocator(nbins=7, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+        return ticks[ticks > 0]
+
+
+def _log_ticks(axis: Any) -> None:
+    """LogRangeLocator with plain-text labels on one log axis; unlabelled minor ticks."""
+    axis.set_major_locator(LogRangeLocator())
+    axis.set_major_formatter(ticker.FuncFormatter(short_number))
+    axis.set_minor_locator(ticker.LogLocator(subs=(2.0, 3.0, 5.0)))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
 def _plain_log(ax: plt.Axes, axes: str = "xy") -> None:
-    """Plain-text labels on log axes, and three minor ticks a decade (each tick costs drawing time)."""
+    """Labelled ticks inside the data range on the log axes named."""
     for name in axes:
-        axis = ax.xaxis if name == "x" else ax.yaxis
-        axis.set_major_formatter(ticker.LogFormatter())
-        axis.set_minor_locator(ticker.LogLocator(subs=(2.0, 3.0, 5.0)))
-        axis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False))  # labels some when < 1 decade
+        _log_ticks(ax.xaxis if name == "x" else ax.yaxis)
+
+
+def _published(result: FitResult) -> tuple[list[PublishedLaw], list[PublishedLaw]]:
+    """Published laws to draw (their data set is the table's) and to list in a note instead."""
+    dataset = result.table.dataset
+    drawn = [law for law in LAWS if comparable(law, dataset)]
+    return drawn, [law for law in LAWS if law not in drawn]
+
+
+def _published_note(fig: plt.Figure, result: FitResult) -> None:
+    """A line at the bottom of the figure listing the published laws that are not drawn."""
+    listed = _published(result)[1]
+    if listed:
+        fig.text(0.01, 0.01, listed_note(listed, result.table.dataset), fontsize=6.5, color="dimgrey", wrap=True,
+                 va="bottom")
 
 
 def _colorbar(fig: plt.Figure, mappable: Any, ax: Any, label: str) -> None:
     bar = fig.colorbar(mappable, ax=ax, label=label)
-    bar.ax.yaxis.set_major_formatter(ticker.LogFormatter())
-    bar.ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    _log_ticks(bar.ax.yaxis)
 
 
 def _figure(stem: str, *grid: int, **kwargs: Any) -> tuple[plt.Figure, Any]:
@@ -151,7 +207,7 @@ def plot_allocation(result: FitResult) -> plt.Figure:
             _law_line(ax, app.law, app.samples, flops, which, level, band=ok, color=_COLORS[key],
                       ls=_STYLES[key] if ok else (0, (1, 3)), lw=1.6 if ok else 1.0,
                       label=TITLES[key] + ("" if ok else " (not identified)"))
-        for law, (color, style) in zip(LAWS, _PUBLISHED_STYLES):
+        for law, (color, style) in zip(_published(result)[0], _PUBLISHED_STYLES):
             ax.plot(flops, law_optimum(flops, law.as_dict())[which], color=color, ls=style, lw=0.9,
                     label=f"published: {law.name}")
         m = result.minima
@@ -174,6 +230,7 @@ def plot_allocation(result: FitResult) -> plt.Figure:
         ax.grid(alpha=0.3)
     axes[0].plot([], [], marker="D", color="C3", ls="none", label="predictions (approach 3)")
     axes[0].legend(fontsize=6.5, loc="upper left")
+    _published_note(fig, result)
     return fig
 
 
@@ -193,21 +250,23 @@ def plot_frontier(result: FitResult) -> plt.Figure:
     if result.thetas is not None and ident:
         lo, hi = _band(compute_optimal(result.thetas, flops, k)[2], result.config.ci_level)
         ax.fill_between(flops, lo, hi, color="C3", alpha=0.2, lw=0, label="bootstrap band")
-    for law, (color, style) in zip(LAWS, _PUBLISHED_STYLES):
+    for law, (color, style) in zip(_published(result)[0], _PUBLISHED_STYLES):
         n_opt, d_opt = law_optimum(flops, law.as_dict())
         ax.plot(flops, law_loss(n_opt, d_opt, law.as_dict()), color=color, ls=style, lw=0.9,
                 label=f"published: {law.name}")
     env = result.approaches["envelope"]
     if env.skipped is None:
         pts = result.envelope.points()
+        source = "training curves" if result.config.envelope == "curves" else "final losses"
         ax.plot([p["flops"] for p in pts], [p["loss"] for p in pts], color="black", lw=1.0, ls="--",
-                label="envelope (approach 1)")
+                label=f"envelope (approach 1, {source})")
     ax.axvspan(result.flops_max, flops[-1], color="grey", alpha=0.08, lw=0)
     ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs)", ylabel="loss (nats per token)",
            title="Loss-compute frontier")
     _plain_log(ax)
     ax.legend(fontsize=6.5)
     ax.grid(alpha=0.3)
+    _published_note(fig, result)
     return fig
 
 
@@ -225,7 +284,7 @@ def plot_contours(result: FitResult) -> plt.Figure:
     flops = np.geomspace(t.flops_k * n_grid[0] * d_grid[0], t.flops_k * n_grid[-1] * d_grid[-1], 120)
     n_opt, d_opt, _ = compute_optimal(result.parametric.theta, flops, t.flops_k)
     ax.plot(n_opt[0], d_opt[0], color="C0", lw=2, label="efficient frontier (N_opt, D_opt)")
-    for law, (color, style) in zip(LAWS, _PUBLISHED_STYLES):
+    for law, (color, style) in zip(_published(result)[0], _PUBLISHED_STYLES):
         ax.plot(*law_optimum(flops, law.as_dict()), color=color, ls=style, lw=0.9, label=f"published: {law.name}")
     ax.scatter(t.n, t.d, s=6, color="black", lw=0, zorder=3, label="runs")
     ax.set(xscale="log", yscale="log", xlim=(n_grid[0], n_grid[-1]), ylim=(d_grid[0], d_grid[-1]),
@@ -234,6 +293,7 @@ def plot_contours(result: FitResult) -> plt.Figure:
                                                    else ", NOT identified") + ")")
     _plain_log(ax)
     ax.legend(fontsize=7, loc="upper right")
+    _published_note(fig, result)
     return fig
 
 

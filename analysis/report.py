@@ -11,10 +11,10 @@ import html
 import math
 from datetime import datetime, timezone
 
-from analysis.compare import APPROACHES, TITLES
+from analysis.compare import APPROACHES, TITLES, disagreement_note
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import FIGURES
-from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, TABLE3
+from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, TABLE3, comparable, listed_note
 from analysis.synthetic import law_optimum
 
 Block = tuple  # ("h", level, text) | ("p", text) | ("ul", items) | ("warn", items) | ("alert", items)
@@ -68,12 +68,14 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
     ]
     blocks += _verdict(doc)
     blocks += [("h", 2, "What was fitted"), ("ul", _fitted(doc))]
+    dataset = data.get("dataset")
+    listed = [law for law in LAWS if not comparable(law, dataset)]
     blocks += [("h", 2, "Results"), _table3(doc),
                ("p", "In the style of Hoffmann et al. (2022), Table 3: N_opt ∝ C^a and D_opt ∝ C^b per approach, "
                      "with N_opt and D_opt at the prediction budgets. Published rows are as printed in the cited "
                      "papers; for the published laws a and b follow from their alpha and beta, and N_opt, D_opt "
-                     "from the law with C = 6ND. Published losses are on other data, so only exponents and "
-                     "allocations compare.")]
+                     "from the law with C = 6ND, shown only for runs on the law's data set. "
+                     + (listed_note(listed, dataset) if listed else ""))]
     blocks += [("h", 2, "Identification"),
                ("p", "An approach is used only when every check passes (thresholds in analysis/identify.py: "
                      f"interval of a at most {MAX_A_WIDTH:g} wide, alpha and beta in (0, 2), condition number of "
@@ -100,7 +102,8 @@ def _verdict(doc: dict) -> list[Block]:
     if comp["preferred"] is None:
         return [("alert", [f"No approach gives an identified law, so `python -m analysis plan` refuses to plan "
                            f"from this fit: {comp['why']}."] + loud)]
-    used = ("p", f"**Law used for planning: {TITLES[comp['preferred']]}**, because {comp['why']}.")
+    used = ("p", f"**Law used for planning: {TITLES[comp['preferred']]}**, because {comp['why']}"
+                 f"{disagreement_note(comp['preferred'], comp['disagreements'])}.")
     return [used] + ([("alert", loud)] if loud else [])
 
 
@@ -145,7 +148,7 @@ def _table3(doc: dict) -> Block:
         row = [f"published law: {law.name}", "", fmt(law.a, 3), fmt(1 - law.a, 3)]
         for p in preds:
             n, d = (float(v[0]) for v in law_optimum([p["flops"]], law.as_dict()))
-            row += [fmt(n, 3), fmt(d, 3)]
+            row += [fmt(n, 3), fmt(d, 3)] if comparable(law, doc["data"].get("dataset")) else ["-", "-"]
         rows.append(row)
     return ("table", header, rows)
 
@@ -247,8 +250,10 @@ _METHOD = (
     "cluster, no IsoFLOP profiles are formed. A budget's minimum is its lowest run or the vertex of a parabola "
     "in log N fitted in a window symmetric about the lowest run (analysis/isoflop.py), because a parabola "
     "through a lopsided profile is pulled towards its longer side; budgets with fewer than two sizes on a "
-    "side of their lowest run are left out. The envelope takes, at each FLOP count, the run whose training "
-    "curve is lowest, or without curves the runs whose final loss beats every run with less compute. Each "
+    "side of their lowest run are left out. The envelope uses end points only by default: per budget (or per "
+    "run's own C when C is continuous) the lowest final loss, where it beats every smaller budget, since the "
+    "intermediate points of a run's single schedule are not the losses runs of those lengths reach; with "
+    "--envelope curves it takes, at each FLOP count, the run whose training curve is lowest. Each "
     "bootstrap resample draws the runs with replacement and refits every approach on it; approaches are "
     "compared pair by pair on the same resamples. The hold-out check refits approach 3 without the largest "
     "budget (or the top fifth of C) and predicts the runs held out.")

@@ -85,6 +85,14 @@ class RunTable:
     def loss(self) -> np.ndarray:
         return self.runs["loss"].to_numpy(float)
 
+    @property
+    def dataset(self) -> str | None:
+        """The data set every run names in a ``dataset`` column, or None (no column, gaps or several)."""
+        if "dataset" not in self.runs.columns or self.runs["dataset"].isna().any():
+            return None
+        names = self.runs["dataset"].astype(str).unique()
+        return str(names[0]) if len(names) == 1 else None
+
 
 def parse_column_map(items: list[str] | None) -> dict[str, str]:
     """Parse ``NAME=COLUMN`` items (NAME one of CANONICAL) into ``{NAME: COLUMN}``."""
@@ -235,8 +243,8 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
                 unusable.append(run_id)
                 continue
         row.update({k: summary.get(k) for k in SUMMARY_KEYS})
-        row.update(loss=loss, strategy=summary.get("strategy"), world_size=summary.get("world_size"),
-                   wall_time_s=summary.get("wall_time_s"))
+        row.update(loss=loss, dataset=summary.get("dataset"), strategy=summary.get("strategy"),
+                   world_size=summary.get("world_size"), wall_time_s=summary.get("wall_time_s"))
         rows.append(row)
         dirs.append(summary_path.parent)
         sources.append(source)

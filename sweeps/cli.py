@@ -164,9 +164,17 @@ def _plan(args: argparse.Namespace) -> int:
     result = planner.plan(sweep)
     print(f"sweep {sweep.name} → {sweep.folder}")
     print(planner.table(result.runs, sweep.count, sweep.parallel))
+    for line in result.priors:
+        print(f"centre: {line}")
+    _warn(result)
     for line in result.refused:
         print(f"error: {line}", file=sys.stderr)
     return EXIT_BAD_INPUT if result.refused else 0
+
+
+def _warn(result: planner.Plan) -> None:
+    for line in result.warnings:
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -176,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
         for line in result.refused:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    _warn(result)
     # the executor is checked before the lock, which creates the folder: a refusal leaves nothing behind
     known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
     executor = _executor(args, sweep, known)

@@ -6,6 +6,10 @@ schedule spans exactly those tokens. The learning rate and the batch (in tokens)
 sweep's power rules at the shape's N; the batch is rounded to a multiple of what one micro-step of
 all processes takes (micro_batch × block_size × world size). Entries that cannot run (a shape that
 cannot exist, D below one batch, two entries giving the same run) are refused with one line each.
+
+With ``[sweep] centre`` each budget gets its own sizes, centred on a prior N_opt(C) (``sweeps.centre``);
+targets that round to one shape are planned once, and a budget whose shapes do not put
+``BRACKET_SIDE`` sizes on each side of its prior gets a warning: its minimum may not be bracketed.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from typing import Any
 from lab import accounting
 from lab.config import RunConfig
 
-from sweeps.shapes import family_shape, model_config, vocab_size
+from sweeps import centre as centring
+from sweeps.shapes import count, family_shape, model_config, vocab_size
 from sweeps.spec import Launch, SpecError, Sweep, check_name
+
+BRACKET_SIDE = 2  # sizes each side of the minimum that the IsoFLOP analysis needs to locate it
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class PlannedRun:
 class Plan:
     runs: list[PlannedRun]
     refused: list[str]  # one line per entry that cannot run
+    warnings: list[str] = dataclasses.field(default_factory=list)  # one line each: budgets not bracketed, ...
+    priors: list[str] = dataclasses.field(default_factory=list)  # with a centre: each budget's prior N_opt
 
 
 def format_flops(c: float) -> str:
@@ -100,29 +109,67 @@ def launch_for(sweep: Sweep, params: float, entry_launch: dict[str, Any]) -> Lau
     return dataclasses.replace(launch, **{**entry_launch, **sweep.launch_overrides})
 
 
-def _shapes(sweep: Sweep) -> tuple[list[tuple[str, float | None, dict, dict]], list[str]]:
-    """(shape name, target size, model fields, launch settings) per shape, and refusals."""
-    shapes, refused = [], []
-    if sweep.family is None:
-        return [(e.name, None, e.model, e.launch) for e in sweep.shapes], refused
-    for size in sweep.sizes:
+Shape = tuple[str, float | None, dict, dict]  # (shape name, target size, model fields, launch settings)
+
+
+def _family_shapes(sweep: Sweep, sizes: list[float], where: str = "") -> tuple[list[Shape], list[str], list[str]]:
+    """The family's shape for each size, refusals, and a warning for each size whose shape repeats an earlier one."""
+    shapes: list[Shape] = []
+    refused, repeats = [], []
+    for size in sizes:
         try:
             s = family_shape(size, sweep.family, sweep.count, sweep.base)
         except SpecError as e:
-            refused.append(f"size {size:.3g}: {e}")
+            refused.append(f"{where}size {size:.3g}: {e}")
             continue
-        shapes.append((f"L{s['n_layer']}-d{s['d_model']}", size, s, {}))
-    return shapes, refused
+        name = f"L{s['n_layer']}-d{s['d_model']}"
+        same = next((t for n, t, _, _ in shapes if n == name), None)
+        if where and same is not None:  # centred sizes: one run per shape
+            repeats.append(f"{where}target sizes {same:.3g} and {size:.3g} give the same shape {name}; planned once")
+            continue
+        shapes.append((name, size, s, {}))
+    return shapes, refused, repeats
+
+
+def _bracket_warning(sweep: Sweep, prior: centring.Prior, shapes: list[Shape]) -> str | None:
+    """A warning when fewer than BRACKET_SIDE distinct sizes lie on either side of the prior."""
+    sizes = {count(model_config(sweep.base, s), sweep.count) for _, _, s, _ in shapes}
+    below, above = sum(n < prior.params for n in sizes), sum(n > prior.params for n in sizes)
+    if below >= BRACKET_SIDE and above >= BRACKET_SIDE:
+        return None
+    return (f"budget {prior.budget:.3g}: the shapes the family allows put {below} size(s) below and {above} above "
+            f"the prior N_opt {prior.params:.3g} (need {BRACKET_SIDE} each side): its minimum may not be bracketed")
+
+
+def _shapes(sweep: Sweep, budget: float, fixed: list[Shape] | None, prior: centring.Prior | None
+            ) -> tuple[list[Shape], list[str], list[str]]:
+    """Shapes of one budget, refusals and warnings: the explicit list, fixed sizes or sizes centred on a prior."""
+    if sweep.family is None:
+        return [(e.name, None, e.model, e.launch) for e in sweep.shapes], [], []
+    if prior is None:
+        return fixed, [], []
+    shapes, refused, warnings = _family_shapes(sweep, centring.targets(sweep, prior.params),
+                                               f"budget {budget:.3g}, ")
+    bracket = _bracket_warning(sweep, prior, shapes)
+    return shapes, refused, warnings + ([bracket] if bracket else [])
 
 
 def plan(sweep: Sweep) -> Plan:
-    """Every run of ``sweep`` in budget order, and a one-line refusal for each entry that cannot run."""
-    shapes, refused = _shapes(sweep)
+    """Every run of ``sweep`` in budget order, a one-line refusal for each entry that cannot run, and warnings."""
+    refused: list[str] = []
+    warnings: list[str] = []
+    fixed = None
+    if sweep.family is not None and sweep.centre is None:
+        fixed, refused, _ = _family_shapes(sweep, list(sweep.sizes))
+    priors = {p.budget: p for p in centring.priors(sweep)} if sweep.centre is not None else {}
     train = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train
     runs: list[PlannedRun] = []
     by_name: dict[str, str] = {}
     by_hash: dict[str, str] = {}
     for budget in sweep.budgets:
+        shapes, budget_refused, budget_warnings = _shapes(sweep, budget, fixed, priors.get(budget))
+        refused += budget_refused
+        warnings += budget_warnings
         for shape_name, target, shape, entry_launch in shapes:
             size = f"size {target:.3g} ({shape_name})" if target else f"shape {shape_name}"
             where = f"budget {budget:.3g}, {size}"
@@ -168,7 +215,8 @@ def plan(sweep: Sweep) -> Plan:
                 continue
             by_name[name], by_hash[run.config_hash] = where, name
             runs.append(run)
-    return Plan(runs=runs, refused=refused)
+    return Plan(runs=runs, refused=refused, warnings=warnings,
+                priors=[f"budget {p.budget:.3g}: prior N_opt {p.params:.4g} ({p.how})" for p in priors.values()])
 
 
 def table(runs: list[PlannedRun], count_which: str = "total", parallel: int = 1) -> str:

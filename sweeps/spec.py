@@ -87,11 +87,27 @@ class ShapeEntry:
 
 
 @dataclass(frozen=True)
+class Centre:
+    """``[sweep] centre``: a prior N_opt(C) each budget's sizes are centred on (symmetric in log N).
+
+    ``prior = "tokens_per_param"``: D = r N with r = ``tokens_per_param``; ``prior = "fit"``: the
+    N_opt = k_N C^a law of a fit.json written by ``python -m analysis fit`` (``approach``: the one its
+    comparison prefers, or a named identified one). The file (a path from the working directory, like
+    ``folder``) is read when the sweep is planned, so ``status`` and ``export`` work without it.
+    """
+
+    prior: str
+    tokens_per_param: float = 0.0
+    path: Path | None = None
+    approach: str = "preferred"
+
+
+@dataclass(frozen=True)
 class Sweep:
     name: str
     folder: Path
     budgets: tuple[float, ...]
-    sizes: tuple[float, ...]  # target N for the family (empty with an explicit list)
+    sizes: tuple[float, ...]  # target N for the family (empty with an explicit list or a centre)
     count: str  # which count the sizes and launch rules refer to: total or non_embedding
     family: Family | None
     shapes: tuple[ShapeEntry, ...]
@@ -108,10 +124,13 @@ class Sweep:
     slurm: dict[str, Any] = field(default_factory=dict)  # partition, account, qos, array_parallelism, ...
     launch_overrides: dict[str, Any] = field(default_factory=dict)  # from the command line: over every run's launch
     source: str = ""  # the file's text, kept in the sweep folder
+    centre: Centre | None = None  # sizes centred per budget on a prior N_opt(C), instead of fixed sizes
+    decades_each_side: float = 0.5  # with a centre: sizes from N_opt / 10^x to N_opt × 10^x
+    per_budget: int = 7  # with a centre: sizes per budget, log-spaced
 
 
 _TABLES = {
-    "sweep": {"name", "folder", "budgets", "sizes", "count"},
+    "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget"},
     "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "list"},
     "rules": {"lr", "batch_tokens"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
@@ -237,15 +256,18 @@ def _shape_source(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family
     """(family, sizes, explicit shapes) from [sweep] and [shapes]."""
     family_name = shapes.get("family", "aspect")
     if family_name == "list":
-        if "sizes" in sweep:
-            raise SpecError("[sweep] sizes are for the 'aspect' family; an explicit list sets its own shapes")
+        for key in ("sizes", "centre"):
+            if key in sweep:
+                raise SpecError(f"[sweep] {key} is for the 'aspect' family; an explicit list sets its own shapes")
         return None, (), _shape_list(shapes.get("list"))
     if family_name != "aspect":
         raise SpecError(f"[shapes] family must be 'aspect' or 'list', got {family_name!r}")
     if "list" in shapes:
         raise SpecError("[shapes] has a list but family is 'aspect'; set family = \"list\"")
-    if "sizes" not in sweep:
-        raise SpecError("[sweep] needs 'sizes' (target N) with the 'aspect' shape family")
+    if "sizes" in sweep and "centre" in sweep:
+        raise SpecError("[sweep] gives both 'sizes' and 'centre'; use one")
+    if "sizes" not in sweep and "centre" not in sweep:
+        raise SpecError("[sweep] needs 'sizes' (target N) or 'centre' (a prior N_opt) with the 'aspect' shape family")
     family = Family(aspect=_number(shapes.get("aspect", Family.aspect), "[shapes] aspect"),
                     width_multiple=_integer(shapes.get("width_multiple", Family.width_multiple),
                                             "[shapes] width_multiple"),
@@ -254,7 +276,39 @@ def _shape_source(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family
     if family.width_multiple % family.head_dim:
         raise SpecError(f"[shapes] head_dim ({family.head_dim}) must divide width_multiple "
                         f"({family.width_multiple}) so that heads divide every width")
-    return family, _numbers(sweep["sizes"], "[sweep] sizes"), ()
+    return family, _numbers(sweep["sizes"], "[sweep] sizes") if "sizes" in sweep else (), ()
+
+
+CENTRE_KEYS = {"tokens_per_param": {"prior", "tokens_per_param"}, "fit": {"prior", "path", "approach"}}
+FIT_APPROACHES = ("preferred", "envelope", "isoflop", "approach3")  # fit.json keys
+
+
+def _centre(sweep: dict[str, Any]) -> tuple[Centre, float, int]:
+    """``[sweep] centre``, ``decades_each_side`` and ``per_budget``, checked."""
+    value = sweep["centre"]
+    usage = ('[sweep] centre must be { prior = "tokens_per_param", tokens_per_param = R } '
+             'or { prior = "fit", path = "fit.json" }')
+    if not isinstance(value, dict) or value.get("prior") not in CENTRE_KEYS:
+        raise SpecError(usage)
+    prior = value["prior"]
+    unknown = sorted(set(value) - CENTRE_KEYS[prior])
+    if unknown:
+        raise SpecError(f"[sweep] centre: unknown key '{unknown[0]}' for prior '{prior}' "
+                        f"(known: {', '.join(sorted(CENTRE_KEYS[prior]))})")
+    if prior == "tokens_per_param":
+        if "tokens_per_param" not in value:
+            raise SpecError(usage)
+        centre = Centre(prior, tokens_per_param=_number(value["tokens_per_param"], "[sweep] centre.tokens_per_param"))
+    else:
+        if not isinstance(value.get("path"), str) or not value["path"]:
+            raise SpecError(usage)
+        approach = value.get("approach", "preferred")
+        if approach not in FIT_APPROACHES:
+            raise SpecError(f"[sweep] centre.approach must be one of {', '.join(FIT_APPROACHES)}, got {approach!r}")
+        centre = Centre(prior, path=Path(value["path"]), approach=approach)
+    decades = _number(sweep.get("decades_each_side", Sweep.decades_each_side), "[sweep] decades_each_side")
+    per_budget = _integer(sweep.get("per_budget", Sweep.per_budget), "[sweep] per_budget", minimum=5)
+    return centre, decades, per_budget
 
 
 def _launch_rules(by_size: Any) -> tuple[LaunchRule, ...]:
@@ -310,6 +364,12 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         raise SpecError(f"[sweep] count must be total or non_embedding, got {count!r}")
 
     family, sizes, entries = _shape_source(sweep, shapes)
+    if "centre" not in sweep:
+        for key in ("decades_each_side", "per_budget"):
+            if key in sweep:
+                raise SpecError(f"[sweep] {key} needs 'centre' (sizes centred on a prior N_opt)")
+    centre, decades, per_budget = _centre(sweep) if "centre" in sweep else (None, Sweep.decades_each_side,
+                                                                           Sweep.per_budget)
     launch_rules = _launch_rules(launch.pop("by_size", []))
     slurm = _slurm(_table(doc, "slurm"))
 
@@ -326,7 +386,7 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         overhead_s=_number(estimate.get("overhead_s", 5.0), "[estimate] overhead_s", positive=False),
         parallel=_integer(local.get("parallel", 1), "[local] parallel"),
         threads=_integer(local.get("threads", 0), "[local] threads", minimum=0),
-        slurm=slurm, source=text,
+        slurm=slurm, source=text, centre=centre, decades_each_side=decades, per_budget=per_budget,
     )
 
 

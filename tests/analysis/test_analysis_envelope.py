@@ -1,4 +1,4 @@
-"""Approach 1: the envelope of training curves read from a sweep folder."""
+"""Approach 1: the frontier of final losses (the default), or the envelope of training curves when asked."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from analysis.envelope import build_envelope, build_frontier
 from analysis.fit import FitConfig, fit_runs
 from analysis.synthetic import CHINCHILLA, continuous_runs, isoflop_runs, law_loss, write_sweep
-from analysis.table import load_runs
+from analysis.table import InputError, load_runs
 
 TRUE_A = CHINCHILLA["beta"] / (CHINCHILLA["alpha"] + CHINCHILLA["beta"])
 
@@ -46,22 +46,60 @@ def test_envelope_recovers_the_allocation_exponents(sweep):
 
 
 def test_fit_reports_the_envelope_with_intervals(sweep):
-    doc = fit_runs(load_runs(sweep), FitConfig(n_bootstrap=30, progress=False, holdout=False)).to_dict()
+    config = FitConfig(n_bootstrap=30, progress=False, holdout=False, envelope="curves")
+    doc = fit_runs(load_runs(sweep), config).to_dict()
     env = doc["envelope"]
-    assert env["skipped"] is False and env["source"] == "training curves (eval loss)" and env["n_curves"] == 32
+    assert env["skipped"] is False and env["points_from"] == "curves" and env["n_curves"] == 32
+    assert env["source"].startswith("training curves (eval loss), every logged point taken as an end point")
     assert env["ci"]["a"][0] <= env["a"] <= env["ci"]["a"][1]
     assert env["identification"]["identified"] is True
     assert all(p["loss"] > 0 and p["tokens"] == pytest.approx(p["flops"] / (6 * p["params"]), rel=1e-9)
                for p in env["points"])
 
 
-def test_envelope_is_skipped_without_curves(tmp_path):
-    runs = isoflop_runs(np.geomspace(1e18, 1e20, 3), per_budget=5, noise=0.0)
+def test_approach_1_uses_end_points_even_when_the_runs_carry_curves(sweep):
+    # The runs carry curves, but a single schedule's intermediate points are not end points: by default
+    # approach 1 takes each budget's lowest final loss, the same runs as approach 2's lowest-run minima.
+    table = load_runs(sweep)
+    result = fit_runs(table, FitConfig(n_bootstrap=0, progress=False, holdout=False))
+    env = result.to_dict()["envelope"]
+    assert env["points_from"] == "final" and env["source"].startswith("final losses, end points only")
+    lowest = result.minima.lowest_row[0]
+    assert [p["run_id"] for p in env["points"]] == list(table.runs["run_id"].iloc[lowest])
+    iso_lowest = result.isoflop_laws["lowest"]
+    assert env["a"] == pytest.approx(float(iso_lowest.a[0]), rel=1e-12)
+
+
+def test_the_final_loss_frontier_takes_one_run_per_budget_and_only_improvements():
+    flops = np.array([1.0, 1.01, 0.99, 2.0, 2.02, 4.0, 4.0])
+    budget = np.array([1.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])
+    loss = np.array([3.0, 2.5, 2.5, 2.6, 2.4, 2.45, 2.3])
+    params = np.arange(1.0, 8.0)
+    frontier = build_frontier(flops, params, flops / params, loss, budget)
+    weights = np.array([[1, 1, 1, 1, 1, 1, 1],   # ties at budget 1: one run kept
+                        [1, 1, 1, 0, 1, 0, 0],   # budget 4 absent
+                        [1, 1, 0, 1, 0, 0, 0]])  # budget 2's only run (2.6) does not beat budget 1's (2.5)
+    on = frontier.winners(weights)
+    rows = [sorted(frontier.rows[np.flatnonzero(r)].tolist()) for r in on]
+    assert rows[0] == [1, 4, 6] or rows[0] == [2, 4, 6]
+    assert rows[1] in ([1, 4], [2, 4])
+    assert rows[2] == [1]
+    assert frontier.winners(np.array([[1, 0, 0, 1, 0, 0, 0]]))[0].sum() == 2  # 3.0 then 2.6
+
+
+def test_envelope_of_final_losses_without_curves_and_edge_minima_are_not_identified(tmp_path):
+    # Profiles shifted so that every budget's lowest run is its largest size: approach 1 on end points
+    # runs without curves, but its points are no sampled minima, and the edge check says so.
+    runs = isoflop_runs(np.geomspace(1e18, 1e21, 4), per_budget=5, spread=4, offset=1 / 8, noise=0.0)
     runs.to_csv(tmp_path / "runs.csv", index=False)
     doc = fit_runs(load_runs(tmp_path / "runs.csv"), FitConfig(n_bootstrap=0, progress=False)).to_dict()
     env = doc["envelope"]
-    assert (env["skipped"], env["reason"]) == (True, "no training curves (metrics.jsonl) in the input")
+    assert env["skipped"] is False and env["points_from"] == "final"
+    [edge] = [c for c in env["identification"]["checks"] if c["name"] == "edges"]
+    assert edge["passed"] is False and edge["detail"].startswith("4 of 4 envelope point(s) are the smallest or largest")
     assert env["identification"]["identified"] is False
+    with pytest.raises(InputError, match="--envelope curves needs the training curves"):
+        fit_runs(load_runs(tmp_path / "runs.csv"), FitConfig(n_bootstrap=0, progress=False, envelope="curves"))
 
 
 def test_frontier_of_final_losses_recovers_a_on_continuous_budgets():

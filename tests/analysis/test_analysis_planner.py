@@ -98,6 +98,17 @@ def test_plan_warns_loudly_when_approaches_disagree(tmp_path, capsys):
     assert main(["plan", str(path), "--gpu", "H100", "--n-gpus", "64", "--mfu", "0.4", "--flops", "1e22"]) == 0
     out = capsys.readouterr().out
     assert "APPROACHES DISAGREE" in out and "approach 2 (IsoFLOP)" in out and "approach 3 (parametric)" in out
+    # the law in use is named as one of the pair on the line that names it, not only in a trailing warning
+    [law] = [line for line in out.splitlines() if line.startswith("law ")]
+    assert "approach 3 (parametric)" in law and "WARNING: it DISAGREES with approach 2 (IsoFLOP)" in law
+
+
+def test_a_law_that_agrees_carries_no_disagreement_note(tmp_path, capsys):
+    fit = _fit()
+    path = _write(fit, tmp_path, samples=_samples(fit))
+    assert main(["plan", str(path), "--gpu", "H100", "--n-gpus", "64", "--mfu", "0.4", "--flops", "1e22"]) == 0
+    out = capsys.readouterr().out
+    assert "DISAGREE" not in out and "law         approach 3 (parametric): it is identified" in out
 
 
 def test_plan_falls_back_to_an_identified_approach():

@@ -156,8 +156,11 @@ def test_plan_shows_every_approach_and_warns_when_they_disagree(tmp_path, capsys
     # Continuous budgets as in tables read off published plots: approach 1 (frontier of final
     # losses) and approach 3 differ by about 2x in N_opt at 100x the data, beyond their intervals.
     path = _csv(tmp_path, continuous_runs(245, seed=0))
-    rc, doc, _, _ = _fit(capsys, path, tmp_path / "out", "--bootstrap", "200")
+    rc, doc, out, _ = _fit(capsys, path, tmp_path / "out", "--bootstrap", "200")
     assert rc == 0
+    assert "approach 1 (envelope): a=" in out and "from final losses (end points only)" in out
+    [used] = [line for line in out.splitlines() if line.startswith("plan uses ")]
+    assert "WARNING: it DISAGREES with approach 1 (envelope)" in used
     flops = 100 * doc["data"]["flops"][1]
     assert any(w["code"] == "approaches_disagree" for w in doc["warnings"])
     report = (tmp_path / "out" / "report.md").read_text()
@@ -166,7 +169,7 @@ def test_plan_shows_every_approach_and_warns_when_they_disagree(tmp_path, capsys
     assert main(["plan", str(tmp_path / "out" / "fit.json"), *PLAN, "--flops", f"{flops:.6g}"]) == 0
     text = capsys.readouterr().out
     assert "law         approach 3 (parametric): it is identified" in text
-    assert "approach 1 (envelope)" in text and "APPROACHES DISAGREE" in text
+    assert "approach 1 (envelope)" in text and "APPROACHES DISAGREE" in text and "it DISAGREES with" in text
     assert main(["plan", str(tmp_path / "out" / "fit.json"), *PLAN, "--flops", f"{flops:.6g}", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     [x] = result["disagreements"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -245,3 +246,115 @@ def test_command_line_settings_override_the_file_for_every_run_and_are_checked_a
         assert main(["run", str(file), "--folder", str(tmp_path / "out"), option, value]) == 2
         assert capsys.readouterr().err == f"error: {message}\n"
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+CENTRED = FAMILY.replace("sizes = [3e5, 1e6, 3e6, 1e7]",
+                         'centre = { prior = "tokens_per_param", tokens_per_param = 20 }\n'
+                         "decades_each_side = 0.5\nper_budget = 7").replace("budgets = [1e13, 1e14]",
+                                                                             "budgets = [1e15, 1e16]")
+
+
+def _fpt_per_param(sweep: spec.Sweep, params: float) -> float:
+    cfg = shapes.model_config(sweep.base, shapes.family_shape(params, sweep.family, "total", sweep.base))
+    return accounting.flops_per_token(cfg) / accounting.param_counts(cfg).total
+
+
+def test_centred_sizes_are_symmetric_in_log_n_about_the_tokens_per_param_prior():
+    sweep = parse(CENTRED)
+    result = planner.plan(sweep)
+    assert not result.refused and len(result.priors) == 2
+    for budget in sweep.budgets:
+        runs = [r for r in result.runs if r.budget == budget]
+        targets = sorted({r.target for r in runs})
+        centre = math.exp(sum(map(math.log, targets)) / len(targets))
+        # N_opt = sqrt(C / (k r)) with k = F/N of the family's shape at N_opt, not 6
+        k = _fpt_per_param(sweep, centre)
+        assert centre == pytest.approx(math.sqrt(budget / (k * 20)), rel=1e-3) and abs(k - 6) > 0.05
+        assert targets[0] == pytest.approx(centre / 10 ** 0.5) and targets[-1] == pytest.approx(centre * 10 ** 0.5)
+        ratios = [b / a for a, b in zip(targets, targets[1:])]
+        assert max(ratios) == pytest.approx(min(ratios))  # log-spaced
+        assert sum(r.params < centre for r in runs) >= 2 and sum(r.params > centre for r in runs) >= 2
+        assert f"budget {budget:.3g}: prior N_opt {centre:.4g}" in "\n".join(result.priors)
+    assert not result.warnings
+
+
+def _fit_json(path: Path, preferred: str | None = "isoflop", identified: bool = True, count: str = "total") -> Path:
+    law = {"a": 0.5, "k_N": 0.05, "identification": {"identified": identified, "reasons": []}}
+    path.write_text(json.dumps({"schema_version": 2, "params_count": count, "isoflop": law,
+                                "approach3": {"a": 0.9, "k_N": 1e-9, "identification": {"identified": False}},
+                                "comparison": {"preferred": preferred}}))
+    return path
+
+
+def test_centred_sizes_follow_a_previous_fits_law(tmp_path):
+    text = CENTRED.replace('{ prior = "tokens_per_param", tokens_per_param = 20 }',
+                           f'{{ prior = "fit", path = "{_fit_json(tmp_path / "fit.json")}" }}')
+    result = planner.plan(parse(text))
+    for budget in (1e15, 1e16):
+        targets = sorted({r.target for r in result.runs if r.budget == budget})
+        assert targets[3] == pytest.approx(0.05 * budget ** 0.5)  # the middle of 7: N_opt = k_N C^a
+    assert "isoflop law of" in result.priors[0]
+    for fit, message in ((_fit_json(tmp_path / "none.json", preferred=None), "the fit identifies no law"),
+                         (_fit_json(tmp_path / "count.json", count="non_embedding"), "the fit counts N as"),
+                         (tmp_path / "missing.json", "cannot read")):
+        bad = CENTRED.replace('{ prior = "tokens_per_param", tokens_per_param = 20 }',
+                              f'{{ prior = "fit", path = "{fit}" }}')
+        with pytest.raises(spec.SpecError, match=message):
+            planner.plan(parse(bad))
+    named = CENTRED.replace('{ prior = "tokens_per_param", tokens_per_param = 20 }',
+                            f'{{ prior = "fit", path = "{tmp_path / "fit.json"}", approach = "approach3" }}')
+    with pytest.raises(spec.SpecError, match="its approach3 law is not identified"):
+        planner.plan(parse(named))
+
+
+def test_budgets_the_family_cannot_bracket_are_warned_about_and_repeats_planned_once():
+    # At 1e11 FLOPs and 20 tokens per parameter N_opt is about 2e4, below the smallest width-64 model
+    # (3.3e5 parameters with this vocabulary): every target collapses onto it.
+    result = planner.plan(parse(CENTRED.replace("budgets = [1e15, 1e16]", "budgets = [1e11, 1e16]")))
+    small = [r for r in result.runs if r.budget == 1e11]
+    assert len(small) == 1 and not result.refused
+    bracket = [w for w in result.warnings if "may not be bracketed" in w]
+    assert len(bracket) == 1 and bracket[0].startswith("budget 1e+11: the shapes the family allows put 0 size(s) "
+                                                       "below and 1 above the prior N_opt")
+    repeats = [w for w in result.warnings if "give the same shape" in w]
+    assert len(repeats) == 6 and all(w.startswith("budget 1e+11, target sizes ") for w in repeats)
+    assert all("\n" not in w for w in result.warnings)
+
+
+def test_plan_command_prints_centres_and_warnings(tmp_path, capsys):
+    from sweeps.cli import main
+
+    path = tmp_path / "c.toml"
+    path.write_text(CENTRED.replace("budgets = [1e15, 1e16]", "budgets = [1e11, 1e16]"))
+    assert main(["plan", str(path), "--folder", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert sum(line.startswith("centre: budget ") for line in out.splitlines()) == 2
+    assert any(line.startswith("warning: budget 1e+11: the shapes the family allows") for line in err.splitlines())
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("decades_each_side = 0.5", "decades_each_side = 0.5\nsizes = [1e6]"), "[sweep] gives both 'sizes' and 'centre'"),
+    (("tokens_per_param = 20 }", "tokens_per_param = 20, path = 'x' }"),
+     "[sweep] centre: unknown key 'path' for prior 'tokens_per_param'"),
+    (('prior = "tokens_per_param"', 'prior = "chinchilla"'), "[sweep] centre must be { prior = "),
+    (("tokens_per_param = 20 }", "tokens_per_param = -1 }"), "[sweep] centre.tokens_per_param must be positive"),
+    (("per_budget = 7", "per_budget = 3"), "[sweep] per_budget must be an integer >= 5"),
+    (("decades_each_side = 0.5", "decades_each_side = 0"), "[sweep] decades_each_side must be positive"),
+    (('centre = { prior = "tokens_per_param", tokens_per_param = 20 }', "sizes = [1e6, 3e6]"),
+     "[sweep] decades_each_side needs 'centre'"),
+    (('centre = { prior = "tokens_per_param", tokens_per_param = 20 }\ndecades_each_side = 0.5\nper_budget = 7', ""),
+     "[sweep] needs 'sizes' (target N) or 'centre'"),
+    (('{ prior = "tokens_per_param", tokens_per_param = 20 }', '{ prior = "fit", path = "f.json", approach = "x" }'),
+     "[sweep] centre.approach must be one of"),
+])
+def test_bad_centre_keys_fail_with_one_line(edit, message):
+    with pytest.raises(spec.SpecError) as info:
+        parse(CENTRED.replace(*edit))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_centre_is_refused_with_an_explicit_shape_list():
+    with pytest.raises(spec.SpecError, match="centre is for the 'aspect' family"):
+        parse(LIST.replace('name = "list"', 'name = "list"\ncentre = { prior = "tokens_per_param", '
+                                              'tokens_per_param = 20 }'))

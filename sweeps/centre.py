@@ -1,0 +1,97 @@
+"""Sizes that bracket each budget's minimum: targets centred on a prior N_opt(C), symmetric in log N.
+
+Two priors (``[sweep] centre``):
+
+- ``tokens_per_param`` r: C = k N D with D = r N gives N_opt = sqrt(C / (k r)). k is F / N of the
+  family's own shape at that N (F from ``lab.accounting.flops_per_token``, N counted as the sweep's
+  ``count``), not 6: F adds the attention FLOPs and counts only the parameters used in matmuls, so
+  k moves with the shape (6.5-6.8 for the default sweep's family at 2.5e11-4e12 FLOPs and 20 tokens
+  per parameter). Since k depends on the shape and the shape on N, N_opt is iterated to a fixed
+  point.
+- ``fit``: N_opt = k_N C^a of a fit.json written by ``python -m analysis fit``; the file is read as
+  JSON (the sweep driver does not import the analysis), and only an identified law is used.
+
+Each budget gets ``per_budget`` targets from N_opt / 10^x to N_opt × 10^x (x = ``decades_each_side``),
+log-spaced; the family turns them into shapes (``sweeps.shapes``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab import accounting
+
+from sweeps.shapes import count, family_shape, model_config
+from sweeps.spec import SpecError, Sweep
+
+FIT_SCHEMA = 2  # fit.json's schema_version this reader understands
+FIXED_POINT_STEPS = 6
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A budget's prior N_opt and how it was obtained (one line for the plan)."""
+
+    budget: float
+    params: float
+    how: str
+
+
+def fit_law(sweep: Sweep) -> tuple[float, float, str]:
+    """(k_N, a, description) of the fit.json law ``[sweep] centre`` names; SpecError if it is unusable."""
+    centre = sweep.centre
+    where = f"[sweep] centre: {centre.path}"
+    try:
+        doc = json.loads(centre.path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecError(f"{where}: cannot read ({' '.join(str(e).split())})") from None
+    if not isinstance(doc, dict) or doc.get("schema_version") != FIT_SCHEMA:
+        raise SpecError(f"{where}: not a fit.json of schema {FIT_SCHEMA} written by 'python -m analysis fit'")
+    key = centre.approach
+    if key == "preferred":
+        key = (doc.get("comparison") or {}).get("preferred")
+        if key is None:
+            raise SpecError(f"{where}: the fit identifies no law, so it cannot centre the sizes")
+    section = doc.get(key) or {}
+    if not (section.get("identification") or {}).get("identified"):
+        raise SpecError(f"{where}: its {key} law is not identified, so it cannot centre the sizes")
+    k_n, a = section.get("k_N"), section.get("a")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (k_n, a)) or k_n <= 0:
+        raise SpecError(f"{where}: its {key} law has no finite k_N and a")
+    counted = doc.get("params_count")
+    if counted != sweep.count:
+        raise SpecError(f"{where}: the fit counts N as {counted!r}, the sweep as {sweep.count!r} ([sweep] count)")
+    return float(k_n), float(a), f"{key} law of {centre.path}: N_opt = {k_n:.4g} C^{a:.4g}"
+
+
+def _flops_per_param(sweep: Sweep, params: float) -> float:
+    """F / N of the family's shape for a target N."""
+    cfg = model_config(sweep.base, family_shape(params, sweep.family, sweep.count, sweep.base))
+    return accounting.flops_per_token(cfg) / count(cfg, sweep.count)
+
+
+def priors(sweep: Sweep) -> list[Prior]:
+    """The prior N_opt of every budget of a centred sweep."""
+    centre = sweep.centre
+    if centre.prior == "fit":
+        k_n, a, how = fit_law(sweep)
+        return [Prior(c, k_n * c ** a, how) for c in sweep.budgets]
+    r = centre.tokens_per_param
+    out = []
+    for c in sweep.budgets:
+        k = 6.0
+        for _ in range(FIXED_POINT_STEPS):
+            k = _flops_per_param(sweep, math.sqrt(c / (k * r)))
+        out.append(Prior(c, math.sqrt(c / (k * r)), f"{r:g} tokens per parameter, C = k N D with k = F/N = {k:.3g} "
+                                                    "of the family's shape there"))
+    return out
+
+
+def targets(sweep: Sweep, prior: float) -> list[float]:
+    """``per_budget`` sizes log-spaced from prior / 10^x to prior × 10^x."""
+    return [float(v) for v in prior * np.logspace(-sweep.decades_each_side, sweep.decades_each_side,
+                                                  sweep.per_budget)]
