@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(PY) launch/run.py --config configs/demo.toml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 # The edit loop (under a minute on 2 cores): every test but those marked slow (launchers, many runs).
 test-fast: $(STAMP)
