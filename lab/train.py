@@ -145,6 +145,17 @@ def step_seed(seed: int, rank: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/rank{rank}/step{step}".encode()).digest()[:4], "little")
 
 
+def seed_step(seed: int, device: torch.device) -> None:
+    """Seed the generators a step draws from: the CPU one, and the device's own on an accelerator.
+
+    ``torch.manual_seed`` would also queue seeds for every lazily initialised backend (CUDA, XPU, MTIA)
+    with a captured stack each, about 0.8 ms per step: a tenth of a tiny model's step on a CPU.
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+
+
 # ---------------------------------------------------------------- the run directory
 
 
@@ -368,7 +379,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
 
     for step in range(start.step, end_step):
         t0 = time.perf_counter()
-        torch.manual_seed(step_seed(t.seed, world.rank, step))
+        seed_step(step_seed(t.seed, world.rank, step), world.device)
         lr = schedule.learning_rate(step, plan.total_steps, t)
         batches = (sampler.batch(step, plan.global_sequences, *plan.micro_range(world.rank, micro))
                    for micro in range(plan.accum_steps))

@@ -81,8 +81,10 @@ class SavedBytes:
         """Count what the forward inside saves (parameters excluded, each storage once)."""
         self._current, self._seen = 0, set()
 
+        params = list(module.parameters())  # walking the module tree per saved tensor would cost more than the step
+
         def weights() -> set[int]:
-            return {s[0] for p in module.parameters() if (s := _storage(p)) is not None}
+            return {s[0] for p in params if (s := _storage(p)) is not None}
 
         self._params = weights()
 
