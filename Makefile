@@ -14,7 +14,7 @@ CPU_INDEX   := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null || $(PY) -m pip install -q --dry-run --no-index --no-deps \
 	-c constraints-cpu.txt torch >/dev/null 2>&1 || echo $(CPU_INDEX))
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo sweep test test-fast bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) launch/run.py --config configs/demo.toml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+# The lab's own science, end to end: search and sweep (resumed if interrupted), fit, verify at a held-out budget.
+SWEEP_FILE   ?= sweeps/tiny_isoflop.toml
+SWEEP_DIR    ?= runs/sweeps/tiny-isoflop
+VERIFY_FLOPS ?= 8e12
+sweep: $(STAMP)
+	$(PY) -m sweeps run $(SWEEP_FILE) --folder $(SWEEP_DIR)
+	$(PY) -m analysis fit $(SWEEP_DIR) --out $(SWEEP_DIR)/fit
+	$(PY) -m sweeps verify $(SWEEP_DIR) --budget $(VERIFY_FLOPS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10

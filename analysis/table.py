@@ -208,6 +208,9 @@ def _read_jsonl_records(path: Path) -> list[dict]:
     return records
 
 
+SWEEP_SIDE_RUNS = ("search", "verify")  # sub-folders of a sweep folder whose runs are not the sweep's grid
+
+
 def _read_sweep(root: Path, warnings: list[tuple[str, str]]
                 ) -> tuple[pd.DataFrame, list[Path | None], list[str] | None]:
     """A sweep folder as a table, the run directory of each row, and each row's loss source."""
@@ -220,6 +223,8 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
             dirs = [None] * len(frame)
         return frame, dirs, None
     summaries = sorted(root.rglob("summary.json"))
+    if (root / "sweep.db").is_file():  # a sweep's folder: its hyperparameter search and verify runs are not its grid
+        summaries = [s for s in summaries if s.relative_to(root).parts[0] not in SWEEP_SIDE_RUNS]
     if not summaries:
         raise InputError(f"{root}: no results.csv and no run directories (summary.json) inside")
     rows, dirs, sources, unusable = [], [], [], []

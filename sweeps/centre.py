@@ -76,19 +76,21 @@ def _flops_per_param(sweep: Sweep, params: float) -> float:
 
 def priors(sweep: Sweep) -> list[Prior]:
     """The prior N_opt of every budget of a centred sweep."""
+    return [prior_at(sweep, c) for c in sweep.budgets]
+
+
+def prior_at(sweep: Sweep, budget: float) -> Prior:
+    """The prior N_opt of a centred sweep at one budget."""
     centre = sweep.centre
     if centre.prior == "fit":
         k_n, a, how = fit_law(sweep)
-        return [Prior(c, k_n * c ** a, how) for c in sweep.budgets]
+        return Prior(budget, k_n * budget ** a, how)
     r = centre.tokens_per_param
-    out = []
-    for c in sweep.budgets:
-        k = 6.0
-        for _ in range(FIXED_POINT_STEPS):
-            k = _flops_per_param(sweep, math.sqrt(c / (k * r)))
-        out.append(Prior(c, math.sqrt(c / (k * r)), f"{r:g} tokens per parameter, C = k N D with k = F/N = {k:.3g} "
-                                                    "of the family's shape there"))
-    return out
+    k = 6.0
+    for _ in range(FIXED_POINT_STEPS):
+        k = _flops_per_param(sweep, math.sqrt(budget / (k * r)))
+    return Prior(budget, math.sqrt(budget / (k * r)), f"{r:g} tokens per parameter, C = k N D with k = F/N = "
+                                                      f"{k:.3g} of the family's shape there")
 
 
 def targets(sweep: Sweep, prior: float) -> list[float]:

@@ -10,6 +10,7 @@ the sweep again resumes). ``plan``, ``run`` and ``retry`` take the sweep file's 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from sweeps import plan as planner, progress, spec as specs
 from sweeps.driver import attempt_for, driver_lock, execute, run_dir
 from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
+from sweeps.verify import HELD_OUT_FACTOR
 
 EXIT_BAD_INPUT = 2
 SWEEP_COPY = "sweep.toml"
@@ -50,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--folder", help=folder_help)
     _executor_options(p, launch=True)
 
+    p = sub.add_parser("verify", help="fit the finished sweep, train the predicted compute-optimal model and its "
+                                      "neighbours at a held-out budget, and compare")
+    p.add_argument("sweep", help="sweep file or sweep folder")
+    p.add_argument("--folder", help=folder_help)
+    p.add_argument("--budget", type=float, required=True, metavar="FLOPS",
+                   help=f"the held-out budget C (at least {HELD_OUT_FACTOR:g}x the largest swept one is a real test)")
+    _executor_options(p, launch=False)
+
     for name, text in (("status", "print the sweep's runs and progress"),
                        ("retry", "run failed, interrupted or cancelled runs again (all, or the named ones)"),
                        ("cancel", "cancel unfinished runs (all, or the named ones), stopping their jobs"),
@@ -63,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
             _executor_options(p, launch=False)
         if name == "export":
             p.add_argument("--out", required=True, help="output table: .csv or .parquet")
+            p.add_argument("--with", dest="roles", action="append", default=[], choices=("search", "verify"),
+                           help="also the search's or verify's runs (column 'role'); the sweep's own by default")
     return parser
 
 
@@ -161,15 +173,35 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     sweep = _load(args)
-    result = planner.plan(sweep)
     print(f"sweep {sweep.name} → {sweep.folder}")
+    tuned = None
+    if sweep.search is not None:
+        from sweeps import search  # numpy, matplotlib: only with a search
+
+        known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
+        found = search.finished(sweep, known)
+        lr_runs = search.lr_runs(sweep)[0]
+        batch_runs = search.batch_runs(sweep, found.lr.rule if found else sweep.lr)[0] if sweep.search.batch_tokens else []
+        print("search (run first):")
+        print(planner.table(lr_runs + batch_runs, sweep.count, sweep.parallel))
+        if found is not None:
+            tuned = found.tuned
+            print("\n".join(f"search: {line}" for line in search.describe(found)))
+        else:
+            print("search: not run yet; the sweep's learning rates and batches below are [rules]'s, its laws will "
+                  "replace them")
+        for line in search.refusals(sweep):
+            print(f"error: {line}", file=sys.stderr)
+        print("sweep:")
+    result = planner.plan(sweep, tuned)
     print(planner.table(result.runs, sweep.count, sweep.parallel))
     for line in result.priors:
         print(f"centre: {line}")
     _warn(result)
     for line in result.refused:
         print(f"error: {line}", file=sys.stderr)
-    return EXIT_BAD_INPUT if result.refused else 0
+    refused = result.refused + (search.refusals(sweep) if sweep.search is not None else [])
+    return EXIT_BAD_INPUT if refused else 0
 
 
 def _warn(result: planner.Plan) -> None:
@@ -177,13 +209,22 @@ def _warn(result: planner.Plan) -> None:
         print(f"warning: {line}", file=sys.stderr)
 
 
+def _refuse(lines: list[str]) -> int:
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def _run(args: argparse.Namespace) -> int:
     sweep = _load(args)
     result = planner.plan(sweep)
+    search = None
+    if sweep.search is not None:
+        from sweeps import search  # numpy, matplotlib: only with a search
+
+        result.refused += search.refusals(sweep)
     if result.refused:
-        for line in result.refused:
-            print(f"error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _refuse(result.refused)
     _warn(result)
     # the executor is checked before the lock, which creates the folder: a refusal leaves nothing behind
     known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
@@ -191,9 +232,19 @@ def _run(args: argparse.Namespace) -> int:
     _check_fits(executor, result.runs)
     with driver_lock(sweep.folder):
         registry = known or Registry.open(sweep.folder, create=True)
-        registry.sync(result.runs, lambda name: run_dir(sweep.folder, name))
         registry.set_meta("executor", executor.name)
         _write_atomic(sweep.folder / SWEEP_COPY, sweep.source)
+        if search is not None:
+            found = search.run(sweep, registry, executor, not args.no_progress)
+            if isinstance(found, int):
+                return found
+            print("\n".join(f"search: {line}" for line in search.describe(found)))
+            for line in found.warnings:
+                print(f"warning: search: {line}", file=sys.stderr)
+            result = planner.plan(sweep, found.tuned)
+            if result.refused:
+                return _refuse(result.refused)
+        registry.sync(result.runs, lambda name: run_dir(sweep.folder, name))
         return execute(sweep.folder, registry, [r.name for r in result.runs], executor, not args.no_progress)
 
 
@@ -265,7 +316,7 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix.lower() not in export.FORMATS:
         raise UsageError(f"--out must end in .csv or .parquet, got '{out.name}'")
-    table = export.results(Registry.open(folder).rows())
+    table = export.results(Registry.open(folder).rows(), ("sweep", *args.roles))
     if table.empty:
         raise UsageError(f"no finished runs in {folder} yet")
     export.write(table, out)
@@ -277,7 +328,8 @@ def _status(args: argparse.Namespace) -> int:
     folder, _ = _locate(args)
     rows = Registry.open(folder).rows()
     print(f"sweep folder {folder}")
-    head = f"{'run':<24} {'status':<11} {'N':>10} {'D':>11} {'C':>9} {'loss':>7} {'tries':>5}  job / progress"
+    width = max([24] + [len(r.name) for r in rows])
+    head = f"{'run':<{width}} {'status':<11} {'N':>10} {'D':>11} {'C':>9} {'loss':>7} {'tries':>5}  job / progress"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -286,10 +338,10 @@ def _status(args: argparse.Namespace) -> int:
         detail = r.job or ""
         if r.status == "running":
             detail += f"  {progress.describe(p, r.run_dir)}"
-        print(f"{r.name:<24} {r.status:<11} {p.params:>10,} {p.tokens:>11,} {p.flops:>9.3g} "
+        print(f"{r.name:<{width}} {r.status:<11} {p.params:>10,} {p.tokens:>11,} {p.flops:>9.3g} "
               f"{'' if loss is None else f'{loss:.4f}':>7} {r.attempts:>5}  {detail}")
         if r.error and r.status in RETRIED:
-            print(f"{'':<26}{r.error}")
+            print(f"{'':<{width + 2}}{r.error}")
     counts = {s: sum(r.status == s for r in rows) for s in ("done", "running", "planned", "failed", "interrupted",
                                                             "cancelled")}
     print(" | ".join(f"{s} {n}" for s, n in counts.items()))
@@ -298,7 +350,59 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"plan": _plan, "run": _run, "status": _status, "retry": _retry, "cancel": _cancel, "export": _export}
+def _verify(args: argparse.Namespace) -> int:
+    from sweeps import search, verify  # pandas, scipy, matplotlib: only here
+
+    folder, sweep = _locate(args)
+    if sweep is None:
+        raise UsageError(f"{folder} has no {SWEEP_COPY}; verify with the sweep file")
+    sweep = specs.with_overrides(sweep, {}, _overrides(args, SLURM_OPTIONS))
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        raise UsageError(f"--budget must be a positive number of FLOPs, got {args.budget}")
+    registry = Registry.open(folder)
+    rows = [r for r in registry.rows() if r.plan.role == "sweep"]
+    unfinished = [r for r in rows if r.status != "done"]
+    if not rows or unfinished:
+        example = f" ({unfinished[0].name} is {unfinished[0].status})" if unfinished else ""
+        raise UsageError(f"{len(unfinished) or 'no'} run(s) of the sweep are not done{example}; finish the sweep first")
+    largest = max(r.plan.budget for r in rows)
+    if args.budget <= largest:
+        raise UsageError(f"--budget {args.budget:.3g} is not held out: the sweep runs budgets up to {largest:.3g}")
+    if args.budget < HELD_OUT_FACTOR * largest:
+        print(f"warning: --budget {args.budget:.3g} is only {args.budget / largest:.2g}x the largest swept budget; "
+              f"{HELD_OUT_FACTOR:g}x or more tests an extrapolation", file=sys.stderr)
+    executor = _executor(args, sweep, registry)
+    with driver_lock(folder):
+        found = search.finished(sweep, registry) if sweep.search is not None else None
+        if sweep.search is not None and found is None:
+            raise UsageError("the sweep's search has not finished; run the sweep first")
+        result, doc, fit_dir = verify.fit(folder, args.budget, not args.no_progress)
+        from analysis.__main__ import EXIT_UNIDENTIFIED, _summary
+
+        print("\n".join(_summary(doc)))
+        if doc["comparison"]["preferred"] is None:
+            print(f"error: {result.why}; {fit_dir / 'report.html'} says why", file=sys.stderr)
+            return EXIT_UNIDENTIFIED
+        predicted = verify.prediction(doc, args.budget)
+        runs, refused = verify.plan_runs(sweep, args.budget, predicted.n_opt, found.tuned if found else None)
+        if refused:
+            return _refuse(refused)
+        registry.sync(runs, lambda name: folder / verify.FOLDER / "runs" / name)
+        code = execute(folder, registry, [r.name for r in runs], executor, not args.no_progress)
+        rows = [registry.get(r.name) for r in runs]
+        if any(row.status != "done" for row in rows):
+            return code if code != 0 else 1
+        losses = [(run, float(row.summary.get("final_eval_loss") or row.summary["final_train_loss"]))
+                  for run, row in zip(runs, rows)]
+        verdict = verify.judge(predicted, losses, result.parametric.theta, result.thetas, result.config.ci_level)
+        md = verify.record(folder, registry, fit_dir, verdict)
+        print("\n".join(verify.describe(verdict)))
+        print(f"wrote {md} and the verification section of {fit_dir / 'report.md'}")
+        return 0 if verdict.verified else 1
+
+
+COMMANDS = {"plan": _plan, "run": _run, "status": _status, "retry": _retry, "cancel": _cancel, "export": _export,
+            "verify": _verify}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,12 +12,13 @@ from sweeps.registry import Row
 FORMATS = (".csv", ".parquet")
 
 
-def results(rows: list[Row]) -> pd.DataFrame:
-    """Finished runs as a table: ``params``, ``params_non_embedding``, ``tokens``, ``flops``, ``loss`` (the final
-    eval loss, else the final train loss) and the run's other figures."""
+def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFrame:
+    """Finished runs of the given roles (the sweep's own; ``search`` and ``verify`` runs on request) as a table:
+    ``params``, ``params_non_embedding``, ``tokens``, ``flops``, ``loss`` (the final eval loss, else the final
+    train loss) and the run's other figures."""
     records = []
     for row in rows:
-        if row.status != "done" or row.summary is None:
+        if row.status != "done" or row.summary is None or row.plan.role not in roles:
             continue
         s, p = row.summary, row.plan
         loss = s.get("final_eval_loss") if s.get("final_eval_loss") is not None else s.get("final_train_loss")
@@ -28,7 +29,7 @@ def results(rows: list[Row]) -> pd.DataFrame:
             "budget": p.budget, "flops_per_token": s.get("flops_per_token"), "n_layer": p.shape["n_layer"],
             "d_model": p.shape["d_model"], "n_head": p.shape["n_head"], "lr": p.lr, "batch_tokens": p.batch_tokens,
             "strategy": s.get("strategy"), "world_size": s.get("world_size"), "wall_time_s": s.get("wall_time_s"),
-            "steps": s.get("steps"), "config_hash": row.config_hash, "run_dir": str(row.run_dir),
+            "steps": s.get("steps"), "config_hash": row.config_hash, "run_dir": str(row.run_dir), "role": p.role,
         })
     return pd.DataFrame.from_records(records)
 

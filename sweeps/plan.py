@@ -26,7 +26,7 @@ from lab.config import RunConfig
 
 from sweeps import centre as centring
 from sweeps.shapes import count, family_shape, model_config, vocab_size
-from sweeps.spec import Launch, SpecError, Sweep, check_name
+from sweeps.spec import Launch, PowerRule, SpecError, Sweep, check_name
 
 BRACKET_SIDE = 2  # sizes each side of the minimum that the IsoFLOP analysis needs to locate it
 
@@ -48,6 +48,7 @@ class PlannedRun:
     launch: Launch
     args: tuple[str, ...]  # launch/run.py options, without --run-dir and --resume
     est_seconds: float
+    role: str = "sweep"  # or "search" (a hyperparameter grid run first) or "verify" (a held-out budget)
 
     @property
     def flops(self) -> float:
@@ -57,7 +58,10 @@ class PlannedRun:
     @property
     def config_hash(self) -> str:
         """Identity of what the run computes: its options, process count and nodes (not its name)."""
-        key = json.dumps({"args": list(self.args), "nproc": self.launch.nproc, "nodes": self.launch.nodes})
+        identity = {"args": list(self.args), "nproc": self.launch.nproc, "nodes": self.launch.nodes}
+        if self.role != "sweep":  # a search or verify run may compute what a sweep run does; both are kept
+            identity["role"] = self.role
+        key = json.dumps(identity)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,7 +116,7 @@ def launch_for(sweep: Sweep, params: float, entry_launch: dict[str, Any]) -> Lau
 Shape = tuple[str, float | None, dict, dict]  # (shape name, target size, model fields, launch settings)
 
 
-def _family_shapes(sweep: Sweep, sizes: list[float], where: str = "") -> tuple[list[Shape], list[str], list[str]]:
+def family_shapes(sweep: Sweep, sizes: list[float], where: str = "") -> tuple[list[Shape], list[str], list[str]]:
     """The family's shape for each size, refusals, and a warning for each size whose shape repeats an earlier one."""
     shapes: list[Shape] = []
     refused, repeats = [], []
@@ -148,21 +152,95 @@ def _shapes(sweep: Sweep, budget: float, fixed: list[Shape] | None, prior: centr
         return [(e.name, None, e.model, e.launch) for e in sweep.shapes], [], []
     if prior is None:
         return fixed, [], []
-    shapes, refused, warnings = _family_shapes(sweep, centring.targets(sweep, prior.params),
+    shapes, refused, warnings = family_shapes(sweep, centring.targets(sweep, prior.params),
                                                f"budget {budget:.3g}, ")
     bracket = _bracket_warning(sweep, prior, shapes)
     return shapes, refused, warnings + ([bracket] if bracket else [])
 
 
-def plan(sweep: Sweep) -> Plan:
-    """Every run of ``sweep`` in budget order, a one-line refusal for each entry that cannot run, and warnings."""
+@dataclass(frozen=True)
+class Tuned:
+    """Hyperparameter laws that replace ``[rules]``: LR(N) and, when searched, batch(C) (``sweeps.search``)."""
+
+    lr: PowerRule  # of N
+    batch_tokens: PowerRule | None  # of C; None: ``[rules] batch_tokens``
+
+
+def planned_run(sweep: Sweep, budget: float, shape_name: str, target: float | None, shape: dict[str, Any],
+                entry_launch: dict[str, Any], tuned: Tuned | None = None, *, lr: float | None = None,
+                batch_tokens: float | None = None, role: str = "sweep", name: str | None = None
+                ) -> PlannedRun | str:
+    """One run of ``shape`` at ``budget``, or the one line that refuses it.
+
+    The learning rate and batch are ``lr`` / ``batch_tokens`` when given, else from ``tuned``'s laws, else
+    from ``[rules]``; the batch is rounded to whole micro-steps of every process.
+    """
+    where = _where(budget, shape_name, target)
+    try:
+        cfg = model_config(sweep.base, shape)
+    except SpecError as e:
+        return f"{where}: {e}"
+    train = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train
+    counts = accounting.param_counts(cfg)
+    n = counts.total if sweep.count == "total" else counts.non_embedding
+    launch = launch_for(sweep, n, entry_launch)
+    unit = train.micro_batch * cfg.block_size * launch.world_size
+    if batch_tokens is None:
+        batch_tokens = (tuned.batch_tokens.at(budget) if tuned is not None and tuned.batch_tokens is not None
+                        else sweep.batch_tokens.at(n))
+    batch = unit * max(1, round(batch_tokens / unit))
+    fpt = accounting.flops_per_token(cfg)
+    tokens = budget / fpt
+    if tokens < batch:
+        return f"{where}: D = {tokens:,.0f} tokens is below one batch ({batch:,} tokens)"
+    tokens = batch * round(tokens / batch)
+    if lr is None:
+        lr = (tuned.lr if tuned is not None else sweep.lr).at(n)
+    lr = float(f"{lr:.4g}")
+    args = run_args(sweep.base, {
+        "model": {**shape, "vocab_size": vocab_size(sweep.base)},
+        "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch},
+        "parallel": {"strategy": launch.strategy},
+    })
+    eval_flops = fpt / 3 * train.eval_tokens  # forward only
+    est = (sweep.overhead_s + tokens // batch * sweep.step_s
+           + (fpt * tokens + eval_flops) / (sweep.flops_per_s * launch.world_size))
+    name = name or f"C{format_flops(budget)}-{shape_name}"
+    try:
+        check_name(name, "run name")
+    except SpecError as e:
+        return f"{where}: {e}"
+    return PlannedRun(name=name, budget=budget, target=target, shape=dict(shape), params=counts.total,
+                      params_non_embedding=counts.non_embedding, flops_per_token=fpt, tokens=tokens,
+                      batch_tokens=batch, lr=lr, launch=launch, args=args, est_seconds=est, role=role)
+
+
+def _where(budget: float, shape_name: str, target: float | None) -> str:
+    """How a refusal names a planned entry."""
+    return f"budget {budget:.3g}, " + (f"size {target:.3g} ({shape_name})" if target else f"shape {shape_name}")
+
+
+def _repeat(run: PlannedRun, where: str, by_name: dict[str, str], by_hash: dict[str, str]) -> str | None:
+    """A refusal when ``run`` repeats an earlier run's name or config; else record it."""
+    if run.name in by_name:
+        return f"{where}: duplicate run '{run.name}' (same name as {by_name[run.name]})"
+    if run.config_hash in by_hash:
+        return f"{where}: same config as run '{by_hash[run.config_hash]}'"
+    by_name[run.name], by_hash[run.config_hash] = where, run.name
+    return None
+
+
+def plan(sweep: Sweep, tuned: Tuned | None = None) -> Plan:
+    """Every run of ``sweep`` in budget order, a one-line refusal for each entry that cannot run, and warnings.
+
+    ``tuned``: the laws of the sweep's search, in place of ``[rules]``.
+    """
     refused: list[str] = []
     warnings: list[str] = []
     fixed = None
     if sweep.family is not None and sweep.centre is None:
-        fixed, refused, _ = _family_shapes(sweep, list(sweep.sizes))
+        fixed, refused, _ = family_shapes(sweep, list(sweep.sizes))
     priors = {p.budget: p for p in centring.priors(sweep)} if sweep.centre is not None else {}
-    train = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train
     runs: list[PlannedRun] = []
     by_name: dict[str, str] = {}
     by_hash: dict[str, str] = {}
@@ -171,49 +249,14 @@ def plan(sweep: Sweep) -> Plan:
         refused += budget_refused
         warnings += budget_warnings
         for shape_name, target, shape, entry_launch in shapes:
-            size = f"size {target:.3g} ({shape_name})" if target else f"shape {shape_name}"
-            where = f"budget {budget:.3g}, {size}"
-            try:
-                cfg = model_config(sweep.base, shape)
-            except SpecError as e:
-                refused.append(f"{where}: {e}")
+            run = planned_run(sweep, budget, shape_name, target, shape, entry_launch, tuned)
+            if isinstance(run, str):
+                refused.append(run)
                 continue
-            counts = accounting.param_counts(cfg)
-            n = counts.total if sweep.count == "total" else counts.non_embedding
-            launch = launch_for(sweep, n, entry_launch)
-            unit = train.micro_batch * cfg.block_size * launch.world_size
-            batch = unit * max(1, round(sweep.batch_tokens.at(n) / unit))
-            fpt = accounting.flops_per_token(cfg)
-            tokens = budget / fpt
-            if tokens < batch:
-                refused.append(f"{where}: D = {tokens:,.0f} tokens is below one batch ({batch:,} tokens)")
+            problem = _repeat(run, _where(budget, shape_name, target), by_name, by_hash)
+            if problem:
+                refused.append(problem)
                 continue
-            tokens = batch * round(tokens / batch)
-            lr = float(f"{sweep.lr.at(n):.4g}")
-            args = run_args(sweep.base, {
-                "model": {**shape, "vocab_size": vocab_size(sweep.base)},
-                "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch},
-                "parallel": {"strategy": launch.strategy},
-            })
-            eval_flops = fpt / 3 * train.eval_tokens  # forward only
-            est = (sweep.overhead_s + tokens // batch * sweep.step_s
-                   + (fpt * tokens + eval_flops) / (sweep.flops_per_s * launch.world_size))
-            name = f"C{format_flops(budget)}-{shape_name}"
-            try:
-                check_name(name, "run name")
-            except SpecError as e:
-                refused.append(f"{where}: {e}")
-                continue
-            run = PlannedRun(name=name, budget=budget, target=target, shape=dict(shape), params=counts.total,
-                             params_non_embedding=counts.non_embedding, flops_per_token=fpt, tokens=tokens,
-                             batch_tokens=batch, lr=lr, launch=launch, args=args, est_seconds=est)
-            if name in by_name:
-                refused.append(f"{where}: duplicate run '{name}' (same name as {by_name[name]})")
-                continue
-            if run.config_hash in by_hash:
-                refused.append(f"{where}: same config as run '{by_hash[run.config_hash]}'")
-                continue
-            by_name[name], by_hash[run.config_hash] = where, name
             runs.append(run)
     return Plan(runs=runs, refused=refused, warnings=warnings,
                 priors=[f"budget {p.budget:.3g}: prior N_opt {p.params:.4g} ({p.how})" for p in priors.values()])
@@ -221,14 +264,15 @@ def plan(sweep: Sweep) -> Plan:
 
 def table(runs: list[PlannedRun], count_which: str = "total", parallel: int = 1) -> str:
     """The plan as a fixed-width text table, with totals (``parallel``: local runs at once)."""
-    head = f"{'run':<24} {'N':>10} {'shape':>14} {'D (tokens)':>12} {'C (FLOPs)':>10} {'batch':>7} " \
+    width = max([24] + [len(r.name) for r in runs])
+    head = f"{'run':<{width}} {'N':>10} {'shape':>14} {'D (tokens)':>12} {'C (FLOPs)':>10} {'batch':>7} " \
            f"{'lr':>8} {'launch':>14} {'est. time':>9}"
     lines = [head, "-" * len(head)]
     for r in runs:
         n = r.params if count_which == "total" else r.params_non_embedding
         shape = f"{r.shape['n_layer']}×{r.shape['d_model']}/{r.shape['n_head']}h"
         launch = f"{r.launch.strategy}×{r.launch.world_size}"
-        lines.append(f"{r.name:<24} {n:>10,} {shape:>14} {r.tokens:>12,} {r.flops:>10.3g} {r.batch_tokens:>7,} "
+        lines.append(f"{r.name:<{width}} {n:>10,} {shape:>14} {r.tokens:>12,} {r.flops:>10.3g} {r.batch_tokens:>7,} "
                      f"{r.lr:>8.3g} {launch:>14} {_duration(r.est_seconds):>9}")
     total = sum(r.est_seconds for r in runs)
     at_once = f", about {_duration(total / parallel)} with {parallel} at once" if parallel > 1 else ""

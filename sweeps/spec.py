@@ -103,6 +103,23 @@ class Centre:
 
 
 @dataclass(frozen=True)
+class Search:
+    """``[search]``: hyperparameter grids run before the sweep, whose fitted laws the sweep's runs then use.
+
+    The learning-rate grid runs at ``budget`` for each size of ``sizes``; the best rate per size gives
+    LR(N) = c N^e. With ``batch_tokens``, that grid runs at each of ``batch_budgets`` (default: ``budget``)
+    for the budget's prior N_opt (the centre) or the middle search size, at LR(N); the best batch per
+    budget gives batch(C) = c C^e (constant with one budget).
+    """
+
+    budget: float
+    sizes: tuple[float, ...]
+    lr: tuple[float, ...]
+    batch_tokens: tuple[float, ...] = ()
+    batch_budgets: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Sweep:
     name: str
     folder: Path
@@ -127,6 +144,7 @@ class Sweep:
     centre: Centre | None = None  # sizes centred per budget on a prior N_opt(C), instead of fixed sizes
     decades_each_side: float = 0.5  # with a centre: sizes from N_opt / 10^x to N_opt × 10^x
     per_budget: int = 7  # with a centre: sizes per budget, log-spaced
+    search: Search | None = None  # hyperparameter grids run first; their laws replace [rules]
 
 
 _TABLES = {
@@ -138,7 +156,9 @@ _TABLES = {
     "estimate": {"flops_per_s", "step_s", "overhead_s"},
     "local": {"parallel", "threads"},
     "slurm": {"partition", "account", "qos", "constraint", "array_parallelism", "setup", "poll_s"},
+    "search": {"budget", "sizes", "lr", "batch_tokens", "batch_budgets"},
 }
+SEARCH_GRID_MIN = 3  # values a grid needs for its best value to be located between neighbours
 
 
 def _table(doc: dict, name: str) -> dict[str, Any]:
@@ -311,6 +331,31 @@ def _centre(sweep: dict[str, Any]) -> tuple[Centre, float, int]:
     return centre, decades, per_budget
 
 
+def _search(search: dict[str, Any], family: Family | None) -> Search | None:
+    """``[search]``, checked; None when the file has none."""
+    if not search:
+        return None
+    if family is None:
+        raise SpecError("[search] needs the 'aspect' shape family: it plans its sizes like [sweep] sizes")
+    for key in ("budget", "sizes", "lr"):
+        if key not in search:
+            raise SpecError(f"[search] needs '{key}'")
+    lrs = _numbers(search["lr"], "[search] lr")
+    batches = _numbers(search.get("batch_tokens", []), "[search] batch_tokens")
+    for key, grid in (("lr", lrs), ("batch_tokens", batches)):
+        if grid and len(grid) < SEARCH_GRID_MIN:
+            raise SpecError(f"[search] {key} needs at least {SEARCH_GRID_MIN} values, got {len(grid)}")
+    if "batch_budgets" in search and not batches:
+        raise SpecError("[search] batch_budgets needs batch_tokens (the batch grid)")
+    sizes = _numbers(search["sizes"], "[search] sizes")
+    if len(sizes) < 2:
+        raise SpecError("[search] sizes needs at least 2 sizes to fit LR(N)")
+    budget = _number(search["budget"], "[search] budget")
+    batch_budgets = _numbers(search.get("batch_budgets", [budget] if batches else []), "[search] batch_budgets")
+    return Search(budget=budget, sizes=tuple(sorted(sizes)), lr=tuple(sorted(lrs)), batch_tokens=tuple(sorted(batches)),
+                  batch_budgets=tuple(sorted(batch_budgets)))
+
+
 def _launch_rules(by_size: Any) -> tuple[LaunchRule, ...]:
     if not isinstance(by_size, list):
         raise SpecError("[[launch.by_size]] must be a list of tables")
@@ -387,6 +432,7 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         parallel=_integer(local.get("parallel", 1), "[local] parallel"),
         threads=_integer(local.get("threads", 0), "[local] threads", minimum=0),
         slurm=slurm, source=text, centre=centre, decades_each_side=decades, per_budget=per_budget,
+        search=_search(_table(doc, "search"), family),
     )
 
 
