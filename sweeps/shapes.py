@@ -7,7 +7,9 @@ exactly as ``lab.accounting.param_counts`` counts them, embeddings included):
    ``round(d_model / aspect)`` (at least 1) has N nearest the target (in log N);
 2. depth: at that width, the L in 1..max_layers whose N is nearest the target, so depth, which
    changes N in small steps, makes up for the coarse width grid;
-3. heads: ``d_model / head_dim`` (``head_dim`` divides ``width_multiple``, so heads divide the width).
+3. heads: ``d_model / head_dim`` (``head_dim`` divides ``width_multiple``, so heads divide the width);
+4. MLP width: ``round(ffn_ratio × d_model)`` when ``ffn_ratio`` is set, else the architecture's default
+   (which for SwiGLU rounds up to a multiple of 64: far from 8/3 × d_model at widths below a few hundred).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def count(cfg: ModelConfig, which: str) -> int:
 def family_shape(target: float, family: Family, which: str, base: dict[str, dict[str, Any]]) -> dict[str, int]:
     """The shape (n_layer, d_model, n_head) the family gives a target N; see the module docstring."""
     def shape(n_layer: int, width: int) -> dict[str, int]:
-        return {"n_layer": n_layer, "d_model": width, "n_head": width // family.head_dim}
+        s = {"n_layer": n_layer, "d_model": width, "n_head": width // family.head_dim}
+        return s if family.ffn_ratio is None else {**s, "d_ff": max(1, round(family.ffn_ratio * width))}
 
     def error(s: dict[str, int]) -> float:
         return abs(math.log(count(model_config(base, s), which) / target))

@@ -49,6 +49,7 @@ class Family:
     width_multiple: int = 64
     head_dim: int = 64
     max_layers: int = 48
+    ffn_ratio: float | None = None  # MLP width d_ff = round(ffn_ratio × d_model); None: the architecture's default
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class Sweep:
 
 _TABLES = {
     "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget"},
-    "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "list"},
+    "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "ffn_ratio", "list"},
     "rules": {"lr", "batch_tokens"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
     "base": {"model", "data", "train", "parallel"},
@@ -292,7 +293,8 @@ def _shape_source(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family
                     width_multiple=_integer(shapes.get("width_multiple", Family.width_multiple),
                                             "[shapes] width_multiple"),
                     head_dim=_integer(shapes.get("head_dim", Family.head_dim), "[shapes] head_dim"),
-                    max_layers=_integer(shapes.get("max_layers", Family.max_layers), "[shapes] max_layers"))
+                    max_layers=_integer(shapes.get("max_layers", Family.max_layers), "[shapes] max_layers"),
+                    ffn_ratio=_number(shapes["ffn_ratio"], "[shapes] ffn_ratio") if "ffn_ratio" in shapes else None)
     if family.width_multiple % family.head_dim:
         raise SpecError(f"[shapes] head_dim ({family.head_dim}) must divide width_multiple "
                         f"({family.width_multiple}) so that heads divide every width")

@@ -179,3 +179,12 @@ def test_the_verdict_compares_achieved_with_predicted():
     assert not v.n_opt_located and not v.n_opt_inside and not v.verified
     text = "\n".join(verify.describe(v))
     assert "NOT verified" in text and "not located" in text
+
+
+def test_the_family_sets_the_mlp_width_from_ffn_ratio():
+    sweep = parse(SWEEP.replace("max_layers = 1\n", "max_layers = 1\nffn_ratio = 2.6667\n")
+                  .replace("model = { block_size = 128 }", 'model = { arch = "modern", block_size = 128 }'))
+    for run in planner.plan(sweep).runs:
+        assert run.shape["d_ff"] == round(2.6667 * run.shape["d_model"])
+        assert f"--model.d_ff {run.shape['d_ff']}" in " ".join(run.args)
+    assert all("d_ff" not in r.shape for r in planner.plan(parse()).runs)  # unset: the architecture's default
