@@ -28,9 +28,16 @@ import pandas as pd  # noqa: E402
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note  # noqa: E402
 from analysis.fit import ENVELOPE_SOURCES, FitConfig, FitResult, fit_runs  # noqa: E402
-from analysis.parametric import named_samples  # noqa: E402
+from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
 from analysis.planner import LAW_COLUMNS, PARAMETRIC_COLUMNS, Unidentified, describe, load_fit, plan  # noqa: E402
-from analysis.table import DUPLICATE_POLICIES, PARAMS_COUNTS, InputError, load_runs, parse_column_map  # noqa: E402
+from analysis.table import (  # noqa: E402
+    DUPLICATE_ALIASES,
+    DUPLICATE_POLICIES,
+    PARAMS_COUNTS,
+    InputError,
+    load_runs,
+    parse_column_map,
+)
 from lab.files import process_alive  # noqa: E402
 
 EXIT_USAGE = 2
@@ -58,8 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map a table column to params, params_non_embedding, tokens, flops, loss or run_id")
     f.add_argument("--params-count", choices=PARAMS_COUNTS, default=None,
                    help="parameter count used as N when both are present (default: total)")
-    f.add_argument("--duplicates", choices=DUPLICATE_POLICIES, default="aggregate",
-                   help="runs with the same N and D: average them into one run (default) or refuse the table")
+    f.add_argument("--duplicates", choices=DUPLICATE_POLICIES + tuple(DUPLICATE_ALIASES), default="keep",
+                   help="runs with the same N and D: keep each as its own point, warning with their spread (default), "
+                        "average each group into one run (mean; 'aggregate' is its old name) or refuse the table")
+    f.add_argument("--exclude", action="append", default=[], metavar="RUN_ID_OR_CONDITION",
+                   help="leave out the run with this id, or the runs matching a pandas condition on the columns "
+                        "(e.g. \"loss > 4\" or \"params < 1e7\"); repeatable; the report lists what was dropped")
+    f.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
+                   help="leave out the K runs with the highest loss (after --exclude)")
+    f.add_argument("--huber-delta", type=float, default=HUBER_DELTA,
+                   help=f"approach 3's Huber threshold on log-loss residuals (default {HUBER_DELTA:g}, as in "
+                        "Hoffmann et al.)")
     f.add_argument("--budget-tol", type=float, default=0.05, help="relative spread of C within one budget")
     f.add_argument("--isoflop-minimum", choices=("vertex", "lowest"), default="vertex",
                    help="per-budget minimum for the IsoFLOP power laws (default: windowed parabola vertex)")
@@ -73,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes for the bootstrap (default: the CPUs available)")
     f.add_argument("--starts", type=int, default=8, help="L-BFGS starts from the best grid points")
     f.add_argument("--no-holdout", action="store_true", help="skip the hold-out check")
+    held = f.add_mutually_exclusive_group()
+    held.add_argument("--holdout-budgets", type=int, default=1, metavar="K",
+                      help="the hold-out check keeps back the K largest budgets (default 1)")
+    held.add_argument("--holdout-above", type=float, default=None, metavar="FLOPS",
+                      help="the hold-out check keeps back every run with C above FLOPS")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("plan", help="compute-optimal N, D, loss and time for a budget, from a fit.json")
@@ -177,9 +198,11 @@ def _fit(args: argparse.Namespace) -> int:
     config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
                        predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
-                       envelope=args.envelope)
+                       envelope=args.envelope, huber_delta=args.huber_delta, holdout_budgets=args.holdout_budgets,
+                       holdout_above=args.holdout_above)
     config.validate()
-    table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates)
+    table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates,
+                      exclude=args.exclude, drop_highest_loss=args.drop_highest_loss)
     result = fit_runs(table, config)
     doc = result.to_dict()
     names = write_outputs(result, doc, out)

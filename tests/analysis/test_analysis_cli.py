@@ -92,7 +92,8 @@ def test_reports_cover_what_a_reader_of_the_chinchilla_paper_looks_for(fit_out):
                 "Kaplan et al. (2020)"):
         assert row in md
     # these runs name no data set, so the published laws' N_opt and D_opt are left out and listed in a note
-    assert "Published laws not drawn, since their losses are on MassiveText with its tokenizer" in md
+    assert "Published laws not drawn, since their losses are on another data set with its tokenizer" in md
+    assert "Chinchilla approach 3 (a = 0.452, MassiveText)" in md
     assert "arXiv:2203.15556" in md and "arXiv:2404.10102" in md
     # Goodness of fit and covariance.
     assert f"RMSE {a3['goodness']['rmse_loss']:.4g} nats per token" in md

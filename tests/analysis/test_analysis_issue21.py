@@ -1,0 +1,177 @@
+"""Issue 21: repeats kept as points, outliers, exclusions, noiseless data, published laws, Huber delta, hold-out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.__main__ import main
+from analysis.fit import FitConfig, fit_runs
+from analysis.parametric import fit_parametric
+from analysis.published import LAWS
+from analysis.report import build_blocks, render_markdown
+from analysis.synthetic import isoflop_runs
+from analysis.table import InputError, load_runs
+
+BUDGETS = np.geomspace(1e18, 1e21, 5)
+QUICK = FitConfig(n_bootstrap=0, progress=False, holdout=False, delta_sensitivity=False)
+
+
+def _csv(tmp_path: Path, runs: pd.DataFrame, name: str = "runs.csv") -> Path:
+    path = tmp_path / name
+    runs.to_csv(path, index=False)
+    return path
+
+
+def _runs(noise: float = 0.005, seed: int = 0) -> pd.DataFrame:
+    return isoflop_runs(BUDGETS, per_budget=8, spread=6, noise=noise, seed=seed)
+
+
+def _with_repeats(runs: pd.DataFrame) -> pd.DataFrame:
+    """Every run of the first two budgets again, 3 % higher: runs at one N and D on less unique data."""
+    again = runs.iloc[:16].assign(run_id=runs["run_id"].iloc[:16] + "-rep", loss=runs["loss"].iloc[:16] * 1.03)
+    return pd.concat([runs, again], ignore_index=True)
+
+
+def test_repeats_are_each_their_own_point_by_default_and_warned_with_their_spread(tmp_path):
+    path = _csv(tmp_path, _with_repeats(_runs()))
+    kept = load_runs(path)
+    assert len(kept.runs) == 56 and kept.duplicate_policy == "keep" and len(kept.duplicates) == 16
+    [(code, message)] = [w for w in kept.warnings if w[0] == "duplicates"]
+    assert "32 runs share N and D" in message and "kept as its own point" in message
+    largest = max(g["loss_range"] for g in kept.duplicates)
+    assert f"largest {largest:.3g} nats" in message and largest == pytest.approx(0.03 * kept.loss.max(), rel=0.5)
+    averaged = load_runs(path, duplicates="mean")
+    assert len(averaged.runs) == 40 and averaged.runs["run_id"].str.contains(r"\+1 repeat").sum() == 16
+    assert len(load_runs(path, duplicates="aggregate").runs) == 40  # the old name still works
+    with pytest.raises(InputError, match="duplicate runs: 32 runs share N and D"):
+        load_runs(path, duplicates="refuse")
+    # every row weighs in the fit: the kept fit differs from the averaged one, and equals a fit of the raw rows
+    theta_kept = fit_runs(kept, QUICK).parametric.theta
+    raw = fit_parametric(kept.n, kept.d, kept.loss).theta
+    np.testing.assert_allclose(theta_kept, raw, rtol=1e-8)
+    assert not np.allclose(theta_kept, fit_runs(averaged, QUICK).parametric.theta, rtol=1e-3)
+
+
+def test_an_outlier_is_flagged_in_the_terminal_and_the_report_and_dropped_on_request(tmp_path, capsys):
+    runs = _runs()
+    runs.loc[10, "loss"] += 1.0  # one run 1 nat above the law, as a point misread off a figure
+    path = _csv(tmp_path, runs)
+    cut = f"loss > {runs['loss'].drop(10).max() + 0.01:.3f}"
+    out = tmp_path / "fit"
+    assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress", "--no-holdout"]) == 0
+    terminal = capsys.readouterr().out
+    assert "warning [outliers]: 1 run(s) lie more than 3.5 robust standard deviations" in terminal
+    assert "run0010 (+0.9" in terminal or "run0010 (+1" in terminal
+    doc = json.loads((out / "fit.json").read_text())
+    [flag] = doc["outliers"]["runs"]
+    assert flag["run_id"] == "run0010" and flag["z"] > 3.5 and flag["residual"] == pytest.approx(1.0, abs=0.05)
+    report = (out / "report.md").read_text()
+    assert "## Outliers and dropped runs" in report and "| run0010 |" in report
+    assert "No run was left out" in report
+
+    # the replicators' recipe: drop the K highest losses; and --exclude by id or by condition
+    for extra, reason in ((["--drop-highest-loss", "1"], "--drop-highest-loss 1"),
+                          (["--exclude", "run0010"], "--exclude run0010"),
+                          (["--exclude", cut], f"--exclude {cut}")):
+        assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress", "--no-holdout",
+                     *extra]) == 0
+        doc = json.loads((out / "fit.json").read_text())
+        assert [d["run_id"] for d in doc["dropped"]] == ["run0010"] and doc["dropped"][0]["reason"] == reason
+        assert doc["data"]["n_runs"] == 39 and doc["outliers"]["runs"] == []
+        assert f"| run0010 | {doc['dropped'][0]['params']:.4g}" in (out / "report.md").read_text()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--exclude", "no such run"], "error: --exclude 'no such run': no run has that id, and it is not a condition"),
+    (["--exclude", "params"], "error: --exclude 'params': no run has that id, and it is not a true/false condition"),
+    (["--drop-highest-loss", "40"], "error: --drop-highest-loss 40 would drop every one of the 40 runs"),
+    (["--huber-delta", "0"], "error: --huber-delta must be a positive number"),
+    (["--holdout-budgets", "0"], "error: --holdout-budgets must be >= 1"),
+])
+def test_bad_selections_are_one_line_errors_before_any_work(tmp_path, capsys, extra, message):
+    path = _csv(tmp_path, _runs())
+    out = tmp_path / "fit"
+    assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_noiseless_data_are_named_and_their_starts_agree():
+    table_path_free = isoflop_runs(BUDGETS, per_budget=8, spread=6, noise=0.0, seed=0)
+    fit = fit_parametric(table_path_free["params"].to_numpy(), table_path_free["tokens"].to_numpy(),
+                         table_path_free["loss"].to_numpy())
+    assert fit.objective < 1e-12  # the objective is near zero, where a relative test compares rounding only
+    assert fit.starts_agreeing == fit.n_starts
+
+
+def test_noiseless_data_warn_and_no_false_start_alarm(tmp_path):
+    path = _csv(tmp_path, isoflop_runs(BUDGETS, per_budget=8, spread=6, noise=0.0, seed=0))
+    result = fit_runs(load_runs(path), FitConfig(n_bootstrap=20, progress=False, holdout=False,
+                                                 delta_sensitivity=False))
+    codes = [c for c, _ in result.warnings]
+    assert "noiseless" in codes and "start_grid" not in codes
+    assert result.noiseless and result.outliers["runs"] == []
+    report = render_markdown(build_blocks(result.to_dict()))
+    assert "NOISELESS DATA" in report
+    noisy = fit_runs(load_runs(_csv(tmp_path, _runs(), "noisy.csv")), QUICK)
+    assert not noisy.noiseless and "noiseless" not in [c for c, _ in noisy.warnings]
+
+
+def test_published_rows_give_e_a_b_alpha_beta_of_each_paper(tmp_path):
+    by_name = {law.name: law for law in LAWS}
+    assert (by_name["Chinchilla approach 3"].E, by_name["Chinchilla approach 3"].A) == (1.69, 406.4)
+    assert by_name["Epoch AI replication of approach 3"].B == 2085.43
+    muennighoff = by_name["Data-constrained law"]
+    assert (muennighoff.alpha, muennighoff.beta, muennighoff.r_d_star, muennighoff.dataset) == (0.353, 0.353, 15.387,
+                                                                                                  "C4")
+    doc = fit_runs(load_runs(_csv(tmp_path, _runs())), QUICK).to_dict()
+    report = render_markdown(build_blocks(doc))
+    assert "| published law | data | E | A | B | alpha | beta | R_D* | R_N* | source |" in report
+    for law in LAWS:
+        assert f"| {law.name} | {law.dataset} | {law.E:.4g} | {law.A:.4g} | {law.B:.4g} | {law.alpha:.4g} |" in report
+
+
+def test_huber_delta_is_used_and_the_report_has_a_delta_sensitivity_table(tmp_path, capsys):
+    runs = _runs()
+    runs.loc[10, "loss"] += 1.0
+    table = load_runs(_csv(tmp_path, runs))
+    result = fit_runs(table, FitConfig(n_bootstrap=0, progress=False, holdout=False, huber_delta=1e-2))
+    deltas = [r["huber_delta"] for r in result.delta_sensitivity]
+    assert deltas == [1e-4, 1e-3, 1e-2, 1e-1] and [r["fitted"] for r in result.delta_sensitivity] == [0, 0, 1, 0]
+    doc = result.to_dict()
+    assert doc["approach3"]["fit"]["huber_delta"] == 1e-2 and doc["approach3"]["alpha"] == result.delta_sensitivity[2][
+        "alpha"]
+    # least squares (large delta) is pulled by the outlier, the robust fits are not
+    by_delta = {r["huber_delta"]: r for r in result.delta_sensitivity}
+    assert abs(by_delta[1e-1]["alpha"] - 0.34) > 3 * abs(by_delta[1e-3]["alpha"] - 0.34)
+    report = render_markdown(build_blocks(doc))
+    assert "## Sensitivity to the Huber delta" in report and "| **0.01** |" in report
+    out = tmp_path / "fit"
+    assert main(["fit", str(tmp_path / "runs.csv"), "--out", str(out), "--bootstrap", "0", "--no-progress",
+                 "--huber-delta", "0.01", "--no-holdout"]) == 0
+    assert json.loads((out / "fit.json").read_text())["config"]["huber_delta"] == 0.01
+    capsys.readouterr()
+
+
+def test_holdout_budgets_and_above_predict_each_held_out_run(tmp_path):
+    table = load_runs(_csv(tmp_path, _runs()))
+    base = {"n_bootstrap": 0, "progress": False, "delta_sensitivity": False}
+    two = fit_runs(table, FitConfig(**base, holdout_budgets=2)).holdout
+    assert two["n_holdout"] == 16 and two["n_train"] == 24 and "2 largest budgets" in two["held_out"]
+    assert sorted({r["flops"] for r in two["approach3"]["runs"]}) == pytest.approx(BUDGETS[-2:])
+    for r in two["approach3"]["runs"]:
+        assert r["error"] == pytest.approx(r["predicted"] - r["loss"]) and abs(r["rel_error"]) < 0.05
+    above = fit_runs(table, FitConfig(**base, holdout_above=float(BUDGETS[1]) * 1.5)).holdout
+    assert above["n_holdout"] == 24 and "C above" in above["held_out"]
+    assert above["isoflop"] is not None  # the largest budget is wholly held out: its N_opt is predicted too
+    report = render_markdown(build_blocks(fit_runs(table, FitConfig(**base, holdout_budgets=2)).to_dict()))
+    assert "| run | N | D | C | actual loss | predicted | error (nats) | rel error |" in report
+    none = fit_runs(table, FitConfig(**base, holdout_above=1e30)).holdout
+    assert none["skipped"] and "no run to hold out" in none["reason"]
