@@ -41,6 +41,7 @@ from analysis.table import (  # noqa: E402
 from lab.files import process_alive  # noqa: E402
 
 EXIT_USAGE = 2
+FIGURE_FORMATS = ("png", "svg", "pdf")
 EXIT_UNIDENTIFIED = 3
 EXIT_INTERRUPTED = 130
 STAGING_PREFIX = ".fit-staging-"
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the hold-out check keeps back the K largest budgets (default 1)")
     held.add_argument("--holdout-above", type=float, default=None, metavar="FLOPS",
                       help="the hold-out check keeps back every run with C above FLOPS")
+    f.add_argument("--format", default="png", type=_formats, metavar="FORMATS",
+                   help=f"figure formats, comma-separated, of {', '.join(FIGURE_FORMATS)} (default png; the PNG, "
+                        "200 dpi, is always written for the reports)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("plan", help="compute-optimal N, D, loss and time for a budget, from a fit.json")
@@ -109,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="law to plan from (default: the first identified of approach3, isoflop, envelope)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    """``png,svg`` -> ("png", "svg"); an unknown format is a usage error."""
+    items = tuple(dict.fromkeys(f.strip().lower() for f in text.split(",") if f.strip()))
+    bad = [f for f in items if f not in FIGURE_FORMATS]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"unknown figure format(s) {', '.join(bad) or repr(text)}; "
+                                         f"use {', '.join(FIGURE_FORMATS)}")
+    return items
 
 
 def bootstrap_frame(result: FitResult) -> pd.DataFrame:
@@ -131,9 +145,10 @@ def remove_stale_staging(out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
-    """Write all outputs (``doc`` is result.to_dict()) to a staging folder in ``out``, then rename them
-    into place, fit.json last."""
+def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, ...] = ("png",)) -> list[str]:
+    """Write all outputs (``doc`` is result.to_dict(); figures in ``formats``) to a staging folder in ``out``,
+    then rename them into place, fit.json last."""
+    from analysis.exports import latex, tidy
     from analysis.plots import make_plots  # matplotlib only when there is something to draw
     from analysis.report import build_blocks, render_html, render_markdown
 
@@ -144,7 +159,10 @@ def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
         (staging / "fit.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         if result.thetas is not None:
             bootstrap_frame(result).to_csv(staging / "bootstrap.csv", index=False)
-        images = make_plots(result, staging, result.config.workers)
+        images = make_plots(result, staging, result.config.workers, formats)
+        tables = tidy(doc)
+        tables.to_csv(staging / "tables.csv", index=False)
+        (staging / "tables.tex").write_text(latex(tables))
         blocks = build_blocks(doc)
         (staging / "report.md").write_text(render_markdown(blocks))
         (staging / "report.html").write_text(render_html(blocks, images))
@@ -205,7 +223,7 @@ def _fit(args: argparse.Namespace) -> int:
                       exclude=args.exclude, drop_highest_loss=args.drop_highest_loss)
     result = fit_runs(table, config)
     doc = result.to_dict()
-    names = write_outputs(result, doc, out)
+    names = write_outputs(result, doc, out, args.format)
     print("\n".join(_summary(doc)))
     for code, message in result.warnings:
         print(f"warning [{code}]: {message}")

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
-from analysis.plots import FIGURES
+from analysis.plots import CURVES_FIGURE, FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, MUENNIGHOFF, TABLE3, comparable, listed_note
 from analysis.synthetic import law_optimum
 
@@ -91,7 +91,8 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
     blocks += [("h", 2, "Approaches compared: predictions")] + _predictions_blocks(doc)
     blocks += [("h", 2, "Data")] + _data_blocks(doc)
     blocks += [("h", 2, "Hold-out check")] + _holdout_blocks(doc["holdout"])
-    blocks += [("h", 2, "Figures")] + [("img", stem, caption) for stem, caption in FIGURES]
+    figures = FIGURES + ((CURVES_FIGURE,) if data["n_curves"] else ())
+    blocks += [("h", 2, "Figures")] + [("img", stem, caption) for stem, caption in figures]
     warnings = doc["warnings"]
     blocks += [("h", 2, "Warnings"),
                ("warn", [f"[{w['code']}] {w['message']}" for w in warnings]) if warnings else ("p", "None.")]

@@ -175,3 +175,103 @@ def test_holdout_budgets_and_above_predict_each_held_out_run(tmp_path):
     assert "| run | N | D | C | actual loss | predicted | error (nats) | rel error |" in report
     none = fit_runs(table, FitConfig(**base, holdout_above=1e30)).holdout
     assert none["skipped"] and "no run to hold out" in none["reason"]
+
+
+def _png_width(data: bytes) -> int:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big")  # IHDR: width, then height
+
+
+def test_figures_in_every_format_at_200_dpi_and_tables_as_csv_and_latex(tmp_path, capsys):
+    from analysis.synthetic import write_sweep
+
+    write_sweep(_runs(), tmp_path / "sweep")
+    out = tmp_path / "fit"
+    assert main(["fit", str(tmp_path / "sweep"), "--out", str(out), "--bootstrap", "20", "--no-progress",
+                 "--workers", "1", "--format", "svg,pdf"]) == 0
+    for stem in ("isoflop", "allocation", "frontier", "contours", "residuals", "curves"):
+        assert _png_width((out / f"{stem}.png").read_bytes()) >= 200 * 7  # every figure is at least 7 in wide
+        assert (out / f"{stem}.svg").read_text().lstrip().startswith("<?xml")
+        assert (out / f"{stem}.pdf").read_bytes()[:5] == b"%PDF-"
+    doc = json.loads((out / "fit.json").read_text())
+    tables = pd.read_csv(out / "tables.csv")
+    assert list(tables.columns) == ["table", "row", "quantity", "value", "ci_low", "ci_high"]
+    alpha = tables[(tables["table"] == "parameters") & (tables["quantity"] == "alpha")].iloc[0]
+    assert alpha["value"] == doc["approach3"]["alpha"] and alpha["ci_low"] == doc["approach3"]["ci"]["alpha"][0]
+    published = tables[tables["table"] == "published"]
+    assert set(published["row"]) == {law.name for law in LAWS}
+    assert published[(published["row"] == "Data-constrained law") & (published["quantity"] == "R_D*")][
+        "value"].iloc[0] == 15.387
+    assert len(tables[tables["table"] == "holdout"]) == 2 * doc["holdout"]["n_holdout"]
+    tex = (out / "tables.tex").read_text()
+    assert tex.count(r"\begin{tabular}") == 6 and r"\toprule" in tex
+    assert f"approach 3 & {doc['approach3']['E']:.4g} [" in tex
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", str(tmp_path / "sweep"), "--out", str(out), "--format", "png,gif"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("error: argument --format: unknown figure format(s) gif")
+
+
+def test_figures_stay_readable_at_20000_runs(tmp_path):
+    import dataclasses
+
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PathCollection
+
+    from analysis.plots import plot_allocation, plot_contours, plot_frontier, plot_isoflop, plot_residuals
+    from analysis.synthetic import continuous_runs
+
+    small = fit_runs(load_runs(_csv(tmp_path, _runs())), FitConfig(n_bootstrap=20, progress=False, holdout=False,
+                                                                   delta_sensitivity=False))
+    many = dataclasses.replace(small, table=load_runs(_csv(tmp_path, continuous_runs(20000, seed=1), "many.csv")))
+    for maker in (plot_frontier, plot_contours, plot_residuals):
+        fig = maker(many)
+        dots = [c for ax in fig.axes for c in ax.collections
+                if isinstance(c, PathCollection) and len(c.get_offsets()) == 20000]
+        assert dots
+        for runs in dots:
+            assert runs.get_alpha() <= 0.1 and runs.get_sizes()[0] <= 2.0 and runs.get_rasterized()
+            lines = [ln for ax in fig.axes for ln in ax.get_lines()]
+            assert all(runs.get_zorder() < ln.get_zorder() for ln in lines)  # the fitted lines are drawn on top
+        plt.close(fig)
+    for maker in (plot_frontier, plot_contours, plot_isoflop, plot_allocation):
+        fig = maker(small)
+        fig.canvas.draw()
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+        assert legends
+        for legend in legends:  # every legend lies below the plotting areas, off the data
+            box = legend.get_window_extent()
+            assert all(box.y1 <= ax.get_window_extent().y0 for ax in fig.axes[:1])
+        labels = [t.get_text() for legend in legends for t in legend.get_texts()]
+        if maker in (plot_frontier, plot_allocation):
+            assert any(label.endswith("95% bootstrap band") for label in labels), labels
+        plt.close(fig)
+    fig = plot_allocation(small)
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    iso, a3 = lines["approach 2 (IsoFLOP)"], lines["approach 3 (parametric)"]
+    assert iso.get_zorder() > a3.get_zorder() and iso.get_linewidth() > a3.get_linewidth()  # never hidden under 3
+    plt.close(fig)
+
+
+def test_training_curves_figure_colours_each_run_by_its_size(tmp_path):
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
+
+    from analysis.plots import plot_curves
+    from analysis.synthetic import write_sweep
+
+    write_sweep(_runs(), tmp_path / "sweep")
+    result = fit_runs(load_runs(tmp_path / "sweep"), QUICK)
+    fig = plot_curves(result)
+    tokens_ax, flops_ax = fig.axes[:2]
+    assert (tokens_ax.get_xlabel(), flops_ax.get_xlabel()) == ("tokens seen", "compute spent C (FLOPs)")
+    assert fig.axes[2].get_ylabel() == "parameters N"  # the colour bar
+    for ax, field in ((tokens_ax, "tokens"), (flops_ax, "flops")):
+        [lines] = [c for c in ax.collections if isinstance(c, LineCollection)]
+        assert len(lines.get_segments()) == len(result.table.curves) == 40
+        np.testing.assert_allclose(lines.get_segments()[0][:, 0], getattr(result.table.curves[0], field))
+        colours = lines.get_colors()
+        small, large = np.argmin([c.params for c in result.table.curves]), np.argmax(
+            [c.params for c in result.table.curves])
+        assert not np.allclose(colours[small], colours[large])
+    plt.close(fig)

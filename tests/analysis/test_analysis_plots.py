@@ -34,7 +34,8 @@ def _fit(tmp_path, runs, **config):
 
 
 def _labels(fig: plt.Figure) -> list[str]:
-    return [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+    return [t.get_text() for legend in legends for t in legend.get_texts()]
 
 
 @pytest.fixture(scope="module")
