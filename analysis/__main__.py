@@ -1,4 +1,5 @@
-"""Command line: ``python -m analysis fit RESULTS --out DIR`` and ``python -m analysis plan FIT_JSON``.
+"""Command line: ``python -m analysis fit RESULTS --out DIR``, ``python -m analysis compare FIT_OR_SWEEP ... --out
+DIR`` and ``python -m analysis plan FIT_JSON``.
 
 Exit codes: 0 done; 2 bad input, one line ``error: ...`` on stderr before any work; 3 the data
 identify no law (``fit`` still writes its report, which says why; ``plan`` refuses); 130
@@ -29,7 +30,15 @@ import pandas as pd  # noqa: E402
 from analysis.compare import APPROACHES, TITLES, disagreement_note  # noqa: E402
 from analysis.fit import ENVELOPE_SOURCES, FitConfig, FitResult, fit_runs  # noqa: E402
 from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
-from analysis.planner import LAW_COLUMNS, PARAMETRIC_COLUMNS, Unidentified, describe, load_fit, plan  # noqa: E402
+from analysis.planner import (  # noqa: E402
+    LAW_COLUMNS,
+    PARAMETRIC_COLUMNS,
+    Unidentified,
+    allocations,
+    describe,
+    load_fit,
+    plan,
+)
 from analysis.table import (  # noqa: E402
     DUPLICATE_ALIASES,
     DUPLICATE_POLICIES,
@@ -99,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"figure formats, comma-separated, of {', '.join(FIGURE_FORMATS)} (default png; the PNG, "
                         "200 dpi, is always written for the reports)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    c = sub.add_parser("compare", help="overlay the allocation and frontier of several fits or sweeps, with a "
+                                       "side-by-side parameter table")
+    c.add_argument("inputs", nargs="+", metavar="FIT_OR_SWEEP",
+                   help="a fit.json (or a folder holding one), or a sweep folder or table to fit with the defaults")
+    c.add_argument("--out", required=True, help="output folder (created if missing)")
+    c.add_argument("--label", action="append", default=[], help="a name per input, in order (default: folder names)")
+    c.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for inputs fitted here")
+    c.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes for the bootstrap")
+    c.add_argument("--format", default="png", type=_formats, metavar="FORMATS",
+                   help=f"figure formats, comma-separated, of {', '.join(FIGURE_FORMATS)} (the PNG is always written)")
 
     p = sub.add_parser("plan", help="compute-optimal N, D, loss and time for a budget, from a fit.json")
     p.add_argument("fit_json", help="fit.json written by 'fit'")
@@ -234,6 +254,55 @@ def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from analysis import fits
+    from analysis.plots import COMPARE_FIGURES, plot_compare_allocation, plot_compare_frontier, save_figure
+    from analysis.report import render_html, render_markdown
+
+    paths = [Path(p) for p in args.inputs]
+    if len(paths) < 2:
+        raise InputError(f"compare needs at least 2 inputs, got {len(paths)}")
+    if args.label and len(args.label) != len(paths):
+        raise InputError(f"--label given {len(args.label)} time(s) for {len(paths)} inputs")
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise InputError(f"no such file or directory: {', '.join(missing)}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a folder")
+    labels = args.label or fits.labels_for(paths)
+    config = FitConfig(n_bootstrap=args.bootstrap, workers=args.workers, progress=False, delta_sensitivity=False)
+    config.validate()
+    entries = []
+    for label, path in zip(labels, paths):
+        found = fits.fit_json_path(path)
+        if found is not None:
+            entries.append(fits.entry_from_fit(label, found))
+            continue
+        result = fit_runs(load_runs(path), config)
+        doc = result.to_dict()
+        samples = bootstrap_frame(result) if result.thetas is not None else None
+        entries.append(fits.FitEntry(label, doc, allocations(doc, samples), result.table.runs))
+    table = fits.parameter_table(entries)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out))
+    try:
+        images = {stem: save_figure(maker(entries), staging, stem, args.format)
+                  for (stem, _), maker in zip(COMPARE_FIGURES, (plot_compare_allocation, plot_compare_frontier))}
+        table.to_csv(staging / "compare.csv", index_label="quantity")
+        blocks = fits.blocks(table, [str(p) for p in paths], COMPARE_FIGURES)
+        (staging / "compare.md").write_text(render_markdown(blocks))
+        (staging / "compare.html").write_text(render_html(blocks, images))
+        names = sorted(p.name for p in staging.iterdir())
+        for name in names:
+            (staging / name).replace(out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(table.to_string())
+    print(f"wrote {', '.join(names)} to {out}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     doc, samples = load_fit(args.fit_json)
     result = plan(doc, args.gpu, args.n_gpus, args.mfu, flops=args.flops, gpu_hours=args.gpu_hours,
@@ -274,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
-        return _fit(args) if args.command == "fit" else _plan(args)
+        return {"fit": _fit, "compare": _compare, "plan": _plan}[args.command](args)
     except Unidentified as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNIDENTIFIED

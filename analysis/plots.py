@@ -375,13 +375,67 @@ def plot_curves(result: FitResult) -> plt.Figure:
     return fig
 
 
-_MAKERS = {"isoflop": plot_isoflop, "allocation": plot_allocation, "frontier": plot_frontier,
-           "contours": plot_contours, "residuals": plot_residuals, "curves": plot_curves}
+COMPARE_FIGURES = (
+    ("compare_allocation", "N_opt and D_opt against C: each fit's law (the one it plans with) with its bootstrap band"),
+    ("compare_frontier", "Loss against compute: each fit's approach-3 frontier L(N_opt(C), D_opt(C)), and the runs "
+                         "of inputs fitted here"),
+)
 
 
-def render(result: FitResult, stem: str, formats: tuple[str, ...] = ("png",)) -> dict[str, bytes]:
-    """One figure in each of ``formats`` (PNG at ``_DPI``), as bytes by format."""
-    fig = _MAKERS[stem](result)
+def _compare_flops(entries: list[Any]) -> np.ndarray:
+    lo = min(e.flops_range[0] for e in entries)
+    hi = max(e.flops_range[1] for e in entries)
+    return np.geomspace(lo / 1.5, hi * 10.0, 120)
+
+
+def plot_compare_allocation(entries: list[Any]) -> plt.Figure:
+    """Each fit's N_opt(C) and D_opt(C) overlaid, one colour per fit (``fits.FitEntry``)."""
+    flops = _compare_flops(entries)
+    fig, axes = _figure("allocation", 1, 2, figsize=(11, 5.4))
+    for i, entry in enumerate(entries):
+        key = entry.law_key
+        if key is None:
+            continue
+        alloc, level = entry.allocations[key], entry.doc["config"]["ci_level"]
+        for which, ax in enumerate(axes):
+            _law_line(ax, alloc.law, alloc.samples, flops, which, level, band=True, color=f"C{i}",
+                      ls=("-", "--", "-.", ":")[i % 4], lw=1.8, zorder=3 + i,
+                      label=f"{entry.label}: {TITLES[key]}, a = {alloc.law.a[0]:.3g}")
+            ax.axvspan(*entry.flops_range, color=f"C{i}", alpha=0.05, lw=0)
+    for which, ax in enumerate(axes):
+        ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs)",
+               ylabel="N_opt (parameters)" if which == 0 else "D_opt (tokens)",
+               title=("N_opt" if which == 0 else "D_opt") + "(C); tinted: each fit's data")
+        _plain_log(ax)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 0.02), ncol=2, frameon=False)
+    return fig
+
+
+def plot_compare_frontier(entries: list[Any]) -> plt.Figure:
+    """Each fit's approach-3 loss frontier overlaid, with the runs of inputs fitted here."""
+    flops = _compare_flops(entries)
+    fig, ax = _figure("frontier", figsize=(7.5, 5.6))
+    for i, entry in enumerate(entries):
+        if entry.runs is not None:
+            ax.scatter(entry.runs["flops"], entry.runs["loss"], color=f"C{i}", zorder=2,
+                       label=f"{entry.label}: runs", **_point_style(len(entry.runs)))
+        k = entry.doc["approach3"]["fit"]["flops_k"]
+        ident = entry.doc["approach3"]["identification"]["identified"]
+        _, _, loss = compute_optimal(entry.theta, flops, k)
+        ax.plot(flops, loss[0], color=f"C{i}", ls=("-", "--", "-.")[i % 3] if ident else ":", lw=1.8, zorder=3 + i,
+                label=f"{entry.label}: approach 3 frontier" + ("" if ident else " (not identified)"))
+    ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs)", ylabel="loss (nats per token)",
+           title="Loss-compute frontiers compared")
+    _plain_log(ax)
+    _legend_below(ax, ncol=2)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _encode(fig: plt.Figure, formats: tuple[str, ...]) -> dict[str, bytes]:
+    """``fig`` in each of ``formats`` (PNG at ``_DPI``), as bytes by format; the figure is closed."""
     out = {}
     for fmt in formats:
         buffer = io.BytesIO()
@@ -389,6 +443,27 @@ def render(result: FitResult, stem: str, formats: tuple[str, ...] = ("png",)) ->
         out[fmt] = buffer.getvalue()
     plt.close(fig)
     return out
+
+
+def _with_png(formats: tuple[str, ...]) -> tuple[str, ...]:
+    return ("png",) + tuple(f for f in formats if f != "png")
+
+
+def save_figure(fig: plt.Figure, out_dir: Path, stem: str, formats: tuple[str, ...] = ("png",)) -> bytes:
+    """Write ``fig`` as ``<stem>.<format>`` for PNG and each of ``formats``; returns the PNG bytes."""
+    images = _encode(fig, _with_png(formats))
+    for fmt, data in images.items():
+        (Path(out_dir) / f"{stem}.{fmt}").write_bytes(data)
+    return images["png"]
+
+
+_MAKERS = {"isoflop": plot_isoflop, "allocation": plot_allocation, "frontier": plot_frontier,
+           "contours": plot_contours, "residuals": plot_residuals, "curves": plot_curves}
+
+
+def render(result: FitResult, stem: str, formats: tuple[str, ...] = ("png",)) -> dict[str, bytes]:
+    """One figure in each of ``formats`` (PNG at ``_DPI``), as bytes by format."""
+    return _encode(_MAKERS[stem](result), formats)
 
 
 _RESULT: FitResult | None = None
@@ -409,7 +484,7 @@ def make_plots(result: FitResult, out_dir: Path, workers: int = 1, formats: tupl
                ) -> dict[str, bytes]:
     """Write every figure as ``<stem>.<format>`` into out_dir for each of ``formats`` (PNG always, for the
     reports), drawing over ``workers`` processes; returns the PNG bytes by stem."""
-    formats = ("png",) + tuple(f for f in formats if f != "png")
+    formats = _with_png(formats)
     stems = [stem for stem, _ in FIGURES] + (["curves"] if result.table.curves else [])
     if workers > 1:
         with ProcessPoolExecutor(max_workers=min(workers, len(stems)), initializer=_init_worker,

@@ -275,3 +275,45 @@ def test_training_curves_figure_colours_each_run_by_its_size(tmp_path):
             [c.params for c in result.table.curves])
         assert not np.allclose(colours[small], colours[large])
     plt.close(fig)
+
+
+def test_compare_overlays_a_fit_and_a_sweep_with_a_side_by_side_table(tmp_path, capsys):
+    from analysis.published import LAWS as PUBLISHED
+    from analysis.synthetic import write_sweep
+
+    epoch = PUBLISHED[1].as_dict()
+    assert main(["fit", str(_csv(tmp_path, _runs())), "--out", str(tmp_path / "chinchilla"), "--bootstrap", "20",
+                 "--no-progress", "--workers", "1", "--no-holdout"]) == 0
+    write_sweep(isoflop_runs(BUDGETS, per_budget=8, spread=6, noise=0.005, seed=1, law=epoch), tmp_path / "epoch")
+    out = tmp_path / "compared"
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "chinchilla" / "fit.json"), str(tmp_path / "epoch"), "--out", str(out),
+                 "--bootstrap", "20", "--workers", "1", "--format", "png,svg"]) == 0
+    assert "wrote compare.csv, compare.html, compare.md" in capsys.readouterr().out
+    table = pd.read_csv(out / "compare.csv", index_col="quantity")
+    assert list(table.columns) == ["chinchilla", "epoch"] and table.loc["runs"].tolist() == ["40", "40"]
+    first = json.loads((tmp_path / "chinchilla" / "fit.json").read_text())
+    assert table.loc["approach 3: alpha", "chinchilla"].startswith(f"{first['approach3']['alpha']:.4g} [")
+    assert float(table.loc["approach 3: beta", "epoch"].split()[0]) == pytest.approx(epoch["beta"], abs=0.03)
+    for stem in ("compare_allocation", "compare_frontier"):
+        assert _png_width((out / f"{stem}.png").read_bytes()) >= 1400 and (out / f"{stem}.svg").is_file()
+    md = (out / "compare.md").read_text()
+    assert "| quantity | chinchilla | epoch |" in md and "(compare_allocation.png)" in md
+
+    import matplotlib.pyplot as plt
+
+    from analysis import fits
+    from analysis.plots import plot_compare_allocation, plot_compare_frontier
+
+    entries = [fits.entry_from_fit("one", tmp_path / "chinchilla" / "fit.json"),
+               fits.entry_from_fit("two", tmp_path / "chinchilla" / "fit.json")]
+    fig = plot_compare_allocation(entries)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert sum(label.startswith("one: approach 3") for label in labels) == 2  # the law and its band
+    assert sum(label.startswith("two: approach 3") for label in labels) == 2
+    plt.close(fig)
+    fig = plot_compare_frontier(entries)
+    assert len(fig.axes[0].get_lines()) == 2
+    plt.close(fig)
+    assert main(["compare", str(tmp_path / "epoch"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "error: compare needs at least 2 inputs, got 1"
