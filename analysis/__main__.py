@@ -29,6 +29,7 @@ import pandas as pd  # noqa: E402
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note  # noqa: E402
 from analysis.fit import ENVELOPE_SOURCES, FitConfig, FitResult, fit_runs  # noqa: E402
+from analysis.laws import LAWS, law_line  # noqa: E402
 from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
 from analysis.planner import (  # noqa: E402
     LAW_COLUMNS,
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. \"loss > 4\" or \"params < 1e7\"); repeatable; the report lists what was dropped")
     f.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
                    help="leave out the K runs with the highest loss (after --exclude)")
+    f.add_argument("--law", choices=LAWS, default="chinchilla",
+                   help="also fit Kaplan et al.'s form or Muennighoff et al.'s data-constrained law (needs a "
+                        "unique_tokens column) beside approach 3 (default: Chinchilla's form only)")
     f.add_argument("--huber-delta", type=float, default=HUBER_DELTA,
                    help=f"approach 3's Huber threshold on log-loss residuals (default {HUBER_DELTA:g}, as in "
                         "Hoffmann et al.)")
@@ -222,6 +226,8 @@ def _summary(doc: dict) -> list[str]:
         a = "-" if section["a"] is None else f"{section['a']:.4g}"
         lines.append(f"{TITLES[key]}: a={a}" + (f" [{a_ci[0]:.4g}, {a_ci[1]:.4g}]" if a_ci else "")
                      + f"{extra} ({state})")
+    if doc["law"]:
+        lines.append(law_line(doc["law"]))
     comp = doc["comparison"]
     if comp["preferred"]:
         lines.append(f"plan uses {TITLES[comp['preferred']]}: {comp['why']}"
@@ -237,7 +243,7 @@ def _fit(args: argparse.Namespace) -> int:
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
                        predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
                        envelope=args.envelope, huber_delta=args.huber_delta, holdout_budgets=args.holdout_budgets,
-                       holdout_above=args.holdout_above)
+                       holdout_above=args.holdout_above, law=args.law)
     config.validate()
     table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates,
                       exclude=args.exclude, drop_highest_loss=args.drop_highest_loss)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from analysis import identify
 from analysis.bootstrap import Problem, Resamples, bootstrap, interval
@@ -23,6 +24,7 @@ from analysis.compare import TITLES, Allocation, disagreements, parametric_alloc
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
+from analysis.laws import LAWS, fit_data_constrained, fit_kaplan
 from analysis.parametric import (
     GRID_AXES,
     HUBER_DELTA,
@@ -73,6 +75,7 @@ class FitConfig:
     holdout_budgets: int = 1  # the hold-out keeps back this many of the largest budgets ...
     holdout_above: float | None = None  # ... or, when set, every run with C above this
     delta_sensitivity: bool = True  # refit approach 3 at each of DELTA_GRID for the report
+    law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.laws), or only approach 3
     progress: bool = field(default=True, compare=False)
 
     def validate(self) -> None:
@@ -89,6 +92,7 @@ class FitConfig:
             (math.isfinite(self.huber_delta) and self.huber_delta > 0,
              f"--huber-delta must be a positive number, got {self.huber_delta}"),
             (self.holdout_budgets >= 1, f"--holdout-budgets must be >= 1, got {self.holdout_budgets}"),
+            (self.law in LAWS, f"--law must be one of {', '.join(LAWS)}, got '{self.law}'"),
             (self.holdout_above is None or (math.isfinite(self.holdout_above) and self.holdout_above > 0),
              f"--holdout-above must be positive FLOPs, got {self.holdout_above}"),
         ]
@@ -137,6 +141,7 @@ class FitResult:
     outliers: dict = field(default_factory=dict)
     noiseless: bool = False
     delta_sensitivity: list[dict] = field(default_factory=list)
+    law: dict | None = None  # the --law form fitted beside approach 3 (analysis.laws), when not chinchilla
 
     @property
     def flops_max(self) -> float:
@@ -168,6 +173,7 @@ class FitResult:
             "dropped": self.table.dropped,
             "noiseless": self.noiseless,
             "delta_sensitivity": self.delta_sensitivity,
+            "law": self.law,
             "warnings": [{"code": c, "message": m} for c, m in self.warnings],
         })
 
@@ -432,6 +438,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     """Fit all approaches to ``table`` with bootstrap intervals; see the module docstring."""
     config = config or FitConfig()
     config.validate()
+    unique = _unique_tokens(table) if config.law == "data-constrained" else None
     if config.envelope == "curves" and len(table.curves) < 2:
         raise InputError("--envelope curves needs the training curves (metrics.jsonl) of at least 2 runs; "
                          f"the input has {len(table.curves)}")
@@ -525,11 +532,30 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
             warnings.append(("holdout_skipped", f"hold-out check skipped: {holdout['reason']}"))
 
     sensitivity = delta_sensitivity(table, parametric, config.huber_delta) if config.delta_sensitivity else []
+    other = None
+    if config.law != "chinchilla":
+        rmse = float(np.sqrt(np.mean((np.log(loss) - np.log(predict_loss(parametric.theta, n, d))) ** 2)))
+        other = (fit_kaplan(n, d, loss, rmse, config.huber_delta) if config.law == "kaplan" else
+                 fit_data_constrained(n, d, unique, loss, parametric.theta, rmse, config.huber_delta))
+        if not other["converged"]:
+            warnings.append(("law_convergence", f"the {config.law} law's L-BFGS did not converge"))
     return FitResult(table=table, config=config, budgets=budgets, parametric=parametric, condition=condition,
                      resamples=resamples, minima=minima, isoflop_laws=isoflop_laws, envelope=envelope,
                      approaches=approaches, preferred=choice, why=why, disagreements=disagree,
                      predictions=predictions, holdout=holdout, warnings=warnings, outliers=outliers,
-                     noiseless=noise is not None, delta_sensitivity=sensitivity)
+                     noiseless=noise is not None, delta_sensitivity=sensitivity, law=other)
+
+
+def _unique_tokens(table: RunTable) -> np.ndarray:
+    """Each run's unique tokens, for the data-constrained law; InputError when the table has none."""
+    if "unique_tokens" not in table.runs.columns:
+        raise InputError("--law data-constrained needs each run's unique tokens: a 'unique_tokens' column (map "
+                         "another with --column unique_tokens=NAME)")
+    values = pd.to_numeric(table.runs["unique_tokens"], errors="coerce").to_numpy(float)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        raise InputError(f"column 'unique_tokens' has {int(bad.sum())} missing, non-numeric or non-positive value(s)")
+    return values
 
 
 def find_outliers(table: RunTable, theta: np.ndarray) -> dict:

@@ -88,6 +88,8 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
     blocks += [("h", 2, "Approach 3: parameters, goodness of fit, covariance")] + _approach3_blocks(a3, level)
     blocks += [("h", 2, "Outliers and dropped runs")] + _outlier_blocks(doc)
     blocks += [("h", 2, "Sensitivity to the Huber delta")] + _delta_blocks(doc)
+    if doc["law"]:
+        blocks += [("h", 2, f"Another form: the {doc['law']['form']} law")] + _law_blocks(doc["law"])
     blocks += [("h", 2, "Approaches compared: predictions")] + _predictions_blocks(doc)
     blocks += [("h", 2, "Data")] + _data_blocks(doc)
     blocks += [("h", 2, "Hold-out check")] + _holdout_blocks(doc["holdout"])
@@ -190,6 +192,16 @@ def _outlier_blocks(doc: dict) -> list[Block]:
     else:
         blocks.append(("p", "No run was left out (`--exclude`, `--drop-highest-loss`)."))
     return blocks
+
+
+def _law_blocks(law: dict) -> list[Block]:
+    source = KAPLAN if law["form"] == "kaplan" else MUENNIGHOFF
+    return [("p", f"Fitted beside approach 3 with `--law {law['form']}` ({source}), by the same Huber loss "
+                  f"(delta = {law['huber_delta']:g}) of log-space residuals; no bootstrap, so no intervals. "
+                  f"RMSE of log loss {fmt(law['rmse_log_loss'], 3)}, against {fmt(law['approach3_rmse_log_loss'], 3)} "
+                  f"for Chinchilla's form; N_opt ∝ C^a with a = {fmt(law['a'])}."
+                  + ("" if law["converged"] else " **L-BFGS did not converge.**")),
+            ("table", list(law["params"]), [[fmt(v) for v in law["params"].values()]])]
 
 
 def _delta_blocks(doc: dict) -> list[Block]:

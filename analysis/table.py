@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
-CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id")
+CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id", "unique_tokens")
 PARAMS_COUNTS = ("total", "non_embedding")
 # L(N, D) has five free parameters, so the parametric fit needs at least six runs.
 MIN_RUNS = 6

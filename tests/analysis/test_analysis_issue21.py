@@ -317,3 +317,49 @@ def test_compare_overlays_a_fit_and_a_sweep_with_a_side_by_side_table(tmp_path, 
     plt.close(fig)
     assert main(["compare", str(tmp_path / "epoch"), "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip() == "error: compare needs at least 2 inputs, got 1"
+
+
+def test_kaplan_form_is_fitted_beside_approach_3_on_request(tmp_path):
+    from analysis.laws import kaplan_log_loss
+
+    rng = np.random.default_rng(0)
+    n, d = np.exp(rng.uniform(np.log(1e7), np.log(1e10), 120)), np.exp(rng.uniform(np.log(1e9), np.log(1e11), 120))
+    truth = np.array([np.log(8.8e13), np.log(5.4e13), 0.076, 0.095])  # Kaplan et al.'s published values
+    loss = np.exp(kaplan_log_loss(truth, np.log(n), np.log(d)) + 0.003 * rng.standard_normal(120))
+    path = _csv(tmp_path, pd.DataFrame({"params": n, "tokens": d, "loss": loss}))
+    result = fit_runs(load_runs(path), FitConfig(n_bootstrap=0, progress=False, holdout=False, law="kaplan",
+                                                 delta_sensitivity=False))
+    law = result.law
+    assert law["form"] == "kaplan" and law["converged"]
+    assert law["params"]["alpha_N"] == pytest.approx(0.076, abs=0.005)
+    assert law["params"]["alpha_D"] == pytest.approx(0.095, abs=0.005)
+    assert law["a"] == pytest.approx(0.095 / 0.171, abs=0.02)
+    assert law["rmse_log_loss"] < 0.004 < law["approach3_rmse_log_loss"]  # the right form fits better
+    doc = result.to_dict()
+    report = render_markdown(build_blocks(doc))
+    assert "## Another form: the kaplan law" in report and "| N_c | D_c | alpha_N | alpha_D |" in report
+    assert fit_runs(load_runs(path), QUICK).law is None  # Chinchilla's form only by default
+
+
+def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constants(tmp_path, capsys):
+    from analysis.laws import data_constrained_log_loss
+
+    rng = np.random.default_rng(1)
+    grid = [(n, d, d / epochs) for n in np.geomspace(1e7, 3e9, 6) for d in np.geomspace(1e9, 2e11, 5)
+            for epochs in (1, 4, 16, 64)]
+    n, d, unique = (np.array(v) for v in zip(*grid))
+    truth = np.array([np.log(521.0), np.log(1488.0), np.log(1.87), 0.353, 0.353, np.log(15.387), np.log(5.309)])
+    loss = np.exp(data_constrained_log_loss(truth, n, d, unique) + 0.002 * rng.standard_normal(len(n)))
+    path = _csv(tmp_path, pd.DataFrame({"params": n, "tokens": d, "loss": loss, "U": unique}))
+    out = tmp_path / "fit"
+    args = ["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress", "--no-holdout",
+            "--law", "data-constrained"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("error: --law data-constrained needs each run's unique tokens")
+    assert main(args + ["--column", "unique_tokens=U"]) in (0, 3)
+    assert "data-constrained law: E=" in capsys.readouterr().out
+    law = json.loads((out / "fit.json").read_text())["law"]
+    assert law["params"]["R_D*"] == pytest.approx(15.387, rel=0.25)
+    assert law["params"]["R_N*"] == pytest.approx(5.309, rel=0.25)
+    assert law["params"]["alpha"] == pytest.approx(0.353, abs=0.02)
+    assert law["rmse_log_loss"] < 0.003 < law["approach3_rmse_log_loss"]
