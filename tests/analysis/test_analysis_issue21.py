@@ -363,3 +363,18 @@ def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constan
     assert law["params"]["R_N*"] == pytest.approx(5.309, rel=0.25)
     assert law["params"]["alpha"] == pytest.approx(0.353, abs=0.02)
     assert law["rmse_log_loss"] < 0.003 < law["approach3_rmse_log_loss"]
+
+
+def test_the_default_isoflop_minimum_is_the_least_biased_on_a_drifting_grid():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_isoflop_bias", Path(__file__).resolve().parents[2]
+                                                  / "benchmarks" / "bench_isoflop_bias.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    truth = 0.28 / (0.34 + 0.28)
+    offsets = np.geomspace(1 / 3, 3, len(bench.BUDGETS))  # sizes planned from a too steep exponent
+    found = bench.exponents(bench.CHINCHILLA, offsets, 8.0, 9, 0.0, 1, np.random.default_rng(0))
+    bias = {k: abs(float(v[0]) - truth) for k, v in found.items()}
+    assert bias["vertex"] < 0.001 < 0.004 < bias["hoffmann"] < bias["lowest"]
+    assert FitConfig().isoflop_minimum == "vertex"
