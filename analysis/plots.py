@@ -153,7 +153,8 @@ def _published_note(fig: plt.Figure, result: FitResult) -> None:
 
 
 def _colorbar(fig: plt.Figure, mappable: Any, ax: Any, label: str) -> None:
-    bar = fig.colorbar(mappable, ax=ax, label=label)
+    """A colour bar of ``mappable``'s colours at full opacity, however faint its markers are drawn."""
+    bar = fig.colorbar(plt.cm.ScalarMappable(norm=mappable.norm, cmap=mappable.cmap), ax=ax, label=label)
     _log_ticks(bar.ax.yaxis)
 
 

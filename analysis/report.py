@@ -17,6 +17,8 @@ from analysis.plots import CURVES_FIGURE, FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, MUENNIGHOFF, TABLE3, comparable, listed_note
 from analysis.synthetic import law_optimum
 
+# Warnings repeated in the alert box at the top of the report: they change how every number below is read.
+LOUD_WARNINGS = ("noiseless", "outliers")
 Block = tuple  # ("h", level, text) | ("p", text) | ("ul", items) | ("warn", items) | ("alert", items)
 #                | ("table", header, rows) | ("img", stem, caption)
 
@@ -109,6 +111,7 @@ def _verdict(doc: dict) -> list[Block]:
     loud = [f"{TITLES[k]} is NOT identified: {'; '.join(doc[k]['identification']['reasons'])}"
             for k in APPROACHES if not doc[k].get("skipped") and not _identified(doc[k])]
     loud += [f"Approaches disagree: {x['message']}" for x in comp["disagreements"]]
+    loud += [w["message"] for w in doc["warnings"] if w["code"] in LOUD_WARNINGS]
     if comp["preferred"] is None:
         return [("alert", [f"No approach gives an identified law, so `python -m analysis plan` refuses to plan "
                            f"from this fit: {comp['why']}."] + loud)]

@@ -72,6 +72,7 @@ def test_an_outlier_is_flagged_in_the_terminal_and_the_report_and_dropped_on_req
     assert flag["run_id"] == "run0010" and flag["z"] > 3.5 and flag["residual"] == pytest.approx(1.0, abs=0.05)
     report = (out / "report.md").read_text()
     assert "## Outliers and dropped runs" in report and "| run0010 |" in report
+    assert report.index("- **!** 1 run(s) lie more than 3.5") < report.index("## What was fitted")
     assert "No run was left out" in report
 
     # the replicators' recipe: drop the K highest losses; and --exclude by id or by condition
@@ -119,7 +120,7 @@ def test_noiseless_data_warn_and_no_false_start_alarm(tmp_path):
     assert "noiseless" in codes and "start_grid" not in codes
     assert result.noiseless and result.outliers["runs"] == []
     report = render_markdown(build_blocks(result.to_dict()))
-    assert "NOISELESS DATA" in report
+    assert report.index("- **!** NOISELESS DATA") < report.index("## What was fitted")  # in the alert at the top
     noisy = fit_runs(load_runs(_csv(tmp_path, _runs(), "noisy.csv")), QUICK)
     assert not noisy.noiseless and "noiseless" not in [c for c, _ in noisy.warnings]
 
@@ -378,3 +379,21 @@ def test_the_default_isoflop_minimum_is_the_least_biased_on_a_drifting_grid():
     bias = {k: abs(float(v[0]) - truth) for k, v in found.items()}
     assert bias["vertex"] < 0.001 < 0.004 < bias["hoffmann"] < bias["lowest"]
     assert FitConfig().isoflop_minimum == "vertex"
+
+
+def test_colour_bars_stay_opaque_when_the_runs_are_faint(tmp_path):
+    import dataclasses
+
+    import matplotlib.pyplot as plt
+
+    from analysis.plots import plot_frontier, plot_residuals
+    from analysis.synthetic import continuous_runs
+
+    small = fit_runs(load_runs(_csv(tmp_path, _runs())), QUICK)
+    many = dataclasses.replace(small, table=load_runs(_csv(tmp_path, continuous_runs(5000, seed=2), "many.csv")))
+    for maker in (plot_frontier, plot_residuals):
+        fig = maker(many)
+        bar = fig.axes[-1]
+        assert bar.get_ylabel() in ("parameters N", "compute C (FLOPs)")
+        assert all(c.get_alpha() in (None, 1.0) for c in bar.collections + bar.images)
+        plt.close(fig)
