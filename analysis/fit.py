@@ -443,6 +443,9 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         raise InputError("--envelope curves needs the training curves (metrics.jsonl) of at least 2 runs; "
                          f"the input has {len(table.curves)}")
     warnings = list(table.warnings)
+    if unique is None and "unique_tokens" in table.runs.columns:
+        warnings.append(("unique_tokens", "the table gives each run's unique tokens: --law data-constrained fits "
+                         "Muennighoff et al.'s law, in which repeated data count less, beside approach 3"))
     n, d, c, loss, k = table.n, table.d, table.c, table.loss, table.flops_k
     level = config.ci_level
 

@@ -364,6 +364,8 @@ def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constan
     assert law["params"]["R_N*"] == pytest.approx(5.309, rel=0.25)
     assert law["params"]["alpha"] == pytest.approx(0.353, abs=0.02)
     assert law["rmse_log_loss"] < 0.003 < law["approach3_rmse_log_loss"]
+    hint = fit_runs(load_runs(path, {"unique_tokens": "U"}), QUICK).warnings
+    assert [c for c, _ in hint].count("unique_tokens") == 1  # Chinchilla's form only, with a pointer to --law
 
 
 def test_the_default_isoflop_minimum_is_the_least_biased_on_a_drifting_grid():
