@@ -247,6 +247,14 @@ def test_figures_stay_readable_at_20000_runs(tmp_path):
         if maker in (plot_frontier, plot_allocation):
             assert any(label.endswith("95% bootstrap band") for label in labels), labels
         plt.close(fig)
+    fig = plot_frontier(many)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_text()]
+    assert len(labels) >= 4, labels  # the loss axis, within a factor 3, is labelled every 0.5 or finer
+    plt.close(fig)
+    fig = plot_contours(small)
+    assert fig.axes[0].texts and all(t.get_fontsize() >= 8 for t in fig.axes[0].texts)  # contour labels
+    plt.close(fig)
     fig = plot_allocation(small)
     lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
     iso, a3 = lines["approach 2 (IsoFLOP)"], lines["approach 3 (parametric)"]
