@@ -76,16 +76,16 @@ def test_an_outlier_is_flagged_in_the_terminal_and_the_report_and_dropped_on_req
     assert "No run was left out" in report
 
     # the replicators' recipe: drop the K highest losses; and --exclude by id or by condition
-    for extra, reason in ((["--drop-highest-loss", "1"], "--drop-highest-loss 1"),
-                          (["--exclude", "run0010"], "--exclude run0010"),
-                          (["--exclude", cut], f"--exclude {cut}")):
-        assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress", "--no-holdout",
-                     *extra]) == 0
-        doc = json.loads((out / "fit.json").read_text())
+    assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress", "--no-holdout",
+                 "--drop-highest-loss", "1"]) == 0
+    capsys.readouterr()
+    docs = {"--drop-highest-loss 1": json.loads((out / "fit.json").read_text())}
+    for item in ("run0010", cut):
+        docs[f"--exclude {item}"] = fit_runs(load_runs(path, exclude=[item]), QUICK).to_dict()
+    for reason, doc in docs.items():
         assert [d["run_id"] for d in doc["dropped"]] == ["run0010"] and doc["dropped"][0]["reason"] == reason
         assert doc["data"]["n_runs"] == 39 and doc["outliers"]["runs"] == []
-        assert f"| run0010 | {doc['dropped'][0]['params']:.4g}" in (out / "report.md").read_text()
-    capsys.readouterr()
+        assert f"| run0010 | {doc['dropped'][0]['params']:.4g}" in render_markdown(build_blocks(doc))
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -354,7 +354,7 @@ def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constan
     from analysis.laws import data_constrained_log_loss
 
     rng = np.random.default_rng(1)
-    grid = [(n, d, d / epochs) for n in np.geomspace(1e7, 3e9, 6) for d in np.geomspace(1e9, 2e11, 5)
+    grid = [(n, d, d / epochs) for n in np.geomspace(1e7, 3e9, 5) for d in np.geomspace(1e9, 2e11, 4)
             for epochs in (1, 4, 16, 64)]
     n, d, unique = (np.array(v) for v in zip(*grid))
     truth = np.array([np.log(521.0), np.log(1488.0), np.log(1.87), 0.353, 0.353, np.log(15.387), np.log(5.309)])
