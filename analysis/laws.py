@@ -26,7 +26,7 @@ from analysis.parametric import HUBER_DELTA
 
 LAWS = ("chinchilla", "kaplan", "data-constrained")
 KAPLAN_NAMES = ("N_c", "D_c", "alpha_N", "alpha_D")
-# Starts: log N_c, log D_c over the published 8.8e13 and 5.4e13 and below, exponents around 0.08-0.1.
+# Starts: N_c and D_c from 1e9 to 1e15 (Kaplan et al. report constants near 1e13 to 1e14), exponents 0.03 to 0.3.
 KAPLAN_GRID = (np.log([1e9, 1e12, 1e15]), np.log([1e9, 1e12, 1e15]), (0.03, 0.08, 0.3), (0.03, 0.1, 0.3))
 DATA_CONSTRAINED_GRID = ((2.0, 5.0, 15.0, 50.0), (1.0, 5.0, 20.0))  # R_D*, R_N*
 _OPTIONS = {"ftol": 1e-15, "gtol": 1e-10, "maxiter": 3000}

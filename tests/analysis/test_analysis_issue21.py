@@ -333,7 +333,7 @@ def test_kaplan_form_is_fitted_beside_approach_3_on_request(tmp_path):
 
     rng = np.random.default_rng(0)
     n, d = np.exp(rng.uniform(np.log(1e7), np.log(1e10), 120)), np.exp(rng.uniform(np.log(1e9), np.log(1e11), 120))
-    truth = np.array([np.log(8.8e13), np.log(5.4e13), 0.076, 0.095])  # Kaplan et al.'s published values
+    truth = np.array([np.log(8.8e13), np.log(5.4e13), 0.076, 0.095])  # the constants of Kaplan's L(N) and L(D)
     loss = np.exp(kaplan_log_loss(truth, np.log(n), np.log(d)) + 0.003 * rng.standard_normal(120))
     path = _csv(tmp_path, pd.DataFrame({"params": n, "tokens": d, "loss": loss}))
     result = fit_runs(load_runs(path), FitConfig(n_bootstrap=0, progress=False, holdout=False, law="kaplan",
