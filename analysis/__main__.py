@@ -1,4 +1,5 @@
-"""Command line: ``python -m analysis fit RESULTS --out DIR`` and ``python -m analysis plan FIT_JSON``.
+"""Command line: ``python -m analysis fit RESULTS --out DIR``, ``python -m analysis compare FIT_OR_SWEEP ... --out
+DIR`` and ``python -m analysis plan FIT_JSON``.
 
 Exit codes: 0 done; 2 bad input, one line ``error: ...`` on stderr before any work; 3 the data
 identify no law (``fit`` still writes its report, which says why; ``plan`` refuses); 130
@@ -28,12 +29,29 @@ import pandas as pd  # noqa: E402
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note  # noqa: E402
 from analysis.fit import ENVELOPE_SOURCES, FitConfig, FitResult, fit_runs  # noqa: E402
-from analysis.parametric import named_samples  # noqa: E402
-from analysis.planner import LAW_COLUMNS, PARAMETRIC_COLUMNS, Unidentified, describe, load_fit, plan  # noqa: E402
-from analysis.table import DUPLICATE_POLICIES, PARAMS_COUNTS, InputError, load_runs, parse_column_map  # noqa: E402
+from analysis.laws import LAWS, law_line  # noqa: E402
+from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
+from analysis.planner import (  # noqa: E402
+    LAW_COLUMNS,
+    PARAMETRIC_COLUMNS,
+    Unidentified,
+    allocations,
+    describe,
+    load_fit,
+    plan,
+)
+from analysis.table import (  # noqa: E402
+    DUPLICATE_ALIASES,
+    DUPLICATE_POLICIES,
+    PARAMS_COUNTS,
+    InputError,
+    load_runs,
+    parse_column_map,
+)
 from lab.files import process_alive  # noqa: E402
 
 EXIT_USAGE = 2
+FIGURE_FORMATS = ("png", "svg", "pdf")
 EXIT_UNIDENTIFIED = 3
 EXIT_INTERRUPTED = 130
 STAGING_PREFIX = ".fit-staging-"
@@ -58,8 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map a table column to params, params_non_embedding, tokens, flops, loss or run_id")
     f.add_argument("--params-count", choices=PARAMS_COUNTS, default=None,
                    help="parameter count used as N when both are present (default: total)")
-    f.add_argument("--duplicates", choices=DUPLICATE_POLICIES, default="aggregate",
-                   help="runs with the same N and D: average them into one run (default) or refuse the table")
+    f.add_argument("--duplicates", choices=DUPLICATE_POLICIES + tuple(DUPLICATE_ALIASES), default="keep",
+                   help="runs with the same N and D: keep each as its own point, warning with their spread (default), "
+                        "average each group into one run (mean; 'aggregate' is its old name) or refuse the table")
+    f.add_argument("--exclude", action="append", default=[], metavar="RUN_ID_OR_CONDITION",
+                   help="leave out the run with this id, or the runs matching a pandas condition on the columns "
+                        "(e.g. \"loss > 4\" or \"params < 1e7\"); repeatable; the report lists what was dropped")
+    f.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
+                   help="leave out the K runs with the highest loss (after --exclude)")
+    f.add_argument("--law", choices=LAWS, default="chinchilla",
+                   help="also fit Kaplan et al.'s form or Muennighoff et al.'s data-constrained law (needs a "
+                        "unique_tokens column) beside approach 3 (default: Chinchilla's form only)")
+    f.add_argument("--huber-delta", type=float, default=HUBER_DELTA,
+                   help=f"approach 3's Huber threshold on log-loss residuals (default {HUBER_DELTA:g}, as in "
+                        "Hoffmann et al.)")
     f.add_argument("--budget-tol", type=float, default=0.05, help="relative spread of C within one budget")
     f.add_argument("--isoflop-minimum", choices=("vertex", "lowest"), default="vertex",
                    help="per-budget minimum for the IsoFLOP power laws (default: windowed parabola vertex)")
@@ -73,7 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes for the bootstrap (default: the CPUs available)")
     f.add_argument("--starts", type=int, default=8, help="L-BFGS starts from the best grid points")
     f.add_argument("--no-holdout", action="store_true", help="skip the hold-out check")
+    held = f.add_mutually_exclusive_group()
+    held.add_argument("--holdout-budgets", type=int, default=1, metavar="K",
+                      help="the hold-out check keeps back the K largest budgets (default 1)")
+    held.add_argument("--holdout-above", type=float, default=None, metavar="FLOPS",
+                      help="the hold-out check keeps back every run with C above FLOPS")
+    f.add_argument("--format", default="png", type=_formats, metavar="FORMATS",
+                   help=f"figure formats, comma-separated, of {', '.join(FIGURE_FORMATS)} (default png; the PNG, "
+                        "200 dpi, is always written for the reports)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    c = sub.add_parser("compare", help="overlay the allocation and frontier of several fits or sweeps, with a "
+                                       "side-by-side parameter table")
+    c.add_argument("inputs", nargs="+", metavar="FIT_OR_SWEEP",
+                   help="a fit.json (or a folder holding one), or a sweep folder or table to fit with the defaults")
+    c.add_argument("--out", required=True, help="output folder (created if missing)")
+    c.add_argument("--label", action="append", default=[], help="a name per input, in order (default: folder names)")
+    c.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for inputs fitted here")
+    c.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes for the bootstrap")
+    c.add_argument("--format", default="png", type=_formats, metavar="FORMATS",
+                   help=f"figure formats, comma-separated, of {', '.join(FIGURE_FORMATS)} (the PNG is always written)")
 
     p = sub.add_parser("plan", help="compute-optimal N, D, loss and time for a budget, from a fit.json")
     p.add_argument("fit_json", help="fit.json written by 'fit'")
@@ -88,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="law to plan from (default: the first identified of approach3, isoflop, envelope)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    """``png,svg`` -> ("png", "svg"); an unknown format is a usage error."""
+    items = tuple(dict.fromkeys(f.strip().lower() for f in text.split(",") if f.strip()))
+    bad = [f for f in items if f not in FIGURE_FORMATS]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"unknown figure format(s) {', '.join(bad) or repr(text)}; "
+                                         f"use {', '.join(FIGURE_FORMATS)}")
+    return items
 
 
 def bootstrap_frame(result: FitResult) -> pd.DataFrame:
@@ -110,9 +169,10 @@ def remove_stale_staging(out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
-    """Write all outputs (``doc`` is result.to_dict()) to a staging folder in ``out``, then rename them
-    into place, fit.json last."""
+def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, ...] = ("png",)) -> list[str]:
+    """Write all outputs (``doc`` is result.to_dict(); figures in ``formats``) to a staging folder in ``out``,
+    then rename them into place, fit.json last."""
+    from analysis.exports import latex, tidy
     from analysis.plots import make_plots  # matplotlib only when there is something to draw
     from analysis.report import build_blocks, render_html, render_markdown
 
@@ -123,7 +183,10 @@ def write_outputs(result: FitResult, doc: dict, out: Path) -> list[str]:
         (staging / "fit.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         if result.thetas is not None:
             bootstrap_frame(result).to_csv(staging / "bootstrap.csv", index=False)
-        images = make_plots(result, staging, result.config.workers)
+        images = make_plots(result, staging, result.config.workers, formats)
+        tables = tidy(doc)
+        tables.to_csv(staging / "tables.csv", index=False)
+        (staging / "tables.tex").write_text(latex(tables))
         blocks = build_blocks(doc)
         (staging / "report.md").write_text(render_markdown(blocks))
         (staging / "report.html").write_text(render_html(blocks, images))
@@ -163,6 +226,8 @@ def _summary(doc: dict) -> list[str]:
         a = "-" if section["a"] is None else f"{section['a']:.4g}"
         lines.append(f"{TITLES[key]}: a={a}" + (f" [{a_ci[0]:.4g}, {a_ci[1]:.4g}]" if a_ci else "")
                      + f"{extra} ({state})")
+    if doc["law"]:
+        lines.append(law_line(doc["law"]))
     comp = doc["comparison"]
     if comp["preferred"]:
         lines.append(f"plan uses {TITLES[comp['preferred']]}: {comp['why']}"
@@ -177,12 +242,14 @@ def _fit(args: argparse.Namespace) -> int:
     config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
                        predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
-                       envelope=args.envelope)
+                       envelope=args.envelope, huber_delta=args.huber_delta, holdout_budgets=args.holdout_budgets,
+                       holdout_above=args.holdout_above, law=args.law)
     config.validate()
-    table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates)
+    table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates,
+                      exclude=args.exclude, drop_highest_loss=args.drop_highest_loss)
     result = fit_runs(table, config)
     doc = result.to_dict()
-    names = write_outputs(result, doc, out)
+    names = write_outputs(result, doc, out, args.format)
     print("\n".join(_summary(doc)))
     for code, message in result.warnings:
         print(f"warning [{code}]: {message}")
@@ -190,6 +257,55 @@ def _fit(args: argparse.Namespace) -> int:
     if result.preferred is None:
         print(f"error: {result.why}; {out / 'report.html'} says why", file=sys.stderr)
         return EXIT_UNIDENTIFIED
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from analysis import fits
+    from analysis.plots import COMPARE_FIGURES, plot_compare_allocation, plot_compare_frontier, save_figure
+    from analysis.report import render_html, render_markdown
+
+    paths = [Path(p) for p in args.inputs]
+    if len(paths) < 2:
+        raise InputError(f"compare needs at least 2 inputs, got {len(paths)}")
+    if args.label and len(args.label) != len(paths):
+        raise InputError(f"--label given {len(args.label)} time(s) for {len(paths)} inputs")
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise InputError(f"no such file or directory: {', '.join(missing)}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a folder")
+    labels = args.label or fits.labels_for(paths)
+    config = FitConfig(n_bootstrap=args.bootstrap, workers=args.workers, progress=False, delta_sensitivity=False)
+    config.validate()
+    entries = []
+    for label, path in zip(labels, paths):
+        found = fits.fit_json_path(path)
+        if found is not None:
+            entries.append(fits.entry_from_fit(label, found))
+            continue
+        result = fit_runs(load_runs(path), config)
+        doc = result.to_dict()
+        samples = bootstrap_frame(result) if result.thetas is not None else None
+        entries.append(fits.FitEntry(label, doc, allocations(doc, samples), result.table.runs))
+    table = fits.parameter_table(entries)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out))
+    try:
+        images = {stem: save_figure(maker(entries), staging, stem, args.format)
+                  for (stem, _), maker in zip(COMPARE_FIGURES, (plot_compare_allocation, plot_compare_frontier))}
+        table.to_csv(staging / "compare.csv", index_label="quantity")
+        blocks = fits.blocks(table, [str(p) for p in paths], COMPARE_FIGURES)
+        (staging / "compare.md").write_text(render_markdown(blocks))
+        (staging / "compare.html").write_text(render_html(blocks, images))
+        names = sorted(p.name for p in staging.iterdir())
+        for name in names:
+            (staging / name).replace(out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(table.to_string())
+    print(f"wrote {', '.join(names)} to {out}")
     return 0
 
 
@@ -233,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
-        return _fit(args) if args.command == "fit" else _plan(args)
+        return {"fit": _fit, "compare": _compare, "plan": _plan}[args.command](args)
     except Unidentified as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNIDENTIFIED

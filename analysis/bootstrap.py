@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from analysis.envelope import Envelope, Frontier
 from analysis.isoflop import METHODS, PowerLaws, budget_minima
-from analysis.parametric import fit_weighted
+from analysis.parametric import HUBER_DELTA, fit_weighted
 
 CHUNK = 50
 
@@ -67,6 +67,7 @@ class Problem:
     flops_k: float
     envelope: Envelope | Frontier | None
     seed: int
+    huber_delta: float = HUBER_DELTA
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Resamples:
 
 def _refit(problem: Problem, chunk: int, size: int) -> Resamples:
     w = chunk_weights(len(problem.n), problem.seed, chunk, size)
-    thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, w)
+    thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, w, problem.huber_delta)
     isoflop = {}
     if len(problem.budget_flops):
         minima = budget_minima(problem.n, problem.loss, problem.labels, problem.budget_flops, w)

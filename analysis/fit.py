@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from analysis import identify
 from analysis.bootstrap import Problem, Resamples, bootstrap, interval
@@ -23,14 +24,17 @@ from analysis.compare import TITLES, Allocation, disagreements, parametric_alloc
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
+from analysis.laws import LAWS, fit_data_constrained, fit_kaplan
 from analysis.parametric import (
     GRID_AXES,
     HUBER_DELTA,
     ParametricFit,
     compute_optimal,
     fit_parametric,
+    fit_weighted,
     gauss_newton_condition,
     named_samples,
+    params_from_theta,
     predict_loss,
 )
 from analysis.table import MIN_RUNS, InputError, RunTable
@@ -38,6 +42,15 @@ from analysis.table import MIN_RUNS, InputError, RunTable
 SCHEMA_VERSION = 2
 THETA_NAMES = ("log A", "log B", "log E", "alpha", "beta")
 HOLDOUT_FRACTION = 0.2  # with continuous budgets, the runs with the largest C that the hold-out keeps back
+# A run is an outlier when its log-loss residual from approach 3 lies more than OUTLIER_Z robust standard
+# deviations (1.4826 x the median absolute deviation) from the median residual: Iglewicz and Hoaglin's cut-off
+# for modified z-scores. The scale is floored at OUTLIER_SCALE_FLOOR so that noiseless data flag nothing.
+OUTLIER_Z = 3.5
+OUTLIER_SCALE_FLOOR = 1e-4
+# RMSE of log loss below which the data are called noiseless: no measured loss is reproducible to 1e-6.
+NOISELESS_RMSE = 1e-6
+# Huber deltas of the sensitivity table (the fit's own delta is added).
+DELTA_GRID = (1e-4, 1e-3, 1e-2, 1e-1)
 # What approach 1 takes its points from: end points only (final losses), or every point of the training curves,
 # valid only when each logged point is an end point (see analysis.envelope).
 ENVELOPE_SOURCES = ("final", "curves")
@@ -58,6 +71,11 @@ class FitConfig:
     holdout: bool = True
     extrapolation_warn: float = 100.0  # warn when a prediction exceeds this multiple of the data's C
     envelope: str = "final"  # approach 1's points: one of ENVELOPE_SOURCES
+    huber_delta: float = HUBER_DELTA  # approach 3's Huber threshold on log-loss residuals
+    holdout_budgets: int = 1  # the hold-out keeps back this many of the largest budgets ...
+    holdout_above: float | None = None  # ... or, when set, every run with C above this
+    delta_sensitivity: bool = True  # refit approach 3 at each of DELTA_GRID for the report
+    law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.laws), or only approach 3
     progress: bool = field(default=True, compare=False)
 
     def validate(self) -> None:
@@ -71,6 +89,12 @@ class FitConfig:
             (self.n_starts >= 1, f"starts must be >= 1, got {self.n_starts}"),
             (all(math.isfinite(c) and c > 0 for c in self.predict), "--predict budgets must be positive FLOPs"),
             (self.envelope in ENVELOPE_SOURCES, f"envelope source must be one of {', '.join(ENVELOPE_SOURCES)}"),
+            (math.isfinite(self.huber_delta) and self.huber_delta > 0,
+             f"--huber-delta must be a positive number, got {self.huber_delta}"),
+            (self.holdout_budgets >= 1, f"--holdout-budgets must be >= 1, got {self.holdout_budgets}"),
+            (self.law in LAWS, f"--law must be one of {', '.join(LAWS)}, got '{self.law}'"),
+            (self.holdout_above is None or (math.isfinite(self.holdout_above) and self.holdout_above > 0),
+             f"--holdout-above must be positive FLOPs, got {self.holdout_above}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -114,6 +138,10 @@ class FitResult:
     predictions: list[dict]
     holdout: dict
     warnings: list[tuple[str, str]]
+    outliers: dict = field(default_factory=dict)
+    noiseless: bool = False
+    delta_sensitivity: list[dict] = field(default_factory=list)
+    law: dict | None = None  # the --law form fitted beside approach 3 (analysis.laws), when not chinchilla
 
     @property
     def flops_max(self) -> float:
@@ -141,6 +169,11 @@ class FitResult:
             "comparison": {"preferred": self.preferred, "why": self.why, "disagreements": self.disagreements},
             "predictions": self.predictions,
             "holdout": self.holdout,
+            "outliers": self.outliers,
+            "dropped": self.table.dropped,
+            "noiseless": self.noiseless,
+            "delta_sensitivity": self.delta_sensitivity,
+            "law": self.law,
             "warnings": [{"code": c, "message": m} for c, m in self.warnings],
         })
 
@@ -152,7 +185,7 @@ class FitResult:
             "params": [t.n.min(), t.n.max()], "tokens": [t.d.min(), t.d.max()], "flops": [t.c.min(), t.c.max()],
             "loss": [t.loss.min(), t.loss.max()], "tokens_per_param": [ratio.min(), ratio.max()],
             "flops_per_param_token": {"k": t.flops_k, "derived": t.flops_derived, "outliers": t.flops_outliers},
-            "duplicates": t.duplicates,
+            "duplicates": t.duplicates, "duplicate_policy": t.duplicate_policy,
             "budgets": {"mode": "continuous" if b.continuous else "discrete", "tolerance": b.tol,
                         "single": b.single, "unassigned": int(np.sum(b.labels < 0)), "wide": b.wide,
                         "groups": [{"flops": float(f), "n_runs": int(np.sum(b.labels == g)), "spread": float(s)}
@@ -168,9 +201,9 @@ class FitResult:
         out: dict = dict(p.params_at(k))
         predicted = predict_loss(p.theta, t.n, t.d)
         out["fit"] = {
-            "method": "Huber (delta=1e-3) on log-space residuals via log-sum-exp, summed; L-BFGS from "
-                      f"the {p.n_starts} best of {np.prod([len(a) for a in GRID_AXES])} grid points",
-            "huber_delta": HUBER_DELTA, "objective": p.objective, "converged": p.converged,
+            "method": f"Huber (delta={self.config.huber_delta:g}) on log-space residuals via log-sum-exp, summed; "
+                      f"L-BFGS from the {p.n_starts} best of {np.prod([len(a) for a in GRID_AXES])} grid points",
+            "huber_delta": self.config.huber_delta, "objective": p.objective, "converged": p.converged,
             "message": p.message, "iterations": p.n_iter, "n_starts": p.n_starts,
             "starts_agreeing": p.starts_agreeing, "optimum_inside_grid": p.optimum_inside_grid,
             "best_start": dict(zip(("a", "b", "e", "alpha", "beta"), p.best_start)),
@@ -317,24 +350,37 @@ def _predict(flops: float, result: dict, config: FitConfig, flops_max: float, fl
     return out
 
 
-def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, config: FitConfig) -> dict:
-    """Refit without the largest budget (or the top fifth of C), then predict the runs held out."""
-    n, d, c, loss = table.n, table.d, table.c, table.loss
-    top = budgets.count - 1
+def _held_out(table: RunTable, budgets: Budgets, config: FitConfig) -> tuple[np.ndarray, str]:
+    """Runs the hold-out keeps back, and a description: those above --holdout-above, else the largest
+    --holdout-budgets budgets, else (continuous C) the top fifth of C."""
+    c = table.c
+    if config.holdout_above is not None:
+        return c > config.holdout_above, f"the runs with C above {config.holdout_above:.3g}"
+    k = config.holdout_budgets
     if budgets.count >= 2:
-        held = budgets.labels == top
-        what = f"the largest budget (C = {budgets.flops[top]:.3g})"
-    else:
-        held = c >= np.quantile(c, 1.0 - HOLDOUT_FRACTION)
-        what = f"the {HOLDOUT_FRACTION:.0%} of runs with the largest C"
+        first = max(budgets.count - k, 0)
+        held = budgets.labels >= first
+        if k == 1:
+            return held, f"the largest budget (C = {budgets.flops[-1]:.3g})"
+        return held, f"the {budgets.count - first} largest budgets (C = {budgets.flops[first]:.3g} and above)"
+    return c >= np.quantile(c, 1.0 - HOLDOUT_FRACTION), f"the {HOLDOUT_FRACTION:.0%} of runs with the largest C"
+
+
+def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, config: FitConfig) -> dict:
+    """Refit without the runs ``_held_out`` names, then predict each of them."""
+    n, d, c, loss = table.n, table.d, table.c, table.loss
+    held, what = _held_out(table, budgets, config)
     train = ~held
     if train.sum() < MIN_RUNS or len(np.unique(n[train])) < 2 or len(np.unique(d[train])) < 2 or not held.any():
-        return {"skipped": True, "reason": f"fewer than {MIN_RUNS} runs (or too few distinct N, D) outside {what}"}
-    fit = fit_parametric(n[train], d[train], loss[train], n_starts=config.n_starts)
+        return {"skipped": True, "reason": f"fewer than {MIN_RUNS} runs (or too few distinct N, D) outside {what}"
+                if held.any() else f"no run to hold out ({what})"}
+    fit = fit_parametric(n[train], d[train], loss[train], n_starts=config.n_starts, delta=config.huber_delta)
     predicted = predict_loss(fit.theta, n[held], d[held])
     err = predicted - loss[held]
-    runs = [{"run_id": str(r), "params": float(nn), "tokens": float(dd), "loss": float(obs), "predicted": float(p)}
-            for r, nn, dd, obs, p in zip(table.runs["run_id"][held], n[held], d[held], loss[held], predicted)]
+    runs = [{"run_id": str(r), "params": float(nn), "tokens": float(dd), "flops": float(cc), "loss": float(obs),
+             "predicted": float(p), "error": float(p - obs), "rel_error": float((p - obs) / obs)}
+            for r, nn, dd, cc, obs, p in zip(table.runs["run_id"][held], n[held], d[held], c[held], loss[held],
+                                             predicted)]
     out = {"skipped": False, "held_out": what, "budget_flops": float(np.exp(np.log(c[held]).mean())),
            "n_train": int(train.sum()), "n_holdout": int(held.sum()),
            "approach3": {"mean_abs_error": float(np.mean(np.abs(err))),
@@ -343,7 +389,9 @@ def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, con
                          "converged": fit.converged, "runs": runs},
            "isoflop": None}
     method = config.isoflop_minimum
-    if minima is None or budgets.count < 3 or not minima.usable(method)[0, top]:
+    top = budgets.count - 1
+    if (minima is None or budgets.count < 3 or not minima.usable(method)[0, top]
+            or not held[budgets.labels == top].all()):
         return out
     budget = float(budgets.flops[top])
     observed = (float(np.exp(minima.vertex_log_n[0, top])) if method == "vertex"
@@ -390,10 +438,14 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     """Fit all approaches to ``table`` with bootstrap intervals; see the module docstring."""
     config = config or FitConfig()
     config.validate()
+    unique = _unique_tokens(table) if config.law == "data-constrained" else None
     if config.envelope == "curves" and len(table.curves) < 2:
         raise InputError("--envelope curves needs the training curves (metrics.jsonl) of at least 2 runs; "
                          f"the input has {len(table.curves)}")
     warnings = list(table.warnings)
+    if unique is None and "unique_tokens" in table.runs.columns:
+        warnings.append(("unique_tokens", "the table gives each run's unique tokens: --law data-constrained fits "
+                         "Muennighoff et al.'s law, in which repeated data count less, beside approach 3"))
     n, d, c, loss, k = table.n, table.d, table.c, table.loss, table.flops_k
     level = config.ci_level
 
@@ -401,9 +453,18 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     minima = budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n)))) if budgets.count else None
     warnings += _budget_warnings(budgets, minima, len(n))
 
-    parametric = fit_parametric(n, d, loss, n_starts=config.n_starts)
+    parametric = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta)
     condition = gauss_newton_condition(parametric.theta, n, d)
-    if 2 * parametric.starts_agreeing < parametric.n_starts:
+    outliers = find_outliers(table, parametric.theta)
+    if outliers["runs"]:
+        shown = ", ".join(f"{o['run_id']} ({o['residual']:+.3g} nats, z = {o['z']:+.1f})" for o in outliers["runs"][:5])
+        warnings.append(("outliers", f"{len(outliers['runs'])} run(s) lie more than {OUTLIER_Z:g} robust standard "
+                         f"deviations from approach 3's law: {shown}{' ...' if len(outliers['runs']) > 5 else ''}; "
+                         "drop them with --exclude RUN_ID (or a condition) or --drop-highest-loss K"))
+    noise = _noise_check(table, parametric.theta)
+    if noise is not None:
+        warnings.append(("noiseless", noise))
+    if 2 * parametric.starts_agreeing < parametric.n_starts:  # near-zero objectives are compared absolutely
         warnings.append(("start_grid", f"approach 3: only {parametric.starts_agreeing} of {parametric.n_starts} L-BFGS "
                          "starts reached the best objective: the objective has other optima"))
 
@@ -434,7 +495,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     if config.n_bootstrap > 0:
         problem = Problem(theta0=parametric.theta, n=n, d=d, loss=loss, labels=budgets.labels,
                           budget_flops=budgets.flops if iso_skip is None else np.zeros(0), flops_k=k,
-                          envelope=envelope if env_skip is None else None, seed=config.seed)
+                          envelope=envelope if env_skip is None else None, seed=config.seed,
+                          huber_delta=config.huber_delta)
         resamples = bootstrap(problem, config.n_bootstrap, config.workers, config.progress)
         failed = int((~resamples.converged).sum())
         if failed > 0.05 * len(resamples.converged):
@@ -472,10 +534,73 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         if holdout["skipped"]:
             warnings.append(("holdout_skipped", f"hold-out check skipped: {holdout['reason']}"))
 
+    sensitivity = delta_sensitivity(table, parametric, config.huber_delta) if config.delta_sensitivity else []
+    other = None
+    if config.law != "chinchilla":
+        rmse = float(np.sqrt(np.mean((np.log(loss) - np.log(predict_loss(parametric.theta, n, d))) ** 2)))
+        other = (fit_kaplan(n, d, loss, rmse, config.huber_delta) if config.law == "kaplan" else
+                 fit_data_constrained(n, d, unique, loss, parametric.theta, rmse, config.huber_delta))
+        if not other["converged"]:
+            warnings.append(("law_convergence", f"the {config.law} law's L-BFGS did not converge"))
     return FitResult(table=table, config=config, budgets=budgets, parametric=parametric, condition=condition,
                      resamples=resamples, minima=minima, isoflop_laws=isoflop_laws, envelope=envelope,
                      approaches=approaches, preferred=choice, why=why, disagreements=disagree,
-                     predictions=predictions, holdout=holdout, warnings=warnings)
+                     predictions=predictions, holdout=holdout, warnings=warnings, outliers=outliers,
+                     noiseless=noise is not None, delta_sensitivity=sensitivity, law=other)
+
+
+def _unique_tokens(table: RunTable) -> np.ndarray:
+    """Each run's unique tokens, for the data-constrained law; InputError when the table has none."""
+    if "unique_tokens" not in table.runs.columns:
+        raise InputError("--law data-constrained needs each run's unique tokens: a 'unique_tokens' column (map "
+                         "another with --column unique_tokens=NAME)")
+    values = pd.to_numeric(table.runs["unique_tokens"], errors="coerce").to_numpy(float)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        raise InputError(f"column 'unique_tokens' has {int(bad.sum())} missing, non-numeric or non-positive value(s)")
+    return values
+
+
+def find_outliers(table: RunTable, theta: np.ndarray) -> dict:
+    """Runs whose log-loss residual from ``theta`` is more than OUTLIER_Z robust standard deviations from the median."""
+    predicted = predict_loss(theta, table.n, table.d)
+    resid = np.log(table.loss) - np.log(predicted)
+    centre = float(np.median(resid))
+    scale = max(1.4826 * float(np.median(np.abs(resid - centre))), OUTLIER_SCALE_FLOOR)
+    z = (resid - centre) / scale
+    ids = table.runs["run_id"].to_numpy()
+    flagged = np.flatnonzero(np.abs(z) > OUTLIER_Z)
+    flagged = flagged[np.argsort(-np.abs(z[flagged]), kind="stable")]
+    return {"threshold_z": OUTLIER_Z, "median_log_residual": centre, "robust_scale": scale,
+            "runs": [{"run_id": str(ids[i]), "params": float(table.n[i]), "tokens": float(table.d[i]),
+                      "loss": float(table.loss[i]), "predicted": float(predicted[i]),
+                      "residual": float(table.loss[i] - predicted[i]), "z": float(z[i])} for i in flagged]}
+
+
+def _noise_check(table: RunTable, theta: np.ndarray) -> str | None:
+    """A warning when the law fits every run to rounding precision (noiseless or derived data), else None."""
+    rmse = float(np.sqrt(np.mean((np.log(table.loss) - np.log(predict_loss(theta, table.n, table.d))) ** 2)))
+    if rmse >= NOISELESS_RMSE:
+        return None
+    return (f"NOISELESS DATA: approach 3 fits all {len(table.loss)} runs to an RMSE of {rmse:.2g} in log loss (below "
+            f"{NOISELESS_RMSE:g}), so the losses were computed from a law, not measured; bootstrap intervals of "
+            "(near) zero width then measure rounding, not uncertainty")
+
+
+def delta_sensitivity(table: RunTable, parametric: ParametricFit, delta: float) -> list[dict]:
+    """Approach 3 refitted at each Huber delta of DELTA_GRID (and ``delta``), from the fit's optimum."""
+    rows = []
+    for value in sorted(set(DELTA_GRID) | {delta}):
+        if value == delta:
+            theta, converged = parametric.theta, parametric.converged
+        else:
+            thetas, ok = fit_weighted(parametric.theta, table.n, table.d, table.loss, np.ones((1, len(table.n))),
+                                      value)
+            theta, converged = thetas[0], bool(ok[0])
+        params = params_from_theta(theta, table.flops_k)
+        rows.append({"huber_delta": value, "fitted": value == delta, "converged": converged,
+                     **{k: params[k] for k in ("E", "A", "B", "alpha", "beta", "a", "b")}})
+    return rows
 
 
 def _approaches(table: RunTable, config: FitConfig, budgets: Budgets, parametric: ParametricFit, condition: float,

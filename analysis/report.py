@@ -13,10 +13,12 @@ from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
-from analysis.plots import FIGURES
-from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, TABLE3, comparable, listed_note
+from analysis.plots import CURVES_FIGURE, FIGURES
+from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, MUENNIGHOFF, TABLE3, comparable, listed_note
 from analysis.synthetic import law_optimum
 
+# Warnings repeated in the alert box at the top of the report: they change how every number below is read.
+LOUD_WARNINGS = ("noiseless", "outliers")
 Block = tuple  # ("h", level, text) | ("p", text) | ("ul", items) | ("warn", items) | ("alert", items)
 #                | ("table", header, rows) | ("img", stem, caption)
 
@@ -75,22 +77,32 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
                      "with N_opt and D_opt at the prediction budgets. Published rows are as printed in the cited "
                      "papers; for the published laws a and b follow from their alpha and beta, and N_opt, D_opt "
                      "from the law with C = 6ND, shown only for runs on the law's data set. "
-                     + (listed_note(listed, dataset) if listed else ""))]
+                     + (listed_note(listed, dataset) if listed else "")),
+               published_laws_table(),
+               ("p", "Published parametric laws L(N, D) = E + A/N^alpha + B/D^beta as printed in the cited papers "
+                     "(the data-constrained law adds R_D* and R_N*, the decay constants of repeated tokens and excess "
+                     "parameters); E, A and B are in nats per token on each paper's own data and tokenizer.")]
     blocks += [("h", 2, "Identification"),
                ("p", "An approach is used only when every check passes (thresholds in analysis/identify.py: "
                      f"interval of a at most {MAX_A_WIDTH:g} wide, alpha and beta in (0, 2), condition number of "
                      f"J^T J at most {MAX_CONDITION:g}, at least 3 budgets or envelope sizes)."),
                _identification_table(doc)]
     blocks += [("h", 2, "Approach 3: parameters, goodness of fit, covariance")] + _approach3_blocks(a3, level)
+    blocks += [("h", 2, "Outliers and dropped runs")] + _outlier_blocks(doc)
+    blocks += [("h", 2, "Sensitivity to the Huber delta")] + _delta_blocks(doc)
+    if doc["law"]:
+        blocks += [("h", 2, f"Another form: the {doc['law']['form']} law")] + _law_blocks(doc["law"])
     blocks += [("h", 2, "Approaches compared: predictions")] + _predictions_blocks(doc)
     blocks += [("h", 2, "Data")] + _data_blocks(doc)
     blocks += [("h", 2, "Hold-out check")] + _holdout_blocks(doc["holdout"])
-    blocks += [("h", 2, "Figures")] + [("img", stem, caption) for stem, caption in FIGURES]
+    figures = FIGURES + ((CURVES_FIGURE,) if data["n_curves"] else ())
+    blocks += [("h", 2, "Figures")] + [("img", stem, caption) for stem, caption in figures]
     warnings = doc["warnings"]
     blocks += [("h", 2, "Warnings"),
                ("warn", [f"[{w['code']}] {w['message']}" for w in warnings]) if warnings else ("p", "None.")]
     blocks += [("h", 2, "Method"), ("p", _METHOD), ("h", 2, "References"),
-               ("ul", [HOFFMANN + ". Approaches 1-3, Table 3, appendix D.", BESIROGLU + ".", KAPLAN + "."])]
+               ("ul", [HOFFMANN + ". Approaches 1-3, Table 3, appendix D.", BESIROGLU + ".", KAPLAN + ".",
+                       MUENNIGHOFF + "."])]
     return blocks
 
 
@@ -99,6 +111,7 @@ def _verdict(doc: dict) -> list[Block]:
     loud = [f"{TITLES[k]} is NOT identified: {'; '.join(doc[k]['identification']['reasons'])}"
             for k in APPROACHES if not doc[k].get("skipped") and not _identified(doc[k])]
     loud += [f"Approaches disagree: {x['message']}" for x in comp["disagreements"]]
+    loud += [w["message"] for w in doc["warnings"] if w["code"] in LOUD_WARNINGS]
     if comp["preferred"] is None:
         return [("alert", [f"No approach gives an identified law, so `python -m analysis plan` refuses to plan "
                            f"from this fit: {comp['why']}."] + loud)]
@@ -151,6 +164,60 @@ def _table3(doc: dict) -> Block:
             row += [fmt(n, 3), fmt(d, 3)] if comparable(law, doc["data"].get("dataset")) else ["-", "-"]
         rows.append(row)
     return ("table", header, rows)
+
+
+def published_laws_table() -> Block:
+    """E, A, B, alpha, beta (and R_D*, R_N* where published) of every published law."""
+    rows = [[law.name, law.dataset, fmt(law.E), fmt(law.A), fmt(law.B), fmt(law.alpha), fmt(law.beta),
+             fmt(law.r_d_star), fmt(law.r_n_star), law.citation] for law in LAWS]
+    return ("table", ["published law", "data", "E", "A", "B", "alpha", "beta", "R_D*", "R_N*", "source"], rows)
+
+
+def _outlier_blocks(doc: dict) -> list[Block]:
+    found, dropped = doc["outliers"], doc["dropped"]
+    blocks: list[Block] = []
+    if found.get("runs"):
+        blocks += [("p", f"{len(found['runs'])} run(s) lie more than {found['threshold_z']:g} robust standard "
+                         f"deviations (1.4826 x MAD of the log-loss residuals, here {fmt(found['robust_scale'], 3)}) "
+                         "from approach 3's law; they are still fitted. Leave them out with `--exclude RUN_ID` or "
+                         "`--drop-highest-loss K`."),
+                   ("table", ["run", "N", "D", "loss", "predicted", "residual (nats)", "robust z"],
+                    [[o["run_id"], fmt(o["params"]), fmt(o["tokens"]), fmt(o["loss"]), fmt(o["predicted"]),
+                      fmt(o["residual"], 3), f"{o['z']:+.1f}"] for o in found["runs"]])]
+    else:
+        blocks.append(("p", f"No run lies more than {found.get('threshold_z', 0):g} robust standard deviations from "
+                            "approach 3's law."))
+    if dropped:
+        blocks += [("p", f"{len(dropped)} run(s) were left out before fitting:"),
+                   ("table", ["run", "N", "D", "loss", "why"],
+                    [[d["run_id"], fmt(d["params"]), fmt(d["tokens"]), fmt(d["loss"]), f"`{d['reason']}`"]
+                     for d in dropped])]
+    else:
+        blocks.append(("p", "No run was left out (`--exclude`, `--drop-highest-loss`)."))
+    return blocks
+
+
+def _law_blocks(law: dict) -> list[Block]:
+    source = KAPLAN if law["form"] == "kaplan" else MUENNIGHOFF
+    return [("p", f"Fitted beside approach 3 with `--law {law['form']}` ({source}), by the same Huber loss "
+                  f"(delta = {law['huber_delta']:g}) of log-space residuals; no bootstrap, so no intervals. "
+                  f"RMSE of log loss {fmt(law['rmse_log_loss'], 3)}, against {fmt(law['approach3_rmse_log_loss'], 3)} "
+                  f"for Chinchilla's form; N_opt ∝ C^a with a = {fmt(law['a'])}."
+                  + ("" if law["converged"] else " **L-BFGS did not converge.**")),
+            ("table", list(law["params"]), [[fmt(v) for v in law["params"].values()]])]
+
+
+def _delta_blocks(doc: dict) -> list[Block]:
+    rows = doc["delta_sensitivity"]
+    if not rows:
+        return [("p", "Not computed.")]
+    return [("p", "Approach 3 refitted at each Huber delta (from the fitted optimum; the fitted delta in bold). "
+                  "A delta far above the residuals makes the loss least squares; far below, it approaches least "
+                  "absolute deviations, which outliers move least."),
+            ("table", ["delta", "E", "A", "B", "alpha", "beta", "a", "converged"],
+             [[f"**{r['huber_delta']:g}**" if r["fitted"] else f"{r['huber_delta']:g}"]
+              + [fmt(r[k]) for k in ("E", "A", "B", "alpha", "beta", "a")] + ["yes" if r["converged"] else "NO"]
+              for r in rows])]
 
 
 def _identification_table(doc: dict) -> Block:
@@ -216,9 +283,11 @@ def _data_blocks(doc: dict) -> list[Block]:
     derivation = "(derived)" if k["derived"] else (f"(median); {len(k['outliers'])} run(s) off by more than 2x"
                                                    + (f": {off}" if off else ""))
     checks = [f"FLOPs: C = {k['k']:.4g} N D {derivation}"]
-    checks.append(f"Duplicates (same N and D): {len(data['duplicates'])} group(s) averaged into one run each"
-                  + (f", largest loss spread within a group {max(g['loss_spread'] for g in data['duplicates']):.2%}"
-                     if data["duplicates"] else ""))
+    how = {"keep": "each run kept as its own point", "mean": "averaged into one run each"}
+    checks.append(f"Runs sharing N and D: {len(data['duplicates'])} group(s)"
+                  + (f", {how[data['duplicate_policy']]}; largest loss range within a group "
+                     f"{max(g['loss_range'] for g in data['duplicates']):.3g} nats "
+                     f"({max(g['loss_spread'] for g in data['duplicates']):.2%})" if data["duplicates"] else ""))
     checks.append(f"Budgets: {budgets['mode']}; {len(budgets['groups'])} budget(s) within {budgets['tolerance']:.0%} "
                   f"of C, {budgets['unassigned']} run(s) in no budget"
                   + (f", {len(budgets['wide'])} chain(s) of C wider than the tolerance" if budgets["wide"] else ""))
@@ -242,7 +311,8 @@ def _data_blocks(doc: dict) -> list[Block]:
 
 
 _METHOD = (
-    "Approach 3 minimises the summed Huber loss (delta = 1e-3) of log-space residuals, "
+    "Approach 3 minimises the summed Huber loss (delta = 1e-3 unless --huber-delta says otherwise) of log-space "
+    "residuals, "
     "LSE(a - alpha log N, b - beta log D, e) - log L, as in Hoffmann et al. (2022), appendix D. "
     "The objective is evaluated on the paper's whole 4,500-point grid of starts at once; L-BFGS "
     "(analytic gradient, log N and log D centred) runs from the best few grid points and the best "
@@ -256,7 +326,9 @@ _METHOD = (
     "--envelope curves it takes, at each FLOP count, the run whose training curve is lowest. Each "
     "bootstrap resample draws the runs with replacement and refits every approach on it; approaches are "
     "compared pair by pair on the same resamples. The hold-out check refits approach 3 without the largest "
-    "budget (or the top fifth of C) and predicts the runs held out.")
+    "budgets (--holdout-budgets K, default 1; or the runs above --holdout-above C; with continuous C the top fifth) "
+    "and predicts each run held out. Runs sharing N and D are each their own point by default, as in the "
+    "published fits; outliers are flagged from robust (median and MAD) z-scores of the log-loss residuals.")
 
 
 def _holdout_blocks(hold: dict) -> list[Block]:
@@ -271,9 +343,14 @@ def _holdout_blocks(hold: dict) -> list[Block]:
                      f"observed {fmt(iso['params_opt_observed'])}", f"rel error {iso['rel_error']:.2%}"])
         rows.append(["approach 3: N_opt at the held-out budget", f"predicted {fmt(a3['params_opt_predicted'])}",
                      f"observed {fmt(iso['params_opt_observed'])}", f"rel error {a3['params_opt_rel_error']:.2%}"])
+    per_run = [[r["run_id"], fmt(r["params"]), fmt(r["tokens"]), fmt(r.get("flops")), fmt(r["loss"]),
+                fmt(r["predicted"]), fmt(r.get("error"), 3), f"{r['rel_error']:+.2%}" if "rel_error" in r else "-"]
+               for r in a3["runs"]]
     return [("p", f"Fitted on {hold['n_train']} runs without {hold['held_out']}, then predicted its "
                   f"{hold['n_holdout']} runs."),
-            ("table", ["check", "", "", ""], rows)]
+            ("table", ["check", "", "", ""], rows),
+            ("p", "Predicted against actual loss for each held-out run (approach 3 refitted without them):"),
+            ("table", ["run", "N", "D", "C", "actual loss", "predicted", "error (nats)", "rel error"], per_run)]
 
 
 def render_markdown(blocks: list[Block]) -> str:

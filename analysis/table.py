@@ -6,11 +6,13 @@ its top or searched recursively for run directories holding ``summary.json`` (an
 ``metrics.jsonl``, whose curves feed the envelope approach).
 
 Every problem with the input raises :class:`InputError` with a one-line message, before any
-fitting starts. Two checks look at the rows together: runs with the same N and D (repeats or
-duplicated rows) are averaged into one run or refused (``duplicates``), since counting them twice
-would narrow every bootstrap interval; and the FLOPs column is compared with k*N*D for one k
-fitted to the whole table (the median of C/(N D)), flagging rows that are off by more than
-``FLOPS_OUTLIER_FACTOR``.
+fitting starts. Runs can be left out by id or by a pandas query condition (``exclude``) and the
+``drop_highest_loss`` highest losses dropped; the table records what was dropped and why. Two checks
+look at the rows together: runs with the same N and D (repeats, or runs at one N and D on different
+unique data) are each kept as their own point, as the published fits do, with a warning giving
+their spread, or averaged into one run, or refused (``duplicates``); and the FLOPs column is
+compared with k*N*D for one k fitted to the whole table (the median of C/(N D)), flagging rows
+that are off by more than ``FLOPS_OUTLIER_FACTOR``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import numpy as np
 import pandas as pd
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
-CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id")
+CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id", "unique_tokens")
 PARAMS_COUNTS = ("total", "non_embedding")
 # L(N, D) has five free parameters, so the parametric fit needs at least six runs.
 MIN_RUNS = 6
 SUMMARY_KEYS = ("params", "params_non_embedding", "tokens", "flops")
-DUPLICATE_POLICIES = ("aggregate", "refuse")
+# Runs sharing N and D: each its own point (the literature's estimators fit every run), averaged, or refused.
+DUPLICATE_POLICIES = ("keep", "mean", "refuse")
+DUPLICATE_ALIASES = {"aggregate": "mean"}  # the name "mean" had before "keep" became the default
 # A row whose C/(N D) differs from the table's k by more than this factor is flagged: the lab's own
 # FLOPs (6N plus attention per token) vary by well under this across model shapes.
 FLOPS_OUTLIER_FACTOR = 2.0
@@ -67,7 +71,9 @@ class RunTable:
     flops_k: float = 6.0  # C = k N D, k the median over the runs
     flops_derived: bool = False  # the table had no FLOPs column
     flops_outliers: list[dict] = field(default_factory=list)  # {"run_id", "ratio"}: C / (k N D)
-    duplicates: list[dict] = field(default_factory=list)  # {"params", "tokens", "run_ids", "loss_spread"}
+    duplicates: list[dict] = field(default_factory=list)  # {"params", "tokens", "run_ids", "loss_spread", ...}
+    duplicate_policy: str = "keep"
+    dropped: list[dict] = field(default_factory=list)  # {"run_id", "params", "tokens", "loss", "reason"}
 
     @property
     def n(self) -> np.ndarray:
@@ -109,19 +115,25 @@ def parse_column_map(items: list[str] | None) -> dict[str, str]:
 
 
 def load_runs(path: str | Path, columns: dict[str, str] | None = None,
-              params_count: str | None = None, duplicates: str = "aggregate") -> RunTable:
+              params_count: str | None = None, duplicates: str = "keep", exclude: tuple[str, ...] | list[str] = (),
+              drop_highest_loss: int = 0) -> RunTable:
     """Read, map and validate the runs at ``path``.
 
     ``columns`` maps canonical names to the table's own column names. ``params_count`` picks
     the parameter count when both ``params`` and ``params_non_embedding`` are present (default
-    total); ``None`` means total if present, else non-embedding. ``duplicates`` says what to do
-    with runs sharing N and D: average them into one run ("aggregate") or raise ("refuse").
+    total); ``None`` means total if present, else non-embedding. ``exclude`` items are run ids or
+    pandas query conditions on the mapped columns (``loss > 4``); the runs they match are dropped,
+    then the ``drop_highest_loss`` runs with the highest loss. ``duplicates`` says what to do with
+    runs sharing N and D: keep each as its own point ("keep"), average them ("mean") or raise ("refuse").
     """
     path = Path(path)
     if params_count is not None and params_count not in PARAMS_COUNTS:
         raise InputError(f"--params-count must be one of {', '.join(PARAMS_COUNTS)}, got '{params_count}'")
+    duplicates = DUPLICATE_ALIASES.get(duplicates, duplicates)
     if duplicates not in DUPLICATE_POLICIES:
         raise InputError(f"--duplicates must be one of {', '.join(DUPLICATE_POLICIES)}, got '{duplicates}'")
+    if drop_highest_loss < 0:
+        raise InputError(f"--drop-highest-loss must be >= 0, got {drop_highest_loss}")
     warnings: list[tuple[str, str]] = []
     notes: list[str] = []
     run_dirs: list[Path | None] = []
@@ -146,8 +158,14 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
             warnings.append(("eval_loss_missing", f"{len(train_only)} run(s) have no final eval loss; "
                              f"used their final train loss: {_preview(train_only)}"))
     runs, count = _validate(frame, params_count, notes)
+    kept, dropped = _select(runs, list(exclude), drop_highest_loss)
+    runs = runs[kept].reset_index(drop=True)
+    if run_dirs:
+        run_dirs = [d for d, k in zip(run_dirs, kept) if k]
+    if loss_sources is not None:
+        loss_sources = [s for s, k in zip(loss_sources, kept) if k]
     table = RunTable(runs=runs, source=str(path), params_count=count, notes=notes, warnings=warnings,
-                     flops_derived="flops derived as 6ND" in notes)
+                     flops_derived="flops derived as 6ND" in notes, duplicate_policy=duplicates, dropped=dropped)
     if loss_sources is not None:
         table.loss_source = "final_eval_loss of summary.json" + (" (final_train_loss where eval was null)"
                                                                   if "train" in loss_sources else "")
@@ -159,6 +177,37 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
     _check_size(table.runs, merged)
     _check_flops(table)
     return table
+
+
+def _select(runs: pd.DataFrame, exclude: list[str], drop_highest_loss: int) -> tuple[np.ndarray, list[dict]]:
+    """Rows to keep, and a record of each dropped run with the reason (an --exclude item or the highest losses)."""
+    keep = np.ones(len(runs), bool)
+    reasons: dict[int, str] = {}
+    ids = runs["run_id"].to_numpy()
+    for item in exclude:
+        hit = ids == item
+        if not hit.any():
+            try:
+                hit = runs.eval(item, engine="python").to_numpy()
+            except Exception as exc:  # pandas raises many types for a bad expression
+                raise InputError(f"--exclude '{item}': no run has that id, and it is not a condition on the "
+                                 f"columns ({_one_line(exc)})") from exc
+            if hit.dtype != bool or hit.shape != keep.shape:
+                raise InputError(f"--exclude '{item}': no run has that id, and it is not a true/false condition")
+        for i in np.flatnonzero(hit & keep):
+            reasons[int(i)] = f"--exclude {item}"
+        keep &= ~hit
+    if drop_highest_loss:
+        if drop_highest_loss >= keep.sum():
+            raise InputError(f"--drop-highest-loss {drop_highest_loss} would drop every one of the {keep.sum()} runs")
+        loss = runs["loss"].to_numpy(float)
+        order = np.argsort(np.where(keep, -loss, np.inf), kind="stable")[:drop_highest_loss]
+        for i in order:
+            reasons[int(i)] = f"--drop-highest-loss {drop_highest_loss}"
+        keep[order] = False
+    dropped = [{"run_id": str(ids[i]), "params": float(runs["params"].iloc[i]), "tokens": float(runs["tokens"].iloc[i]),
+                "loss": float(runs["loss"].iloc[i]), "reason": reasons[i]} for i in sorted(reasons)]
+    return keep, dropped
 
 
 def _preview(items: list[str], limit: int = 5) -> str:
@@ -369,10 +418,8 @@ def _log_key(values: np.ndarray) -> np.ndarray:
 
 
 def _merge_duplicates(table: RunTable, policy: str) -> int:
-    """Average runs that share N and D into one run (their curves kept), or refuse them.
-
-    Returns how many rows the merge removed.
-    """
+    """Runs that share N and D: keep each (warned with their spread), average each group into one run
+    (curves kept), or refuse them. Returns how many rows averaging removed."""
     runs = table.runs
     keys = pd.DataFrame({"n": _log_key(table.n), "d": _log_key(table.d)})
     group = keys.groupby(["n", "d"], sort=False).ngroup().to_numpy()
@@ -385,11 +432,22 @@ def _merge_duplicates(table: RunTable, policy: str) -> int:
     summary = (f"{sum(len(r) for r in repeated)} runs share N and D with another run "
                f"({len(repeated)} group(s): {examples}{' ...' if len(repeated) > 3 else ''})")
     if policy == "refuse":
-        raise InputError(f"duplicate runs: {summary}; average them with --duplicates aggregate")
+        raise InputError(f"duplicate runs: {summary}; keep each with --duplicates keep or average them with "
+                         "--duplicates mean")
     loss = table.loss
     table.duplicates = [{"params": float(table.n[r[0]]), "tokens": float(table.d[r[0]]),
-                         "run_ids": [str(i) for i in ids[r]],
+                         "run_ids": [str(i) for i in ids[r]], "loss_range": float(loss[r].max() - loss[r].min()),
+                         "loss_std": float(loss[r].std(ddof=1)),
                          "loss_spread": float((loss[r].max() - loss[r].min()) / loss[r].mean())} for r in repeated]
+    spreads = np.array([d["loss_range"] for d in table.duplicates])
+    worst = table.duplicates[int(np.argmax(spreads))]
+    spread = (f"loss range within a group: median {np.median(spreads):.3g}, largest {spreads.max():.3g} nats "
+              f"({worst['loss_spread']:.2%}, {' = '.join(worst['run_ids'][:3])})")
+    if policy == "keep":
+        table.warnings.append(("duplicates", f"{summary}: each is kept as its own point, as the published fits do; "
+                               f"{spread}. Average each group with --duplicates mean if they are repeats of one "
+                               "experiment"))
+        return 0
     first = np.unique(group, return_index=True)[1]
     merged = runs.iloc[first].reset_index(drop=True)
     merged["loss"] = np.bincount(group, weights=loss) / counts
@@ -398,9 +456,8 @@ def _merge_duplicates(table: RunTable, policy: str) -> int:
                         for i, c in zip(merged["run_id"], counts)]
     for curve in table.curves:
         curve.row = int(group[curve.row])
-    spread = max(d["loss_spread"] for d in table.duplicates)
-    table.warnings.append(("duplicates", f"{summary}: each group is averaged into one run, so it counts once in "
-                           f"the fit and the bootstrap (largest loss spread within a group: {spread:.2%})"))
+    table.warnings.append(("duplicates", f"{summary}: each group is averaged into one run (--duplicates mean), so it "
+                           f"counts once in the fit and the bootstrap; {spread}"))
     table.runs = merged
     return len(runs) - len(merged)
 

@@ -1,7 +1,15 @@
-"""The results table: one row per finished run, in the columns ``python -m analysis fit`` reads unmapped."""
+"""The results table: one row per finished experiment, in the columns ``python -m analysis fit`` reads unmapped.
+
+Strategy twins, runs whose options differ only in ``--parallel.*`` (how a run is spread over
+processes, not what it computes) and in their process count, are one experiment: the first
+finished one gives the row and the others are named in its ``twins`` column, so that the analysis
+does not count one experiment twice.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -12,13 +20,26 @@ from sweeps.registry import Row
 FORMATS = (".csv", ".parquet")
 
 
+def experiment_hash(row: Row) -> str:
+    """Identity of what a run computes: its options without the ``--parallel.*`` ones (its config hash also
+    covers those and the process count), and its role (a search run is not a sweep run's twin)."""
+    args = row.plan.args
+    kept = [pair for pair in zip(args[::2], args[1::2]) if not pair[0].startswith("--parallel.")]
+    return hashlib.sha256(json.dumps([row.plan.role, kept]).encode()).hexdigest()[:16]
+
+
 def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFrame:
-    """Finished runs of the given roles (the sweep's own; ``search`` and ``verify`` runs on request) as a table:
-    ``params``, ``params_non_embedding``, ``tokens``, ``flops``, ``loss`` (the final eval loss, else the final
-    train loss) and the run's other figures."""
+    """Finished experiments of the given roles (the sweep's own; ``search`` and ``verify`` runs on request) as a
+    table: ``params``, ``params_non_embedding``, ``tokens``, ``flops``, ``loss`` (the final eval loss, else the
+    final train loss), the run's other figures, its ``role`` and its strategy ``twins``."""
     records = []
+    by_experiment: dict[str, dict] = {}
     for row in rows:
         if row.status != "done" or row.summary is None or row.plan.role not in roles:
+            continue
+        first = by_experiment.get(experiment_hash(row))
+        if first is not None:
+            first["twins"] = ";".join(filter(None, (first["twins"], row.name)))
             continue
         s, p = row.summary, row.plan
         loss = s.get("final_eval_loss") if s.get("final_eval_loss") is not None else s.get("final_train_loss")
@@ -30,7 +51,9 @@ def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFram
             "d_model": p.shape["d_model"], "n_head": p.shape["n_head"], "lr": p.lr, "batch_tokens": p.batch_tokens,
             "strategy": s.get("strategy"), "world_size": s.get("world_size"), "wall_time_s": s.get("wall_time_s"),
             "steps": s.get("steps"), "config_hash": row.config_hash, "run_dir": str(row.run_dir), "role": p.role,
+            "twins": "",
         })
+        by_experiment[experiment_hash(row)] = records[-1]
     return pd.DataFrame.from_records(records)
 
 

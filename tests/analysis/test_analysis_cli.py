@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.plots import FIGURES
+from analysis.plots import CURVES_FIGURE, FIGURES
 from analysis.synthetic import isoflop_runs, write_sweep
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +92,8 @@ def test_reports_cover_what_a_reader_of_the_chinchilla_paper_looks_for(fit_out):
                 "Kaplan et al. (2020)"):
         assert row in md
     # these runs name no data set, so the published laws' N_opt and D_opt are left out and listed in a note
-    assert "Published laws not drawn, since their losses are on MassiveText with its tokenizer" in md
+    assert "Published laws not drawn, since their losses are on another data set with its tokenizer" in md
+    assert "Chinchilla approach 3 (a = 0.452, MassiveText)" in md
     assert "arXiv:2203.15556" in md and "arXiv:2404.10102" in md
     # Goodness of fit and covariance.
     assert f"RMSE {a3['goodness']['rmse_loss']:.4g} nats per token" in md
@@ -104,7 +105,7 @@ def test_reports_cover_what_a_reader_of_the_chinchilla_paper_looks_for(fit_out):
     assert f"{iso['tokens']:.4g} [" in md
     hold = doc["holdout"]["approach3"]
     assert f"mean rel {hold['mean_rel_error']:.2%}" in md
-    for stem, _ in FIGURES:
+    for stem, _ in FIGURES + (CURVES_FIGURE,):  # a sweep folder: its training curves are drawn too
         assert f"({stem}.png)" in md
     assert "extrapolate more than 100x" in md and "extrapolate more than 100x" in html
 
@@ -114,8 +115,8 @@ def test_html_report_is_one_self_contained_file(fit_out):
     sources = re.findall(r'(?:src|href)="([^"]*)"', html)
     assert sources and all(s.startswith("data:") for s in sources), sources
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
-    assert len(images) == len(FIGURES)
-    for stem, data in zip((stem for stem, _ in FIGURES), images):
+    assert len(images) == len(FIGURES) + 1
+    for stem, data in zip((stem for stem, _ in FIGURES + (CURVES_FIGURE,)), images):
         assert base64.b64decode(data) == (fit_out / f"{stem}.png").read_bytes()
 
 
@@ -170,7 +171,7 @@ def test_report_opens_in_headless_chromium(fit_out, tmp_path):
             assert time.monotonic() < deadline, "images did not finish loading"
             time.sleep(0.1)
         widths = driver.execute_script("return Array.from(document.images).map(i => i.naturalWidth)")
-        assert len(widths) == len(FIGURES) and all(w > 0 for w in widths), widths
+        assert len(widths) == len(FIGURES) + 1 and all(w > 0 for w in widths), widths
         assert "Hold-out check" in driver.find_element("tag name", "body").text
         severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not severe, severe

@@ -105,14 +105,15 @@ def test_flops_per_param_token_sets_the_allocation(tmp_path):
     assert any(w[0] == "flops_k" and "22" in w[1] for w in load_runs(path).warnings)
 
 
-def test_duplicates_are_averaged_with_their_curves_kept_or_refused(tmp_path):
+def test_duplicates_are_averaged_on_request_with_their_curves_kept_or_refused(tmp_path):
     from analysis.synthetic import write_sweep
     from analysis.table import InputError
 
     runs = isoflop_runs(BUDGETS[:3], per_budget=5, spread=4, noise=0.01, seed=0)
     repeat = runs.iloc[[2]].assign(run_id="seed2", loss=runs["loss"].iloc[2] * 1.02)
     write_sweep(pd.concat([runs, repeat], ignore_index=True), tmp_path / "sweep")
-    table = load_runs(tmp_path / "sweep")
+    assert len(load_runs(tmp_path / "sweep").runs) == 16  # by default each run is its own point
+    table = load_runs(tmp_path / "sweep", duplicates="mean")
     assert len(table.runs) == 15 and len(table.curves) == 16
     row = int(np.flatnonzero(table.runs["run_id"].str.contains(r"\+1 repeat"))[0])
     assert table.loss[row] == pytest.approx(runs["loss"].iloc[2] * 1.01)

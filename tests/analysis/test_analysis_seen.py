@@ -97,7 +97,7 @@ def test_duplicate_rows_are_reported_and_do_not_narrow_the_intervals(tmp_path, c
     twice = pd.concat([runs, runs.assign(run_id=runs["run_id"] + "-again")], ignore_index=True)
     _, once_doc, _, _ = _fit(capsys, _csv(tmp_path, runs), tmp_path / "once", "--bootstrap", "100", "--seed", "1")
     rc, doc, _, _ = _fit(capsys, _csv(tmp_path, twice, "twice.csv"), tmp_path / "twice", "--bootstrap", "100",
-                         "--seed", "1")
+                         "--seed", "1", "--duplicates", "mean")
     assert rc == 0
     assert any(w["code"] == "duplicates" and "126 runs share N and D" in w["message"] for w in doc["warnings"])
     assert len(doc["data"]["duplicates"]) == 63

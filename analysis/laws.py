@@ -1,0 +1,129 @@
+"""Other forms of L(N, D) than Chinchilla's, fitted beside approach 3 on request (``--law``).
+
+- Kaplan et al. (2020), equation 1.5: L = ((N_c/N)^(alpha_N/alpha_D) + D_c/D)^alpha_D, no irreducible
+  loss. Along C = kND its optimum is N_opt ~ C^a with a = alpha_D/(alpha_N + alpha_D).
+- Muennighoff et al. (2023), the data-constrained law: L = E + A/N'^alpha + B/D'^beta, where repeated
+  data and excess parameters count less. With U_D unique tokens, R_D = D/U_D - 1 repetitions and
+  D' = U_D (1 + R_D* (1 - exp(-R_D/R_D*))); with U_N = min(N, the compute-optimal N for U_D tokens
+  under the law's own allocation), R_N = N/U_N - 1 and N' = U_N (1 + R_N* (1 - exp(-R_N/R_N*))).
+  It needs each run's unique tokens (a ``unique_tokens`` column); with U_D >= D and N <= U_N it is
+  Chinchilla's form.
+
+Both are fitted as approach 3 is: Huber loss (the same delta) of log-space residuals, summed over the
+runs, L-BFGS from the best points of a grid of starts (the data-constrained law starts from approach
+3's optimum). No bootstrap: these fits are for comparing forms, approach 3 carries the intervals.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.special import logsumexp
+
+from analysis.parametric import HUBER_DELTA
+
+LAWS = ("chinchilla", "kaplan", "data-constrained")
+KAPLAN_NAMES = ("N_c", "D_c", "alpha_N", "alpha_D")
+# Starts: N_c and D_c from 1e9 to 1e15 (Kaplan et al. report constants near 1e13 to 1e14), exponents 0.03 to 0.3.
+KAPLAN_GRID = (np.log([1e9, 1e12, 1e15]), np.log([1e9, 1e12, 1e15]), (0.03, 0.08, 0.3), (0.03, 0.1, 0.3))
+DATA_CONSTRAINED_GRID = ((2.0, 5.0, 15.0, 50.0), (1.0, 5.0, 20.0))  # R_D*, R_N*
+_OPTIONS = {"ftol": 1e-15, "gtol": 1e-10, "maxiter": 3000}
+_BEST_STARTS = 4
+
+
+def law_line(section: dict) -> str:
+    """One line on a fitted law (fit.json's ``law``) for the terminal and the report."""
+    params = " ".join(f"{k}={v:.4g}" for k, v in section["params"].items())
+    return (f"{section['form']} law: {params}, a={section['a']:.4g}; RMSE of log loss {section['rmse_log_loss']:.3g} "
+            f"(approach 3, Chinchilla's form: {section['approach3_rmse_log_loss']:.3g}); no bootstrap"
+            + ("" if section["converged"] else "; NOT converged"))
+
+
+def _huber(r: np.ndarray, delta: float) -> float:
+    a = np.abs(r)
+    return float(np.sum(np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))))
+
+
+def kaplan_log_loss(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """log L of Kaplan's form at theta = (log N_c, log D_c, alpha_N, alpha_D), x = log N, y = log D."""
+    log_nc, log_dc, alpha_n, alpha_d = theta
+    return alpha_d * np.logaddexp(alpha_n / alpha_d * (log_nc - x), log_dc - y)
+
+
+def effective(n: np.ndarray, d: np.ndarray, unique: np.ndarray, theta: np.ndarray, r_d: float, r_n: float
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """N' and D' of the data-constrained law for theta = (log A, log B, log E, alpha, beta)."""
+    a, b, _, alpha, beta = theta
+    repeats = np.maximum(d / unique - 1.0, 0.0)
+    d_eff = unique * (1.0 + r_d * -np.expm1(-repeats / r_d))
+    # compute-optimal N for D = U under C = 6ND (as in parametric.compute_optimal): N = G (U G)^(beta/alpha)
+    log_g = (np.log(alpha) + a - np.log(beta) - b) / (alpha + beta)
+    unique_n = np.minimum(n, np.exp(log_g + beta / alpha * (np.log(unique) + log_g)))
+    excess = np.maximum(n / unique_n - 1.0, 0.0)
+    return unique_n * (1.0 + r_n * -np.expm1(-excess / r_n)), d_eff
+
+
+def data_constrained_log_loss(theta7: np.ndarray, n: np.ndarray, d: np.ndarray, unique: np.ndarray) -> np.ndarray:
+    """log L of the data-constrained law at (log A, log B, log E, alpha, beta, log R_D*, log R_N*)."""
+    theta, (r_d, r_n) = theta7[:5], np.exp(theta7[5:])
+    n_eff, d_eff = effective(n, d, unique, theta, r_d, r_n)
+    a, b, e, alpha, beta = theta
+    return logsumexp(np.stack([a - alpha * np.log(n_eff), b - beta * np.log(d_eff), np.full(len(n), e)]), axis=0)
+
+
+def _fit(objective, starts: list[np.ndarray], bounds: list[tuple]) -> tuple[np.ndarray, float, bool]:
+    """L-BFGS from the ``_BEST_STARTS`` starts with the lowest objective; the best result."""
+    values = [objective(s) for s in starts]
+    best = None
+    for i in np.argsort(values, kind="stable")[:_BEST_STARTS]:
+        res = minimize(objective, starts[i], method="L-BFGS-B", bounds=bounds, options=_OPTIONS)
+        if best is None or res.fun < best.fun:
+            best = res
+    return best.x, float(best.fun), bool(best.success)
+
+
+def _summary(form: str, params: dict, a: float | None, predicted_log: np.ndarray, log_loss: np.ndarray,
+             objective: float, converged: bool, reference_rmse: float, delta: float) -> dict:
+    return {"form": form, "params": params, "a": a, "b": None if a is None else 1.0 - a,
+            "objective": objective, "converged": converged, "huber_delta": delta,
+            "rmse_log_loss": float(np.sqrt(np.mean((predicted_log - log_loss) ** 2))),
+            "approach3_rmse_log_loss": reference_rmse, "bootstrap": None}
+
+
+def fit_kaplan(n: np.ndarray, d: np.ndarray, loss: np.ndarray, reference_rmse: float,
+               delta: float = HUBER_DELTA) -> dict:
+    """Kaplan's form fitted to the runs (see the module docstring)."""
+    x, y, log_loss = np.log(n), np.log(d), np.log(loss)
+
+    def objective(theta: np.ndarray) -> float:
+        return _huber(kaplan_log_loss(theta, x, y) - log_loss, delta)
+
+    starts = [np.array(p, float) for p in itertools.product(*KAPLAN_GRID)]
+    theta, value, converged = _fit(objective, starts, [(None, None), (None, None), (1e-4, 3.0), (1e-4, 3.0)])
+    log_nc, log_dc, alpha_n, alpha_d = theta
+    params = {"N_c": float(np.exp(log_nc)), "D_c": float(np.exp(log_dc)), "alpha_N": float(alpha_n),
+              "alpha_D": float(alpha_d)}
+    return _summary("kaplan", params, float(alpha_d / (alpha_n + alpha_d)), kaplan_log_loss(theta, x, y), log_loss,
+                    value, converged, reference_rmse, delta)
+
+
+def fit_data_constrained(n: np.ndarray, d: np.ndarray, unique: np.ndarray, loss: np.ndarray, theta0: np.ndarray,
+                         reference_rmse: float, delta: float = HUBER_DELTA) -> dict:
+    """The data-constrained law fitted to the runs, from approach 3's theta0 and a grid of R_D*, R_N*."""
+    log_loss = np.log(loss)
+
+    def objective(theta7: np.ndarray) -> float:
+        with np.errstate(all="ignore"):
+            value = _huber(data_constrained_log_loss(theta7, n, d, unique) - log_loss, delta)
+        return value if np.isfinite(value) else 1e300
+
+    starts = [np.concatenate([theta0, np.log([r_d, r_n])]) for r_d, r_n in itertools.product(*DATA_CONSTRAINED_GRID)]
+    bounds = [(None, None)] * 3 + [(1e-3, 3.0)] * 2 + [(np.log(0.1), np.log(1e4))] * 2
+    theta, value, converged = _fit(objective, starts, bounds)
+    a, b, e, alpha, beta, log_rd, log_rn = theta
+    params = {"E": float(np.exp(e)), "A": float(np.exp(a)), "B": float(np.exp(b)), "alpha": float(alpha),
+              "beta": float(beta), "R_D*": float(np.exp(log_rd)), "R_N*": float(np.exp(log_rn))}
+    return _summary("data-constrained", params, float(beta / (alpha + beta)),
+                    data_constrained_log_loss(theta, n, d, unique), log_loss, value, converged, reference_rmse, delta)
