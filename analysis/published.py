@@ -49,7 +49,9 @@ LAWS = (
                  E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28),
     PublishedLaw("Epoch AI replication of approach 3", f"{BESIROGLU}, equation 4",
                  E=1.82, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658),
-    PublishedLaw("Data-constrained law", f"{MUENNIGHOFF}, section 5 and appendix", E=1.87, A=521.0, B=1488.0,
+    PublishedLaw("Data-constrained law", f"{MUENNIGHOFF}; fitted values as the authors' repository "
+                 "huggingface/datablations lists them (A = e^6.2554, B = e^7.3050, E = e^0.6255)", E=1.87, A=521.0,
+                 B=1488.0,
                  alpha=0.353, beta=0.353, dataset="C4", r_d_star=15.387, r_n_star=5.309),
 )
 
