@@ -181,7 +181,8 @@ def _plan(args: argparse.Namespace) -> int:
         known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
         found = search.finished(sweep, known)
         lr_runs = search.lr_runs(sweep)[0]
-        batch_runs = search.batch_runs(sweep, found.lr.rule if found else sweep.lr)[0] if sweep.search.batch_tokens else []
+        lr_law = found.lr.rule if found else sweep.lr
+        batch_runs = search.batch_runs(sweep, lr_law)[0] if sweep.search.batch_tokens else []
         print("search (run first):")
         print(planner.table(lr_runs + batch_runs, sweep.count, sweep.parallel))
         if found is not None:

@@ -148,15 +148,17 @@ def _interval(ci: list[float] | None, fmt: str) -> str:
 def describe(v: Verdict) -> list[str]:
     """The comparison as text lines (terminal and Markdown alike)."""
     p = v.prediction
-    lines = [f"prediction at C = {p.budget:.3g} ({p.approach} law): N_opt = {p.n_opt:,.0f}{_interval(p.n_opt_ci, ',.0f')}"
+    n_opt = f"{p.n_opt:,.0f}{_interval(p.n_opt_ci, ',.0f')}"
+    lines = [f"prediction at C = {p.budget:.3g} ({p.approach} law): N_opt = {n_opt}"
              + ("" if p.loss_opt is None else f", loss at the optimum {p.loss_opt:.4f}"
                 f"{_interval(p.loss_opt_ci, '.4f')}"),
              "",
              f"| run | N | D (tokens) | loss | predicted L(N, D) | error |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in v.runs:
+        error = (r.loss - r.predicted_loss) / r.predicted_loss
         lines.append(f"| {r.name} | {r.params:,} | {r.tokens:,} | {r.loss:.4f} | {r.predicted_loss:.4f}"
-                     f"{_interval(r.predicted_loss_ci, '.4f')} | {(r.loss - r.predicted_loss) / r.predicted_loss:+.2%} |")
+                     f"{_interval(r.predicted_loss_ci, '.4f')} | {error:+.2%} |")
     where = ("vertex of the parabola through the three runs" if v.n_opt_located
              else "the lowest run is at an edge of the three: N_opt not located")
     lines += ["",

@@ -81,7 +81,8 @@ def test_the_search_runs_first_and_its_laws_set_the_sweeps_runs(searched):
     assert (folder / "search" / "search.png").stat().st_size > 10_000
     assert [len(g["values"]) for g in laws["lr"]["grids"]] == [3, 3] and len(laws["batch_tokens"]["grids"]) == 1
     for grid in laws["lr"]["grids"] + laws["batch_tokens"]["grids"]:  # every loss is a run's final eval loss
-        assert all(1 < loss < 7 for loss in grid["losses"]) and min(grid["values"]) <= grid["best"] <= max(grid["values"])
+        assert all(1 < loss < 7 for loss in grid["losses"])
+        assert min(grid["values"]) <= grid["best"] <= max(grid["values"])
     lr_law = PowerRule(laws["lr"]["value"], laws["lr"]["exponent"], laws["lr"]["reference"])
     batch_law = PowerRule(laws["batch_tokens"]["value"], laws["batch_tokens"]["exponent"],
                           laws["batch_tokens"]["reference"])
