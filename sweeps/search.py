@@ -290,6 +290,7 @@ def describe(result: SearchResult) -> list[str]:
 def plot(result: SearchResult, path: Path) -> None:
     """Loss against each grid, coloured by size or budget, and the fitted laws through the best values."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -306,14 +307,23 @@ def plot(result: SearchResult, path: Path) -> None:
             ax_grid.axvline(g.best, color=colour, lw=0.8, ls=":")
         ax_grid.set(xscale="log", xlabel=what, ylabel="final eval loss (nats/token)",
                     title=f"{what} grid (dotted: best, parabola vertex)")
+        grid_values = sorted({v for g in law.grids for v in g.values})
+        ax_grid.set_xticks(grid_values, [f"{v:.4g}" for v in grid_values])
+        ax_grid.minorticks_off()
         ax_grid.legend(fontsize=8)
         xs = np.array([g.at for g in law.grids])
         ax_law.plot(xs, [g.best for g in law.grids], "o", color="C3", label="best of each grid")
         line = np.geomspace(xs.min() / 1.5, xs.max() * 1.5, 50)
         ax_law.plot(line, [law.rule.at(x) for x in line], "-", color="C0",
                     label=f"fit: {law.rule.value:.3g} × ({at} / {law.rule.reference:.3g})^{law.rule.exponent:.3f}")
+        bests = [g.best for g in law.grids] + [law.rule.at(x) for x in line]
         ax_law.set(xscale="log", yscale="log", xlabel=f"{at} ({'parameters' if at == 'N' else 'FLOPs'})",
-                   ylabel=f"best {what}", title=f"best {what} against {at}")
+                   ylabel=f"best {what}", title=f"best {what} against {at}",
+                   ylim=(min(bests) / 1.6, max(bests) * 1.6))
+        ticks = np.geomspace(min(bests) / 1.4, max(bests) * 1.4, 5)
+        ax_law.set_yticks(ticks, [f"{v:.3g}" for v in ticks])
+        ax_law.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax_law.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax_law.legend(fontsize=8)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
