@@ -296,6 +296,11 @@ def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strateg
         assert summary["model_state_bytes"][kind] == pytest.approx(summary["model_state_bytes_theory"][kind], rel=0.05)
     assert summary["activation_saved_bytes"] > 0
     assert all(r["comm_time_s"] >= 0 and r["compute_time_s"] > 0 for r in got if "loss" in r)
+    # peak bytes per phase, measured by allocation (lab.memory), beside the kernel's peak RSS and the theory
+    assert all(set(r["peak_bytes"]) == {"forward", "backward", "step", "rss"} for r in got if "loss" in r)
+    assert set(summary["peak_bytes"]) == {"forward", "backward", "step", "rss"}
+    assert set(summary["peak_bytes_theory"]) == {"forward", "backward", "step"}
+    assert summary["model_state_bytes"]["total"] < summary["peak_bytes"]["step"] < summary["peak_bytes"]["rss"]
 
 
 @pytest.mark.slow
@@ -309,6 +314,10 @@ def test_each_zero_stage_shows_its_saving(two_rank_runs):
     assert half("zero2", "params") == pytest.approx(1, rel=0.01)
     for strategy in ("zero3", "fsdp"):
         assert all(half(strategy, kind) == pytest.approx(0.5, rel=0.02) for kind in ("params", "grads", "optimizer"))
+    # and at the peak, measured by allocation (this model is mostly embedding, zero3's root unit: see test_sharding)
+    peak = {s: json.loads((two_rank_runs[s] / "summary.json").read_text())["peak_bytes"]["backward"]
+            for s in ("ddp", "zero1", "zero2", "zero3")}
+    assert max(peak["zero2"], peak["zero3"]) < peak["zero1"] < peak["ddp"], peak
 
 
 @pytest.mark.slow
