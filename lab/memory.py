@@ -70,6 +70,7 @@ class LiveBytes(TorchDispatchMode):
         self.current: defaultdict[str, int] = defaultdict(int)  # by kind, and "total"
         self.kind_peaks: defaultdict[str, int] = defaultdict(int)
         self.phase_peaks: dict[str, int] = {}
+        self.at_phase_peaks: dict[str, dict[str, int]] = {}  # the bytes of each kind at each phase's peak
         self.phase: str | None = None
         self._resize = None
 
@@ -107,6 +108,7 @@ class LiveBytes(TorchDispatchMode):
             self.kind_peaks[entry[2]] = max(self.kind_peaks[entry[2]], self.current[entry[2]])
             if self.phase is not None and self.current["total"] > self.phase_peaks[self.phase]:
                 self.phase_peaks[self.phase] = self.current["total"]
+                self.at_phase_peaks[self.phase] = dict(self.current)
 
     def _gone(self, key: int) -> None:
         entry = self._storages.pop(key, None)
@@ -118,8 +120,9 @@ class LiveBytes(TorchDispatchMode):
 
     def enter_phase(self, name: str | None) -> None:
         self.phase = name
-        if name is not None:
-            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current["total"])
+        if name is not None and self.current["total"] > self.phase_peaks.get(name, -1):
+            self.phase_peaks[name] = self.current["total"]
+            self.at_phase_peaks[name] = dict(self.current)
 
     def take_peaks(self) -> tuple[dict[str, int], dict[str, int]]:
         """(peak total per phase, peak per kind) since the last call; counting starts again from what is alive."""

@@ -146,10 +146,10 @@ class InOrder:
     before it are complete, so every rank issues the same collectives in the same order whatever
     order its hooks fire in. ``launch(i)`` issues group i's collective and returns its work handle;
     ``finish()`` launches what is left (groups with a parameter unused in this step) and returns
-    the handles in order.
+    the handles in order (None where ``launch`` keeps its handles itself).
     """
 
-    def __init__(self, sizes: list[int], launch: Callable[[int], dist.Work]):
+    def __init__(self, sizes: list[int], launch: Callable[[int], dist.Work | None]):
         self.sizes, self.launch = sizes, launch
         self.start()
 
@@ -164,9 +164,11 @@ class InOrder:
             self._launch(everything=False)
         return self.pending[group] == 0
 
-    def finish(self) -> list[dist.Work]:
+    def finish(self) -> list[dist.Work | None]:
+        """Launch what is left; the handles in order, let go of here (a handle keeps its tensors alive)."""
         self._launch(everything=True)
-        return self.works
+        works, self.works = self.works, []
+        return works
 
     def _launch(self, everything: bool) -> None:
         while self.next < len(self.sizes) and (everything or self.pending[self.next] == 0):

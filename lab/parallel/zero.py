@@ -209,9 +209,10 @@ class Zero(Strategy):
     def _unit_done(self, unit: Unit) -> None:
         """All of a unit's gradients of this micro-step are in (stage 3 frees its weights here)."""
 
-    def _reduce_scatter(self, k: int) -> dist.Work:
+    def _reduce_scatter(self, k: int) -> None:
         """Launch unit k's reduce-scatter: in place for stage 1 (this rank's chunk of the whole gradient buffer),
-        into the unit's own gradient shard for stages 2-3 (the whole gradient is freed once it completes)."""
+        into the unit's own gradient shard for stages 2-3 (the whole gradient is freed once it completes). Its
+        handle is kept only until settled: a handle keeps the backend's copy of the input alive."""
         unit, r = self.units[k], self.world.rank
         if unit.flat_grad is None:  # no parameter of the unit was used in this step
             unit.flat_grad = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
@@ -220,9 +221,7 @@ class Zero(Strategy):
         else:
             unit.grad_shard = torch.empty(unit.chunk, dtype=unit.flat_grad.dtype, device=self.world.device)
             memory.tag(unit.grad_shard, "grads")
-        work = self.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True)
-        self._in_flight.append((unit, work))
-        return work
+        self._in_flight.append((unit, self.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True)))
 
     def _settle(self, in_flight: int) -> None:
         """Finish the reduce-scatters that are done, and wait for the oldest until at most ``in_flight`` remain:
