@@ -6,6 +6,12 @@ convention of ``lab.accounting.ring_elements_sent`` (an all-reduce of n elements
 2(N − 1)/N·n per rank). A blocking call counts its whole duration as waiting; an asynchronous one
 counts only the time spent in ``wait``. ``take`` returns the totals since the last call and resets
 them: the loop takes them once per optimizer step.
+
+gloo's reduce-scatter is an all-reduce underneath: it sends 2(N − 1)/N of the input per rank, as
+much as an all-reduce, from a full copy of it (measured on the loopback interface: see
+benchmarks/results-memory.md). On gloo the lab reduce-scatters with an all-to-all instead (chunk j
+to rank j) and sums the N chunks it receives, in rank order, when the work is waited for: the
+(N − 1)/N of the ring formula.
 """
 
 from __future__ import annotations
@@ -123,10 +129,21 @@ class Comm:
         return self._run(lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
-                       ) -> dist.Work | None:
-        """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``."""
+                       ) -> dist.Work | SummedOnWait | None:
+        """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``
+        (it may be a view into ``input``). On gloo: an all-to-all, summed on ``wait`` (see the module docstring)."""
         self._count("reduce_scatter", input)
-        return self._run(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op), async_op)
+        if dist.get_backend(self.group) != "gloo" or self.world_size == 1:
+            return self._run(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op),
+                             async_op)
+        received = torch.empty_like(input)
+        work = SummedOnWait(dist.all_to_all_single(received, input, group=self.group, async_op=True), received,
+                            output)
+        if async_op:
+            return work
+        with self.waiting():
+            work.wait()
+        return None
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """Concatenate every rank's ``input`` into ``output``, in rank order."""
@@ -137,6 +154,23 @@ class Comm:
         """Copy rank ``src``'s ``tensor`` to every rank, in place."""
         self._count("broadcast", tensor)
         return self._run(lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
+
+
+class SummedOnWait:
+    """An all-to-all's work whose ``wait`` then sums the N chunks received into ``output`` (a reduce-scatter)."""
+
+    def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor):
+        self.work, self.received, self.output = work, received, output
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.received is not None:
+            torch.sum(self.received.view(-1, self.output.numel()), dim=0, out=self.output)
+            self.received = None
+        return True
 
 
 class InOrder:
