@@ -24,7 +24,8 @@ plot.
 Memory (``--memory``): each strategy trains issue 19's configuration (85M parameters, 5 steps) with
 the lab's own command line under torchrun, one run after the other. Per run: the peak RSS of its
 largest process as the kernel counts it (``wait4``'s ru_maxrss over the torchrun tree, nothing the
-lab reports), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.memory``) beside
+lab reports; the run ends with a checkpoint), rank 0's own high-water mark after the last step
+(before that checkpoint), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.memory``) beside
 ``peak_bytes_theory``, the median step time of the steps after the first, and the bytes sent on
 the loopback interface while those steps ran (the counter read when the first and the last step's
 records appear) beside the formula (every rank sends ``comm_bytes_per_step_theory``), with the
@@ -150,6 +151,16 @@ class Case:
     @classmethod
     def parse(cls, text: str) -> Case:
         return cls(text, parse_spec(text))
+
+
+def model_fields(text: str) -> dict[str, int]:
+    """``name=value,...`` of integer ModelConfig fields (argparse reports a ValueError as a bad argument)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = dict(item.split("=", 1) for item in text.split(",") if item)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown model field(s): {', '.join(unknown)}")
+    return {name: int(value) for name, value in fields.items()}
 
 
 def bench_loop(micro_batch: int) -> LoopSettings:
@@ -290,7 +301,7 @@ def strategies(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shape = (resolve({"model": {"preset": args.preset, "vocab_size": BENCH_MODEL.vocab_size}}).model if args.preset
-             else dataclasses.replace(BENCH_MODEL, d_model=args.d_model))
+             else dataclasses.replace(BENCH_MODEL, d_model=args.d_model, **args.model))
     params = accounting.param_counts(shape).total
     load = os.getloadavg()[0]
     header = (f"{args.nproc} gloo ranks on {cpu_name()} ({os.cpu_count()} cores), 1 thread each | torch "
@@ -325,7 +336,7 @@ def strategies(args: argparse.Namespace) -> int:
 MEMORY_RUN = ("--model.n_layer", "12", "--model.d_model", "768", "--model.n_head", "12", "--model.block_size", "64",
               "--data.tokenizer", "bytes", "--train.micro_batch", "1", "--train.batch_tokens", "128",
               "--train.tokens", "640", "--train.log_every", "1", "--train.eval_tokens", "128",
-              "--train.checkpoint_every", "0")
+              "--train.checkpoint_every", "0", "--train.memory_meter", "true")
 RUN_SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "run.py"
 LOOPBACK = Path("/sys/class/net/lo/statistics/tx_bytes")
 BACKGROUND_S = 2.0  # the loopback's own traffic (other processes) is read this long before each run
@@ -375,6 +386,7 @@ def memory_run(strategy: str, nproc: int, run_dir: Path, extra: list[str]) -> di
     (t0, sent0), (t1, sent1) = marks[1], marks[len(records)]
     timed = len(records) - 1
     return {"strategy": strategy, "rss_peak_bytes": usage.ru_maxrss * 1024,
+            "rss_steps_bytes": records[-1]["peak_bytes"]["rss"],  # rank 0's VmHWM after the last step
             "peak_bytes": summary["peak_bytes"], "peak_bytes_theory": summary["peak_bytes_theory"],
             "step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
             "loopback": {"bytes_per_step": (sent1 - sent0) / timed, "seconds": t1 - t0,
@@ -387,15 +399,17 @@ def memory_run(strategy: str, nproc: int, run_dir: Path, extra: list[str]) -> di
 def format_memory(rows: list[dict]) -> str:
     ref = next((r for r in rows if r["strategy"] == "ddp"), rows[0])
     mib = 2**20
-    lines = [f"| strategy | peak RSS MiB, largest rank (vs {ref['strategy']}) | peak bytes MiB forward / backward / "
+    lines = [f"| strategy | peak RSS MiB, largest rank (vs {ref['strategy']}) | RSS MiB after the steps, rank 0 "
+             f"(vs {ref['strategy']}) | peak bytes MiB forward / backward / "
              f"step: measured vs theory | step s, median (vs {ref['strategy']}) | loopback MB/step: measured / "
-             f"formula (background MB/s) |", "|---|---:|---:|---:|---:|"]
+             f"formula (background MB/s) |", "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         measured, theory, lo = r["peak_bytes"], r["peak_bytes_theory"], r["loopback"]
         phases = " / ".join(f"{measured[p] / mib:,.0f} vs {theory[p] / mib:,.0f} ({measured[p] / theory[p] - 1:+.0%})"
                             for p in ("forward", "backward", "step"))
         lines.append(f"| {r['strategy']} | {r['rss_peak_bytes'] / mib:,.0f} "
-                     f"({r['rss_peak_bytes'] / ref['rss_peak_bytes']:.2f}×) | {phases} | {r['step_time_s']:.2f} "
+                     f"({r['rss_peak_bytes'] / ref['rss_peak_bytes']:.2f}×) | {r['rss_steps_bytes'] / mib:,.0f} "
+                     f"({r['rss_steps_bytes'] / ref['rss_steps_bytes']:.2f}×) | {phases} | {r['step_time_s']:.2f} "
                      f"({r['step_time_s'] / ref['step_time_s']:.2f}×) | {lo['bytes_per_step'] / 1e6:,.1f} / "
                      f"{lo['formula_bytes_per_step'] / 1e6:,.1f} ({lo['background_bytes_per_s'] / 1e6:.2f}) |")
     return "\n".join(lines)
@@ -445,6 +459,8 @@ def main(argv: list[str] | None = None, prog: str = "launch/bench.py") -> int:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step for --strategies")
     p.add_argument("--d-model", type=int, default=BENCH_MODEL.d_model, help="width of the --strategies model")
     p.add_argument("--preset", help="a model preset for --strategies instead (tiny is the demo model), vocab 4096")
+    p.add_argument("--model", type=model_fields, default={}, help="--strategies model fields, e.g. n_layer=12,"
+                                                                  "n_head=12,block_size=64,vocab_size=256")
     p.add_argument("--out", help="write the results here (JSON; with --strategies also Markdown)")
     p.add_argument("--memory", help="train issue 19's 85M configuration under torchrun once per strategy, e.g. "
                                      "ddp,zero2,zero3: peak RSS, peak bytes against theory, step time, loopback bytes")

@@ -160,11 +160,12 @@ class LiveBytes(TorchDispatchMode):
 
 
 class Meter:
-    """Per-step peak bytes by phase: tensor storages on the CPU (``LiveBytes``), the allocator on CUDA, and the RSS."""
+    """Per-step peak bytes by phase: tensor storages on the CPU (``LiveBytes``, when ``track_tensors``), the allocator
+    on CUDA, and the RSS."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, track_tensors: bool = True):
         self.device = device
-        self.live = LiveBytes() if device.type == "cpu" else None
+        self.live = LiveBytes() if device.type == "cpu" and track_tensors else None
         self._cuda_peaks: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -193,7 +194,7 @@ class Meter:
                 self._cuda_peaks[name] = max(self._cuda_peaks.get(name, 0), peak)
 
     def take_step_peaks(self) -> dict[str, int]:
-        """``{forward, backward, step, rss}`` since the last call (a phase that did not run: absent)."""
+        """``{forward, backward, step, rss}`` since the last call (a phase not measured or not run: absent)."""
         if self.live is not None:
             peaks, _ = self.live.take_peaks()
         else:

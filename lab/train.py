@@ -8,7 +8,6 @@ seed and step), so resuming needs no data state.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -80,6 +79,9 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     schedule.validate(cfg.train)
     plan = step_plan(cfg, world_size)
     parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    if cfg.train.memory_meter and cfg.train.compile:
+        raise ConfigError("train.memory_meter cannot run with train.compile (dynamo does not trace the meter's "
+                          "dispatch mode); set one of them false")
     if cfg.train.nonfinite not in NONFINITE:
         raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'"
                           f"{did_you_mean(cfg.train.nonfinite, NONFINITE)}")
@@ -312,8 +314,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     setup_device(world.device)
     precision = resolve_precision(cfg.train.dtype, world.device)
     peak = peak_flops(world.device, precision, cfg.train.peak_flops)
-    meter = None if cfg.train.compile else memory.Meter(world.device)  # dynamo traces no dispatch mode
-    with meter.running() if meter else contextlib.nullcontext():
+    with memory.Meter(world.device, track_tensors=cfg.train.memory_meter).running():
         strategy = build_strategy(cfg, world, precision)
         start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
         log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)

@@ -139,6 +139,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, arg
     (["--train.schedule", "step"], "train.schedule must be one of"),
     (["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer's (512)"),
     (["--resume"], "no complete checkpoint"),
+    (["--train.memory_meter", "true", "--train.compile", "true"], "train.memory_meter cannot run with train.compile"),
 ])
 def test_bad_input_fails_before_training_with_one_line(tmp_path, args, capsys, extra, message):
     r = tmp_path / "bad"
@@ -269,6 +270,7 @@ TWO_RANK_STRATEGIES = ("ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3
 def two_rank_runs(tmp_path_factory, args):
     """The same config under single (one process) and each data-parallel strategy on 2 gloo ranks."""
     root = tmp_path_factory.mktemp("two-rank")
+    args = (*args, "--train.memory_meter", "true")  # peak bytes per phase, measured by allocation
     assert run(root / "single", *args) == 0
     runs = {"single": root / "single"}
     for strategy in TWO_RANK_STRATEGIES:

@@ -222,6 +222,7 @@ class Zero(Strategy):
             unit.grad_shard = torch.empty(unit.chunk, dtype=unit.flat_grad.dtype, device=self.world.device)
             memory.tag(unit.grad_shard, "grads")
         self._in_flight.append((unit, self.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True)))
+        self._settle(in_flight=1)  # also when the backward's end launches many at once (stage 1)
 
     def _settle(self, in_flight: int) -> None:
         """Finish the reduce-scatters that are done, and wait for the oldest until at most ``in_flight`` remain:
@@ -369,10 +370,11 @@ class Zero(Strategy):
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
         """Stages 2-3: this rank's gradient shard, one unit's whole gradient filling and one reduce-scattering;
-        under accumulation every unit's whole gradient, held until the last micro-step."""
-        if self.stage == 1:
-            return super().theory_in_flight(states)
+        under accumulation every unit's whole gradient, held until the last micro-step. Stage 1: see below."""
         width = self.units[0].shard.element_size()
+        if self.stage == 1:  # the whole gradient at rest, and what two reduce-scatters in flight receive
+            _, at_rest, whole = super().theory_in_flight(states)
+            return 0.0, at_rest, whole + 2 * width * max(u.padded for u in self.units)
         if self.loop.accum_steps > 1:
             whole = width * sum(u.padded for u in self.units)
             return 0.0, whole, whole + states.grads
