@@ -176,6 +176,7 @@ def _alone(case: Case, world: World) -> World:
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
                       rounds: int, warmup: int) -> list[dict]:
     precision, loop = Precision("cpu", bf16=False), bench_loop(micro_batch)
+    setup_device(world.device)  # as a run sets it up (on the CPU: freed blocks go back to the kernel)
     built = []
     for case in cases:
         w = _alone(case, world)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab import memory
+from lab import accounting, memory
 from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from lab.device import Precision
 from lab.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
@@ -199,3 +199,34 @@ def test_every_stage_starts_every_rank_from_the_same_values():
     assert rank0["zero3"] == rank1["zero3"]
     assert "initial weights" in rank0["zero3"] and "differs between ranks" in rank0["zero3"]
     assert "\n" not in rank0["zero3"]
+
+
+THEORY = ModelConfig(n_layer=8, n_head=4, d_model=256, block_size=16, vocab_size=256)  # states dominate, 8 units
+
+
+def _peak_against_theory(world: World, cases: list[tuple[str, int]]) -> dict:
+    """Per case, the measured peak bytes of each phase of the second step over peak_bytes_theory, less one."""
+    out = {}
+    for spec, accum in cases:
+        meter = memory.Meter(world.device)
+        with meter.running():
+            s = create(parse_spec(spec), world, Precision("cpu", False), LoopSettings(1, accum, 1.0))
+            s.build(lambda: GPT(THEORY, seed=0), lambda m: param_groups(m, 0.1),
+                    adamw_factory(TrainConfig(), world.device))
+            for step in range(2):  # the second step holds the optimizer's states from the start
+                x, y = batch(Setup(model=THEORY), step, 2 * accum)
+                mine = range(world.rank * accum, (world.rank + 1) * accum)
+                train_step(s, world, [(x[i:i + 1], y[i:i + 1]) for i in mine], accum, 1e-3, 1.0)
+                peaks = meter.take_step_peaks()
+        activations = accounting.activation_bytes(THEORY, 1, 4, s.cfg.activation_checkpointing == "full")
+        theory = s.peak_bytes_theory(activations)
+        out[f"{spec} accumulating {accum}"] = {phase: peaks[phase] / theory[phase] - 1 for phase in theory}
+    return out
+
+
+@pytest.mark.slow
+def test_peak_bytes_match_theory_under_accumulation_offload_and_checkpointing():
+    cases = [("zero1:bucket_mb=4", 2), ("zero2:bucket_mb=4", 2), ("zero3", 2), ("zero2:bucket_mb=4,offload=optimizer", 1),
+             ("zero3:offload=optimizer", 1), ("zero3:activation_checkpointing=full", 1), ("ddp", 2)]
+    for case, gaps in run_pooled(_peak_against_theory, 2, cases)[0].items():
+        assert all(abs(gap) <= 0.1 for gap in gaps.values()), (case, gaps)

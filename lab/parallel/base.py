@@ -366,12 +366,18 @@ class Strategy:
     def peak_bytes_theory(self, activations: float) -> dict[str, float]:
         """Per phase, the most bytes this rank holds in theory: its weights and optimizer states, the gradients
         held in that phase (buckets in flight included), the gathered weights in flight, and ``activations``
-        (one micro-batch's, from ``lab.accounting.activation_bytes``); the step holds the states alone."""
+        (one micro-batch's, from ``lab.accounting.activation_bytes``); the step holds the states and its
+        temporaries."""
         states = self.theory_states()
         gathered, grads_forward, grads_backward = self.theory_in_flight(states)
         held = states.params + states.optimizer
         return {"forward": held + grads_forward + gathered + activations,
-                "backward": held + grads_backward + gathered + activations, "step": held + states.grads}
+                "backward": held + grads_backward + gathered + activations,
+                "step": held + states.grads + self.theory_step_temporaries()}
+
+    def theory_step_temporaries(self) -> float:
+        """Bytes the clipping and the optimizer step allocate for a while, in theory (none: foreach and fused)."""
+        return 0.0
 
     def meters(self) -> dict[str, dict[str, float]]:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and

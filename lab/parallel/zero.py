@@ -369,16 +369,22 @@ class Zero(Strategy):
                                             self.offloaded)
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
-        """Stages 2-3: this rank's gradient shard, one unit's whole gradient filling and one reduce-scattering;
-        under accumulation every unit's whole gradient, held until the last micro-step. Stage 1: see below."""
+        """Two units in flight in the backward (one filling, one reduce-scattering; or what two reduce-scatters
+        receive) beside the gradients held: stage 1 the whole gradient; stages 2-3 this rank's shard, or under
+        accumulation every unit's whole gradient, kept until the last micro-step."""
         width = self.units[0].shard.element_size()
-        if self.stage == 1:  # the whole gradient at rest, and what two reduce-scatters in flight receive
+        two_units = width * sum(sorted(u.padded for u in self.units)[-2:])
+        if self.stage == 1:
             _, at_rest, whole = super().theory_in_flight(states)
-            return 0.0, at_rest, whole + 2 * width * max(u.padded for u in self.units)
+            return 0.0, at_rest, whole + two_units
         if self.loop.accum_steps > 1:
             whole = width * sum(u.padded for u in self.units)
-            return 0.0, whole, whole + states.grads
-        return 0.0, 0.0, states.grads + 2 * width * max(u.padded for u in self.units)
+            return 0.0, whole, whole + two_units
+        return 0.0, 0.0, states.grads + two_units
+
+    def theory_step_temporaries(self) -> float:
+        """The clipping's squares and the optimizer's temporaries: two of a unit's chunks."""
+        return 2.0 * self.units[0].shard.element_size() * max(u.chunk for u in self.units)
 
     def meters(self) -> dict[str, dict[str, float]]:
         out = super().meters()
