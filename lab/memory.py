@@ -12,9 +12,11 @@ The loop marks the phases (``phase("forward")``, ``"backward"``, ``"step"``) and
 once per step (``take_step_peaks``); a strategy may ``tag`` a storage with a kind (``params``,
 ``grads``) so that the peak of each kind is known too. Both are no-ops when no meter runs.
 
-``LiveBytes`` costs a few microseconds per operation (see the README's memory paragraph), and
-counts tensor storages only: allocator slack, libraries and communication buffers of the backend
-show in the RSS alone.
+``LiveBytes`` costs about 6 µs per operation: 9 % of a step of the 85M model in
+benchmarks/results-memory.md, twice a tiny model's step; the loop runs it only under
+``train.memory_meter`` (the RSS, and on CUDA the allocator, always). It counts tensor storages
+made on the thread that runs the step: allocator slack, libraries and what the communication
+backend allocates on its own threads show in the RSS alone.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ class Meter:
         self.device = device
         self.live = LiveBytes() if device.type == "cpu" and track_tensors else None
         self._cuda_peaks: dict[str, int] = {}
+        self.cuda_run_peak = 0  # the allocator's peak over the run, across the per-phase resets
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Meter]:
@@ -192,6 +195,7 @@ class Meter:
             elif self.device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated(self.device)
                 self._cuda_peaks[name] = max(self._cuda_peaks.get(name, 0), peak)
+                self.cuda_run_peak = max(self.cuda_run_peak, peak)
 
     def take_step_peaks(self) -> dict[str, int]:
         """``{forward, backward, step, rss}`` since the last call (a phase not measured or not run: absent)."""
@@ -219,6 +223,12 @@ def tag(tensor: torch.Tensor, kind: str) -> None:
     """Count ``tensor``'s storage under ``kind`` in the running meter (nothing when none runs or on CUDA)."""
     if _active is not None and _active.live is not None:
         _active.live.tag(tensor, kind)
+
+
+def run_peak(allocator_peak: int) -> int:
+    """``allocator_peak`` (the CUDA allocator's peak since its last reset, or a CPU's peak RSS), raised to the most
+    any phase of the running meter reached on CUDA: the meter resets the allocator's peak every phase."""
+    return max(allocator_peak, _active.cuda_run_peak if _active is not None else 0)
 
 
 def take_step_peaks() -> dict[str, int]:

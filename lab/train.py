@@ -411,7 +411,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "step_time_s": step_time, "comm_time_s": meters.comm_wait_s,
                    "compute_time_s": max(0.0, step_time - meters.comm_wait_s), "tokens_per_s": tokens_per_s,
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
-                   "mem_peak_bytes": peak_memory_bytes(world.device), "peak_bytes": peaks}
+                   "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks}
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
@@ -450,5 +450,6 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         **strategy.meters(),
         "peak_bytes": outcome.peak_bytes,
         "peak_bytes_theory": strategy.peak_bytes_theory(accounting.activation_bytes(
-            cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes, checkpointing=cfg.parallel.activation_checkpointing == "full")),
+            cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
+            checkpointing=cfg.parallel.activation_checkpointing == "full")),
     }

@@ -53,7 +53,7 @@ import torch.nn as nn
 from lab import accounting, memory
 from lab.checkpoint import CheckpointState, Held
 from lab.parallel.base import ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, storage_bytes
-from lab.parallel.comm import InOrder
+from lab.parallel.comm import InOrder, SummedOnWait
 from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
@@ -146,7 +146,7 @@ class Zero(Strategy):
                 unit.master = unit.shard.detach().to(HOST, copy=True)
         self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
         self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
-        self._in_flight: deque[tuple[Unit, dist.Work]] = deque()  # reduce-scatters launched, not yet settled
+        self._in_flight: deque[tuple[Unit, dist.Work | SummedOnWait]] = deque()  # launched, not yet settled
         if self.stage >= 2:
             for unit in self.units:
                 for p in unit.params:
