@@ -4,6 +4,7 @@
     python launch/bench.py --strategies ddp_naive,ddp,torch_ddp --nproc 2 --out benchmarks/parallel
     python launch/bench.py --strategies single,single:activation_checkpointing=full --nproc 1 --preset tiny
     python launch/bench.py --measure-peak           # this CPU's matmul peak, measured again and cached
+    python launch/bench.py --memory ddp,zero1,zero2,zero3 --nproc 2 --out benchmarks/results-memory
 
 Throughput: forward, backward and fused AdamW on synthetic tokens; the MFU denominator comes from
 ``lab.device`` (a measured matmul peak on a CPU, the data-sheet dense peak on a GPU).
@@ -19,6 +20,16 @@ communication (exposed); the bytes sent per step against theory; the model-state
 against theory; and the activation bytes a micro-step saved for its backward. ``single`` runs on
 rank 0 alone, the one-process baseline. ``--out`` writes a Markdown table, a JSON file and a PNG
 plot.
+
+Memory (``--memory``): each strategy trains issue 19's configuration (85M parameters, 5 steps) with
+the lab's own command line under torchrun, one run after the other. Per run: the peak RSS of its
+largest process as the kernel counts it (``wait4``'s ru_maxrss over the torchrun tree, nothing the
+lab reports; the run ends with a checkpoint), rank 0's own high-water mark after the last step
+(before that checkpoint), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.memory``) beside
+``peak_bytes_theory``, the median step time of the steps after the first, and the bytes sent on
+the loopback interface while those steps ran (the counter read when the first and the last step's
+records appear) beside the formula (every rank sends ``comm_bytes_per_step_theory``), with the
+interface's background rate measured just before the run.
 """
 
 from __future__ import annotations
@@ -26,9 +37,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from itertools import chain
 from pathlib import Path
@@ -139,6 +153,16 @@ class Case:
         return cls(text, parse_spec(text))
 
 
+def model_fields(text: str) -> dict[str, int]:
+    """``name=value,...`` of integer ModelConfig fields (argparse reports a ValueError as a bad argument)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = dict(item.split("=", 1) for item in text.split(",") if item)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown model field(s): {', '.join(unknown)}")
+    return {name: int(value) for name, value in fields.items()}
+
+
 def bench_loop(micro_batch: int) -> LoopSettings:
     """The loop every row runs: one micro-batch per step, clipping at 1."""
     return LoopSettings(micro_batch, accum_steps=1, grad_clip=1.0)
@@ -152,6 +176,7 @@ def _alone(case: Case, world: World) -> World:
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
                       rounds: int, warmup: int) -> list[dict]:
     precision, loop = Precision("cpu", bf16=False), bench_loop(micro_batch)
+    setup_device(world.device)  # as a run sets it up (on the CPU: freed blocks go back to the kernel)
     built = []
     for case in cases:
         w = _alone(case, world)
@@ -277,7 +302,7 @@ def strategies(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shape = (resolve({"model": {"preset": args.preset, "vocab_size": BENCH_MODEL.vocab_size}}).model if args.preset
-             else dataclasses.replace(BENCH_MODEL, d_model=args.d_model))
+             else dataclasses.replace(BENCH_MODEL, d_model=args.d_model, **args.model))
     params = accounting.param_counts(shape).total
     load = os.getloadavg()[0]
     header = (f"{args.nproc} gloo ranks on {cpu_name()} ({os.cpu_count()} cores), 1 thread each | torch "
@@ -306,6 +331,122 @@ def strategies(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- separate runs: memory at the peak
+
+# issue 19's configuration: 85M parameters, micro-batch 1 of 64 bytes per rank, 5 steps; one checkpoint, at the end
+MEMORY_RUN = ("--model.n_layer", "12", "--model.d_model", "768", "--model.n_head", "12", "--model.block_size", "64",
+              "--data.tokenizer", "bytes", "--train.micro_batch", "1", "--train.batch_tokens", "128",
+              "--train.tokens", "640", "--train.log_every", "1", "--train.eval_tokens", "128",
+              "--train.checkpoint_every", "0", "--train.memory_meter", "true")
+RUN_SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "run.py"
+LOOPBACK = Path("/sys/class/net/lo/statistics/tx_bytes")
+BACKGROUND_S = 2.0  # the loopback's own traffic (other processes) is read this long before each run
+POLL_S = 0.01
+
+
+def loopback_tx_bytes() -> int:
+    """Bytes sent on the loopback interface since boot (0 where the counter cannot be read)."""
+    try:
+        return int(LOOPBACK.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _step_records(path: Path) -> list[dict]:
+    """The step records of a run's metrics.jsonl so far (a line still being written is left out)."""
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if '"loss"' in line and line.endswith("\n")]
+
+
+def memory_run(strategy: str, nproc: int, run_dir: Path, extra: list[str]) -> dict:
+    """Train under torchrun with the lab's command line; the kernel's peak RSS of the largest process, the loopback
+    bytes of the timed steps (all but the first), and the run's own figures (see the module docstring)."""
+    before = loopback_tx_bytes()
+    time.sleep(BACKGROUND_S)
+    background = (loopback_tx_bytes() - before) / BACKGROUND_S
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(RUN_SCRIPT), "--strategy", strategy, *MEMORY_RUN, *extra, "--run-dir", str(run_dir)]
+    marks: dict[int, tuple[float, int]] = {}  # records written -> (when first seen, loopback bytes then)
+    with open(run_dir.with_name(run_dir.name + ".log"), "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                break
+            marks.setdefault(len(_step_records(run_dir / "metrics.jsonl")), (time.perf_counter(), loopback_tx_bytes()))
+            time.sleep(POLL_S)
+    records = _step_records(run_dir / "metrics.jsonl")
+    if proc.returncode != 0 or len(records) < 2:
+        last = Path(log.name).read_text().strip().splitlines()[-1:]
+        raise RuntimeError(f"{strategy}: the run exited with {proc.returncode} after {len(records)} step(s): {last}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (t0, sent0), (t1, sent1) = marks[1], marks[len(records)]
+    timed = len(records) - 1
+    return {"strategy": strategy, "rss_peak_bytes": usage.ru_maxrss * 1024,
+            "rss_steps_bytes": records[-1]["peak_bytes"]["rss"],  # rank 0's VmHWM after the last step
+            "peak_bytes": summary["peak_bytes"], "peak_bytes_theory": summary["peak_bytes_theory"],
+            "step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
+            "loopback": {"bytes_per_step": (sent1 - sent0) / timed, "seconds": t1 - t0,
+                         "background_bytes_per_s": background,
+                         "formula_bytes_per_step": nproc * sum(summary["comm_bytes_per_step_theory"].values())},
+            "comm_bytes_per_step": summary["comm_bytes_per_step"],
+            "model_state_bytes": summary["model_state_bytes"], "params": summary["params"]}
+
+
+def format_memory(rows: list[dict]) -> str:
+    ref = next((r for r in rows if r["strategy"] == "ddp"), rows[0])
+    mib = 2**20
+    lines = [f"| strategy | peak RSS MiB, largest rank (vs {ref['strategy']}) | RSS MiB after the steps, rank 0 "
+             f"(vs {ref['strategy']}) | peak bytes MiB forward / backward / "
+             f"step: measured vs theory | step s, median (vs {ref['strategy']}) | loopback MB/step: measured / "
+             f"formula (background MB/s) |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        measured, theory, lo = r["peak_bytes"], r["peak_bytes_theory"], r["loopback"]
+        phases = " / ".join(f"{measured[p] / mib:,.0f} vs {theory[p] / mib:,.0f} ({measured[p] / theory[p] - 1:+.0%})"
+                            for p in ("forward", "backward", "step"))
+        lines.append(f"| {r['strategy']} | {r['rss_peak_bytes'] / mib:,.0f} "
+                     f"({r['rss_peak_bytes'] / ref['rss_peak_bytes']:.2f}×) | {r['rss_steps_bytes'] / mib:,.0f} "
+                     f"({r['rss_steps_bytes'] / ref['rss_steps_bytes']:.2f}×) | {phases} | {r['step_time_s']:.2f} "
+                     f"({r['step_time_s'] / ref['step_time_s']:.2f}×) | {lo['bytes_per_step'] / 1e6:,.1f} / "
+                     f"{lo['formula_bytes_per_step'] / 1e6:,.1f} ({lo['background_bytes_per_s'] / 1e6:.2f}) |")
+    return "\n".join(lines)
+
+
+def memory(args: argparse.Namespace) -> int:
+    strategies = [t for t in args.memory.split(",") if t]
+    try:
+        for name in strategies:
+            validate_parallel(ParallelConfig(strategy=name), args.nproc, bench_loop(1))
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    header = (f"{args.nproc} gloo ranks under torchrun on {cpu_name()} ({os.cpu_count()} cores), no GPU | torch "
+              f"{torch.__version__} | `launch/run.py {' '.join(MEMORY_RUN + tuple(args.run_args.split()))}` | "
+              f"load average at start {os.getloadavg()[0]:.2f}")
+    print(header, flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as runs:
+        for name in strategies:
+            try:
+                rows.append(memory_run(name, args.nproc, Path(runs) / name, args.run_args.split()))
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"  {name}: peak RSS {rows[-1]['rss_peak_bytes'] / 2**20:,.0f} MiB", flush=True)
+    table = format_memory(rows)
+    print(table)
+    if args.out:
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        write_atomic(Path(args.out).with_suffix(".md"), f"# Memory at the peak\n\n{stamp}: `python launch/bench.py "
+                                                        f"{' '.join(sys.argv[1:])}`\n\n{header}\n\n{table}\n")
+        save_json(Path(args.out).with_suffix(".json"), {"header": header, "date": stamp, "rows": rows})
+    return 0
+
+
 def main(argv: list[str] | None = None, prog: str = "launch/bench.py") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -319,7 +460,12 @@ def main(argv: list[str] | None = None, prog: str = "launch/bench.py") -> int:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step for --strategies")
     p.add_argument("--d-model", type=int, default=BENCH_MODEL.d_model, help="width of the --strategies model")
     p.add_argument("--preset", help="a model preset for --strategies instead (tiny is the demo model), vocab 4096")
+    p.add_argument("--model", type=model_fields, default={}, help="--strategies model fields, e.g. n_layer=12,"
+                                                                  "n_head=12,block_size=64,vocab_size=256")
     p.add_argument("--out", help="write the results here (JSON; with --strategies also Markdown)")
+    p.add_argument("--memory", help="train issue 19's 85M configuration under torchrun once per strategy, e.g. "
+                                     "ddp,zero2,zero3: peak RSS, peak bytes against theory, step time, loopback bytes")
+    p.add_argument("--run-args", default="", help="with --memory: more launch/run.py options (they override)")
     p.add_argument("--measure-peak", action="store_true", help="measure this CPU's matmul peak again (10 s per dtype; "
                                                                "do it on a quiet machine) and keep the best figure")
     args = p.parse_args(argv)
@@ -329,6 +475,8 @@ def main(argv: list[str] | None = None, prog: str = "launch/bench.py") -> int:
         print("error: --steps, --nproc, --rounds and --micro-batch must be positive and --warmup >= 0",
               file=sys.stderr)
         return 2
+    if args.memory:
+        return memory(args)
     if args.strategies:
         return strategies(args)
     return throughput(args.steps, args.warmup, args.out)

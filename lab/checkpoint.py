@@ -135,7 +135,10 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
         tmp.mkdir(parents=True)
     _barrier(world_size)
     with _quiet():
-        dcp.save(_to_dcp(state, rank), checkpoint_id=tmp, no_dist=world_size == 1)
+        # one file per tensor: DCP clones a range (a sharded strategy's view) before writing it and keeps every
+        # clone until its file is closed; in one file per rank that is a second copy of the rank's whole state
+        dcp.save(_to_dcp(state, rank), storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=False),
+                 no_dist=world_size == 1)
     _barrier(world_size)
     if rank == 0:
         save_json(tmp / META, {**meta, "format": FORMAT, "step": step, "world_size": world_size})

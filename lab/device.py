@@ -28,6 +28,7 @@ import torch
 from lab import accounting
 from lab.config import ConfigError, Parser, did_you_mean, print_error
 from lab.files import write_atomic
+from lab.memory import return_freed_memory_to_kernel
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -46,7 +47,10 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
 
 
 def setup_device(device: torch.device) -> None:
-    """Select the CUDA device and allow TF32 matmuls on it; nothing to do on the CPU."""
+    """Select the CUDA device and allow TF32 matmuls on it; on the CPU, have glibc return freed tensors to the
+    kernel (``lab.memory.return_freed_memory_to_kernel``), so that the resident set follows what is alive."""
+    if device.type == "cpu":
+        return_freed_memory_to_kernel()
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True

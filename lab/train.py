@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lab import accounting, checkpoint, parallel, schedule
+from lab import accounting, checkpoint, memory, parallel, schedule
 from lab.config import NONFINITE, ConfigError, RunConfig, did_you_mean
 from lab.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
@@ -79,6 +79,9 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     schedule.validate(cfg.train)
     plan = step_plan(cfg, world_size)
     parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    if cfg.train.memory_meter and cfg.train.compile:
+        raise ConfigError("train.memory_meter cannot run with train.compile (dynamo does not trace the meter's "
+                          "dispatch mode); set one of them false")
     if cfg.train.nonfinite not in NONFINITE:
         raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'"
                           f"{did_you_mean(cfg.train.nonfinite, NONFINITE)}")
@@ -230,9 +233,18 @@ def train_step(strategy: Strategy, world: World, micro_batches: Iterable[tuple[t
     """
     loss_sum = torch.zeros((), device=world.device)
     for micro, (x, y) in enumerate(micro_batches):
-        loss = strategy.forward(x.to(world.device), y.to(world.device), sync=micro == accum_steps - 1)
-        strategy.backward(loss / accum_steps)
+        x, y = x.to(world.device), y.to(world.device)
+        with memory.phase("forward"):
+            loss = strategy.forward(x, y, sync=micro == accum_steps - 1)
+        with memory.phase("backward"):
+            strategy.backward(loss / accum_steps)
         loss_sum += loss.detach() / accum_steps
+    with memory.phase("step"):
+        return _finish_step(strategy, world, loss_sum, lr, max_norm, stop_requested)
+
+
+def _finish_step(strategy: Strategy, world: World, loss_sum: torch.Tensor, lr: float, max_norm: float,
+                 stop_requested: bool) -> StepResult:
     norm = strategy.clip_grad_norm(max_norm).item()
     summed = world.sum(torch.stack([loss_sum.float(), torch.tensor(float(stop_requested), device=world.device)]))
     loss_value = (summed[0] / world.world_size).item()
@@ -313,25 +325,26 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     setup_device(world.device)
     precision = resolve_precision(cfg.train.dtype, world.device)
     peak = peak_flops(world.device, precision, cfg.train.peak_flops)
-    strategy = build_strategy(cfg, world, precision)
-    start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
-    log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
-    if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.clean_stale_temporaries(run_dir)
-        save_json(run_dir / "config.json", cfg.to_dict())
-        data.tokenizer.save(run_dir / "tokenizer")
-        log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
-    try:
-        outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
-    finally:
-        log.close()
-    summary = summarise(cfg, world, plan, strategy, data, data_dir, peak, outcome,
-                        start.wall_time_s + time.perf_counter() - started)
-    summary |= {"resumed_from_step": start.step, "restarts": restarts}
-    if world.is_main:
-        save_json(run_dir / "summary.json", summary)
-    return summary
+    with memory.Meter(world.device, track_tensors=cfg.train.memory_meter).running():
+        strategy = build_strategy(cfg, world, precision)
+        start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
+        log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
+        if world.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.clean_stale_temporaries(run_dir)
+            save_json(run_dir / "config.json", cfg.to_dict())
+            data.tokenizer.save(run_dir / "tokenizer")
+            log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
+        try:
+            outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
+        finally:
+            log.close()
+        summary = summarise(cfg, world, plan, strategy, data, data_dir, peak, outcome,
+                            start.wall_time_s + time.perf_counter() - started)
+        summary |= {"resumed_from_step": start.step, "restarts": restarts}
+        if world.is_main:
+            save_json(run_dir / "summary.json", summary)
+        return summary
 
 
 def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, peak: Peak, start: Start,
@@ -356,6 +369,7 @@ class Outcome:
     recent_losses: list[float]
     eval_loss: float | None
     skipped_steps: int
+    peak_bytes: dict[str, int]  # per phase and the RSS: the most any step reached
 
 
 def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -368,6 +382,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     fpt = accounting.flops_per_token(cfg.model)
     recent: list[float] = []
     eval_loss, skipped, loop_start, warned = None, 0, time.perf_counter(), False
+    most_peaks: dict[str, int] = {}
 
     def save(step: int) -> None:
         if not strategy.params_finite():
@@ -390,6 +405,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             raise TrainingDiverged(f"{e} at step {step + 1}; stopped (last good checkpoint: {last or 'none'})") from None
         synchronize(world.device)
         step_time, meters, done = time.perf_counter() - t0, strategy.take_step_meters(), step + 1
+        peaks = memory.take_step_peaks()
+        most_peaks = {k: max(v, most_peaks.get(k, 0)) for k, v in peaks.items()}
         log.bar.update()
         if not result.stepped:
             skipped += 1
@@ -405,7 +422,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "step_time_s": step_time, "comm_time_s": meters.comm_wait_s,
                    "compute_time_s": max(0.0, step_time - meters.comm_wait_s), "tokens_per_s": tokens_per_s,
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
-                   "mem_peak_bytes": peak_memory_bytes(world.device)}
+                   "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks}
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
@@ -420,11 +437,11 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}")
         if result.stop_requested:
             save(done)
-            return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped)
+            return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks)
         if (every and done % every == 0) or done == end_step:
             save(done)
     status = "completed" if end_step == plan.total_steps else "stopped"
-    return Outcome(end_step, status, 0, recent, eval_loss, skipped)
+    return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks)
 
 
 def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -442,4 +459,8 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "peak_flops_source": peak.source, "wall_time_s": wall_time_s, "data_dir": str(data_dir),
         **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),
         **strategy.meters(),
+        "peak_bytes": outcome.peak_bytes,
+        "peak_bytes_theory": strategy.peak_bytes_theory(accounting.activation_bytes(
+            cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
+            checkpointing=cfg.parallel.activation_checkpointing == "full")),
     }

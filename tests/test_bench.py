@@ -69,3 +69,24 @@ def test_paired_ratio_cancels_a_drift_that_unpaired_medians_do_not():
 def test_strategies_with_a_bad_option_fail_before_starting_ranks(capsys):
     assert main(["--strategies", "ddp:bucket_mb=-1"]) == 2
     assert "parallel.bucket_mb must be positive" in capsys.readouterr().err
+
+
+def test_memory_benchmark_rejects_an_unknown_strategy_before_any_run(capsys):
+    assert main(["--memory", "ddp,zero9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "zero9" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_memory_benchmark_reports_the_kernels_rss_peak_bytes_and_loopback_bytes(tmp_path):
+    out = tmp_path / "memory"
+    small = "--model.n_layer 2 --model.d_model 64 --model.n_head 2"
+    assert main(["--memory", "ddp,zero3", "--nproc", "2", "--run-args", small, "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["strategy"] for r in rows] == ["ddp", "zero3"]
+    for r in rows:
+        assert r["rss_peak_bytes"] > r["peak_bytes"]["step"] > r["model_state_bytes"]["total"]
+        assert set(r["peak_bytes_theory"]) == {"forward", "backward", "step"}
+        lo = r["loopback"]  # every byte the ranks send crosses the loopback interface, framing on top
+        assert lo["bytes_per_step"] >= 0.95 * lo["formula_bytes_per_step"] > 0, lo
+    assert "| zero3 |" in out.with_suffix(".md").read_text()

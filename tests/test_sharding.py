@@ -9,8 +9,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from lab.config import ModelConfig, ParallelConfig, TrainConfig
+from lab import accounting, memory
+from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from lab.device import Precision
 from lab.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
 from lab.model import GPT
@@ -19,7 +21,7 @@ from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.activations import SavedBytes, apply
 from lab.parallel.spawn import run_pooled
 from lab.train import train_step
-from test_distributed import GPTWithSometimesUnusedLayer, frozen_gpt
+from test_distributed import GPTWithSometimesUnusedLayer, frozen_gpt, rank_dependent_gpt
 
 LOOP = LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0)  # as the direct train_step calls
 SHARDED = ["zero1", "zero2", "zero3", "fsdp", "fsdp:reshard_after_forward=false"]
@@ -105,26 +107,6 @@ def odd_parameters():
     return run_pooled(_odd_parameters, 2)[0]
 
 
-DEEP = ModelConfig(n_layer=6, n_head=2, d_model=64, block_size=32, vocab_size=64)
-
-
-def _zero3_memory(world: World) -> dict:
-    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False), LOOP)
-    s.build(lambda: GPT(DEEP, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
-    built = s.take_peak_param_bytes()
-    x, y = batch(Setup(model=DEEP), 0, 4)
-    train_step(s, world, [(x[2 * world.rank:2 * world.rank + 2], y[2 * world.rank:2 * world.rank + 2])], 1, 1e-3, 1.0)
-    return {"built": built, "step": s.take_peak_param_bytes(), "shard": sum(u.chunk for u in s.units) * 4,
-            "root": s.units[-1].padded * 4, "block": s.units[0].padded * 4, "model": sum(u.numel for u in s.units) * 4}
-
-
-def test_zero3_never_holds_the_whole_model():
-    m = run_pooled(_zero3_memory, 2)[0]
-    bound = m["shard"] + m["root"] + 2 * m["block"]  # its shard, the root unit, about two blocks at once
-    assert m["built"] == m["shard"]  # built from the meta device: only this rank's chunks ever existed
-    assert m["shard"] < m["step"] <= bound < m["model"], m
-
-
 def test_activation_checkpointing_saves_what_it_promises():
     """Saved-for-backward bytes of one micro-step, and the gradients are the same in every mode."""
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=64, block_size=64, vocab_size=512)
@@ -148,3 +130,105 @@ def test_bf16_autocast_runs_under_every_sharded_strategy():
     results = run_pooled(equivalence, 2, SHARDED, dataclasses.replace(Setup(steps=3), bf16=True))[0]
     for spec, r in results.items():
         assert r.max_rel_loss_diff <= 1e-3, (spec, r)
+
+
+WIDE = ModelConfig(n_layer=6, n_head=2, d_model=64, block_size=8, vocab_size=64)  # weights outweigh activations
+
+
+def _peak_bytes_by_kind(world: World, spec: str) -> dict:
+    """Tensor storages tracked by allocation (lab.memory) over two steps after the build, by kind."""
+    meter = memory.Meter(world.device)
+    with meter.running():
+        s = create(parse_spec(spec), world, Precision("cpu", False), LOOP)
+        s.build(lambda: GPT(WIDE, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
+        built = meter.live.take_peaks()[1]
+        for step in range(2):
+            x, y = batch(Setup(model=WIDE), step, 4)
+            train_step(s, world, [(x[2 * world.rank:2 * world.rank + 2], y[2 * world.rank:2 * world.rank + 2])], 1,
+                       1e-3, 1.0)
+        phases, kinds = meter.live.take_peaks()
+    return {"built": built, "kinds": kinds, "phases": phases, "shard": sum(u.chunk for u in s.units) * 4,
+            "units": [u.padded * 4 for u in s.units], "largest_param": max(p.numel() for p in s.units[0].params) * 4}
+
+
+def test_zero3_peak_parameter_bytes_are_one_shard_and_two_units_measured_by_allocation():
+    m = run_pooled(_peak_bytes_by_kind, 2, "zero3")[0]
+    *blocks, root = m["units"]
+    bound = m["shard"] + root + 2 * max(blocks)  # its shard, the root unit, the block at work and the next one
+    assert m["shard"] + root < m["kinds"]["params"] <= bound < sum(m["units"]), m
+    assert m["built"]["params"] == m["shard"]  # built from the meta device: only this rank's chunks ever existed
+
+
+def test_zero2_peak_gradient_bytes_are_one_shard_and_the_buckets_in_flight_measured_by_allocation():
+    m = run_pooled(_peak_bytes_by_kind, 2, "zero2:bucket_mb=0.1")[0]
+    assert len(m["units"]) >= 6, m
+    # this rank's gradient shard, one bucket filling and one reduce-scattering, one parameter's fresh gradient
+    bound = m["shard"] + 2 * max(m["units"]) + m["largest_param"]
+    assert m["shard"] < m["kinds"]["grads"] <= bound, m
+
+
+def _rank_dependent_frozen_gpt(seed: int) -> GPT:
+    """Frozen weights and a buffer that differ between ranks: the strategy must start every rank from rank 0's."""
+    model = frozen_gpt(seed + dist.get_rank())
+    model.register_buffer("scale", torch.full((3,), float(dist.get_rank())))
+    return model
+
+
+def _start_values(world: World) -> dict:
+    out = {}
+    for spec in ("zero1", "zero2"):
+        s = create(parse_spec(spec), world, Precision("cpu", False), LOOP)
+        s.build(lambda: _rank_dependent_frozen_gpt(0), lambda m: param_groups(m, 0.1),
+                adamw_factory(TrainConfig(), world.device))
+        frozen = {n: p.detach().clone() for n, p in s.module.named_parameters() if not p.requires_grad}
+        out[spec] = frozen | {n: b.clone() for n, b in s.module.named_buffers()}
+    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False), LOOP)
+    try:
+        s.build(lambda: rank_dependent_gpt(0), lambda m: param_groups(m, 0.1),
+                adamw_factory(TrainConfig(), world.device))
+    except ConfigError as e:
+        out["zero3"] = str(e)
+    return out
+
+
+def test_every_stage_starts_every_rank_from_the_same_values():
+    rank0, rank1 = run_pooled(_start_values, 2)
+    for spec in ("zero1", "zero2"):  # frozen parameters and buffers broadcast from rank 0, not only the trainable
+        assert set(rank0[spec]) == {"wpe.weight", "blocks.0.norm1.weight", "scale"}
+        assert all(torch.equal(rank0[spec][n], rank1[spec][n]) for n in rank0[spec]), spec
+    # zero3 builds each rank's shard from the model's init: ranks whose initial values differ are refused
+    assert rank0["zero3"] == rank1["zero3"]
+    assert "initial weights" in rank0["zero3"] and "differs between ranks" in rank0["zero3"]
+    assert "\n" not in rank0["zero3"]
+
+
+THEORY = ModelConfig(n_layer=8, n_head=4, d_model=256, block_size=16, vocab_size=256)  # states dominate, 8 units
+
+
+def _peak_against_theory(world: World, cases: list[tuple[str, int]]) -> dict:
+    """Per case, the measured peak bytes of each phase of the second step over peak_bytes_theory, less one."""
+    out = {}
+    for spec, accum in cases:
+        meter = memory.Meter(world.device)
+        with meter.running():
+            s = create(parse_spec(spec), world, Precision("cpu", False), LoopSettings(1, accum, 1.0))
+            s.build(lambda: GPT(THEORY, seed=0), lambda m: param_groups(m, 0.1),
+                    adamw_factory(TrainConfig(), world.device))
+            for step in range(2):  # the second step holds the optimizer's states from the start
+                x, y = batch(Setup(model=THEORY), step, 2 * accum)
+                mine = range(world.rank * accum, (world.rank + 1) * accum)
+                train_step(s, world, [(x[i:i + 1], y[i:i + 1]) for i in mine], accum, 1e-3, 1.0)
+                peaks = meter.take_step_peaks()
+        activations = accounting.activation_bytes(THEORY, 1, 4, s.cfg.activation_checkpointing == "full")
+        theory = s.peak_bytes_theory(activations)
+        out[f"{spec} accumulating {accum}"] = {phase: peaks[phase] / theory[phase] - 1 for phase in theory}
+    return out
+
+
+@pytest.mark.slow
+def test_peak_bytes_match_theory_under_accumulation_offload_and_checkpointing():
+    cases = [("zero1:bucket_mb=4", 2), ("zero2:bucket_mb=4", 2), ("zero3", 2), ("ddp", 2),
+             ("zero2:bucket_mb=4,offload=optimizer", 1), ("zero3:offload=optimizer", 1),
+             ("zero3:activation_checkpointing=full", 1)]
+    for case, gaps in run_pooled(_peak_against_theory, 2, cases)[0].items():
+        assert all(abs(gap) <= 0.1 for gap in gaps.values()), (case, gaps)

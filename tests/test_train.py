@@ -139,6 +139,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, arg
     (["--train.schedule", "step"], "train.schedule must be one of"),
     (["--model.vocab_size", "100"], "model.vocab_size (100) is smaller than the tokenizer's (512)"),
     (["--resume"], "no complete checkpoint"),
+    (["--train.memory_meter", "true", "--train.compile", "true"], "train.memory_meter cannot run with train.compile"),
 ])
 def test_bad_input_fails_before_training_with_one_line(tmp_path, args, capsys, extra, message):
     r = tmp_path / "bad"
@@ -269,6 +270,7 @@ TWO_RANK_STRATEGIES = ("ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3
 def two_rank_runs(tmp_path_factory, args):
     """The same config under single (one process) and each data-parallel strategy on 2 gloo ranks."""
     root = tmp_path_factory.mktemp("two-rank")
+    args = (*args, "--train.memory_meter", "true")  # peak bytes per phase, measured by allocation
     assert run(root / "single", *args) == 0
     runs = {"single": root / "single"}
     for strategy in TWO_RANK_STRATEGIES:
@@ -296,6 +298,11 @@ def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strateg
         assert summary["model_state_bytes"][kind] == pytest.approx(summary["model_state_bytes_theory"][kind], rel=0.05)
     assert summary["activation_saved_bytes"] > 0
     assert all(r["comm_time_s"] >= 0 and r["compute_time_s"] > 0 for r in got if "loss" in r)
+    # peak bytes per phase, measured by allocation (lab.memory), beside the kernel's peak RSS and the theory
+    assert all(set(r["peak_bytes"]) == {"forward", "backward", "step", "rss"} for r in got if "loss" in r)
+    assert set(summary["peak_bytes"]) == {"forward", "backward", "step", "rss"}
+    assert set(summary["peak_bytes_theory"]) == {"forward", "backward", "step"}
+    assert summary["model_state_bytes"]["total"] < summary["peak_bytes"]["step"] < summary["peak_bytes"]["rss"]
 
 
 @pytest.mark.slow
@@ -309,6 +316,10 @@ def test_each_zero_stage_shows_its_saving(two_rank_runs):
     assert half("zero2", "params") == pytest.approx(1, rel=0.01)
     for strategy in ("zero3", "fsdp"):
         assert all(half(strategy, kind) == pytest.approx(0.5, rel=0.02) for kind in ("params", "grads", "optimizer"))
+    # and at the peak, measured by allocation (this model is mostly embedding, zero3's root unit: see test_sharding)
+    peak = {s: json.loads((two_rank_runs[s] / "summary.json").read_text())["peak_bytes"]["backward"]
+            for s in ("ddp", "zero1", "zero2", "zero3")}
+    assert max(peak["zero2"], peak["zero3"]) < peak["zero1"] < peak["ddp"], peak
 
 
 @pytest.mark.slow

@@ -186,6 +186,7 @@ class Strategy:
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
     compiles: ClassVar[bool] = True  # whether it can train a torch.compile'd model (train.compile)
+    grads_at_rest: ClassVar[bool] = False  # whether gradient buffers live between steps (flat buckets)
 
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
@@ -353,6 +354,31 @@ class Strategy:
         """Ψ: the model's parameters (a tied weight once)."""
         return sum(p.numel() for p in self.module.parameters())
 
+    def theory_states(self) -> accounting.StateBytes:
+        """Model-state bytes per rank from the ZeRO formulas, fp32 widths (``lab.accounting.model_state_bytes``)."""
+        return accounting.model_state_bytes(self.param_count(), self.state_layout, self.world.world_size, "fp32")
+
+    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
+        """(gathered weights in flight, gradient bytes held in the forward, and in the backward) in theory."""
+        between = states.grads if self.grads_at_rest or self.loop.accum_steps > 1 else 0.0
+        return 0.0, between, states.grads
+
+    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
+        """Per phase, the most bytes this rank holds in theory: its weights and optimizer states, the gradients
+        held in that phase (buckets in flight included), the gathered weights in flight, and ``activations``
+        (one micro-batch's, from ``lab.accounting.activation_bytes``); the step holds the states and its
+        temporaries."""
+        states = self.theory_states()
+        gathered, grads_forward, grads_backward = self.theory_in_flight(states)
+        held = states.params + states.optimizer
+        return {"forward": held + grads_forward + gathered + activations,
+                "backward": held + grads_backward + gathered + activations,
+                "step": held + states.grads + self.theory_step_temporaries()}
+
+    def theory_step_temporaries(self) -> float:
+        """Bytes the clipping and the optimizer step allocate for a while, in theory (none: foreach and fused)."""
+        return 0.0
+
     def meters(self) -> dict[str, dict[str, float]]:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and
         theory) and the most activation bytes a micro-step saved for its backward.
@@ -360,14 +386,13 @@ class Strategy:
         Theory: ``lab.accounting`` with fp32 widths (4-byte weights and gradients, two 4-byte
         AdamW moments; the run's bf16, if any, lives only inside autocast).
         """
-        world_size, psi = self.world.world_size, self.param_count()
+        world_size = self.world.world_size
         theory_comm = (dict.fromkeys(accounting.COLLECTIVES, 0.0) if self.comm_layout is None else
                        accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, world_size))
         measured = self._measured or self.measure_state_bytes()
         return {
             "model_state_bytes": measured.as_dict(),
-            "model_state_bytes_theory": accounting.model_state_bytes(psi, self.state_layout, world_size,
-                                                                     "fp32").as_dict(),
+            "model_state_bytes_theory": self.theory_states().as_dict(),
             "comm_bytes_per_step": dict(self._last.comm_bytes),
             "comm_bytes_per_step_theory": theory_comm,
             "activation_saved_bytes": self._most_saved,

@@ -6,6 +6,12 @@ convention of ``lab.accounting.ring_elements_sent`` (an all-reduce of n elements
 2(N − 1)/N·n per rank). A blocking call counts its whole duration as waiting; an asynchronous one
 counts only the time spent in ``wait``. ``take`` returns the totals since the last call and resets
 them: the loop takes them once per optimizer step.
+
+gloo's reduce-scatter is an all-reduce underneath: it sends 2(N − 1)/N of the input per rank, as
+much as an all-reduce, from a full copy of it (measured on the loopback interface: see
+benchmarks/results-memory.md). On gloo the lab reduce-scatters with an all-to-all instead (chunk j
+to rank j) and sums the N chunks it receives, in rank order, when the work is waited for: the
+(N − 1)/N of the ring formula.
 """
 
 from __future__ import annotations
@@ -123,10 +129,21 @@ class Comm:
         return self._run(lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
-                       ) -> dist.Work | None:
-        """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``."""
+                       ) -> dist.Work | SummedOnWait | None:
+        """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``
+        (it may be a view into ``input``). On gloo: an all-to-all, summed on ``wait`` (see the module docstring)."""
         self._count("reduce_scatter", input)
-        return self._run(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op), async_op)
+        if dist.get_backend(self.group) != "gloo" or self.world_size == 1:
+            return self._run(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op),
+                             async_op)
+        received = torch.empty_like(input)
+        work = SummedOnWait(dist.all_to_all_single(received, input, group=self.group, async_op=True), received,
+                            output)
+        if async_op:
+            return work
+        with self.waiting():
+            work.wait()
+        return None
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """Concatenate every rank's ``input`` into ``output``, in rank order."""
@@ -139,6 +156,23 @@ class Comm:
         return self._run(lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
 
 
+class SummedOnWait:
+    """An all-to-all's work whose ``wait`` then sums the N chunks received into ``output`` (a reduce-scatter)."""
+
+    def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor):
+        self.work, self.received, self.output = work, received, output
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.received is not None:
+            torch.sum(self.received.view(-1, self.output.numel()), dim=0, out=self.output)
+            self.received = None
+        return True
+
+
 class InOrder:
     """Asynchronous collectives over groups of parameters (buckets, units), launched in a fixed order.
 
@@ -146,10 +180,10 @@ class InOrder:
     before it are complete, so every rank issues the same collectives in the same order whatever
     order its hooks fire in. ``launch(i)`` issues group i's collective and returns its work handle;
     ``finish()`` launches what is left (groups with a parameter unused in this step) and returns
-    the handles in order.
+    the handles in order (None where ``launch`` keeps its handles itself).
     """
 
-    def __init__(self, sizes: list[int], launch: Callable[[int], dist.Work]):
+    def __init__(self, sizes: list[int], launch: Callable[[int], dist.Work | None]):
         self.sizes, self.launch = sizes, launch
         self.start()
 
@@ -164,9 +198,11 @@ class InOrder:
             self._launch(everything=False)
         return self.pending[group] == 0
 
-    def finish(self) -> list[dist.Work]:
+    def finish(self) -> list[dist.Work | None]:
+        """Launch what is left; the handles in order, let go of here (a handle keeps its tensors alive)."""
         self._launch(everything=True)
-        return self.works
+        works, self.works = self.works, []
+        return works
 
     def _launch(self, everything: bool) -> None:
         while self.next < len(self.sizes) and (everything or self.pending[self.next] == 0):

@@ -65,6 +65,7 @@ class Bucket:
 class BucketedDDP(Strategy):
     name = "ddp"
     options = Strategy.options | {"bucket_mb", "overlap"}
+    grads_at_rest = True
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)

@@ -4,7 +4,8 @@ The layout is shared by the three stages. Trainable parameters are grouped into 
 parameters are laid end to end (the weight-decay group first), padded to a multiple of the world
 size N, and rank r owns chunk r. The optimizer works on views of this rank's chunks, split where
 the parameter group changes, so weight decay is decided by name before anything is flattened.
-Frozen parameters and buffers stay whole on every rank.
+Frozen parameters and buffers stay whole on every rank (stages 1-2 broadcast them from rank 0
+with the trainable weights, so every rank starts from the same values).
 
 - ``zero1``: units are buckets of ``parallel.bucket_mb`` in backward order. Every rank keeps the
   whole weights and whole gradients (each ``.grad`` a view into its unit's flat buffer). After the
@@ -13,15 +14,21 @@ Frozen parameters and buffers stay whole on every rank.
   brings every rank the updated weights. Adam's states exist for 1/N of the model.
 - ``zero2``: as zero1, but gradients are not kept whole. A post-accumulate-grad hook adds each
   gradient into its unit's flat buffer and drops it; the moment a unit is complete its
-  reduce-scatter is launched asynchronously (overlapping the rest of the backward), and after it
-  the rank keeps only its chunk. Units are launched in order, the same on every rank.
+  reduce-scatter is launched asynchronously into the unit's gradient shard (overlapping the rest
+  of the backward), and the unit's whole gradient is freed as soon as it completes: at most one
+  reduce-scatter is left in flight while the next unit fills. Units are launched in order, the
+  same on every rank.
 - ``zero3``: also the weights are sharded at rest. The model is built on the meta device and each
-  rank fills only its chunks from the model's ``initial_value``: the whole model never exists on a
-  rank. Each transformer block is a unit: gathered (all-gather) just before its forward, freed
-  right after, gathered again when the gradient reaches its output, its gradients
-  reduce-scattered and its weights freed once they are all in. The rest of the model (embeddings,
-  final norm, head) is one root unit, gathered for the forward and again for the backward. The
-  optimizer updates the shards in place, so no all-gather follows the step.
+  rank fills only its chunks from the model's ``initial_value`` (a digest of every initial value
+  is compared across ranks): the whole model never exists on a rank. A unit's weights are views
+  of one flat buffer whose storage is resized to nothing at rest (as FSDP does), so the tensors
+  autograd saves (``weight.t()``) hold no memory and at most one gathered copy of a unit exists.
+  Each transformer block is a unit: gathered (all-gather) just before its forward, while the next
+  block's all-gather is launched asynchronously (prefetch), freed right after; gathered again
+  when the gradient reaches its output (the block before it prefetched), its gradients
+  reduce-scattered and its weights freed once they are all in. The rest of the model
+  (embeddings, final norm, head) is one root unit, gathered for the forward and again for the
+  backward. The optimizer updates the shards in place, so no all-gather follows the step.
 
 On the non-final micro-steps of an accumulation nothing is sent: gradients accumulate whole in
 the units' flat buffers (zero2 and zero3 then hold a whole gradient until the last micro-step).
@@ -34,17 +41,20 @@ accelerator it runs for correctness; the meters place these bytes on the host.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab import accounting
+from lab import accounting, memory
 from lab.checkpoint import CheckpointState, Held
 from lab.parallel.base import ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, storage_bytes
-from lab.parallel.comm import InOrder
+from lab.parallel.comm import InOrder, SummedOnWait
+from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
 
@@ -66,6 +76,8 @@ class Unit:
     flat_grad: torch.Tensor | None = None  # all the gradients, accumulated until reduce-scattered
     grad_shard: torch.Tensor | None = None  # this rank's chunk of the averaged gradient
     master: torch.Tensor | None = None  # offload: the host's fp32 copy of the shard
+    gathered: bool = False  # stage 3: flat's storage holds the weights (or an all-gather into it is under way)
+    gathering: dist.Work | None = None  # stage 3: the prefetch's all-gather, until waited
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
 
 
@@ -123,6 +135,8 @@ class Zero(Strategy):
         missing = [n for n in trainable if n not in group_of]
         if missing:
             raise ValueError(f"trainable parameters in no optimizer group: {', '.join(missing)}")
+        if self.stage < 3:  # every rank starts from rank 0's weights, frozen ones and buffers included
+            broadcast_from_rank0(self, module)
         params = dict(module.named_parameters())
         self.units = [make_unit(names, params, group_of, self.world.rank, self.world.world_size)
                       for names in self._unit_names(module, trainable)]
@@ -132,6 +146,7 @@ class Zero(Strategy):
                 unit.master = unit.shard.detach().to(HOST, copy=True)
         self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
         self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
+        self._in_flight: deque[tuple[Unit, dist.Work | SummedOnWait]] = deque()  # launched, not yet settled
         if self.stage >= 2:
             for unit in self.units:
                 for p in unit.params:
@@ -141,11 +156,10 @@ class Zero(Strategy):
     def _place(self, unit: Unit) -> None:
         """Stages 1-2: the unit's weights move into one flat buffer (the parameters become views of it)."""
         unit.flat = torch.zeros(unit.padded, dtype=unit.params[0].dtype, device=self.world.device)
+        memory.tag(unit.flat, "params")
         for p, offset in zip(unit.params, unit.offsets, strict=True):
             unit.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
             p.data = unit.flat[offset:offset + p.numel()].view(p.shape)
-        with self.comm.paused():
-            self.comm.broadcast(unit.flat, src=0)  # every rank starts from rank 0's weights
         r = self.world.rank
         unit.shard = unit.flat[r * unit.chunk:(r + 1) * unit.chunk]
         if self.stage == 1:
@@ -180,6 +194,8 @@ class Zero(Strategy):
         unit = self.units[k]
         if unit.flat_grad is None:
             unit.flat_grad = torch.zeros(unit.padded, dtype=p.dtype, device=self.world.device)
+            memory.tag(unit.flat_grad, "grads")
+        memory.tag(p.grad, "grads")
         offset = unit.offsets[i]
         unit.flat_grad[offset:offset + p.numel()].add_(p.grad.flatten())
         p.grad = None
@@ -188,29 +204,42 @@ class Zero(Strategy):
             self._unit_done(unit)
         if self._sync:
             self._launches.arrived(k, eager=self.cfg.overlap)
+            self._settle(in_flight=1)
 
     def _unit_done(self, unit: Unit) -> None:
         """All of a unit's gradients of this micro-step are in (stage 3 frees its weights here)."""
 
-    def _reduce_scatter(self, k: int) -> dist.Work:
+    def _reduce_scatter(self, k: int) -> None:
+        """Launch unit k's reduce-scatter: in place for stage 1 (this rank's chunk of the whole gradient buffer),
+        into the unit's own gradient shard for stages 2-3 (the whole gradient is freed once it completes). Its
+        handle is kept only until settled: a handle keeps the backend's copy of the input alive."""
         unit, r = self.units[k], self.world.rank
         if unit.flat_grad is None:  # no parameter of the unit was used in this step
             unit.flat_grad = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
-        out = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk]  # in place: this rank's chunk
-        return self.comm.reduce_scatter(out, unit.flat_grad, async_op=True)
+        if self.stage == 1:
+            unit.grad_shard = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk]
+        else:
+            unit.grad_shard = torch.empty(unit.chunk, dtype=unit.flat_grad.dtype, device=self.world.device)
+            memory.tag(unit.grad_shard, "grads")
+        self._in_flight.append((unit, self.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True)))
+        self._settle(in_flight=1)  # also when the backward's end launches many at once (stage 1)
+
+    def _settle(self, in_flight: int) -> None:
+        """Finish the reduce-scatters that are done, and wait for the oldest until at most ``in_flight`` remain:
+        each finished unit's gradient shard is averaged and (stages 2-3) its whole gradient freed."""
+        while self._in_flight and (len(self._in_flight) > in_flight or self._in_flight[0][1].is_completed()):
+            unit, work = self._in_flight.popleft()
+            self.comm.wait(work)
+            unit.grad_shard.div_(self.world.world_size)
+            if self.stage > 1:
+                unit.flat_grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if not self._sync:
             return
-        r, n = self.world.rank, self.world.world_size
-        for unit, work in zip(self.units, self._launches.finish(), strict=True):
-            self.comm.wait(work)
-            chunk = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk].div_(n)
-            if self.stage == 1:
-                unit.grad_shard = chunk  # a view: stage 1 keeps the whole gradient buffer
-            else:
-                unit.grad_shard, unit.flat_grad = chunk.clone(), None  # keep only this rank's chunk
+        self._launches.finish()
+        self._settle(in_flight=0)
         for unit, lo, hi, piece in self._pieces:
             grad = unit.grad_shard[lo:hi]
             piece.grad = grad.to(HOST) if self.offloaded and grad.device != HOST else grad
@@ -335,17 +364,40 @@ class Zero(Strategy):
         """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""
         return sum(u.padded for u in self.units)
 
+    def theory_states(self) -> accounting.StateBytes:
+        return accounting.model_state_bytes(self.param_count(), self.state_layout, self.world.world_size, "fp32",
+                                            self.offloaded)
+
+    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
+        """Two units in flight in the backward (one filling, one reduce-scattering; or what two reduce-scatters
+        receive) beside the gradients held: stage 1 the whole gradient; stages 2-3 this rank's shard, or under
+        accumulation every unit's whole gradient, kept until the last micro-step."""
+        width = self.units[0].shard.element_size()
+        two_units = width * sum(sorted(u.padded for u in self.units)[-2:])
+        if self.stage == 1:
+            _, at_rest, whole = super().theory_in_flight(states)
+            return 0.0, at_rest, whole + two_units
+        if self.loop.accum_steps > 1:
+            whole = width * sum(u.padded for u in self.units)
+            return 0.0, whole, whole + two_units
+        return 0.0, 0.0, states.grads + two_units
+
+    def theory_step_temporaries(self) -> float:
+        """The clipping's squares and the optimizer's temporaries: two of a unit's chunks."""
+        return 2.0 * self.units[0].shard.element_size() * max(u.chunk for u in self.units)
+
     def meters(self) -> dict[str, dict[str, float]]:
         out = super().meters()
-        out["model_state_bytes_theory"] = accounting.model_state_bytes(
-            self.param_count(), self.state_layout, self.world.world_size, "fp32", self.offloaded).as_dict()
-        out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(
-            self.comm_elements(), self.comm_layout, self.world.world_size)
+        theory = accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
+        if self.stage == 3:  # the weights are gathered twice in every micro-step, not once a step
+            theory["all_gather"] *= self.loop.accum_steps
+        out["comm_bytes_per_step_theory"] = theory
         return out
 
 
 class Zero1(Zero):
     name, stage, state_layout, comm_layout = "zero1", 1, "zero1", "zero1"
+    grads_at_rest = True
 
 
 class Zero2(Zero):
@@ -361,19 +413,27 @@ class Zero3(Zero):
     compiles = False
 
     def make_module(self, model_factory: ModelFactory) -> nn.Module:
-        """Build on the meta device: nothing is allocated until each rank fills its own chunks."""
+        """Build on the meta device: nothing is allocated until each rank fills its own chunks. Buffers and
+        frozen parameters are filled whole; a digest of every initial value is checked across ranks in ``wrap``."""
         with torch.device("meta"):
             module = model_factory()
+        self._initial = hashlib.sha256()
         for name, _ in list(module.named_buffers()):
             owner, _, attr = name.rpartition(".")
-            getattr(module.get_submodule(owner), attr).data = module.initial_value(name).to(self.world.device)
+            getattr(module.get_submodule(owner), attr).data = self._initial_value(module, name)
         for name, p in list(module.named_parameters()):
             if not p.requires_grad:  # frozen: whole on every rank
                 owner, _, attr = name.rpartition(".")
                 setattr(module.get_submodule(owner), attr,
-                        nn.Parameter(module.initial_value(name).to(self.world.device), requires_grad=False))
-        self._peak_param_bytes = self._held_param_bytes = 0
+                        nn.Parameter(self._initial_value(module, name), requires_grad=False))
         return module
+
+    def _initial_value(self, module: nn.Module, name: str) -> torch.Tensor:
+        """``module.initial_value(name)`` on this rank's device, added to the digest of the initial values."""
+        value = module.initial_value(name).detach().to(self.world.device)
+        self._initial.update(name.encode())
+        self._initial.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return value
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
         blocks = [[n for n in trainable if n.startswith(f"blocks.{i}.")] for i in range(len(module.blocks))]
@@ -383,66 +443,103 @@ class Zero3(Zero):
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         module = super().wrap(module, groups)
+        self.world.check_same(self._initial.hexdigest(), "the initial weights (model.initial_value)")
         self._root = self.units[-1]
         block_units = dict(zip(reversed(range(len(module.blocks))), self.units, strict=False))
+        self._forward_order = [block_units[i] for i in range(len(module.blocks))]
         for i, block in enumerate(module.blocks):
             unit = block_units[i]
-            block.register_forward_pre_hook(lambda mod, args, unit=unit: self._gather(unit))
+            block.register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
             block.register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
         return module
 
     def _place(self, unit: Unit) -> None:
-        """Fill this rank's chunk from the model's own init; the weights themselves stay empty until gathered."""
+        """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
+        storage is empty at rest (resized to the whole unit while gathered, as FSDP does)."""
         r, module = self.world.rank, self.module
         unit.shard = torch.zeros(unit.chunk, device=self.world.device)
+        memory.tag(unit.shard, "params")
+        unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
         lo = r * unit.chunk
         for i, (name, offset, shape) in enumerate(zip(unit.names, unit.offsets, unit.shapes, strict=True)):
             size = math.prod(shape)
             a, b = max(offset, lo), min(offset + size, lo + unit.chunk)
+            value = self._initial_value(module, name).flatten()
             if a < b:
-                unit.shard[a - lo:b - lo] = module.initial_value(name).flatten()[a - offset:b - offset]
+                unit.shard[a - lo:b - lo] = value[a - offset:b - offset]
             owner, _, attr = name.rpartition(".")
-            empty = nn.Parameter(torch.empty(0, device=self.world.device))
-            setattr(module.get_submodule(owner), attr, empty)
-            unit.params[i] = empty
-        self._held_param_bytes += unit.shard.numel() * unit.shard.element_size()
-        self._peak_param_bytes = max(self._peak_param_bytes, self._held_param_bytes)
+            param = nn.Parameter(torch.empty(0, device=self.world.device))
+            # .data keeps the parameter's own version counter: gathering into flat does not look like an
+            # in-place change of the weights autograd saved
+            param.data = unit.flat[offset:offset + size].view(shape)
+            setattr(module.get_submodule(owner), attr, param)
+            unit.params[i] = param
+        unit.flat.untyped_storage().resize_(0)
+        memory.tag(unit.flat, "params")
 
     # ------------------------------------------------------------ gather and free
 
+    def _start_gather(self, unit: Unit, async_op: bool) -> None:
+        nbytes = unit.padded * unit.shard.element_size()
+        unit.flat.untyped_storage().resize_(nbytes)
+        unit.gathering = self.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
+        unit.gathered = True
+
     def _gather(self, unit: Unit) -> None:
-        if unit.flat is not None:
-            return
-        unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
-        self.comm.all_gather(unit.flat, unit.shard)
-        for p, offset, shape in zip(unit.params, unit.offsets, unit.shapes, strict=True):
-            p.data = unit.flat[offset:offset + math.prod(shape)].view(shape)
-        self._held_param_bytes += unit.flat.numel() * unit.flat.element_size()
-        self._peak_param_bytes = max(self._peak_param_bytes, self._held_param_bytes)
+        """The unit's weights, now: waits for its prefetch, or gathers them."""
+        if not unit.gathered:
+            self._start_gather(unit, async_op=False)
+        if unit.gathering is not None:
+            self.comm.wait(unit.gathering)
+            unit.gathering = None
+
+    def _prefetch(self, unit: Unit | None) -> None:
+        """Launch the unit's all-gather asynchronously (it overlaps the compute until ``_gather`` waits)."""
+        if unit is not None and not unit.gathered:
+            self._start_gather(unit, async_op=True)
 
     def _free(self, unit: Unit) -> None:
-        if unit.flat is None:
+        """Release the gathered weights: the storage goes back to the allocator (saved views of it stay valid
+        and see the weights again once the unit is gathered for its backward)."""
+        if not unit.gathered:
             return
-        for p in unit.params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._held_param_bytes -= unit.flat.numel() * unit.flat.element_size()
-        unit.flat = None
+        if unit.gathering is not None:
+            self.comm.wait(unit.gathering)
+            unit.gathering = None
+        unit.flat.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _next(self, unit: Unit, step: int) -> Unit | None:
+        """The block unit ``step`` places after ``unit`` in the forward order (None past either end)."""
+        i = self._forward_order.index(unit) + step
+        return self._forward_order[i] if 0 <= i < len(self._forward_order) else None
+
+    def _before_forward(self, unit: Unit) -> None:
+        self._gather(unit)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
+            self._prefetch(self._next(unit, +1))
 
     def _after_forward(self, unit: Unit, out: torch.Tensor) -> None:
         if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward: keep them
             return
         if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda grad: (self._gather(unit), grad)[1])
+            out.register_hook(lambda grad: (self._before_backward(unit), grad)[1])
         self._free(unit)
+
+    def _before_backward(self, unit: Unit) -> None:
+        self._gather(unit)
+        self._prefetch(self._next(unit, -1))
 
     def _unit_done(self, unit: Unit) -> None:
         self._free(unit)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         self._gather(self._root)
+        self._prefetch(self._forward_order[0] if self._forward_order else None)
         loss = super().forward(x, y, sync=sync)
         if torch.is_grad_enabled():
-            loss.register_hook(lambda grad: (self._gather(self._root), grad)[1])
+            loss.register_hook(lambda grad: (self._gather(self._root), self._prefetch(
+                self._forward_order[-1] if self._forward_order else None), grad)[-1])
         self._free(self._root)
         return loss
 
@@ -465,7 +562,9 @@ class Zero3(Zero):
         self.comm.all_gather(flat, unit.shard)
         return flat
 
-    def take_peak_param_bytes(self) -> int:
-        """The most parameter bytes this rank held at once since the last call (shards plus gathered units)."""
-        peak, self._peak_param_bytes = self._peak_param_bytes, self._held_param_bytes
-        return peak
+    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
+        """The root unit, the block at work and the next one (prefetched) gathered at once."""
+        _, grads_forward, grads_backward = super().theory_in_flight(states)
+        blocks = [u.padded for u in self.units if u is not self._root]
+        gathered = (self._root.padded + 2 * max(blocks, default=0)) * self._root.shard.element_size()
+        return gathered, grads_forward, grads_backward
