@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from lab.cli import run_main
+from lab import mup
+from lab.__main__ import main as lab_main
 from lab.config import ConfigError, ModelConfig, TrainConfig
 from lab.device import Precision
 from lab.equivalence import TINY, Setup, batch, equivalence
@@ -181,3 +182,45 @@ def test_a_mup_run_saved_by_single_resumes_under_zero2_on_two_ranks(tree, tiny_p
     got, ref = final_weights(tmp_path / "r"), final_weights(tmp_path / "whole")
     # a hidden matrix trained at lr rather than lr/2 for 4 steps would be ~1e-2 away
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= 1e-3
+
+
+# ---------------------------------------------------------------- the coordinate check
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_coordinate_check_is_flat_under_mup_and_grows_under_standard(arch):
+    result = mup.coord_check([32, 64, 128], steps=2, arch=arch, n_layer=1, block_size=32, sequences=4, seeds=1,
+                             data=mup.corpus_bytes(50_000))
+    layers = ["embedding", "block0.attn", "block0.mlp", "logits"]
+    for parametrization in ("standard", "mup"):
+        assert sorted(result[parametrization]) == [32, 64, 128]
+        assert all(list(scales) == layers for scales in result[parametrization].values())
+    for layer in layers:  # every layer within 1.6× across a 4× range of widths (seen: at most 1.4×)
+        assert mup.spread(result["mup"], layer) <= 1.6, (layer, result["mup"])
+    assert mup.spread(result["standard"], "embedding") <= 1.6  # Adam moves embeddings alike at any width
+    for layer in layers[1:]:  # hidden outputs and logits grow with width (seen: 3.4× to 19×)
+        assert mup.growth(result["standard"], layer) >= 2.5, (layer, result["standard"])
+
+
+def test_mup_check_prints_the_table_and_writes_the_figure(tmp_path, capsys):
+    out = tmp_path / "check.png"
+    assert lab_main(["mup-check", "--widths", "32,64", "--steps", "1", "--seeds", "1", "--n-layer", "1",
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "standard: mean |x| by width" in text and "mup: mean |x| by width" in text and "block0.mlp" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--widths", "32"], "argument --widths: expected at least two positive widths, got '32'"),
+    (["--widths", "32,48", "--n-head", "5"], "--n-head 5 must divide every width ([32, 48])"),
+    (["--out", "x.svg"], "--out must be a .png file in an existing folder, got x.svg"),
+])
+def test_mup_check_refuses_bad_input_with_one_line(argv, message, capsys):
+    try:
+        code = lab_main(["mup-check", *argv])
+    except SystemExit as e:  # argparse's errors exit
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
