@@ -14,18 +14,23 @@ with width, because Adam moves every entry of a matrix by about lr whatever its 
 from __future__ import annotations
 
 import argparse
-import math
+import io
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lab.config import ConfigError, ModelConfig, ParallelConfig, Parser, TrainConfig
 from lab.data.corpora import builtin_folder
 from lab.device import Precision
+from lab.files import write_atomic
 from lab.model import PARAMETRIZATIONS, GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 BYTES = 256  # vocabulary: raw UTF-8 bytes
 TEXT_CHARS = 400_000  # the corpus read for the check: its first speeches
@@ -145,11 +150,18 @@ def plot(result: dict[str, dict[int, dict[str, float]]], path: Path, title: str)
     axes[0].set_ylabel("mean |activation|")
     axes[-1].legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=9)
+    save_png(fig, path)
+
+
+def save_png(fig: Figure, path: Path) -> None:
+    """Write ``fig`` as a PNG at ``path`` atomically, and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
-    tmp.replace(path)
+    write_atomic(path, buffer.getvalue())
 
 
 def _widths(text: str) -> list[int]:
