@@ -1,6 +1,7 @@
 """μP (model.parametrization mup): initialisation, per-layer learning rates under every strategy, checkpoints."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -136,8 +137,9 @@ def _mup_equivalence(world: World, specs: list[str]) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_per_layer_rates_survive_ddp_and_zero_sharding_and_offload_on_two_ranks():
-    specs = ["ddp", "zero1", "zero2", "zero3", "zero2:offload=optimizer", "zero3:offload=optimizer"]
+def test_per_layer_rates_survive_every_data_parallel_strategy_sharding_and_offload_on_two_ranks():
+    specs = ["ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp", "zero1:offload=optimizer",
+             "zero2:offload=optimizer", "zero3:offload=optimizer", "fsdp:offload=optimizer"]
     exact, multipliers = run_pooled(_mup_equivalence, 2, specs)[0]
     for spec in specs:  # sharded strategies add the norm's squares per shard: its last bits may differ
         r = exact[spec]
@@ -224,3 +226,15 @@ def test_mup_check_refuses_bad_input_with_one_line(argv, message, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_a_run_written_before_the_parametrization_options_existed_still_resumes(tmp_path, args, capsys):
+    assert run(tmp_path / "old", *args, "--train.stop_after", "3") == 0
+    config = tmp_path / "old" / "config.json"
+    written = json.loads(config.read_text())
+    del written["model"]["parametrization"], written["model"]["mup_base_width"]
+    config.write_text(json.dumps(written))
+    assert run(tmp_path / "old", *args, "--resume") == 0
+    assert run(tmp_path / "mup", *args, "--train.stop_after", "3") == 0
+    assert run(tmp_path / "mup", *args, *MUP_ARGS, "--resume") == 2  # the parametrization defines the run
+    assert "--resume cannot change model.mup_base_width, model.parametrization" in capsys.readouterr().err
