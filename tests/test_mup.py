@@ -228,6 +228,7 @@ def test_mup_check_refuses_bad_input_with_one_line(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+@pytest.mark.slow
 def test_a_run_written_before_the_parametrization_options_existed_still_resumes(tmp_path, args, capsys):
     assert run(tmp_path / "old", *args, "--train.stop_after", "3") == 0
     config = tmp_path / "old" / "config.json"
