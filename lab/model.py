@@ -5,18 +5,18 @@
   (the Llama family).
 
 Pre-norm residual blocks, ``scaled_dot_product_attention``, optional tied embeddings, and the
-GPT-2 init with residual projections scaled by 1/√(2·n_layer).
+GPT-2 init with residual projections scaled by 1/√(2·n_layer). The init is a pure function of
+(seed, parameter name): every tensor draws from its own generator, so a strategy that builds the
+model on the meta device and materialises only its shard gets exactly the values a one-process
+run gets. The model knows nothing of devices, ranks or strategies. Parameter and FLOP formulas
+live in ``lab.accounting`` and are tested against ``GPT.param_counts()``.
 
 ``parametrization mup`` is μP (Yang et al. 2022, Tensor Programs V) for Adam, with width ratio
 m = d_model / mup_base_width: the hidden matrices (attention and MLP weights) start with the
 standard std / √m and train at the learning rate / m (``lr_multiplier``, applied through the
 optimizer's parameter groups); embeddings, norms, biases and the head keep theirs; the logits are
 multiplied by 1/m and attention scores use 1/d_head instead of 1/√d_head. At m = 1 only the
-attention scale differs from ``standard``. The init is a pure function of
-(seed, parameter name): every tensor draws from its own generator, so a strategy that builds the
-model on the meta device and materialises only its shard gets exactly the values a one-process
-run gets. The model knows nothing of devices, ranks or strategies. Parameter and FLOP formulas
-live in ``lab.accounting`` and are tested against ``GPT.param_counts()``.
+attention scale differs from ``standard``.
 """
 
 from __future__ import annotations
