@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": ("lab.plan", "main", "training time and memory on paper"),
     "bench": ("lab.bench", "main", "throughput and MFU, or strategies side by side"),
     "equivalence": ("lab.equivalence", "main", "check strategies reproduce single's losses and weights"),
+    "mup-check": ("lab.mup", "main", "μP's coordinate check: activation scales across widths, as a table and figure"),
     "peak": ("lab.device", "peak_main", "this CPU's matmul peak (the MFU denominator): show, or --remeasure"),
 }
 

@@ -109,9 +109,10 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
         old = _flatten(json.loads((run_dir / "config.json").read_text()))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {run_dir / 'config.json'} is unreadable ({e})") from None
-    new = _flatten(cfg.to_dict())
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
-                     and not k.startswith("parallel."))
+    new, default = _flatten(cfg.to_dict()), _flatten(RunConfig().to_dict())
+    # an option added since the run was written (absent from its config.json) held its default then
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k, default.get(k)) != new.get(k)
+                     and k not in RESUMABLE_CHANGES and not k.startswith("parallel."))
     if changed:
         raise ConfigError(f"--resume cannot change {', '.join(changed)} (the model, data, tokenizer and schedule "
                           f"of a run are fixed; the strategy, world size, micro-batch and precision may change)")

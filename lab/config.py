@@ -62,6 +62,9 @@ class ModelConfig:
     dropout: float = _f(0.0, "dropout probability")
     rope_theta: float = _f(10000.0, "RoPE base (modern only)")
     norm_eps: float = _f(1e-5, "epsilon of LayerNorm/RMSNorm")
+    parametrization: str = _f("standard", "standard, or mup: μP (Yang et al. 2022): hidden init std and Adam LR scaled "
+                                          "by mup_base_width/d_model, logits multiplied by it, attention 1/d_head")
+    mup_base_width: int | None = _f(None, "mup: the d_model the hyperparameters were tuned at (default: d_model)")
 
 
 @dataclass

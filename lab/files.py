@@ -17,11 +17,11 @@ from typing import Any
 from lab.config import ConfigError
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a text file through a uniquely named temporary file in the same folder and a rename."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write a text (or binary) file through a uniquely named temporary file in the same folder and a rename."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
         os.replace(tmp, path)

@@ -10,6 +10,13 @@ GPT-2 init with residual projections scaled by 1/√(2·n_layer). The init is a 
 model on the meta device and materialises only its shard gets exactly the values a one-process
 run gets. The model knows nothing of devices, ranks or strategies. Parameter and FLOP formulas
 live in ``lab.accounting`` and are tested against ``GPT.param_counts()``.
+
+``parametrization mup`` is μP (Yang et al. 2022, Tensor Programs V) for Adam, with width ratio
+m = d_model / mup_base_width: the hidden matrices (attention and MLP weights) start with the
+standard std / √m and train at the learning rate / m (``lr_multiplier``, applied through the
+optimizer's parameter groups); embeddings, norms, biases and the head keep theirs; the logits are
+multiplied by 1/m and attention scores use 1/d_head instead of 1/√d_head. At m = 1 only the
+attention scale differs from ``standard``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,15 @@ from lab import accounting
 from lab.config import ConfigError, ModelConfig, did_you_mean
 
 ARCHS = ("gpt2", "modern")
+PARAMETRIZATIONS = ("standard", "mup")
+
+
+def width_ratio(cfg: ModelConfig) -> float:
+    """μP's width multiplier m = d_model / mup_base_width (1 under standard parametrization)."""
+    if cfg.parametrization != "mup" or cfg.mup_base_width is None:
+        return 1.0
+    return cfg.d_model / cfg.mup_base_width
+
 
 def validate(cfg: ModelConfig) -> None:
     """Raise ConfigError for a shape the model cannot be built with."""
@@ -47,6 +63,15 @@ def validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.vocab_size must be positive, got {cfg.vocab_size}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.parametrization not in PARAMETRIZATIONS:
+        raise ConfigError(f"model.parametrization must be standard or mup, got '{cfg.parametrization}'"
+                          f"{did_you_mean(cfg.parametrization, PARAMETRIZATIONS)}")
+    if cfg.mup_base_width is not None:
+        if cfg.parametrization != "mup":
+            raise ConfigError("model.mup_base_width has no effect under model.parametrization standard "
+                              "(set model.parametrization mup)")
+        if cfg.mup_base_width <= 0:
+            raise ConfigError(f"model.mup_base_width must be positive, got {cfg.mup_base_width}")
 
 
 # ---------------------------------------------------------------- rotary positions
@@ -88,6 +113,8 @@ class Attention(nn.Module):
         self.proj.is_residual_output = True
         self.dropout = cfg.dropout
         self.rotary = cfg.arch == "modern"
+        # None: torch's 1/√d_head; μP's 1/d_head keeps the scores' scale as heads widen.
+        self.scale = 1.0 / self.head_dim if cfg.parametrization == "mup" else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         T = x.shape[1]
@@ -100,7 +127,7 @@ class Attention(nn.Module):
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+                                           enable_gqa=self.n_kv_head != self.n_head, scale=self.scale)
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -146,6 +173,7 @@ class GPT(nn.Module):
         super().__init__()
         validate(cfg)
         self.cfg, self.seed = cfg, seed
+        self.width = width_ratio(cfg)
         self.vocab_size, padded = cfg.vocab_size, accounting.padded_vocab(cfg)
         self.wte = nn.Embedding(padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.arch == "gpt2" else None
@@ -164,7 +192,8 @@ class GPT(nn.Module):
         """The initial value of parameter or buffer ``name``, full size, on the CPU.
 
         GPT-2 init: linear and embedding weights N(0, 0.02), residual output projections
-        N(0, 0.02/√(2·n_layer)), biases 0, norm weights 1; RoPE tables computed. Each parameter
+        N(0, 0.02/√(2·n_layer)), biases 0, norm weights 1; RoPE tables computed. Under μP the hidden
+        matrices' std is divided by √m (``is_hidden``). Each parameter
         draws from a generator seeded by (seed, name), independent of every other parameter.
         """
         if name in ("rope_cos", "rope_sin"):
@@ -178,10 +207,21 @@ class GPT(nn.Module):
             return torch.ones(shape, device="cpu")
         residual = getattr(module, "is_residual_output", False)
         std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
+        if self.is_hidden(name):
+            std /= math.sqrt(self.width)
         # torch's CPU generator keeps 32 bits of its seed: mix (seed, name) into 32 bits.
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{name}".encode()).digest()[:4], "little")
         generator = torch.Generator(device="cpu").manual_seed(seed)
         return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
+
+    def is_hidden(self, name: str) -> bool:
+        """Whether parameter ``name`` is a hidden matrix under μP: a linear layer's weight inside a block."""
+        return (self.cfg.parametrization == "mup" and name.startswith("blocks.") and name.endswith(".weight")
+                and isinstance(self.get_submodule(name.rpartition(".")[0]), nn.Linear))
+
+    def lr_multiplier(self, name: str) -> float:
+        """The factor on the run's learning rate for parameter ``name``: 1/m for μP's hidden matrices, else 1."""
+        return 1.0 / self.width if self.is_hidden(name) else 1.0
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -208,6 +248,8 @@ class GPT(nn.Module):
         """Final norm and head: logits, or the mean cross-entropy against ``targets``."""
         x = self.norm_f(x)
         logits = (F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x))[..., : self.vocab_size]
+        if self.cfg.parametrization == "mup":
+            logits = logits / self.width
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -20,22 +20,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[ParamGroup]:
     """Decay the weights of matmuls and embeddings; not norms, not biases. Frozen weights are left out.
 
     Decided by the owning module's type and the parameter's name; a parameter of another module
-    decays when it is a matrix. Each parameter appears once (a tied weight has one owner).
+    decays when it is a matrix. Each parameter appears once (a tied weight has one owner). A model
+    with ``lr_multiplier(name)`` (μP) gets one more group per multiplier other than 1; otherwise
+    the groups are [decay, no decay].
     """
-    decay, no_decay, seen = [], [], set()
+    multiplier = getattr(model, "lr_multiplier", lambda name: 1.0)
+    groups: dict[tuple[bool, float], list[str]] = {(True, 1.0): [], (False, 1.0): []}
+    seen = set()
     for module_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or p in seen:
                 continue
             seen.add(p)
             full = f"{module_name}.{name}" if module_name else name
-            if isinstance(module, NORMS) or name == "bias":
-                no_decay.append(full)
-            elif isinstance(module, (nn.Linear, nn.Embedding)) or p.dim() >= 2:
-                decay.append(full)
-            else:
-                no_decay.append(full)
-    return [ParamGroup(tuple(decay), weight_decay), ParamGroup(tuple(no_decay), 0.0)]
+            decays = not (isinstance(module, NORMS) or name == "bias") and (
+                isinstance(module, (nn.Linear, nn.Embedding)) or p.dim() >= 2)
+            groups.setdefault((decays, multiplier(full)), []).append(full)
+    return [ParamGroup(tuple(names), weight_decay if decays else 0.0, lr_scale)
+            for (decays, lr_scale), names in groups.items()]
 
 
 def adamw_factory(cfg: TrainConfig, device: torch.device) -> OptimizerFactory:

@@ -198,7 +198,7 @@ def planned_run(sweep: Sweep, budget: float, shape_name: str, target: float | No
         lr = (tuned.lr if tuned is not None else sweep.lr).at(n)
     lr = float(f"{lr:.4g}")
     args = run_args(sweep.base, {
-        "model": {**shape, "vocab_size": vocab_size(sweep.base)},
+        "model": {**shape, "vocab_size": vocab_size(sweep.base), **sweep.mup_model_fields()},
         "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch},
         "parallel": {"strategy": launch.strategy},
     })

@@ -146,12 +146,19 @@ class Sweep:
     decades_each_side: float = 0.5  # with a centre: sizes from N_opt / 10^x to N_opt × 10^x
     per_budget: int = 7  # with a centre: sizes per budget, log-spaced
     search: Search | None = None  # hyperparameter grids run first; their laws replace [rules]
+    mup_base_width: int | None = None  # [rules] mup_base_width: every run under μP, at one tuned learning rate
+
+    def mup_model_fields(self) -> dict[str, Any]:
+        """The [model] options μP adds to every run's command line (none without ``mup_base_width``)."""
+        if self.mup_base_width is None:
+            return {}
+        return {"parametrization": "mup", "mup_base_width": self.mup_base_width}
 
 
 _TABLES = {
     "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget"},
     "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "ffn_ratio", "list"},
-    "rules": {"lr", "batch_tokens"},
+    "rules": {"lr", "batch_tokens", "mup_base_width"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
     "base": {"model", "data", "train", "parallel"},
     "estimate": {"flops_per_s", "step_s", "overhead_s"},
@@ -247,6 +254,10 @@ def _base(value: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 raise SpecError(f"[base.{section}] sets '{name}', which the planner sets for every run")
     if "preset" in value.get("model", {}):
         raise SpecError("[base.model] sets 'preset'; give the fields it would set instead")
+    for name in ("parametrization", "mup_base_width"):
+        if name in value.get("model", {}):
+            raise SpecError(f"[base.model] sets '{name}'; ask for μP with [rules] mup_base_width = W (the width the "
+                            f"learning rate was tuned at)")
     return value
 
 
@@ -387,6 +398,21 @@ def _slurm(slurm: dict[str, Any], name: Callable[[str], str] = "[slurm] {}".form
     return slurm
 
 
+def _mup_base_width(rules: dict[str, Any], lr: PowerRule, doc: dict[str, Any]) -> int | None:
+    """``[rules] mup_base_width``, checked: μP transfers one learning rate to every width, so it takes a
+    single tuned rate (no exponent) and no [search] for LR(N)."""
+    if "mup_base_width" not in rules:
+        return None
+    width = _integer(rules["mup_base_width"], "[rules] mup_base_width")
+    if lr.exponent != 0:
+        raise SpecError("[rules] lr: with mup_base_width, give the one rate tuned at the base width (no exponent): "
+                        "μP transfers it to every width")
+    if "search" in doc:
+        raise SpecError("[search] fits LR(N) per size; with [rules] mup_base_width give the rate tuned at the base "
+                        "width as [rules] lr instead")
+    return width
+
+
 def parse(text: str, source: str = "sweep file", folder: str | Path | None = None) -> Sweep:
     """Parse and check a sweep file's text; ``folder`` overrides ``[sweep] folder``."""
     try:
@@ -421,11 +447,13 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
     slurm = _slurm(_table(doc, "slurm"))
 
     defaults = TrainConfig()
+    lr = _rule(rules.get("lr"), "[rules] lr", defaults.lr)
+    mup_base_width = _mup_base_width(rules, lr, doc)
     return Sweep(
         name=name,
         folder=Path(folder if folder is not None else sweep.get("folder", Path("runs/sweeps") / name)).absolute(),
         budgets=budgets, sizes=sizes, count=count, family=family, shapes=entries,
-        lr=_rule(rules.get("lr"), "[rules] lr", defaults.lr),
+        lr=lr,
         batch_tokens=_rule(rules.get("batch_tokens"), "[rules] batch_tokens", defaults.batch_tokens),
         launch=Launch(**check_launch(launch, "[launch]")), launch_rules=launch_rules, base=base,
         flops_per_s=_number(estimate.get("flops_per_s", 3e10), "[estimate] flops_per_s"),
@@ -434,7 +462,7 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         parallel=_integer(local.get("parallel", 1), "[local] parallel"),
         threads=_integer(local.get("threads", 0), "[local] threads", minimum=0),
         slurm=slurm, source=text, centre=centre, decades_each_side=decades, per_budget=per_budget,
-        search=_search(_table(doc, "search"), family),
+        search=_search(_table(doc, "search"), family), mup_base_width=mup_base_width,
     )
 
 

@@ -197,7 +197,7 @@ def test_python_m_lab_lists_its_commands_and_runs_one():
     listing = subprocess.run([sys.executable, "-m", "lab", "--help"], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
     assert listing.returncode == 0
-    for command in ("train", "sample", "export", "plan", "bench", "equivalence", "peak"):
+    for command in ("train", "sample", "export", "plan", "bench", "equivalence", "mup-check", "peak"):
         assert f"\n  {command} " in listing.stdout
     plan = subprocess.run([sys.executable, "-m", "lab", "plan", "time", "--params", "1e6", "--tokens", "2e7",
                            "--gpu", "h100"], cwd=ROOT, capture_output=True, text=True, timeout=60)

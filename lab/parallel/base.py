@@ -114,6 +114,17 @@ class ParamGroup:
 
     names: tuple[str, ...]
     weight_decay: float
+    lr_scale: float = 1.0  # the group's learning rate is the schedule's times this (μP's per-layer rates)
+
+    def options(self) -> dict[str, float]:
+        """The torch optimizer group's settings besides its tensors (``lr_scale`` rides along for ``set_lr``)."""
+        return {"weight_decay": self.weight_decay, "lr_scale": self.lr_scale}
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's learning rate to the schedule's ``lr`` times the group's ``lr_scale``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 ModelFactory = Callable[[], nn.Module]  # builds on the current default device; offers init_weights(), initial_value()
@@ -244,7 +255,7 @@ class Strategy:
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """torch optimizer groups: each ParamGroup's tensors as this strategy holds them."""
         params = dict(self.module.named_parameters())
-        return [{"params": [params[n] for n in g.names], "weight_decay": g.weight_decay} for g in groups if g.names]
+        return [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -278,8 +289,7 @@ class Strategy:
         for p in self.trainable:
             if p.grad is None:  # unused in this step: a zero gradient, as under flat sharding
                 p.grad = torch.zeros_like(p)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self._measured is None:  # states exist after the first step; gradients until zero_grad
             self._measured = self.measure_state_bytes()

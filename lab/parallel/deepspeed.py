@@ -67,6 +67,7 @@ from lab.parallel.base import (
     adam_entries,
     join_group_of_one,
     materialize_adam_state,
+    set_lr,
     storage_bytes,
 )
 
@@ -295,8 +296,7 @@ class DeepSpeed(Strategy):
         return self.optimizer.scaled_global_norm().float()
 
     def step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.engine.step()
         if self._measured is None:
             self._measured = self.measure_state_bytes()

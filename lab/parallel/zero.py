@@ -52,7 +52,8 @@ import torch.nn as nn
 
 from lab import accounting, memory
 from lab.checkpoint import CheckpointState, Held
-from lab.parallel.base import ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, storage_bytes
+from lab.parallel.base import (ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, set_lr,
+                               storage_bytes)
 from lab.parallel.comm import InOrder, SummedOnWait
 from lab.parallel.ddp import broadcast_from_rank0
 
@@ -177,8 +178,7 @@ class Zero(Strategy):
                 piece = weights[lo:hi]
                 self._pieces.append((unit, lo, hi, piece))
                 per_group[g].append(piece)
-        return [{"params": ps, "weight_decay": g.weight_decay} for g, ps in zip(groups, per_group, strict=True)
-                if ps]
+        return [{"params": ps, **g.options()} for g, ps in zip(groups, per_group, strict=True) if ps]
 
     # ------------------------------------------------------------ gradients
 
@@ -259,8 +259,7 @@ class Zero(Strategy):
     # ------------------------------------------------------------ the step
 
     def step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.step()
         if self._measured is None:
             self._measured = self.measure_state_bytes()
