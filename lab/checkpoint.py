@@ -124,6 +124,20 @@ def _barrier(world_size: int) -> None:
 
 # ---------------------------------------------------------------- save and load
 
+ONE_FILE_MAX_BYTES = 64 * 2**20  # a rank's state up to this size is written as one file
+
+
+def _tensor_bytes(tree: object) -> int:
+    """Bytes this rank holds in the tensors of ``tree`` (a sharded tensor's local shards, a DTensor's local part)."""
+    def local(t: torch.Tensor) -> list[torch.Tensor]:
+        if hasattr(t, "local_shards"):
+            return [shard.tensor for shard in t.local_shards()]
+        return [t.to_local() if hasattr(t, "to_local") else t]
+
+    return sum(p.numel() * p.element_size() for t in torch.utils._pytree.tree_leaves(tree)
+               if isinstance(t, torch.Tensor) for p in local(t))
+
+
 
 def save(run_dir: Path, step: int, rank: int, world_size: int, state: CheckpointState, meta: dict,
          keep: int) -> Path:
@@ -135,9 +149,12 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
         tmp.mkdir(parents=True)
     _barrier(world_size)
     with _quiet():
-        # one file per tensor: DCP clones a range (a sharded strategy's view) before writing it and keeps every
-        # clone until its file is closed; in one file per rank that is a second copy of the rank's whole state
-        dcp.save(_to_dcp(state, rank), storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=False),
+        # A large state goes one file per tensor: DCP clones a range (a sharded strategy's view) before writing
+        # it and keeps every clone until its file is closed, which in one file per rank is a second copy of the
+        # rank's whole state. A small one goes in one file: dozens of files (each synced) per save cost more.
+        flat = _to_dcp(state, rank)
+        per_tensor = _tensor_bytes(flat) > ONE_FILE_MAX_BYTES
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not per_tensor),
                  no_dist=world_size == 1)
     _barrier(world_size)
     if rank == 0:
