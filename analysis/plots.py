@@ -189,8 +189,8 @@ def plot_isoflop(result: FitResult) -> plt.Figure:
     outside = b.labels < 0
     dots = _point_style(len(t.n))
     if outside.any():
-        ax.scatter(t.n[outside], t.loss[outside], c=t.c[outside] if b.continuous else "lightgrey", cmap=cmap,
-                   norm=norm if b.continuous else None, **dots,
+        colours = dict(c=t.c[outside], cmap=cmap, norm=norm) if b.continuous else dict(color="lightgrey")
+        ax.scatter(t.n[outside], t.loss[outside], **colours, **dots,
                    label=None if b.continuous else "runs in no budget")
     for g in range(b.count):
         rows = np.flatnonzero(b.labels == g)
