@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--folder", help=folder_help)
     p.add_argument("--budget", type=float, required=True, metavar="FLOPS",
                    help=f"the held-out budget C (at least {HELD_OUT_FACTOR:g}x the largest swept one is a real test)")
+    p.add_argument("--exclude", action="append", default=[], metavar="RUN_ID_OR_CONDITION",
+                   help="leave runs out of the fit, as 'python -m analysis fit --exclude' (repeatable)")
+    p.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
+                   help="leave the K runs with the highest loss out of the fit")
     _executor_options(p, launch=False)
 
     for name, text in (("status", "print the sweep's runs and progress"),
@@ -377,7 +381,13 @@ def _verify(args: argparse.Namespace) -> int:
         found = search.finished(sweep, registry) if sweep.search is not None else None
         if sweep.search is not None and found is None:
             raise UsageError("the sweep's search has not finished; run the sweep first")
-        result, doc, fit_dir = verify.fit(folder, args.budget, not args.no_progress)
+        from analysis.table import InputError
+
+        try:
+            result, doc, fit_dir = verify.fit(folder, args.budget, not args.no_progress, tuple(args.exclude),
+                                              args.drop_highest_loss)
+        except InputError as e:  # an --exclude that matches nothing, too few runs left
+            raise UsageError(str(e)) from None
         from analysis.__main__ import EXIT_UNIDENTIFIED, _summary
 
         print("\n".join(_summary(doc)))

@@ -190,14 +190,16 @@ def record(folder: Path, registry: Registry, fit_dir: Path, v: Verdict) -> Path:
     return md
 
 
-def fit(folder: Path, budget: float, progress: bool) -> tuple[object, dict, Path]:
-    """Fit the sweep's finished runs with a prediction at ``budget``; (FitResult, fit.json document, fit folder)."""
+def fit(folder: Path, budget: float, progress: bool, exclude: tuple[str, ...] = (),
+        drop_highest_loss: int = 0) -> tuple[object, dict, Path]:
+    """Fit the sweep's finished runs (less those ``exclude`` and ``drop_highest_loss`` leave out, as in
+    ``python -m analysis fit``) with a prediction at ``budget``; (FitResult, fit.json document, fit folder)."""
     from analysis.__main__ import write_outputs
     from analysis.fit import FitConfig, fit_runs
     from analysis.table import load_runs
 
     config = FitConfig(predict=(budget,), progress=progress, workers=len(os.sched_getaffinity(0)))
-    result = fit_runs(load_runs(folder), config)
+    result = fit_runs(load_runs(folder, exclude=exclude, drop_highest_loss=drop_highest_loss), config)
     doc = result.to_dict()
     out = folder / FOLDER / f"fit-C{format_flops(budget)}"
     write_outputs(result, doc, out)

@@ -129,6 +129,8 @@ def test_verify_refuses_a_budget_that_is_not_held_out_and_an_unidentified_fit(se
     proc = sweeps_cli("verify", folder, "--budget", "2e9", "--no-progress")
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: --budget 2e+09 is not held out: the sweep runs budgets up to 6e+09")
+    proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--exclude", "no-such-run")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --exclude 'no-such-run': no run has that id")
     before = rows(folder)
     # three budgets of two sizes cannot identify a law: verify says so (exit 3) and trains nothing
     proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--no-progress")
