@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave runs out of the fit, as 'python -m analysis fit --exclude' (repeatable)")
     p.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
                    help="leave the K runs with the highest loss out of the fit")
+    p.add_argument("--drop-outliers", action="store_true",
+                   help="fit again without the runs the fit flags as outliers (robust residuals from approach 3)")
     _executor_options(p, launch=False)
 
     for name, text in (("status", "print the sweep's runs and progress"),
@@ -385,7 +387,7 @@ def _verify(args: argparse.Namespace) -> int:
 
         try:
             result, doc, fit_dir = verify.fit(folder, args.budget, not args.no_progress, tuple(args.exclude),
-                                              args.drop_highest_loss)
+                                              args.drop_highest_loss, args.drop_outliers)
         except InputError as e:  # an --exclude that matches nothing, too few runs left
             raise UsageError(str(e)) from None
         from analysis.__main__ import EXIT_UNIDENTIFIED, _summary
