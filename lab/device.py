@@ -28,7 +28,7 @@ import torch
 from lab import accounting
 from lab.config import ConfigError, Parser, did_you_mean, print_error
 from lab.files import write_atomic
-from lab.memory import return_freed_memory_to_kernel
+from lab.memory import proc_kib_field, return_freed_memory_to_kernel
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -265,10 +265,5 @@ def available_memory_bytes(device: torch.device) -> int:
     """Free memory of the GPU, or the host's available memory (shared by every process on it)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = proc_kib_field("/proc/meminfo", "MemAvailable")
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

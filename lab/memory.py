@@ -52,15 +52,20 @@ def return_freed_memory_to_kernel() -> bool:
         return False
 
 
-def peak_rss_bytes() -> int:
-    """The kernel's peak resident set of this process so far (VmHWM), in bytes; 0 where /proc is absent."""
+def proc_kib_field(path: str, key: str) -> int | None:
+    """A ``KEY: N kB`` line of a /proc file (``/proc/self/status``, ``/proc/meminfo``) in bytes; None without it."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """The kernel's peak resident set of this process so far (VmHWM), in bytes; 0 where /proc is absent."""
+    return proc_kib_field("/proc/self/status", "VmHWM") or 0
 
 
 class LiveBytes(TorchDispatchMode):

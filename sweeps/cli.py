@@ -405,8 +405,7 @@ def _verify(args: argparse.Namespace) -> int:
         rows = [registry.get(r.name) for r in runs]
         if any(row.status != "done" for row in rows):
             return code if code != 0 else 1
-        losses = [(run, float(row.summary.get("final_eval_loss") or row.summary["final_train_loss"]))
-                  for run, row in zip(runs, rows)]
+        losses = [(run, float(row.final_loss)) for run, row in zip(runs, rows)]
         verdict = verify.judge(predicted, losses, result.parametric.theta, result.thetas, result.config.ci_level)
         md = verify.record(folder, registry, fit_dir, verdict)
         print("\n".join(verify.describe(verdict)))

@@ -42,7 +42,7 @@ def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFram
             first["twins"] = ";".join(filter(None, (first["twins"], row.name)))
             continue
         s, p = row.summary, row.plan
-        loss = s.get("final_eval_loss") if s.get("final_eval_loss") is not None else s.get("final_train_loss")
+        loss = row.final_loss
         records.append({
             "run_id": row.name, "params": s["params"], "params_non_embedding": s["params_non_embedding"],
             "tokens": s["tokens"], "flops": s["flops"], "loss": loss,

@@ -61,6 +61,12 @@ class Row:
     error: str | None
     summary: dict[str, Any] | None
 
+    @property
+    def final_loss(self) -> float | None:
+        """The run's final eval loss, else its final train loss; None without either."""
+        s = self.summary or {}
+        return s.get("final_eval_loss") if s.get("final_eval_loss") is not None else s.get("final_train_loss")
+
 
 def _uri(path: Path, mode: str) -> str:
     return f"{path.absolute().as_uri()}?mode={mode}"

@@ -206,8 +206,7 @@ def _results(registry: Registry, runs: list[PlannedRun]) -> list[tuple[PlannedRu
         row = registry.get(run.name)
         if row is None or row.status not in ("done", "failed"):
             return None
-        summary = row.summary or {}
-        loss = summary.get("final_eval_loss", summary.get("final_train_loss"))
+        loss = row.final_loss
         out.append((run, math.inf if row.status == "failed" or loss is None else float(loss)))
     return out
 
