@@ -41,6 +41,7 @@ from analysis.table import MIN_RUNS, InputError, RunTable
 
 SCHEMA_VERSION = 2
 THETA_NAMES = ("log A", "log B", "log E", "alpha", "beta")
+HOLDOUT_BIAS = 0.01  # mean signed relative error of the held-out losses beyond which the fit warns
 HOLDOUT_FRACTION = 0.2  # with continuous budgets, the runs with the largest C that the hold-out keeps back
 # A run is an outlier when its log-loss residual from approach 3 lies more than OUTLIER_Z robust standard
 # deviations (1.4826 x the median absolute deviation) from the median residual: Iglewicz and Hoaglin's cut-off
@@ -386,6 +387,8 @@ def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, con
            "approach3": {"mean_abs_error": float(np.mean(np.abs(err))),
                          "mean_rel_error": float(np.mean(np.abs(err) / loss[held])),
                          "max_rel_error": float(np.max(np.abs(err) / loss[held])),
+                         "bias": float(np.mean(err / loss[held])),
+                         "too_high": int(np.sum(err > 0)),
                          "converged": fit.converged, "runs": runs},
            "isoflop": None}
     method = config.isoflop_minimum
@@ -405,6 +408,18 @@ def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, con
                           "rel_error": abs(pred - observed) / observed}
         out["approach3"].update(params_opt_predicted=n_opt3, params_opt_rel_error=abs(n_opt3 - observed) / observed)
     return out
+
+
+def _holdout_bias(holdout: dict) -> str | None:
+    """A warning when approach 3, refitted without the held-out runs, misses their losses one way on average by
+    more than HOLDOUT_BIAS: its extrapolated losses are then likely off the same way."""
+    a3 = holdout["approach3"]
+    if abs(a3["bias"]) <= HOLDOUT_BIAS:
+        return None
+    way = "high" if a3["bias"] > 0 else "low"
+    return (f"hold-out: approach 3 refitted without {holdout['held_out']} predicts its {holdout['n_holdout']} runs' "
+            f"losses {abs(a3['bias']):.1%} too {way} on average ({a3['too_high']} of {holdout['n_holdout']} too high): "
+            f"losses extrapolated beyond the data are likely too {way} as well")
 
 
 def _budget_warnings(budgets: Budgets, minima: BudgetMinima | None, n_runs: int) -> list[tuple[str, str]]:
@@ -533,6 +548,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         holdout = _holdout(table, budgets, minima, config)
         if holdout["skipped"]:
             warnings.append(("holdout_skipped", f"hold-out check skipped: {holdout['reason']}"))
+        elif (bias := _holdout_bias(holdout)) is not None:
+            warnings.append(("holdout_bias", bias))
 
     sensitivity = delta_sensitivity(table, parametric, config.huber_delta) if config.delta_sensitivity else []
     other = None

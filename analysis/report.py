@@ -337,6 +337,9 @@ def _holdout_blocks(hold: dict) -> list[Block]:
     a3 = hold["approach3"]
     rows = [["approach 3: loss of the held-out runs", f"mean abs {fmt(a3['mean_abs_error'])}",
              f"mean rel {a3['mean_rel_error']:.2%}", f"max rel {a3['max_rel_error']:.2%}"]]
+    if "bias" in a3:
+        rows.append(["approach 3: bias of the held-out losses", f"mean signed rel {a3['bias']:+.2%}",
+                     f"{a3['too_high']} of {hold['n_holdout']} predicted too high", ""])
     if hold["isoflop"]:
         iso = hold["isoflop"]
         rows.append(["IsoFLOP: N_opt at the held-out budget", f"predicted {fmt(iso['params_opt_predicted'])}",

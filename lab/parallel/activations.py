@@ -68,11 +68,10 @@ class SavedBytes:
     def __init__(self) -> None:
         self._current = self._largest = 0
         self._seen: set[int] = set()
-        self._params: set[int] = set()
 
     def add(self, tensor: torch.Tensor) -> None:
         storage = _storage(tensor)
-        if storage is not None and storage[0] not in self._seen and storage[0] not in self._params:
+        if storage is not None and storage[0] not in self._seen:
             self._seen.add(storage[0])
             self._current += storage[1]
 
@@ -80,19 +79,13 @@ class SavedBytes:
     def counting(self, module: nn.Module) -> Iterator[None]:
         """Count what the forward inside saves (parameters excluded, each storage once)."""
         self._current, self._seen = 0, set()
-
-        params = list(module.parameters())  # walking the module tree per saved tensor would cost more than the step
-
-        def weights() -> set[int]:
-            return {s[0] for p in params if (s := _storage(p)) is not None}
-
-        self._params = weights()
+        # A parameter is saved as itself or as a view of it (``weight.t()``); its storage may be one gathered
+        # mid-forward, so parameters are told by identity, which sharding keeps, not by storage.
+        params = {id(p) for p in module.parameters()}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = _storage(t)
-            if storage is not None and storage[0] not in self._params:  # weights gathered mid-forward are states
-                self._params |= weights()
-            self.add(t)
+            if id(t) not in params and (t._base is None or id(t._base) not in params):
+                self.add(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

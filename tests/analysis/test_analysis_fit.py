@@ -115,6 +115,18 @@ def test_holdout_predicts_the_largest_budget(fitted):
     assert hold["isoflop"]["rel_error"] < 0.3
 
 
+def test_holdout_warns_when_the_held_out_budget_lies_off_the_law(fitted, tmp_path):
+    assert fitted.to_dict()["holdout"]["approach3"]["bias"] == pytest.approx(0, abs=0.01)
+    assert "holdout_bias" not in {w["code"] for w in fitted.to_dict()["warnings"]}
+    runs = isoflop_runs(np.geomspace(1e18, 1e21, 7), per_budget=9, spread=6, noise=0.005, seed=0)
+    runs.loc[runs["flops"] > 5e20, "loss"] *= 0.97  # the largest budget does better than the law of the others
+    runs.to_csv(tmp_path / "runs.csv", index=False)
+    doc = fit_runs(load_runs(tmp_path / "runs.csv"), FitConfig(n_bootstrap=0, progress=False)).to_dict()
+    assert doc["holdout"]["approach3"]["bias"] > 0.02 and doc["holdout"]["approach3"]["too_high"] >= 8
+    warning = next(w["message"] for w in doc["warnings"] if w["code"] == "holdout_bias")
+    assert "too high on average" in warning and "likely too high" in warning
+
+
 def test_result_is_json_clean(fitted):
     import json
 
