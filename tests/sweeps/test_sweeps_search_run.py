@@ -4,14 +4,17 @@ and search runs stay out of the sweep's table; verify's refusals on it."""
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from analysis.__main__ import EXIT_UNIDENTIFIED
+from analysis.synthetic import law_optimum
 from analysis.table import load_runs
 from lab.config import DataConfig
 from sweeps.spec import PowerRule
@@ -30,7 +33,7 @@ def sweep_text(data: DataConfig) -> str:
 [sweep]
 name = "searched"
 budgets = [1.5e9, 3e9, 6e9]
-sizes = [1.2e4, 2.4e4]
+sizes = [1.2e4, 2.4e4, 4.8e4]
 [search]
 budget = 1.5e9
 sizes = [1.2e4, 2.4e4]
@@ -90,7 +93,7 @@ def test_the_search_runs_first_and_its_laws_set_the_sweeps_runs(searched):
     plans = rows(folder)
     search = {n: p for n, p in plans.items() if p["role"] == "search"}
     sweep = {n: p for n, p in plans.items() if p["role"] == "sweep"}
-    assert len(search) == 2 * 3 + 3 and len(sweep) == 3 * 2
+    assert len(search) == 2 * 3 + 3 and len(sweep) == 3 * 3
     lr_grid = [p for p in search.values() if p["batch_tokens"] == 128]
     assert len(lr_grid) >= 6 and {p["budget"] for p in lr_grid} == {1.5e9}
     for p in sweep.values():
@@ -107,9 +110,9 @@ def test_search_runs_stay_out_of_the_export_and_the_analysis(searched, sweeps_cl
     import pandas as pd
 
     table = pd.read_csv(tmp_path / "runs.csv")
-    assert len(table) == 6 and set(table["role"]) == {"sweep"}
+    assert len(table) == 9 and set(table["role"]) == {"sweep"}
     assert sweeps_cli("export", folder, "--out", tmp_path / "all.csv", "--with", "search").returncode == 0
-    assert len(pd.read_csv(tmp_path / "all.csv")) == 6 + 9
+    assert len(pd.read_csv(tmp_path / "all.csv")) == 9 + 9
     assert sorted(load_runs(folder).runs["run_id"]) == sorted(f"runs/{n}" for n in table["run_id"])
 
 
@@ -132,8 +135,47 @@ def test_verify_refuses_a_budget_that_is_not_held_out_and_an_unidentified_fit(se
     proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--exclude", "no-such-run")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --exclude 'no-such-run': no run has that id")
     before = rows(folder)
-    # three budgets of two sizes cannot identify a law: verify says so (exit 3) and trains nothing
+    # three budgets of three sizes cannot identify a law: verify says so (exit 3) and trains nothing
     proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--no-progress")
     assert proc.returncode == EXIT_UNIDENTIFIED, proc.stdout + proc.stderr
     assert "report.html says why" in proc.stderr and rows(folder) == before
     assert (folder / "verify" / "fit-C2.4e10" / "fit.json").is_file()
+
+
+
+def test_verify_trains_the_predicted_shapes_at_the_held_out_budget(searched, sweeps_cli, tmp_path):
+    """verify's whole path on a real sweep: fit, plan the three shapes around N_opt, train them, judge, record.
+    The tiny corpus's losses obey no law, so the copy's recorded losses are replaced by a known law's: the fit
+    then predicts a known N_opt, and verify must train real runs around it."""
+    _, source, _ = searched
+    folder = tmp_path / "sweep"
+    shutil.copytree(source, folder)
+    law = {"E": 1.5, "A": 300.0, "B": 401.0, "alpha": 0.35, "beta": 0.35}  # N_opt(8e9) = 2.4e4
+    for summary in (folder / "runs").glob("*/summary.json"):
+        doc = json.loads(summary.read_text())
+        n, d = doc["params"], doc["tokens"]
+        doc["final_eval_loss"] = law["E"] + law["A"] / n ** law["alpha"] + law["B"] / d ** law["beta"]
+        summary.write_text(json.dumps(doc))
+    proc = sweeps_cli("verify", folder, "--budget", "8e9", "--no-progress")
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: the real runs do not follow the law
+    verdict = json.loads((folder / "verify" / "verify-C8e9.json").read_text())
+    n_opt, (lo, hi) = verdict["prediction"]["n_opt"], verdict["prediction"]["n_opt_ci"]
+    assert n_opt == pytest.approx(law_optimum(np.array([8e9]), law)[0][0], rel=0.05) and lo <= n_opt <= hi
+    plans = {n: p for n, p in rows(folder).items() if p["role"] == "verify"}
+    assert sorted(plans) == sorted(r["name"] for r in verdict["runs"]) and len(plans) == 3
+    sizes = sorted(r["params"] for r in verdict["runs"])
+    assert sizes[0] < n_opt < sizes[2]
+    laws = json.loads((folder / "search" / "laws.json").read_text())
+    lr_law = PowerRule(laws["lr"]["value"], laws["lr"]["exponent"], laws["lr"]["reference"])
+    for run in verdict["runs"]:  # real runs at the held-out budget, with the search's learning-rate law
+        summary = json.loads((folder / "verify" / "runs" / run["name"] / "summary.json").read_text())
+        assert summary["final_eval_loss"] == pytest.approx(run["loss"])
+        assert plans[run["name"]]["budget"] == 8e9
+        assert plans[run["name"]]["lr"] == pytest.approx(lr_law.at(run["params"]), rel=1e-3)
+        assert run["predicted_loss"] == pytest.approx(
+            law["E"] + law["A"] / run["params"] ** law["alpha"] + law["B"] / run["tokens"] ** law["beta"], rel=0.01)
+    assert ("verified" if verdict["verified"] else "NOT verified") in proc.stdout.splitlines()
+    report = (folder / "verify" / "fit-C8e9" / "report.md").read_text()
+    assert "Verification at the held-out budget C = 8e+09" in report
+    meta = sqlite3.connect(folder / "sweep.db").execute("SELECT value FROM meta WHERE key = 'verify 8e+09'").fetchone()
+    assert meta is not None and json.loads(meta[0])["best"] == verdict["best"]
