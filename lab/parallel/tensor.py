@@ -329,24 +329,28 @@ class TensorParallel:
         """A split weight counts on every rank (each its shard); a whole one on the group's first rank only."""
         return name in self.splits or self.rank == 0
 
-    def checkpoint_state(self, state: CheckpointState, data: World) -> tuple[CheckpointState, list[torch.Tensor]]:
-        """The data-parallel strategy's ``state`` (flattened shards) as ranges of the whole flattened weights;
-        and the tensors that only the data axis's first rank hands over (replicated there), to broadcast after a
-        load."""
+    def checkpoint_state(self, state: CheckpointState, data: World
+                         ) -> tuple[CheckpointState, list[tuple[torch.Tensor, World]]]:
+        """The data-parallel strategy's ``state`` (flattened shards) as ranges of the whole flattened weights, each
+        range handed over by one rank; and the tensors the other ranks then receive after a load, each with the
+        axis to broadcast it over from that axis's first rank."""
         out: CheckpointState = {}
-        replicated = []
+        broadcasts = []
         for key, value in state.items():
             split = self.splits.get(key.split("/")[1])
-            if split is None or key.endswith("/step"):
-                out[key] = value
-                continue
-            if isinstance(value, Held):
-                lo, view = value.lo, value.view
-            else:  # whole on every data-parallel rank: the first hands it over
-                replicated.append(value)
-                lo, view = 0, value.view(-1) if data.is_main else value.new_empty(0)
-            out[key] = Pieces(math.prod(split.shape), split.flat_pieces(self.rank, self.n, lo, view))
-        return out, replicated
+            if isinstance(value, torch.Tensor) and (split is None or key.endswith("/step")):
+                out[key] = value  # whole on every rank
+            elif split is None:  # a range of a weight every tensor-parallel rank holds: the first hands it over
+                broadcasts.append((value.view, self.world))
+                out[key] = value if self.world.is_main else Held(value.numel, value.lo, value.view[:0])
+            else:
+                if isinstance(value, Held):
+                    lo, view = value.lo, value.view
+                else:  # this rank's shard, whole on every data-parallel rank: the first hands it over
+                    broadcasts.append((value, data))
+                    lo, view = 0, value.view(-1) if data.is_main else value.new_empty(0)
+                out[key] = Pieces(math.prod(split.shape), split.flat_pieces(self.rank, self.n, lo, view))
+        return out, broadcasts
 
     def full_state_dict(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole weights from every rank's ``shards`` on the group's first rank (a collective of the group)."""
@@ -373,7 +377,7 @@ class WithTensorParallel:
 
     def __init__(self, strategy: Strategy, tp: TensorParallel):
         self.strategy, self.tp = strategy, tp
-        self._replicated: list[torch.Tensor] = []
+        self._broadcasts: list[tuple[torch.Tensor, World]] = []  # filled by checkpoint_state, sent by after_load
         self._tp_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
 
     def __getattr__(self, name: str) -> object:
@@ -398,15 +402,15 @@ class WithTensorParallel:
             return self.strategy.eval_loss(x, y)
 
     def checkpoint_state(self) -> CheckpointState:
-        state, self._replicated = self.tp.checkpoint_state(self.strategy.checkpoint_state(), self.strategy.world)
+        state, self._broadcasts = self.tp.checkpoint_state(self.strategy.checkpoint_state(), self.strategy.world)
         return state
 
     @torch.no_grad()
     def after_load(self) -> None:
-        """Tensors whole on every data-parallel rank were loaded by the axis's first: broadcast them first."""
-        data = self.strategy.world
-        for tensor in self._replicated if data.world_size > 1 else []:
-            dist.broadcast(tensor, src=data.global_rank(0), group=data.group)
+        """What one rank of an axis loaded for all of it goes to the others first; then the strategy's own."""
+        for tensor, axis in self._broadcasts:
+            if axis.world_size > 1:
+                dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)
         self.strategy.after_load()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
