@@ -169,8 +169,13 @@ def bench_loop(micro_batch: int) -> LoopSettings:
 
 
 def _alone(case: Case, world: World) -> World:
-    """``single`` runs on rank 0 alone (the others wait): the one-process baseline."""
-    return World(0, 1, 0, world.device) if case.parallel.strategy == "single" else world
+    """``single`` runs on rank 0 alone (the others wait): the one-process baseline; with ``parallel.tp`` > 1 (the
+    tensor-parallel group is the world) on every rank."""
+    return World(0, 1, 0, world.device) if _one_process(case.parallel) else world
+
+
+def _one_process(parallel: ParallelConfig) -> bool:
+    return parallel.strategy == "single" and parallel.tp == 1
 
 
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
@@ -302,7 +307,7 @@ def strategies(args: argparse.Namespace) -> int:
         text = args.strategies.strip()
         cases = [Case.parse(t) for t in (text.split() if any(c.isspace() for c in text) else text.split(",")) if t]
         for case in cases:
-            validate_parallel(case.parallel, 1 if case.parallel.strategy == "single" else args.nproc,
+            validate_parallel(case.parallel, 1 if _one_process(case.parallel) else args.nproc,
                               bench_loop(args.micro_batch))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,6 +40,12 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
     if cfg.tp > 1 and not cls.tensor_parallel:
         raise ConfigError(f"strategy '{cls.name}' does not run with parallel.tp > 1 (its engine takes the whole "
                           f"world); choose ddp, torch_ddp, zero1-3 or fsdp")
+    if cfg.tp_impl not in tensor.IMPLEMENTATIONS:
+        raise ConfigError(f"parallel.tp_impl must be one of {', '.join(tensor.IMPLEMENTATIONS)}, got '{cfg.tp_impl}'"
+                          f"{did_you_mean(cfg.tp_impl, tensor.IMPLEMENTATIONS)}")
+    if cfg.tp_impl == "torch" and (cfg.tp == 1 or cls.name != "single" or cfg.sequence_parallel):
+        raise ConfigError("parallel.tp_impl torch (the DTensor reference) runs under strategy single with parallel.tp "
+                          "equal to the world size (> 1), without sequence_parallel")
     if not cfg.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
     if not cfg.bucket_mb > 0:
@@ -76,7 +82,8 @@ def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSe
         return cls(world, cfg, precision, loop)
     axes = mesh.build(world, cfg.tp)
     strategy = cls(axes.data, cfg, precision, loop)
-    strategy.everyone, strategy.tensor = world, tensor.TensorParallel(axes.tensor, cfg.sequence_parallel)
+    implementation = tensor.TorchTensorParallel if cfg.tp_impl == "torch" else tensor.TensorParallel
+    strategy.everyone, strategy.tensor = world, implementation(axes.tensor, cfg.sequence_parallel)
     return tensor.WithTensorParallel(strategy, strategy.tensor)
 
 

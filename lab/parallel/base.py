@@ -181,10 +181,10 @@ def adam_entries(state: CheckpointState, name: str, moments: dict | None, numel:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once; a DTensor's local part)."""
     sizes = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
         sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 
@@ -200,7 +200,8 @@ class Strategy:
 
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
-    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "sequence_parallel"})
+    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl",
+                                                              "sequence_parallel"})
     state_layout: ClassVar[str] = "ddp"  # the lab.accounting.model_state_bytes row its model states follow
     comm_layout: ClassVar[str | None] = "ddp"  # the lab.accounting.comm_bytes_per_step row; None: no traffic
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
@@ -268,7 +269,10 @@ class Strategy:
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """torch optimizer groups: each ParamGroup's tensors as this strategy holds them."""
         params = dict(self.module.named_parameters())
-        return [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
+        out = [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
+        if self.tensor is None:
+            return out
+        return [{**group, "params": ps} for group in out for ps in _plain_and_distributed(group["params"]) if ps]
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -294,10 +298,12 @@ class Strategy:
         """
         if self.tensor is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.trainable if p.grad is not None])
-        else:
-            norm = self.tensor_norm_squares(self.local_norm_squares()).sqrt()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
+            if max_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
+            return norm
+        norm = self.tensor_norm_squares(self.local_norm_squares()).sqrt()
+        for params in _plain_and_distributed(self.trainable) if max_norm > 0 else []:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     def local_norm_squares(self) -> torch.Tensor:
@@ -396,8 +402,10 @@ class Strategy:
         return sum(p.numel() for p in self.trainable)
 
     def param_count(self) -> int:
-        """Ψ: the model's parameters (a tied weight once)."""
-        return sum(p.numel() for p in self.module.parameters())
+        """Ψ: the model's parameters (a tied weight once); under tensor parallelism this rank's shards."""
+        if self.tensor is None:
+            return sum(p.numel() for p in self.module.parameters())
+        return sum(self.tensor.numel(p) for p in self.module.parameters())
 
     def theory_states(self) -> accounting.StateBytes:
         """Model-state bytes per rank from the ZeRO formulas, fp32 widths (``lab.accounting.model_state_bytes``)."""
@@ -442,6 +450,11 @@ class Strategy:
             "comm_bytes_per_step_theory": theory_comm,
             "activation_saved_bytes": self._most_saved,
         }
+
+
+def _plain_and_distributed(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Plain tensors and DTensors (a torch reference's shards) apart: torch's foreach and fused ops take one kind."""
+    return [p for p in params if not hasattr(p, "to_local")], [p for p in params if hasattr(p, "to_local")]
 
 
 def changed_options(cfg: ParallelConfig) -> list[str]:

@@ -57,6 +57,9 @@ from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, St
 from lab.parallel.comm import Comm
 
 
+IMPLEMENTATIONS = ("lab", "torch")
+
+
 def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
     """Raise ConfigError (one line) when ``parallel.tp`` cannot split ``model``'s layers evenly."""
     n = cfg.tp
@@ -73,6 +76,8 @@ def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
     for size, what in checks:
         if size % n:
             raise ConfigError(f"parallel.tp ({n}) must divide {what}, which is {size}")
+    if cfg.tp_impl == "torch" and model.vocab_size is not None and accounting.padded_vocab(model) != model.vocab_size:
+        raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set model.pad_vocab_to 1")
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class TensorParallel:
     """The tensor-parallel group of this rank, the rewrite of the model, and what follows from it."""
 
+    implementation = "lab"
+
     def __init__(self, world: World, sequence_parallel: bool):
         self.world, self.n, self.rank = world, world.world_size, world.rank
         self.sequence_parallel = sequence_parallel
@@ -238,7 +245,7 @@ class TensorParallel:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Split ``model`` (a ``lab.model.GPT``, on any device, meta included) across the group, in place."""
         cfg = model.cfg
-        validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel), cfg)
+        validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
         heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
         ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
         for i, block in enumerate(model.blocks):
@@ -325,6 +332,15 @@ class TensorParallel:
 
     # ------------------------------------------------------------ what follows from the split
 
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
+        """Run the strategy's ``backward`` of ``loss`` (in the context the loss needs)."""
+        backward(loss)
+
+    def numel(self, param: torch.Tensor) -> int:
+        """Elements of ``param`` a data-parallel strategy over this rank's shards sees (a DTensor that a strategy
+        shards further counts whole)."""
+        return param.numel()
+
     def counts_in_norm(self, name: str) -> bool:
         """A split weight counts on every rank (each its shard); a whole one on the group's first rank only."""
         return name in self.splits or self.rank == 0
@@ -370,6 +386,81 @@ class TensorParallel:
         return accounting.tensor_parallel_comm_bytes(model, micro_batch, accum_steps, self.n, self.sequence_parallel)
 
 
+class TorchTensorParallel(TensorParallel):
+    """The reference: the same layouts through torch's DTensor (``parallel.tp_impl torch``).
+
+    ``parallelize_module`` with ``ColwiseParallel`` (QKV, MLP up), ``RowwiseParallel`` (attention output,
+    MLP down, and the embedding with replicated ids), the head's weight sharded by vocabulary rows, and the
+    loss under ``loss_parallel``. A fused weight (QKV; gate and up) is first reordered so that torch's even
+    row split hands each rank the shard the hand-rolled split gives: the local tensors, and so the
+    checkpoints, are the same. Its collectives are torch's own, not counted (no ``tp_comm_bytes``).
+    """
+
+    implementation = "torch"
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        cfg = model.cfg
+        validate(ParallelConfig(tp=self.n, tp_impl=self.implementation), cfg)
+        heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
+        ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
+        plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate())}
+        for i, block in enumerate(model.blocks):
+            self._reorder(model, f"blocks.{i}.attn.qkv", (heads * head_dim, kv * head_dim, kv * head_dim))
+            self._reorder(model, f"blocks.{i}.mlp.up", (ff, ff) if block.mlp.gated else (ff,))
+            self.splits[f"blocks.{i}.attn.proj.weight"] = Split((cfg.d_model, heads * head_dim), 1, (heads * head_dim,))
+            self.splits[f"blocks.{i}.mlp.down.weight"] = Split((cfg.d_model, ff), 1, (ff,))
+            plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.mlp.up": ColwiseParallel(),
+                     f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.down": RowwiseParallel()}
+            block.attn.n_head, block.attn.n_kv_head = heads // self.n, kv // self.n
+        self.splits["wte.weight"] = Split((rows, cfg.d_model), 0, (rows,))
+        parallelize_module(model, self.world.device_mesh, plan)
+        if model.lm_head is not None:
+            self.splits["lm_head.weight"] = Split((rows, cfg.d_model), 0, (rows,))
+            model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(),
+                                                                  self.world.device_mesh, [Shard(0)]))
+        model.output = functools.partial(self._torch_output, model)
+        return model
+
+    def numel(self, param: torch.Tensor) -> int:
+        """This rank's part of a weight torch split across the group."""
+        return _local(param).numel()
+
+    def _reorder(self, model: nn.Module, name: str, blocks: tuple[int, ...]) -> None:
+        """Order a fused weight's rows rank by rank (each rank's part of every block together), so that an even
+        split of the rows is the hand-rolled shard."""
+        module = model.get_submodule(name)
+        for attr in ("weight", "bias"):
+            param = getattr(module, attr, None)
+            if param is None:
+                continue
+            split = Split(tuple(param.shape), 0, blocks)
+            ordered = torch.cat([split.take(param.detach(), r, self.n) for r in range(self.n)])
+            setattr(module, attr, nn.Parameter(ordered, requires_grad=param.requires_grad))
+            self.splits[f"{name}.{attr}"] = split
+
+    def _torch_output(self, model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        x = DTensor.from_local(model.norm_f(x), self.world.device_mesh, [Replicate()])
+        logits = F.linear(x, model.wte.weight if model.lm_head is None else model.lm_head.weight)  # vocab-sharded
+        if model.cfg.parametrization == "mup":
+            logits = logits / model.width
+        if targets is None:
+            return logits.full_tensor()
+        with loss_parallel():
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local()
+
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            backward(loss)
+
+
 class WithTensorParallel:
     """A data-parallel strategy on the mesh's data axis, with the tensor-parallel step applied to the model it
     builds (before its activation checkpointing and its sharding). The loop sees the strategy's interface;
@@ -397,12 +488,16 @@ class WithTensorParallel:
         self._tp_bytes = tp.bytes
         return dataclasses.replace(meters, comm_wait_s=meters.comm_wait_s + tp.wait_s)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        self.tp.backward(loss, self.strategy.backward)
+
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.tp.comm.paused():
             return self.strategy.eval_loss(x, y)
 
     def checkpoint_state(self) -> CheckpointState:
-        state, self._broadcasts = self.tp.checkpoint_state(self.strategy.checkpoint_state(), self.strategy.world)
+        state = {k: _local(v) for k, v in self.strategy.checkpoint_state().items()}
+        state, self._broadcasts = self.tp.checkpoint_state(state, self.strategy.world)
         return state
 
     @torch.no_grad()
@@ -415,13 +510,20 @@ class WithTensorParallel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on global rank 0: the data axis's first ranks (one tensor-parallel group) gather it."""
-        shards = self.strategy.full_state_dict()
+        shards = {k: _local(v) for k, v in self.strategy.full_state_dict().items()}
         return self.tp.full_state_dict(shards) if self.strategy.world.is_main else {}
 
     def meters(self) -> dict[str, object]:
         """The strategy's meters (over the data axis, model states of this rank's shards) and the tensor-parallel
         group's bytes of the last step beside their theory."""
         loop = self.strategy.loop
+        if self.tp.implementation == "torch":  # torch's collectives are not counted
+            return self.strategy.meters()
         return {**self.strategy.meters(), "tp_comm_bytes_per_step": dict(self._tp_bytes),
                 "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.module.cfg, loop.micro_batch,
                                                                       loop.accum_steps)}
+
+
+def _local(value: object) -> object:
+    """A DTensor's local part (the torch reference's shards); anything else as it is."""
+    return value.to_local() if hasattr(value, "to_local") else value
