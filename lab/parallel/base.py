@@ -200,8 +200,7 @@ class Strategy:
 
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
-    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl",
-                                                              "sequence_parallel"})
+    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel"})
     state_layout: ClassVar[str] = "ddp"  # the lab.accounting.model_state_bytes row its model states follow
     comm_layout: ClassVar[str | None] = "ddp"  # the lab.accounting.comm_bytes_per_step row; None: no traffic
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts

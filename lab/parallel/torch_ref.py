@@ -134,9 +134,15 @@ class FSDP(Strategy):
         return state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        with self.comm.paused():  # on every rank: with cpu_offload torch keeps it on global rank 0 alone
-            full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu().clone() for k, v in full.items()} if self.world.is_main else {}
+        # gathered on the host of global rank 0 alone; under tensor parallelism the data axis's first rank of every
+        # tensor-parallel rank needs its shards, so there everyone gathers them and the first moves them to the host
+        offload = self.tensor is None
+        with self.comm.paused():
+            full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
+                                                                              cpu_offload=offload))
+        if not self.world.is_main:
+            return {}
+        return full if offload else {k: v.detach().cpu().clone() for k, v in full.items()}
 
     def measure_state_bytes(self) -> accounting.StateBytes:
         params = list(self.module.parameters())
