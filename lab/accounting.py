@@ -293,6 +293,42 @@ def comm_elements_per_step(params: float, strategy: str, n_devices: int) -> floa
     return sum(comm_bytes_per_step(params, strategy, n_devices, bytes_per_element=1.0).values())
 
 
+def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: int, tp: int,
+                               sequence_parallel: bool = False, bytes_per_element: float = 4.0) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step over its tensor-parallel group of ``tp`` ranks, by collective.
+
+    Per micro-step of b sequences of s tokens, width h (Megatron-LM): every block all-reduces b·s·h
+    twice forward (attention output, MLP down) and twice backward (the inputs of QKV and MLP up);
+    the vocabulary-parallel embedding once forward and the head's input once backward; the loss
+    three times b·s (row max, sum of exponentials, target logit). With sequence parallelism each
+    all-reduce of b·s·h becomes an all-gather and a reduce-scatter (the same bytes), and the
+    gradients of the whole weights that act on sequence shards (norms, the row-parallel biases,
+    learned positions) are all-reduced once per micro-step.
+    """
+    out = dict.fromkeys(COLLECTIVES, 0.0)
+    if tp == 1:
+        return out
+    activations = micro_batch * cfg.block_size * cfg.d_model
+    big = (4 * cfg.n_layer + 2) * activations  # elements all-reduced (or gathered and reduce-scattered)
+    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * micro_batch * cfg.block_size, tp)
+    if sequence_parallel:
+        norms = 2 * cfg.n_layer + 1
+        on_shards = norms * cfg.d_model * (2 if _norm_has_bias(cfg) else 1)
+        on_shards += 2 * cfg.n_layer * cfg.d_model if uses_bias(cfg) else 0
+        on_shards += cfg.block_size * cfg.d_model if cfg.arch == "gpt2" else 0
+        out["all_reduce"] += ring_elements_sent("all_reduce", on_shards, tp)
+        out["all_gather"] = ring_elements_sent("all_gather", big, tp)
+        out["reduce_scatter"] = ring_elements_sent("reduce_scatter", big, tp)
+    else:
+        out["all_reduce"] += ring_elements_sent("all_reduce", big, tp)
+    return {k: v * accum_steps * bytes_per_element for k, v in out.items()}
+
+
+def _norm_has_bias(cfg: ModelShape) -> bool:
+    """LayerNorm with a bias (gpt2 with biases); RMSNorm has none."""
+    return cfg.arch == "gpt2" and uses_bias(cfg)
+
+
 # ---------------------------------------------------------------- memory: activations
 
 

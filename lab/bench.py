@@ -66,7 +66,7 @@ from lab.device import (
 from lab.files import save_json, write_atomic
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, parse_spec
+from lab.parallel import LoopSettings, World, create, data_replica, parse_spec
 from lab.parallel import validate as validate_parallel
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import train_step
@@ -169,8 +169,13 @@ def bench_loop(micro_batch: int) -> LoopSettings:
 
 
 def _alone(case: Case, world: World) -> World:
-    """``single`` runs on rank 0 alone (the others wait): the one-process baseline."""
-    return World(0, 1, 0, world.device) if case.parallel.strategy == "single" else world
+    """``single`` runs on rank 0 alone (the others wait): the one-process baseline; with ``parallel.tp`` > 1 (the
+    tensor-parallel group is the world) on every rank."""
+    return World(0, 1, 0, world.device) if _one_process(case.parallel) else world
+
+
+def _one_process(parallel: ParallelConfig) -> bool:
+    return parallel.strategy == "single" and parallel.tp == 1
 
 
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
@@ -186,8 +191,10 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         s = create(case.parallel, w, precision, loop)
         s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), w.device))
         built.append(s)
-    g = torch.Generator().manual_seed(world.rank)
-    x = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
+    def replica_batch(case: Case) -> torch.Tensor:  # this rank's micro-batch: its data-parallel replica's
+        g = torch.Generator().manual_seed(data_replica(case.parallel, world.rank, world.world_size)[0])
+        return torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
+
     times: dict[str, list[list[float]]] = {c.label: [[] for _ in range(rounds)] for c in cases}
     waits = {c.label: [] for c in cases}
     pairs = list(zip(cases, built, strict=True))
@@ -197,6 +204,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
             if s is None:  # single, on another rank
                 dist.barrier()
                 continue
+            x = replica_batch(case)
             for _ in range(warmup if r < 0 else steps):
                 t0 = time.perf_counter()
                 train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
@@ -215,10 +223,11 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         if s is None:
             continue
         step = statistics.median(chain.from_iterable(times[case.label]))
-        tokens = micro_batch * shape.block_size * _alone(case, world).world_size
+        w = _alone(case, world)
+        tokens_per_step = micro_batch * shape.block_size * data_replica(case.parallel, w.rank, w.world_size)[1]
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
-                     "tokens_per_s": tokens / step, "exposed_comm_s": statistics.median(waits[case.label]),
-                     "round_tokens_per_s": [tokens / statistics.median(ts) for ts in times[case.label]],
+                     "tokens_per_s": tokens_per_step / step, "exposed_comm_s": statistics.median(waits[case.label]),
+                     "round_tokens_per_s": [tokens_per_step / statistics.median(ts) for ts in times[case.label]],
                      **s.meters()})
     return rows
 
@@ -279,8 +288,10 @@ def format_strategies(rows: list[dict]) -> str:
              "| exposed comm ms | comm MB/step: counted / theory "
              "| model states MB/rank: measured / theory | saved activations MB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        counted, theory = sum(r["comm_bytes_per_step"].values()), sum(r["comm_bytes_per_step_theory"].values())
+    for r in rows:  # bytes over both axes of the mesh (tensor-parallel ones where parallel.tp > 1)
+        counted = sum(r["comm_bytes_per_step"].values()) + sum(r.get("tp_comm_bytes_per_step", {}).values())
+        theory = (sum(r["comm_bytes_per_step_theory"].values())
+                  + sum(r.get("tp_comm_bytes_per_step_theory", {}).values()))
         vs = r.get("vs_reference")
         ratio = f"{vs['median']:.3f}× [{vs['ci95'][0]:.3f}, {vs['ci95'][1]:.3f}]" if vs else "-"
         lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
@@ -296,7 +307,7 @@ def strategies(args: argparse.Namespace) -> int:
         text = args.strategies.strip()
         cases = [Case.parse(t) for t in (text.split() if any(c.isspace() for c in text) else text.split(",")) if t]
         for case in cases:
-            validate_parallel(case.parallel, 1 if case.parallel.strategy == "single" else args.nproc,
+            validate_parallel(case.parallel, 1 if _one_process(case.parallel) else args.nproc,
                               bench_loop(args.micro_batch))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -55,7 +55,17 @@ class Held:
     view: torch.Tensor
 
 
-CheckpointState = dict[str, "Held | torch.Tensor"]  # what a strategy hands over; plain tensors are whole
+@dataclass(frozen=True)
+class Pieces:
+    """Several ranges of a flattened tensor of ``numel`` elements that this rank holds, each ``(lo, view)``: a
+    tensor-parallel shard of a weight cut along its columns, or in several blocks (a fused QKV), is one range
+    per row or per block of the whole tensor."""
+
+    numel: int
+    pieces: list[tuple[int, torch.Tensor]]
+
+
+CheckpointState = dict[str, "Held | Pieces | torch.Tensor"]  # what a strategy hands over; plain tensors are whole
 
 
 @contextmanager
@@ -78,9 +88,10 @@ def _to_dcp(state: CheckpointState, rank: int) -> dict[str, object]:
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 out[key] = value
-            else:
-                shards = [Shard.from_tensor_and_offsets(value.view, [value.lo], rank)] if value.view.numel() else []
-                out[key] = init_from_local_shards(shards, value.numel)
+                continue
+            pieces = value.pieces if isinstance(value, Pieces) else [(value.lo, value.view)]
+            shards = [Shard.from_tensor_and_offsets(view, [lo], rank) for lo, view in pieces if view.numel()]
+            out[key] = init_from_local_shards(shards, value.numel)
     return out
 
 

@@ -10,6 +10,7 @@ run starts its own ranks and exits with the first failed rank's code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from lab.data.tokenizer import BytesTokenizer
 from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
 from lab.files import dumps, probe_writable, save_json
 from lab.model import GPT
-from lab.parallel import World, join_group_of_one
+from lab.parallel import World, join_group_of_one, validate_model
 from lab.train import Estimate, TrainingDiverged, check_resources, train, validate
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
@@ -185,6 +186,7 @@ def _preflight(args: argparse.Namespace,
     if run_dir is not None:
         check_run_dir(run_dir, mode)
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
+    validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
     precision = resolve_precision(cfg.train.dtype, world.device)
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, available_memory_bytes(world.device),

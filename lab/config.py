@@ -132,6 +132,13 @@ class ParallelConfig:
                                             "values the lab owns but not contradict them (deepspeed)")
     reshard_after_forward: bool = _f(True, "free gathered weights after each block's forward and gather them "
                                            "again for its backward (fsdp; false: keep them, ZeRO-2-like)")
+    tp: int = _f(1, "tensor-parallel degree: groups of this many consecutive ranks split every block's matmuls, "
+                    "the embedding and the loss (Megatron style); the strategy runs over the rest (data parallel)")
+    tp_impl: str = _f("lab", "lab (hand-rolled tensor parallelism) or torch (the reference: DTensor's "
+                             "parallelize_module with ColwiseParallel/RowwiseParallel and loss_parallel; strategy "
+                             "single, tp = world size)")
+    sequence_parallel: bool = _f(False, "with tp > 1, norms and dropout run on sequence shards and the "
+                                        "tensor-parallel all-reduces become all-gather / reduce-scatter")
 
 
 @dataclass

@@ -38,7 +38,7 @@ from lab.device import Precision
 from lab.files import write_atomic
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, parse_spec, validate
+from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import StepPlan, train_step
 
@@ -83,12 +83,13 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
     strategy = create(parallel, world, Precision("cpu", bf16=setup.bf16), loop_settings(setup))
     strategy.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
-    plan = StepPlan(global_sequences=setup.micro_batch * setup.accum * world.world_size, accum_steps=setup.accum,
-                    total_steps=setup.steps, micro_batch=setup.micro_batch, world_size=world.world_size)
+    replica, replicas = data_replica(parallel, world.rank, world.world_size)
+    plan = StepPlan(global_sequences=setup.micro_batch * setup.accum * replicas, accum_steps=setup.accum,
+                    total_steps=setup.steps, micro_batch=setup.micro_batch, world_size=replicas)
     trace = Trace([], [], {})
     for step in range(setup.steps):
         x, y = batch(setup, step, plan.global_sequences)
-        micro = [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(world.rank, m) for m in range(plan.accum_steps))]
+        micro = [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(replica, m) for m in range(plan.accum_steps))]
         result = train_step(strategy, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
         trace.losses.append(result.loss)
         trace.grad_norms.append(result.grad_norm)
@@ -97,10 +98,11 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
     return trace
 
 
-def reference(world: World, setup: Setup, model_factory=None) -> Trace:
-    """``single`` on this process alone, accumulating every rank's micro-batches in order."""
+def reference(world: World, setup: Setup, model_factory=None, replicas: int | None = None) -> Trace:
+    """``single`` on this process alone, accumulating the micro-batches of every data-parallel replica (by default
+    every rank) in order."""
     alone = World(rank=0, world_size=1, local_rank=0, device=world.device)
-    return train_tiny(alone, dataclasses.replace(setup, accum=setup.accum * world.world_size),
+    return train_tiny(alone, dataclasses.replace(setup, accum=setup.accum * (replicas or world.world_size)),
                       ParallelConfig(strategy="single"), model_factory)
 
 
@@ -131,10 +133,15 @@ def compare(ref: Trace, got: Trace) -> Comparison:
 
 def equivalence(world: World, specs: list[str], setup: Setup) -> dict[str, Comparison]:
     """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank)."""
-    ref = reference(world, setup)
+    refs: dict[int, Trace] = {}
     out = {}
     for spec in specs:
-        trace = ref if spec == "single" else train_tiny(world, setup, parse_spec(spec))
+        parallel = parse_spec(spec)
+        replicas = data_replica(parallel, world.rank, world.world_size)[1]
+        if replicas not in refs:
+            refs[replicas] = reference(world, setup, replicas=replicas)
+        ref = refs[replicas]
+        trace = ref if spec == "single" else train_tiny(world, setup, parallel)
         if world.is_main:
             out[spec] = compare(ref, trace)
     return out

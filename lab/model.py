@@ -117,8 +117,9 @@ class Attention(nn.Module):
         self.scale = 1.0 / self.head_dim if cfg.parametrization == "mup" else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        T = x.shape[1]
-        q, k, v = self.qkv(x).split(
+        qkv = self.qkv(x)
+        T = qkv.shape[1]  # the whole sequence even when x is a shard of it (sequence parallelism)
+        q, k, v = qkv.split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
         q = rearrange(q, "b t (h d) -> b h t d", h=self.n_head)
         k = rearrange(k, "b t (h d) -> b h t d", h=self.n_kv_head)
@@ -188,8 +189,9 @@ class GPT(nn.Module):
             self.register_buffer("rope_sin", torch.empty_like(self.rope_cos), persistent=False)
         self.init_weights()
 
-    def initial_value(self, name: str) -> torch.Tensor:
-        """The initial value of parameter or buffer ``name``, full size, on the CPU.
+    def initial_value(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The initial value of parameter or buffer ``name``, full size (``shape``, by default the live
+        parameter's: a model whose layers were split across ranks passes the whole one), on the CPU.
 
         GPT-2 init: linear and embedding weights N(0, 0.02), residual output projections
         N(0, 0.02/√(2·n_layer)), biases 0, norm weights 1; RoPE tables computed. Under μP the hidden
@@ -200,7 +202,7 @@ class GPT(nn.Module):
             cos, sin = rope_tables(accounting.head_dim(self.cfg), self.cfg.block_size, self.cfg.rope_theta)
             return cos if name == "rope_cos" else sin
         module_name, _, kind = name.rpartition(".")
-        module, shape = self.get_submodule(module_name), self.get_parameter(name).shape
+        module, shape = self.get_submodule(module_name), shape or self.get_parameter(name).shape
         if kind == "bias":
             return torch.zeros(shape, device="cpu")
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):

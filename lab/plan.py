@@ -181,6 +181,69 @@ def _memory(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _mesh_shape(args: argparse.Namespace) -> ModelConfig:
+    from lab.config import ConfigError, resolve
+
+    try:
+        cfg = resolve({"model": {"preset": args.preset, **({"vocab_size": args.vocab} if args.vocab else {})}}).model
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    if cfg.vocab_size is None:
+        raise PlanError(f"preset '{args.preset}' names no vocabulary; give --vocab")
+    return replace(cfg, block_size=args.seq_len or cfg.block_size)
+
+
+def _mesh(args: argparse.Namespace) -> str:
+    """Every tp × dp layout and data-parallel stage for the model on ``--n-gpus``: memory per GPU, bytes sent per
+    micro-step by axis and their time; the choice is the layout that fits with the least communication time."""
+    from lab.config import ParallelConfig
+    from lab.parallel.tensor import validate as validate_split
+
+    cfg = _mesh_shape(args)
+    memory = (args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)) * args.usable
+    params = accounting.param_counts(cfg).total
+    activations = accounting.activation_bytes(cfg, args.micro_batch, checkpointing=args.checkpointing)
+    spans_nodes = args.n_gpus > args.gpus_per_node
+    rows, candidates, refused = [], [], []
+    for tp in (t for t in range(1, min(args.n_gpus, args.gpus_per_node) + 1) if args.n_gpus % t == 0):
+        shape = replace(cfg, pad_vocab_to=math.lcm(cfg.pad_vocab_to, tp))
+        try:
+            validate_split(ParallelConfig(tp=tp, sequence_parallel=tp > 1), shape)
+        except ValueError as e:
+            refused.append(f"tp {tp}: {e}")
+            continue
+        dp = args.n_gpus // tp
+        tp_bytes = sum(accounting.tensor_parallel_comm_bytes(shape, args.micro_batch, 1, tp, tp > 1, 2.0).values())
+        for stage in accounting.STRATEGIES:
+            states = accounting.model_state_bytes(params / tp, stage, dp, "mixed").gpu
+            dp_bytes = accounting.comm_elements_per_step(params / tp, stage, dp) * 2.0
+            seconds = tp_bytes / (args.intra_gbps * 1e9) + dp_bytes / (
+                (args.inter_gbps if spans_nodes else args.intra_gbps) * 1e9)
+            total = states + activations / tp
+            fits = total <= memory
+            rows.append([f"tp {tp} × dp {dp}", stage, _gb(states), _gb(activations / tp), _gb(total),
+                         "yes" if fits else "no", f"{tp_bytes / 1e9:.3f}", f"{dp_bytes / 1e9:.3f}",
+                         f"{1e3 * seconds:.1f}"])
+            if fits:
+                candidates.append((seconds, tp, accounting.STRATEGIES.index(stage), f"tp {tp} × dp {dp}, {stage}"))
+    lines = [f"{args.preset}: {params / 1e6:,.1f}M params, micro-batch {args.micro_batch} × {cfg.block_size} tokens "
+             f"per data-parallel replica, bf16 with fp32 master weights (16 B/param), on {args.n_gpus} × {args.gpu} "
+             f"({_gb(memory)} usable each, {args.gpus_per_node} per node); tensor parallelism within a node with "
+             f"sequence parallelism (activations split tp ways); bytes sent per GPU per step of one micro-step, "
+             f"at {args.intra_gbps:g} GB/s within a node and {args.inter_gbps:g} GB/s between nodes",
+             _table(["layout", "stage", "states", "activations", "total", "fits", "tp GB", "dp GB", "comm ms"], rows,
+                    left=2)]
+    lines += [f"not possible: {r}" for r in refused]
+    if not candidates:
+        raise PlanError(f"no tp × dp layout of {args.n_gpus} × {args.gpu} holds {args.preset} at micro-batch "
+                        f"{args.micro_batch}; lower --micro-batch, add --checkpointing or more GPUs")
+    best = min(candidates)
+    lines.append(f"choice: {best[3]} (--parallel.tp {best[1]} --strategy {accounting.STRATEGIES[best[2]]}): it fits, "
+                 f"and of the {len(candidates)} layouts that fit it spends the least time communicating "
+                 f"({1e3 * best[0]:.1f} ms per step, not overlapped; ties go to the smaller tp, then the lower stage)")
+    return "\n".join(lines)
+
+
 def _peaks(args: argparse.Namespace) -> str:
     dtypes = list(next(iter(accounting.GPU_PEAK_FLOPS.values())))
     rows = [[gpu, *(f"{table[d] / 1e12:g}" for d in dtypes), f"{accounting.GPU_MEMORY_BYTES[gpu] / 1e9:g}"]
@@ -194,7 +257,7 @@ def _peaks(args: argparse.Namespace) -> str:
 
 def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="Training time and memory on paper (see lab.accounting).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,peaks}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,mesh,peaks}")
 
     t = sub.add_parser("time", help="training FLOPs, GPU-hours and wall-clock days")
     t.add_argument("--params", type=_positive, required=True, help="parameters N (e.g. 70e9)")
@@ -219,6 +282,23 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     m.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
     m.add_argument("--naive-attention", action="store_true", help="store the s×s attention matrices (no flash)")
     m.set_defaults(run=_memory)
+
+    g = sub.add_parser("mesh", help="choose tp × dp and the data-parallel stage for a model (and say why)")
+    g.add_argument("--preset", required=True, help="a model preset (lab.config.PRESETS), e.g. gpt2-350m")
+    g.add_argument("--vocab", type=_count, help="vocabulary size (default: the preset's)")
+    g.add_argument("--seq-len", type=_count, help="tokens per sequence (default: the preset's block size)")
+    g.add_argument("--micro-batch", type=_count, default=8, help="sequences per replica per micro-step (default: 8)")
+    g.add_argument("--gpu", type=_gpu, default="H100", help="A100, H100 or H200 (default: H100)")
+    g.add_argument("--n-gpus", type=_count, default=8, help="GPUs in all (default: 8)")
+    g.add_argument("--gpus-per-node", type=_count, default=8, help="GPUs per node: tp stays within one (default: 8)")
+    g.add_argument("--memory-gb", type=_positive, help="memory per GPU in GB (default: the GPU's)")
+    g.add_argument("--usable", type=_fraction, default=0.9, help="fraction of memory to plan with (default: 0.9)")
+    g.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    g.add_argument("--intra-gbps", type=_positive, default=450.0,
+                   help="GB/s one GPU sends within a node (default: 450, NVLink 4 one way)")
+    g.add_argument("--inter-gbps", type=_positive, default=50.0,
+                   help="GB/s one GPU sends to other nodes (default: 50, 400 Gb/s InfiniBand)")
+    g.set_defaults(run=_mesh)
 
     k = sub.add_parser("peaks", help="dense peak FLOP/s per GPU")
     k.set_defaults(run=_peaks)

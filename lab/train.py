@@ -51,7 +51,7 @@ class StepPlan:
     accum_steps: int
     total_steps: int
     micro_batch: int
-    world_size: int
+    world_size: int  # data-parallel replicas: the ranks that read different sequences
 
     def micro_range(self, rank: int, micro: int) -> tuple[int, int]:
         """Which sequences of the step's global batch this rank reads in micro-step ``micro``."""
@@ -60,17 +60,20 @@ class StepPlan:
 
 
 def step_plan(cfg: RunConfig, world_size: int) -> StepPlan:
+    """The plan for ``world_size`` processes (of which the data-parallel replicas split each batch)."""
     t, T = cfg.train, cfg.model.block_size
     for name in ("tokens", "batch_tokens", "micro_batch", "log_every", "eval_tokens"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
-    per_micro = t.micro_batch * T * world_size
+    _, replicas = parallel.data_replica(cfg.parallel, 0, world_size)
+    per_micro = t.micro_batch * T * replicas
     if t.batch_tokens % per_micro:
+        label = "world_size" if replicas == world_size else "data-parallel replicas"
         raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) must be a multiple of micro_batch × block_size × "
-                          f"world_size ({t.micro_batch} × {T} × {world_size} = {per_micro})")
+                          f"{label} ({t.micro_batch} × {T} × {replicas} = {per_micro})")
     return StepPlan(global_sequences=t.batch_tokens // T, accum_steps=t.batch_tokens // per_micro,
                     total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch,
-                    world_size=world_size)
+                    world_size=replicas)
 
 
 def validate(cfg: RunConfig, world_size: int) -> StepPlan:
@@ -79,6 +82,7 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     schedule.validate(cfg.train)
     plan = step_plan(cfg, world_size)
     parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    parallel.validate_model(cfg.parallel, cfg.model)
     if cfg.train.memory_meter and cfg.train.compile:
         raise ConfigError("train.memory_meter cannot run with train.compile (dynamo does not trace the meter's "
                           "dispatch mode); set one of them false")
@@ -257,13 +261,15 @@ def _finish_step(strategy: Strategy, world: World, loss_sum: torch.Tensor, lr: f
 
 @torch.no_grad()
 def evaluate(strategy: Strategy, world: World, data: PreparedData, cfg: RunConfig) -> float:
-    """Mean held-out loss. Rank r evaluates batches r, r + N, ...; every rank runs as many forwards
+    """Mean held-out loss. Data-parallel replica r evaluates batches r, r + N, ... (every rank of a
+    replica the same ones, each counting them in both sums alike); every rank runs as many forwards
     (a sharded model needs them all), and the per-batch sums are added in one fixed order, so the
     result does not depend on the world size."""
     batches = list(eval_batches(data.eval, cfg.model.block_size, cfg.train.eval_tokens, cfg.train.micro_batch))
     sums = torch.zeros(len(batches), 2, dtype=torch.float64)
-    for first in range(0, len(batches), world.world_size):
-        i = first + world.rank
+    replica, replicas = parallel.data_replica(cfg.parallel, world.rank, world.world_size)
+    for first in range(0, len(batches), replicas):
+        i = first + replica
         x, y = batches[min(i, len(batches) - 1)]
         loss = strategy.eval_loss(x.to(world.device), y.to(world.device)).item()
         if i < len(batches):
@@ -379,6 +385,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     sampler = BatchSampler(data.train, cfg.model.block_size, t.seed)
     end_step = min(plan.total_steps, t.stop_after) if t.stop_after else plan.total_steps
     every = checkpoint_interval(cfg, plan.total_steps)
+    replica, _ = parallel.data_replica(cfg.parallel, world.rank, world.world_size)
     fpt = accounting.flops_per_token(cfg.model)
     recent: list[float] = []
     eval_loss, skipped, loop_start, warned = None, 0, time.perf_counter(), False
@@ -394,9 +401,9 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
 
     for step in range(start.step, end_step):
         t0 = time.perf_counter()
-        seed_step(step_seed(t.seed, world.rank, step), world.device)
+        seed_step(step_seed(t.seed, replica, step), world.device)
         lr = schedule.learning_rate(step, plan.total_steps, t)
-        batches = (sampler.batch(step, plan.global_sequences, *plan.micro_range(world.rank, micro))
+        batches = (sampler.batch(step, plan.global_sequences, *plan.micro_range(replica, micro))
                    for micro in range(plan.accum_steps))
         try:
             result = train_step(strategy, world, batches, plan.accum_steps, lr, t.grad_clip, stop_signal() != 0)

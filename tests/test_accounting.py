@@ -255,6 +255,23 @@ def test_plan_memory_with_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per layer" in capsys.readouterr().out
 
 
+def test_plan_mesh_chooses_the_layout_that_fits_with_the_least_communication(capsys: pytest.CaptureFixture[str]
+                                                                             ) -> None:
+    assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "16", "--memory-gb", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tp ")]
+    assert len(rows) == 4 * 4  # tp 1, 2, 4, 8 (within a node of 8) × ddp, zero1-3
+    # gpt2-350m: 354.8M params; ddp on tp 1 holds 16 B each: 5.68 GB of states, more than 0.9 × 3 GB
+    assert rows[0][:4] == ["tp", "1", "×", "dp"] and rows[0][6:8] == ["5.68", "GB"] and rows[0][12] == "no"
+    fitting = [(float(r[-1]), r) for r in rows if r[12] == "yes"]
+    assert fitting and all(float(r[10]) <= 2.7 for _, r in fitting)
+    best = min(fitting, key=lambda f: f[0])[1]
+    assert f"choice: tp {best[1]} × dp {best[4]}, {best[5]}" in out and "it fits" in out
+    assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "2", "--memory-gb", "0.5"]) == 2
+    assert capsys.readouterr().err.startswith("error: no tp × dp layout of 2 × H100 holds gpt2-350m")
+    assert main(["mesh", "--preset", "gpt9"]) == 2
+
+
 def test_plan_peaks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["peaks"]) == 0
     out = capsys.readouterr().out

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lab.config import ConfigError, ParallelConfig, did_you_mean
+from lab.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
 from lab.device import Precision
-from lab.parallel import activations
+from lab.parallel import activations, mesh, tensor
 from lab.parallel.base import (
     LoopSettings,
     ModelFactory,
@@ -33,9 +33,19 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[Strategy]:
-    """Check the [parallel] section for ``world_size`` processes under the loop's ``loop`` settings;
-    return the strategy's class."""
+    """Check the [parallel] section for ``world_size`` processes under the loop's ``loop`` settings (the
+    strategy runs over the data-parallel ranks: ``world_size / parallel.tp``); return the strategy's class."""
     cls = strategy_class(cfg.strategy)
+    replicas = mesh.data_size(cfg, world_size)
+    if cfg.tp > 1 and not cls.tensor_parallel:
+        raise ConfigError(f"strategy '{cls.name}' does not run with parallel.tp > 1 (its engine takes the whole "
+                          f"world); choose ddp, torch_ddp, zero1-3 or fsdp")
+    if cfg.tp_impl not in tensor.IMPLEMENTATIONS:
+        raise ConfigError(f"parallel.tp_impl must be one of {', '.join(tensor.IMPLEMENTATIONS)}, got '{cfg.tp_impl}'"
+                          f"{did_you_mean(cfg.tp_impl, tensor.IMPLEMENTATIONS)}")
+    if cfg.tp_impl == "torch" and (cfg.tp == 1 or cls.name != "single" or cfg.sequence_parallel):
+        raise ConfigError("parallel.tp_impl torch (the DTensor reference) runs under strategy single with parallel.tp "
+                          "equal to the world size (> 1), without sequence_parallel")
     if not cfg.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
     if not cfg.bucket_mb > 0:
@@ -49,7 +59,7 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
             users = [name for name, c in STRATEGIES.items() if option in c.options]
             raise ConfigError(f"parallel.{option} has no effect under strategy '{cls.name}' "
                               f"(it applies to: {', '.join(users) or 'no strategy'})")
-    cls.validate(cfg, world_size, loop)
+    cls.validate(cfg, replicas, loop)
     return cls
 
 
@@ -65,9 +75,29 @@ def parse_spec(text: str) -> ParallelConfig:
 
 
 def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
-    """The strategy ``cfg`` names, validated and constructed (not yet built)."""
-    return validate(cfg, world.world_size, loop)(world, cfg, precision, loop)
+    """The strategy ``cfg`` names, validated and constructed (not yet built); with ``parallel.tp`` > 1 it runs
+    over the data axis of the mesh (collective: every rank calls it) and the tensor-parallel step comes first."""
+    cls = validate(cfg, world.world_size, loop)
+    if cfg.tp == 1:
+        return cls(world, cfg, precision, loop)
+    axes = mesh.build(world, cfg.tp)
+    strategy = cls(axes.data, cfg, precision, loop)
+    implementation = tensor.TorchTensorParallel if cfg.tp_impl == "torch" else tensor.TensorParallel
+    strategy.everyone, strategy.tensor = world, implementation(axes.tensor, cfg.sequence_parallel)
+    return tensor.WithTensorParallel(strategy, strategy.tensor)
+
+
+def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
+    """Raise ConfigError (one line) when the model's layers cannot be split as ``cfg`` asks."""
+    tensor.validate(cfg, model)
+
+
+def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
+    """(which, how many): the data-parallel replica global rank ``rank`` belongs to, among how many. The ranks of
+    a replica read the same sequences (and draw the same dropout masks)."""
+    return mesh.data_rank(cfg, rank), mesh.data_size(cfg, world_size)
 
 
 __all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",
-           "World", "create", "join_group_of_one", "parse_spec", "strategy_class", "validate"]
+           "World", "create", "data_replica", "join_group_of_one", "parse_spec", "strategy_class", "validate",
+           "validate_model"]

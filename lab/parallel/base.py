@@ -37,7 +37,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -50,26 +50,36 @@ from lab.device import Precision
 from lab.parallel import activations
 from lab.parallel.comm import Comm
 
+if TYPE_CHECKING:
+    from lab.parallel.tensor import TensorParallel
+
 
 @dataclass(frozen=True)
 class World:
-    """Where this process sits: rank, world size and device."""
+    """Where this process sits: rank, world size and device; on one axis of a mesh (``lab.parallel.mesh``),
+    its rank and size on that axis and the axis's process group (None: the default group, every rank)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    group: dist.ProcessGroup | None = None
+    device_mesh: Any = None  # the axis as a one-dimensional torch DeviceMesh (FSDP2 takes one), when on a mesh
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this world's rank ``rank`` (what torch.distributed's ``src`` arguments take)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small tensor of the loop's own figures over ranks (bookkeeping, not counted as strategy traffic)."""
         if self.world_size == 1:
             return values
         values = values.detach().clone()
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=self.group)
         return values
 
     def broadcast_from_main(self, make: Callable[[], Any]) -> Any:
@@ -77,7 +87,7 @@ class World:
         if self.world_size == 1:
             return make()
         box = [make() if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
         return box[0]
 
     def check_same(self, value: str, what: str) -> None:
@@ -85,7 +95,7 @@ class World:
         if self.world_size == 1:
             return
         values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, value)
+        dist.all_gather_object(values, value, group=self.group)
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
             raise ConfigError(f"{what} differs between ranks: rank {differ[0]} has {values[differ[0]][:12]}, "
@@ -171,10 +181,10 @@ def adam_entries(state: CheckpointState, name: str, moments: dict | None, numel:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once; a DTensor's local part)."""
     sizes = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
         sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 
@@ -190,7 +200,7 @@ class Strategy:
 
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
-    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing"})
+    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel"})
     state_layout: ClassVar[str] = "ddp"  # the lab.accounting.model_state_bytes row its model states follow
     comm_layout: ClassVar[str | None] = "ddp"  # the lab.accounting.comm_bytes_per_step row; None: no traffic
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
@@ -198,6 +208,7 @@ class Strategy:
     max_world_size: ClassVar[int | None] = None
     compiles: ClassVar[bool] = True  # whether it can train a torch.compile'd model (train.compile)
     grads_at_rest: ClassVar[bool] = False  # whether gradient buffers live between steps (flat buckets)
+    tensor_parallel: ClassVar[bool] = True  # whether it runs over the data axis of a mesh with parallel.tp > 1
 
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
@@ -216,7 +227,9 @@ class Strategy:
     def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         self.validate(cfg, world.world_size, loop)
         self.world, self.cfg, self.precision, self.loop = world, cfg, precision, loop
-        self.comm = Comm(world.world_size)
+        self.comm = Comm(world.world_size, world.group)
+        self.everyone = world  # every rank of the run; on a mesh, create() sets it beside the data-parallel world
+        self.tensor: TensorParallel | None = None  # the tensor-parallel step, when parallel.tp > 1 (create sets it)
         self.saved = activations.SavedBytes()
         self.module: nn.Module | None = None  # the model, under its own parameter names
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
@@ -255,7 +268,10 @@ class Strategy:
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """torch optimizer groups: each ParamGroup's tensors as this strategy holds them."""
         params = dict(self.module.named_parameters())
-        return [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
+        out = [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
+        if self.tensor is None:
+            return out
+        return [{**group, "params": ps} for group in out for ps in _plain_and_distributed(group["params"]) if ps]
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -276,13 +292,37 @@ class Strategy:
         """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
 
         Replicated strategies hold the full, already averaged gradient on every rank, so the local
-        norm is the global one and no communication is needed.
+        norm is the global one and no communication is needed; under tensor parallelism each rank's
+        shards are added over the tensor-parallel group (``tensor_norm_squares``).
         """
-        grads = [p.grad for p in self.trainable if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
+        if self.tensor is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.trainable if p.grad is not None])
+            if max_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
+            return norm
+        norm = self.tensor_norm_squares(self.local_norm_squares()).sqrt()
+        for params in _plain_and_distributed(self.trainable) if max_norm > 0 else []:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
+
+    def local_norm_squares(self) -> torch.Tensor:
+        """The squared gradient norm of what this rank holds of the parameters it counts (``counts_in_norm``;
+        a DTensor's local shard), in fp32."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
+        for name, p in self.module.named_parameters():
+            if p.grad is not None and self.counts_in_norm(name):
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                squares += grad.float().pow(2).sum()
+        return squares
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether this rank adds parameter ``name``'s gradient to the global norm: always, except a weight
+        that every tensor-parallel rank holds whole, which only the first counts."""
+        return self.tensor is None or self.tensor.counts_in_norm(name)
+
+    def tensor_norm_squares(self, squares: torch.Tensor) -> torch.Tensor:
+        """Squared norms summed over the tensor-parallel group (unchanged without one)."""
+        return squares if self.tensor is None else self.tensor.world.sum(squares)
 
     def step(self, lr: float) -> None:
         """Apply the optimizer at learning rate ``lr`` and clear the gradients."""
@@ -323,7 +363,7 @@ class Strategy:
     def params_finite(self) -> bool:
         """Whether every weight on every rank is finite (checked before a checkpoint is written)."""
         bad = torch.tensor([float(any(not torch.isfinite(p).all() for p in self.module.parameters()))])
-        return self.world.sum(bad).item() == 0
+        return self.everyone.sum(bad).item() == 0
 
     # ------------------------------------------------------------ state
 
@@ -361,8 +401,10 @@ class Strategy:
         return sum(p.numel() for p in self.trainable)
 
     def param_count(self) -> int:
-        """Ψ: the model's parameters (a tied weight once)."""
-        return sum(p.numel() for p in self.module.parameters())
+        """Ψ: the model's parameters (a tied weight once); under tensor parallelism this rank's shards."""
+        if self.tensor is None:
+            return sum(p.numel() for p in self.module.parameters())
+        return sum(self.tensor.numel(p) for p in self.module.parameters())
 
     def theory_states(self) -> accounting.StateBytes:
         """Model-state bytes per rank from the ZeRO formulas, fp32 widths (``lab.accounting.model_state_bytes``)."""
@@ -407,6 +449,11 @@ class Strategy:
             "comm_bytes_per_step_theory": theory_comm,
             "activation_saved_bytes": self._most_saved,
         }
+
+
+def _plain_and_distributed(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Plain tensors and DTensors (a torch reference's shards) apart: torch's foreach and fused ops take one kind."""
+    return [p for p in params if not hasattr(p, "to_local")], [p for p in params if hasattr(p, "to_local")]
 
 
 def changed_options(cfg: ParallelConfig) -> list[str]:

@@ -123,10 +123,11 @@ class Comm:
 
     # ------------------------------------------------------------ collectives
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """Sum ``tensor`` over ranks, in place."""
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False,
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
+        """Reduce ``tensor`` over ranks (a sum unless ``op`` says otherwise), in place."""
         self._count("all_reduce", tensor)
-        return self._run(lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op), async_op)
+        return self._run(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                        ) -> dist.Work | SummedOnWait | None:
@@ -151,9 +152,10 @@ class Comm:
         return self._run(lambda: _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> dist.Work | None:
-        """Copy rank ``src``'s ``tensor`` to every rank, in place."""
+        """Copy rank ``src``'s ``tensor`` (``src`` within this group) to every rank, in place."""
         self._count("broadcast", tensor)
-        return self._run(lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        return self._run(lambda: dist.broadcast(tensor, src=root, group=self.group, async_op=async_op), async_op)
 
 
 class SummedOnWait:

@@ -219,6 +219,7 @@ class DeepSpeed(Strategy):
     name = "deepspeed"
     options = Strategy.options | {"zero_stage", "offload", "deepspeed_config"}
     offload_modes = ("none", "optimizer", "all")
+    tensor_parallel = False  # the engine takes the whole world's group
     # the pre-flight memory estimate knows only the class: the least sharded stage (meters use the real one)
     state_layout = comm_layout = "zero1"
 
@@ -321,7 +322,7 @@ class DeepSpeed(Strategy):
     @torch.no_grad()
     def params_finite(self) -> bool:
         bad = torch.tensor([float(any(not torch.isfinite(m).all() for m in self._masters))])
-        return self.world.sum(bad).item() == 0
+        return self.everyone.sum(bad).item() == 0
 
     # ------------------------------------------------------------ communication, from DeepSpeed's comms logger
 

@@ -32,7 +32,7 @@ class TorchDDP(Strategy):
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_mb,
-                                      forward_sync_buffers=False)
+                                      forward_sync_buffers=False, process_group=self.world.group)
         ddp.register_comm_hook(state=None, hook=self._all_reduce)
         self._launched = self._done = 0.0
         return ddp
@@ -78,7 +78,7 @@ class FSDP(Strategy):
             return model_factory()
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
-        mesh = init_device_mesh(self.world.device.type, (self.world.world_size,))
+        mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
         offload = self.cfg.offload == "optimizer"
         policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
         for block in module.blocks:
@@ -103,9 +103,11 @@ class FSDP(Strategy):
             loss.backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        grads = [p.grad for p in self.trainable if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if self.tensor is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.trainable if p.grad is not None])
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        else:  # each rank's shards of the parameters it counts, over both axes
+            norm = self.tensor_norm_squares(self.world.sum(self.local_norm_squares())).sqrt()
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
         return norm
@@ -113,7 +115,7 @@ class FSDP(Strategy):
     @torch.no_grad()
     def params_finite(self) -> bool:
         bad = torch.tensor([float(any(not torch.isfinite(p.to_local()).all() for p in self.module.parameters()))])
-        return self.world.sum(bad).item() == 0
+        return self.everyone.sum(bad).item() == 0
 
     def checkpoint_state(self) -> CheckpointState:
         """Each parameter's rows on this rank (FSDP shards dim 0 as torch.chunk does), weights and moments."""
@@ -132,9 +134,15 @@ class FSDP(Strategy):
         return state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        # gathered on the host of global rank 0 alone; under tensor parallelism the data axis's first rank of every
+        # tensor-parallel rank needs its shards, so there everyone gathers them and the first moves them to the host
+        offload = self.tensor is None
         with self.comm.paused():
-            full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return full if self.world.is_main else {}
+            full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
+                                                                              cpu_offload=offload))
+        if not self.world.is_main:
+            return {}
+        return full if offload else {k: v.detach().cpu().clone() for k, v in full.items()}
 
     def measure_state_bytes(self) -> accounting.StateBytes:
         params = list(self.module.parameters())

@@ -248,13 +248,26 @@ class Zero(Strategy):
         """Global norm: squared sums of every rank's chunks (padding is zero), added over ranks."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for unit in self.units:
-            squares += unit.grad_shard.float().pow(2).sum()
-        norm = self.world.sum(squares).sqrt()
+            if self.tensor is None:
+                squares += unit.grad_shard.float().pow(2).sum()
+                continue
+            for lo, hi in self._counted_ranges(unit):
+                squares += unit.grad_shard[lo:hi].float().pow(2).sum()
+        norm = self.tensor_norm_squares(self.world.sum(squares)).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for _, _, _, piece in self._pieces:
                 piece.grad.mul_(scale.to(piece.grad.device))
         return norm
+
+    def _counted_ranges(self, unit: Unit) -> list[tuple[int, int]]:
+        """Ranges of this rank's chunk of ``unit`` that belong to parameters it counts in the norm."""
+        start, out = self.world.rank * unit.chunk, []
+        for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
+            a, b = max(offset, start) - start, min(offset + math.prod(shape), start + unit.chunk) - start
+            if a < b and self.counts_in_norm(name):
+                out.append((a, b))
+        return out
 
     # ------------------------------------------------------------ the step
 
@@ -286,7 +299,7 @@ class Zero(Strategy):
     def params_finite(self) -> bool:
         local = [u.shard for u in self.units] + [p for p in self.module.parameters() if not p.requires_grad]
         bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in local))])
-        return self.world.sum(bad).item() == 0
+        return self.everyone.sum(bad).item() == 0
 
     def checkpoint_state(self) -> CheckpointState:
         """Each parameter's range in this rank's chunks (the weights from the shard, the moments from the
@@ -417,9 +430,9 @@ class Zero3(Zero):
         with torch.device("meta"):
             module = model_factory()
         self._initial = hashlib.sha256()
-        for name, _ in list(module.named_buffers()):
+        for name, _ in list(module.named_buffers()):  # assigned, not .data: a meta tensor's cannot take a real one
             owner, _, attr = name.rpartition(".")
-            getattr(module.get_submodule(owner), attr).data = self._initial_value(module, name)
+            setattr(module.get_submodule(owner), attr, self._initial_value(module, name))
         for name, p in list(module.named_parameters()):
             if not p.requires_grad:  # frozen: whole on every rank
                 owner, _, attr = name.rpartition(".")

@@ -1,0 +1,529 @@
+"""Tensor and sequence parallelism by hand (Megatron-LM style), a step applied to the built model.
+
+``parallel.tp N`` splits each transformer block across the N ranks of a tensor-parallel group
+(Shoeybi et al. 2019), rewriting the model ``lab.model`` built in place, under its own parameter
+names (each now holding this rank's shard):
+
+- **column-parallel** (output features split): the fused QKV (each rank its share of the query
+  heads and of the key/value heads: GQA's kv heads split with them), the MLP's up projection (and
+  the gate of SwiGLU, split alike so ``chunk(2)`` still finds gate and up). The input passes through
+  **f** (identity forward, all-reduce of the gradient backward);
+- **row-parallel** (input features split): the attention output and the MLP's down projection;
+  their partial outputs pass through **g** (all-reduce forward, identity backward), the bias added
+  after it. Per block that is two all-reduces of b·s·h forward and two backward;
+- **vocabulary-parallel** embedding (each rank its rows of the table; ids outside them give zeros;
+  the partial embeddings summed by g) and output head (tied or not, the same rows), and a
+  **cross-entropy** computed from each rank's slice of the logits with three small all-reduces
+  (max, sum of exponentials, target logit) per token: the full logits never exist on a rank.
+  Only ``model.output`` without targets (sampling) gathers them.
+
+``parallel.sequence_parallel true`` (Korthikanti et al. 2022) keeps the residual stream split along
+the sequence between the blocks' matmuls: norms, dropout and residual adds run on 1/N of the tokens;
+f becomes an all-gather along the sequence (its backward a reduce-scatter) and g a reduce-scatter
+(its backward an all-gather), the same bytes as the all-reduces they replace. The weights that act
+on sequence shards (norms, learned positions, the row-parallel biases) see only this rank's tokens:
+they pass through f themselves, so their gradient is summed over the group in the backward.
+
+Every weight not split is whole on every rank and gets the same gradient there (sequence parallel:
+after f's sum); the global gradient norm counts it once (on the group's first rank) and adds the
+split ones over the group. Weights and their initial values: ``initial_value(name)`` returns this
+rank's shard of the whole model's initial value, so a strategy that builds on the meta device fills
+exactly the shard that slicing ``single``'s weights gives. Checkpoints store whole logical tensors
+(``Pieces``: a column shard is one range per row), so any layout loads them.
+
+Sums over the group add the ranks' partial products in another order than one process's matmul, so
+losses match ``single`` to about 1e-6 relative, not bit for bit. Dropout draws the data-parallel
+replica's masks on every rank of a group (the loop seeds by replica): replicated activations stay
+equal across the group; a head shard's attention dropout shares that stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lab import accounting
+from lab.checkpoint import CheckpointState, Held, Pieces
+from lab.config import ConfigError, ModelConfig, ParallelConfig
+from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, StepMeters, Strategy, World
+from lab.parallel.comm import Comm
+
+
+IMPLEMENTATIONS = ("lab", "torch")
+
+
+def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
+    """Raise ConfigError (one line) when ``parallel.tp`` cannot split ``model``'s layers evenly."""
+    n = cfg.tp
+    if n == 1:
+        return
+    kv = accounting.kv_heads(model)
+    checks = [(model.n_head, "model.n_head"), (kv, "model.n_kv_head (key/value heads are split, not replicated)"),
+              (accounting.ffn_width(model), "the MLP width (model.d_ff)")]
+    if cfg.sequence_parallel:
+        checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
+    if model.vocab_size is not None:
+        checks.append((accounting.padded_vocab(model), f"the embedding's rows (set model.pad_vocab_to to a "
+                                                       f"multiple of {n})"))
+    for size, what in checks:
+        if size % n:
+            raise ConfigError(f"parallel.tp ({n}) must divide {what}, which is {size}")
+    if cfg.tp_impl == "torch" and model.vocab_size is not None and accounting.padded_vocab(model) != model.vocab_size:
+        raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set model.pad_vocab_to 1")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one weight is cut across the group: along ``dim``, each of ``blocks`` (consecutive extents of that
+    dimension, as a fused QKV's query, key and value rows) into N equal parts; rank r holds part r of each."""
+
+    shape: tuple[int, ...]  # the whole weight's
+    dim: int
+    blocks: tuple[int, ...]
+
+    def segments(self, rank: int, n: int) -> list[tuple[int, int, int]]:
+        """(start in the shard, start in the whole weight, length) along ``dim``, block by block."""
+        out, local, start = [], 0, 0
+        for size in self.blocks:
+            part = size // n
+            out.append((local, start + rank * part, part))
+            local, start = local + part, start + size
+        return out
+
+    def take(self, whole: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``whole`` (a copy; on the meta device, a meta tensor)."""
+        return torch.cat([whole.narrow(self.dim, g, size) for _, g, size in self.segments(rank, n)], dim=self.dim)
+
+    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The whole weight from every rank's shard, in rank order."""
+        n = len(shards)
+        parts = [shards[r].narrow(self.dim, local, size) for b in range(len(self.blocks))
+                 for r in range(n) for local, _, size in [self.segments(r, n)[b]]]
+        return torch.cat(parts, dim=self.dim)
+
+    def flat_pieces(self, rank: int, n: int, lo: int, view: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Where elements [lo, lo + len(view)) of the flattened shard sit in the flattened whole weight: (start in
+        the whole, the part of ``view``) for each range that is contiguous in both."""
+        hi = lo + view.numel()
+        segments = self.segments(rank, n)
+        if self.dim == 0:
+            inner = math.prod(self.shape[1:])
+            runs = [(local * inner, start * inner, size * inner) for local, start, size in segments]
+        else:  # a 2-D weight cut along its columns: one run per row and block
+            width, whole_width = sum(self.blocks) // n, self.shape[1]
+            rows = range(lo // width, -(-hi // width)) if hi > lo else range(0)
+            runs = [(i * width + local, i * whole_width + start, size) for i in rows for local, start, size in segments]
+        out = []
+        for local, start, size in runs:
+            a, b = max(local, lo), min(local + size, hi)
+            if a < b:
+                out.append((start + a - local, view[a - lo:b - lo]))
+        return out
+
+
+# ---------------------------------------------------------------- the conjugate operators
+
+
+def _conjugate(name: str, doc: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function of one activation that calls ``forward(tp, x)`` forward and ``backward(tp, grad)``
+    backward on the group ``tp``."""
+
+    class Operator(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+            ctx.tp = tp
+            return forward(tp, x)
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return backward(ctx.tp, grad), None
+
+    Operator.__name__ = Operator.__qualname__ = name
+    Operator.__doc__ = doc
+    return Operator
+
+
+_CopyToGroup = _conjugate("CopyToGroup", "f: identity forward; the gradient summed over the group backward (an input "
+                          "every rank uses whole).", lambda tp, x: x.view_as(x), lambda tp, g: tp.all_reduce(g))
+_ReduceFromGroup = _conjugate("ReduceFromGroup", "g: partial outputs summed over the group forward; identity "
+                              "backward.", lambda tp, x: tp.all_reduce(x), lambda tp, g: g)
+_GatherSequence = _conjugate("GatherSequence", "f under sequence parallelism: the sequence shards gathered forward; "
+                             "the gradient reduce-scattered backward.", lambda tp, x: tp.gather_sequence(x),
+                             lambda tp, g: tp.reduce_scatter_sequence(g))
+_ReduceScatterSequence = _conjugate("ReduceScatterSequence", "g under sequence parallelism: partial outputs summed "
+                                    "and split along the sequence forward; gathered backward.",
+                                    lambda tp, x: tp.reduce_scatter_sequence(x), lambda tp, g: tp.gather_sequence(g))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from each rank's columns of the logits [tokens, V/N] (columns past the vocabulary
+    masked): the row max, the sum of exponentials and the target's logit are all-reduced, nothing else."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, first: int, tp: TensorParallel) -> torch.Tensor:
+        top = logits.max(dim=-1).values
+        tp.all_reduce_(top, dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        tp.all_reduce_(total)
+        local = targets - first
+        mine = (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~mine, 0)
+        target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        tp.all_reduce_(target)
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, mine)
+        return (total.log() - target).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
+        return grad_logits.mul_(grad / softmax.shape[0]), None, None, None
+
+
+# ---------------------------------------------------------------- the step
+
+
+class TensorParallel:
+    """The tensor-parallel group of this rank, the rewrite of the model, and what follows from it."""
+
+    implementation = "lab"
+
+    def __init__(self, world: World, sequence_parallel: bool):
+        self.world, self.n, self.rank = world, world.world_size, world.rank
+        self.sequence_parallel = sequence_parallel
+        self.comm = Comm(world.world_size, world.group)
+        self.splits: dict[str, Split] = {}  # parameter name → how it is cut
+
+    # ------------------------------------------------------------ collectives (counted on the group's Comm)
+
+    def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        self.comm.all_reduce(x, op=op)
+        return x
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_(x.clone(memory_format=torch.contiguous_format))
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T/N, ...] shards → [B, T, ...], rank r's shard at tokens [r·T/N, (r+1)·T/N)."""
+        shard = x.transpose(0, 1).contiguous()
+        whole = shard.new_empty((self.n * shard.shape[0], *shard.shape[1:]))
+        self.comm.all_gather(whole.view(-1), shard.view(-1))
+        return whole.transpose(0, 1)
+
+    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] partial sums → this rank's tokens of their sum, [B, T/N, ...]."""
+        whole = x.transpose(0, 1).contiguous()
+        shard = whole.new_empty((whole.shape[0] // self.n, *whole.shape[1:]))
+        self.comm.reduce_scatter(shard.view(-1), whole.view(-1))
+        return shard.transpose(0, 1)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of a column-parallel layer: f (or the sequence all-gather)."""
+        return (_GatherSequence if self.sequence_parallel else _CopyToGroup).apply(x, self)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """The partial output of a row-parallel layer: g (or the sequence reduce-scatter)."""
+        return (_ReduceScatterSequence if self.sequence_parallel else _ReduceFromGroup).apply(x, self)
+
+    def on_shards(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        """A whole weight applied to this rank's tokens only (sequence parallel): its gradient summed over the group."""
+        return _CopyToGroup.apply(weight, self) if self.sequence_parallel and weight is not None else weight
+
+    # ------------------------------------------------------------ the rewrite
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Split ``model`` (a ``lab.model.GPT``, on any device, meta included) across the group, in place."""
+        cfg = model.cfg
+        validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
+        heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
+        ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
+        for i, block in enumerate(model.blocks):
+            self._split(model, f"blocks.{i}.attn.qkv", 0, (heads * head_dim, kv * head_dim, kv * head_dim))
+            self._split(model, f"blocks.{i}.attn.proj", 1, (heads * head_dim,))
+            self._split(model, f"blocks.{i}.mlp.up", 0, (ff, ff) if block.mlp.gated else (ff,))
+            self._split(model, f"blocks.{i}.mlp.down", 1, (ff,))
+            block.attn.n_head, block.attn.n_kv_head = heads // self.n, kv // self.n
+            if self.sequence_parallel:
+                for norm in (block.norm1, block.norm2):
+                    norm.forward = functools.partial(self._norm, norm)
+        self._split(model, "wte", 0, (rows,))
+        model.wte.forward = functools.partial(self._embedding, model.wte, self.rank * rows // self.n)
+        if model.lm_head is not None:
+            self._split(model, "lm_head", 0, (rows,))
+        if self.sequence_parallel:
+            model.norm_f.forward = functools.partial(self._norm, model.norm_f)
+            if model.wpe is not None:
+                model.wpe.forward = functools.partial(self._positions, model.wpe)
+        model.output = functools.partial(self._output, model, self.rank * rows // self.n)
+        model.initial_value = functools.partial(self._initial_value, model.initial_value)
+        return model
+
+    def _split(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...]) -> None:
+        """Replace the weight (and, split the same way, the bias of a column-parallel layer) of module ``name``
+        with this rank's shard, and set its forward (linear layers) to the column- or row-parallel one."""
+        module = model.get_submodule(name)
+        for attr in ("weight", "bias"):
+            param = getattr(module, attr, None)
+            if param is None or (attr == "bias" and dim != 0):
+                continue
+            split = Split(tuple(param.shape), dim, blocks)
+            shard = split.take(param.detach(), self.rank, self.n)
+            setattr(module, attr, nn.Parameter(shard, requires_grad=param.requires_grad))
+            self.splits[f"{name}.{attr}"] = split
+        if isinstance(module, nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+            module.forward = functools.partial(self._column if dim == 0 else self._row, module)
+
+    def _initial_value(self, whole: Callable[..., torch.Tensor], name: str) -> torch.Tensor:
+        split = self.splits.get(name)
+        return whole(name) if split is None else split.take(whole(name, split.shape), self.rank, self.n)
+
+    def _column(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.enter(x), linear.weight, linear.bias)
+
+    def _row(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        out = self.leave(F.linear(x, linear.weight))
+        return out if linear.bias is None else out + self.on_shards(linear.bias)
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(norm, nn.RMSNorm):
+            return F.rms_norm(x, norm.normalized_shape, self.on_shards(norm.weight), norm.eps)
+        return F.layer_norm(x, norm.normalized_shape, self.on_shards(norm.weight), self.on_shards(norm.bias), norm.eps)
+
+    def _embedding(self, embedding: nn.Embedding, first: int, idx: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the table; other ids give zeros; summed over the group (sequence parallel: and split)."""
+        outside = (idx < first) | (idx >= first + embedding.weight.shape[0])
+        rows = F.embedding((idx - first).masked_fill(outside, 0), embedding.weight)
+        return self.leave(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def _positions(self, wpe: nn.Embedding, positions: torch.Tensor) -> torch.Tensor:
+        """Sequence parallel: the learned positions of this rank's tokens."""
+        size = positions.shape[0] // self.n
+        return F.embedding(positions.narrow(0, self.rank * size, size), self.on_shards(wpe.weight))
+
+    def _output(self, model: nn.Module, first: int, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and the vocabulary-parallel head: the loss from each rank's logits, or (no targets) the
+        logits gathered whole."""
+        x = self.enter(model.norm_f(x))
+        weight = model.wte.weight if model.lm_head is None else model.lm_head.weight
+        logits = F.linear(x, weight)
+        if model.cfg.parametrization == "mup":
+            logits = logits / model.width
+        real = min(max(model.vocab_size - first, 0), logits.shape[-1])  # this rank's rows within the vocabulary
+        if real < logits.shape[-1]:  # padding rows: never a target, excluded from the softmax
+            padding = torch.arange(real, logits.shape[-1], device=logits.device)
+            logits = logits.float().index_fill(-1, padding, float("-inf"))
+        if targets is None:
+            whole = logits.new_empty((self.n, *logits.shape))
+            self.comm.all_gather(whole.view(-1), logits.contiguous().view(-1))
+            return torch.cat(whole.unbind(0), dim=-1)[..., :model.vocab_size]
+        return _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), first, self)
+
+    # ------------------------------------------------------------ what follows from the split
+
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
+        """Run the strategy's ``backward`` of ``loss`` (in the context the loss needs)."""
+        backward(loss)
+
+    def numel(self, param: torch.Tensor) -> int:
+        """Elements of ``param`` a data-parallel strategy over this rank's shards sees (a DTensor that a strategy
+        shards further counts whole)."""
+        return param.numel()
+
+    def counts_in_norm(self, name: str) -> bool:
+        """A split weight counts on every rank (each its shard); a whole one on the group's first rank only."""
+        return name in self.splits or self.rank == 0
+
+    def checkpoint_state(self, state: CheckpointState, data: World
+                         ) -> tuple[CheckpointState, list[tuple[torch.Tensor, World]]]:
+        """The data-parallel strategy's ``state`` (flattened shards) as ranges of the whole flattened weights, each
+        range handed over by one rank; and the tensors the other ranks then receive after a load, each with the
+        axis to broadcast it over from that axis's first rank."""
+        out: CheckpointState = {}
+        broadcasts = []
+        for key, value in state.items():
+            split = self.splits.get(key.split("/")[1])
+            if isinstance(value, torch.Tensor) and (split is None or key.endswith("/step")):
+                out[key] = value  # whole on every rank
+            elif split is None:  # a range of a weight every tensor-parallel rank holds: the first hands it over
+                broadcasts.append((value.view, self.world))
+                out[key] = value if self.world.is_main else Held(value.numel, value.lo, value.view[:0])
+            else:
+                if isinstance(value, Held):
+                    lo, view = value.lo, value.view
+                else:  # this rank's shard, whole on every data-parallel rank: the first hands it over
+                    broadcasts.append((value, data))
+                    lo, view = 0, value.view(-1) if data.is_main else value.new_empty(0)
+                out[key] = Pieces(math.prod(split.shape), split.flat_pieces(self.rank, self.n, lo, view))
+        return out, broadcasts
+
+    def full_state_dict(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole weights from every rank's ``shards`` on the group's first rank (a collective of the group)."""
+        out = {}
+        for name, value in shards.items():
+            split = self.splits.get(name)
+            if split is None:
+                out[name] = value
+                continue
+            gathered = [torch.empty_like(value) for _ in range(self.n)]
+            dist.all_gather(gathered, value.contiguous(), group=self.world.group)
+            out[name] = split.assemble(gathered)
+        return out if self.world.is_main else {}
+
+    def theory_bytes(self, model: ModelConfig, micro_batch: int, accum_steps: int) -> dict[str, float]:
+        """Bytes this rank sends per optimizer step over the group, by collective, in theory (ring convention)."""
+        return accounting.tensor_parallel_comm_bytes(model, micro_batch, accum_steps, self.n, self.sequence_parallel)
+
+
+class TorchTensorParallel(TensorParallel):
+    """The reference: the same layouts through torch's DTensor (``parallel.tp_impl torch``).
+
+    ``parallelize_module`` with ``ColwiseParallel`` (QKV, MLP up), ``RowwiseParallel`` (attention output,
+    MLP down, and the embedding with replicated ids), the head's weight sharded by vocabulary rows, and the
+    loss under ``loss_parallel``. A fused weight (QKV; gate and up) is first reordered so that torch's even
+    row split hands each rank the shard the hand-rolled split gives: the local tensors, and so the
+    checkpoints, are the same. Its collectives are torch's own, not counted (no ``tp_comm_bytes``).
+    """
+
+    implementation = "torch"
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        cfg = model.cfg
+        validate(ParallelConfig(tp=self.n, tp_impl=self.implementation), cfg)
+        heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
+        ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
+        plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate())}
+        for i, block in enumerate(model.blocks):
+            self._reorder(model, f"blocks.{i}.attn.qkv", (heads * head_dim, kv * head_dim, kv * head_dim))
+            self._reorder(model, f"blocks.{i}.mlp.up", (ff, ff) if block.mlp.gated else (ff,))
+            self.splits[f"blocks.{i}.attn.proj.weight"] = Split((cfg.d_model, heads * head_dim), 1, (heads * head_dim,))
+            self.splits[f"blocks.{i}.mlp.down.weight"] = Split((cfg.d_model, ff), 1, (ff,))
+            plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.mlp.up": ColwiseParallel(),
+                     f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.down": RowwiseParallel()}
+            block.attn.n_head, block.attn.n_kv_head = heads // self.n, kv // self.n
+        self.splits["wte.weight"] = Split((rows, cfg.d_model), 0, (rows,))
+        parallelize_module(model, self.world.device_mesh, plan)
+        if model.lm_head is not None:
+            self.splits["lm_head.weight"] = Split((rows, cfg.d_model), 0, (rows,))
+            model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(),
+                                                                  self.world.device_mesh, [Shard(0)]))
+        model.output = functools.partial(self._torch_output, model)
+        return model
+
+    def numel(self, param: torch.Tensor) -> int:
+        """This rank's part of a weight torch split across the group."""
+        return _local(param).numel()
+
+    def _reorder(self, model: nn.Module, name: str, blocks: tuple[int, ...]) -> None:
+        """Order a fused weight's rows rank by rank (each rank's part of every block together), so that an even
+        split of the rows is the hand-rolled shard."""
+        module = model.get_submodule(name)
+        for attr in ("weight", "bias"):
+            param = getattr(module, attr, None)
+            if param is None:
+                continue
+            split = Split(tuple(param.shape), 0, blocks)
+            ordered = torch.cat([split.take(param.detach(), r, self.n) for r in range(self.n)])
+            setattr(module, attr, nn.Parameter(ordered, requires_grad=param.requires_grad))
+            self.splits[f"{name}.{attr}"] = split
+
+    def _torch_output(self, model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        x = DTensor.from_local(model.norm_f(x), self.world.device_mesh, [Replicate()])
+        logits = F.linear(x, model.wte.weight if model.lm_head is None else model.lm_head.weight)  # vocab-sharded
+        if model.cfg.parametrization == "mup":
+            logits = logits / model.width
+        if targets is None:
+            return logits.full_tensor()
+        with loss_parallel():
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local()
+
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            backward(loss)
+
+
+class WithTensorParallel:
+    """A data-parallel strategy on the mesh's data axis, with the tensor-parallel step applied to the model it
+    builds (before its activation checkpointing and its sharding). The loop sees the strategy's interface;
+    everything but what the split changes (building, checkpoints, export, meters) goes to the strategy."""
+
+    def __init__(self, strategy: Strategy, tp: TensorParallel):
+        self.strategy, self.tp = strategy, tp
+        self._broadcasts: list[tuple[torch.Tensor, World]] = []  # filled by checkpoint_state, sent by after_load
+        self._tp_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.strategy, name)
+
+    def describe(self) -> str:
+        sequence = ", sequence parallel" if self.tp.sequence_parallel else ""
+        return f"{self.strategy.describe()} (tp {self.tp.n}{sequence} × dp {self.strategy.world.world_size})"
+
+    def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
+              optimizer_factory: OptimizerFactory) -> None:
+        self.strategy.build(lambda: self.tp.parallelize(model_factory()), param_group_rule, optimizer_factory)
+
+    def take_step_meters(self) -> StepMeters:
+        """The strategy's meters, with the tensor-parallel group's wait added (its bytes are kept apart)."""
+        meters, tp = self.strategy.take_step_meters(), self.tp.comm.take()
+        self._tp_bytes = tp.bytes
+        return dataclasses.replace(meters, comm_wait_s=meters.comm_wait_s + tp.wait_s)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.tp.backward(loss, self.strategy.backward)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.tp.comm.paused():
+            return self.strategy.eval_loss(x, y)
+
+    def checkpoint_state(self) -> CheckpointState:
+        state = {k: _local(v) for k, v in self.strategy.checkpoint_state().items()}
+        state, self._broadcasts = self.tp.checkpoint_state(state, self.strategy.world)
+        return state
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """What one rank of an axis loaded for all of it goes to the others first; then the strategy's own."""
+        for tensor, axis in self._broadcasts:
+            if axis.world_size > 1:
+                dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)
+        self.strategy.after_load()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model on global rank 0: the data axis's first ranks (one tensor-parallel group) gather it."""
+        shards = {k: _local(v) for k, v in self.strategy.full_state_dict().items()}
+        return self.tp.full_state_dict(shards) if self.strategy.world.is_main else {}
+
+    def meters(self) -> dict[str, object]:
+        """The strategy's meters (over the data axis, model states of this rank's shards) and the tensor-parallel
+        group's bytes of the last step beside their theory."""
+        loop = self.strategy.loop
+        if self.tp.implementation == "torch":  # torch's collectives are not counted
+            return self.strategy.meters()
+        return {**self.strategy.meters(), "tp_comm_bytes_per_step": dict(self._tp_bytes),
+                "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.module.cfg, loop.micro_batch,
+                                                                      loop.accum_steps)}
+
+
+def _local(value: object) -> object:
+    """A DTensor's local part (the torch reference's shards); anything else as it is."""
+    return value.to_local() if hasattr(value, "to_local") else value

@@ -1,0 +1,278 @@
+"""Tensor and sequence parallelism (``parallel.tp``, ``parallel.sequence_parallel``) on real gloo ranks.
+
+The reference is ``single`` accumulating the micro-batches of every data-parallel replica (lab.equivalence).
+Tensor parallelism sums partial matmul products over the group (g's all-reduce, the loss's sums over
+vocabulary shards) in another order than one process's matmul, so nothing is bitwise: losses and the
+losses agree to 2.1e-7 relative at most (tested at 1e-6). AdamW, which divides by the root of tiny second
+moments, carries last-bit gradient differences into the weights: up to 2.7e-5 after 3 steps at lr 1e-2
+(tested at 1e-3, a tenth of one step, as the data-parallel suite does); the gradient norm of the later
+steps, taken at those weights, then differs by up to 2.7e-6 relative (tested at 1e-5, as there).
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from lab import accounting, checkpoint
+from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from lab.device import Precision
+from lab.equivalence import TINY, Setup, equivalence, loop_settings
+from lab.model import GPT
+from lab.optim import adamw_factory, param_groups
+from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate, validate_model
+from lab.parallel.spawn import run_pooled
+from lab.parallel.tensor import Split
+
+MODERN = ModelConfig(arch="modern", n_layer=2, n_head=4, n_kv_head=2, d_model=32, block_size=32, vocab_size=96)
+ARCHS = {"gpt2": TINY, "modern": MODERN}
+CLIP = 0.05  # below every step's norm: clipping acts, so a wrong global norm changes the weights
+
+
+def _close(r) -> bool:
+    return r.max_rel_loss_diff <= 1e-6 and r.max_rel_grad_norm_diff <= 1e-5 and r.max_param_diff <= 1e-3
+
+
+# ---------------------------------------------------------------- validation, no ranks
+
+
+@pytest.mark.parametrize("options, world_size, message", [
+    ({"tp": 3}, 4, r"parallel.tp \(3\) must divide the world size \(4\)"),
+    ({"tp": 0}, 4, "parallel.tp must be at least 1"),
+    ({"sequence_parallel": True}, 2, "sequence_parallel needs parallel.tp > 1"),
+    ({"strategy": "deepspeed", "tp": 2}, 4, "strategy 'deepspeed' does not run with parallel.tp > 1"),
+    ({"strategy": "single", "tp": 2}, 4, "strategy 'single' runs on at most 1 process"),
+    ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single"),
+    ({"strategy": "single", "tp": 2, "tp_impl": "torch", "sequence_parallel": True}, 2, "without sequence_parallel"),
+    ({"tp": 2, "tp_impl": "torh"}, 2, r"must be one of lab, torch, got 'torh' \(did you mean torch\?\)"),
+])
+def test_the_mesh_is_validated_up_front(options, world_size, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(ParallelConfig(**options), world_size, LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0))
+
+
+@pytest.mark.parametrize("model, options, message", [
+    (dict(n_head=3, d_model=48), {}, r"must divide model.n_head, which is 3"),
+    (dict(n_head=4, n_kv_head=1), {}, r"must divide model.n_kv_head"),
+    (dict(vocab_size=97), {}, r"set model.pad_vocab_to to a multiple of 2"),
+    (dict(block_size=33), {"sequence_parallel": True}, "must divide model.block_size"),
+    (dict(pad_vocab_to=64), {"tp_impl": "torch"}, "tp_impl torch cannot leave padding rows out of its loss"),
+])
+def test_shapes_the_group_cannot_split_are_refused(model, options, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_model(ParallelConfig(tp=2, **options), dataclasses.replace(TINY, **model))
+
+
+def test_a_run_with_a_bad_degree_fails_in_one_line_before_any_work(capsys, tmp_path, args):
+    from lab.cli import run_main
+
+    assert run_main(["--parallel.tp", "3", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: parallel.tp (3) must divide the world size (1)"]
+    assert run_main([*args, "--nproc-per-node", "2", "--parallel.tp", "2", "--model.d_ff", "99",
+                     "--run-dir", str(tmp_path / "r")]) == 2  # checked for 2 ranks before any starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: parallel.tp (2) must divide the MLP width (model.d_ff), which is 99"]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("shape, dim, blocks", [((12, 4), 0, (4, 4, 4)), ((3, 8), 1, (8,)), ((8,), 0, (4, 4))])
+def test_a_split_takes_assembles_and_places_every_element_once(shape, dim, blocks):
+    whole = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    split = Split(shape, dim, blocks)
+    shards = [split.take(whole, r, 2) for r in range(2)]
+    assert torch.equal(split.assemble(shards), whole)
+    placed = torch.full((whole.numel(),), -1.0)
+    for r, shard in enumerate(shards):
+        flat = shard.reshape(-1)
+        for lo, hi in ((0, 3), (3, flat.numel())):  # two ranges of the shard, as a ZeRO chunk boundary cuts it
+            for start, view in split.flat_pieces(r, 2, lo, flat[lo:hi]):
+                assert (placed[start:start + view.numel()] == -1).all()
+                placed[start:start + view.numel()] = view
+    assert torch.equal(placed, whole.reshape(-1))
+
+
+# ---------------------------------------------------------------- equivalence with single
+
+
+def _both_archs(world: World, specs: list[str], setup: Setup) -> dict:
+    return {arch: equivalence(world, specs, dataclasses.replace(setup, model=model)) for arch, model in ARCHS.items()}
+
+
+@pytest.mark.parametrize("specs", [
+    ["single:tp=2", "ddp:tp=2", "zero2:tp=2", "zero3:tp=2", "single:tp=2,tp_impl=torch"],
+    pytest.param(["torch_ddp:tp=2", "fsdp:tp=2", "zero1:tp=2,activation_checkpointing=full",
+                  "zero2:tp=2,activation_checkpointing=selective"], marks=pytest.mark.slow)])
+def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(specs):
+    results = run_pooled(_both_archs, 2, specs, Setup(steps=3, grad_clip=CLIP))[0]
+    for arch, by_spec in results.items():
+        assert set(by_spec) == set(specs)
+        for spec, r in by_spec.items():
+            assert _close(r), (arch, spec, r)
+
+
+@pytest.mark.slow
+def test_tp2_by_dp2_reproduces_single_with_accumulation_and_clipping_on_four_ranks():
+    specs = ["ddp:tp=2", "zero2:tp=2", "zero3:tp=2", "fsdp:tp=2", "zero2:tp=2,sequence_parallel=true"]
+    results = run_pooled(_both_archs, 4, specs, Setup(steps=3, accum=2, grad_clip=CLIP))[0]
+    for arch, by_spec in results.items():
+        for spec, r in by_spec.items():
+            assert _close(r), (arch, spec, r)
+
+
+def test_sequence_parallel_reproduces_single_on_two_ranks():
+    specs = ["ddp:tp=2,sequence_parallel=true", "zero3:tp=2,sequence_parallel=true"]
+    results = run_pooled(_both_archs, 2, specs, Setup(steps=3, accum=2, grad_clip=CLIP))[0]
+    for arch, by_spec in results.items():
+        for spec, r in by_spec.items():
+            assert _close(r), (arch, spec, r)
+
+
+# ---------------------------------------------------------------- meters
+
+
+def _tp_meters(world: World, specs: list[str], accum: int) -> dict:
+    """The tensor-parallel bytes of one step (measured, theory) under each spec, on both archs."""
+    from lab.equivalence import batch
+    from lab.train import StepPlan, train_step
+
+    out = {}
+    for arch, model in ARCHS.items():
+        setup = Setup(model=model, accum=accum)
+        for spec in specs:
+            parallel = parse_spec(spec)
+            strategy = create(parallel, world, Precision("cpu", False), loop_settings(setup))
+            strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
+                           adamw_factory(TrainConfig(), world.device))
+            replica, replicas = data_replica(parallel, world.rank, world.world_size)
+            plan = StepPlan(setup.micro_batch * accum * replicas, accum, 1, setup.micro_batch, replicas)
+            x, y = batch(setup, 0, plan.global_sequences)
+            micro = [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(replica, m) for m in range(accum))]
+            train_step(strategy, world, micro, accum, 1e-2, 1.0)
+            strategy.take_step_meters()
+            strategy.eval_loss(x[:2], y[:2])  # not a training step's traffic
+            meters = strategy.meters()
+            out[(arch, spec)] = (meters["tp_comm_bytes_per_step"], meters["tp_comm_bytes_per_step_theory"])
+    return out
+
+
+def test_tensor_parallel_bytes_per_step_equal_their_theory():
+    results = run_pooled(_tp_meters, 2, ["ddp:tp=2", "zero2:tp=2,sequence_parallel=true"], 2)[0]
+    for (arch, spec), (measured, theory) in results.items():
+        assert measured == pytest.approx(theory, rel=1e-12), (arch, spec)
+        assert measured["all_reduce"] > 0
+        if "sequence_parallel" in spec:
+            assert measured["all_gather"] == pytest.approx(measured["reduce_scatter"])
+            assert measured["all_gather"] > 0
+        else:
+            assert measured["all_gather"] == measured["reduce_scatter"] == 0
+    shape, b, s, h = TINY, 2, TINY.block_size, TINY.d_model  # 2 micro-steps, 2 ranks: 2(N-1)/N = 1
+    assert results[("gpt2", "ddp:tp=2")][1]["all_reduce"] == 2 * 4 * ((4 * shape.n_layer + 2) * b * s * h + 3 * b * s)
+
+
+# ---------------------------------------------------------------- checkpoints across layouts
+
+
+def _built(world: World, spec: str, setup: Setup):
+    strategy = create(parse_spec(spec), world, Precision("cpu", False), loop_settings(setup))
+    strategy.build(lambda: GPT(setup.model, seed=setup.seed), lambda m: param_groups(m, 0.1),
+                   adamw_factory(TrainConfig(), world.device))
+    return strategy
+
+
+def _steps(world: World, strategy, spec: str, setup: Setup, steps: range) -> None:
+    from lab.equivalence import batch
+    from lab.train import StepPlan, train_step
+
+    replica, replicas = data_replica(parse_spec(spec), world.rank, world.world_size)
+    plan = StepPlan(8, 1, len(steps), 8 // replicas, replicas)  # one global batch of 8 sequences for every layout
+    for step in steps:
+        x, y = batch(setup, step, plan.global_sequences)
+        lo, hi = plan.micro_range(replica, 0)
+        train_step(strategy, world, [(x[lo:hi], y[lo:hi])], 1, setup.lr, 0.0)
+
+
+def _reshard(world: World, run_dir, saved: str, loaders: list[str]) -> dict:
+    """Train 2 steps under ``saved`` and checkpoint; load that into each of ``loaders`` (fresh) and compare the
+    weights; then one more step under each (the moments must have come along too)."""
+    setup = Setup(model=MODERN)
+    original = _built(world, saved, setup)
+    _steps(world, original, saved, setup, range(2))
+    checkpoint.save(run_dir, 2, world.rank, world.world_size, original.checkpoint_state(), {}, keep=1)
+    before = original.full_state_dict()
+    _steps(world, original, saved, setup, range(2, 3))
+    after = original.full_state_dict()
+    out = {}
+    for spec in loaders:
+        strategy = _built(world, spec, setup)
+        checkpoint.load(checkpoint.latest(run_dir), world.rank, world.world_size, strategy.checkpoint_state())
+        strategy.after_load()
+        loaded = strategy.full_state_dict()
+        _steps(world, strategy, spec, setup, range(2, 3))
+        stepped = strategy.full_state_dict()
+        if world.is_main:
+            out[spec] = (max((loaded[k] - before[k]).abs().max().item() for k in before),
+                         max((stepped[k] - after[k]).abs().max().item() for k in after))
+    if world.is_main:
+        shapes = {k: v.shape for k, v in before.items() if not k.startswith("rope")}
+        whole = checkpoint.load_model(checkpoint.latest(run_dir), shapes)  # no group: export and sample read this
+        out["single"] = (max((whole[k] - before[k]).abs().max().item() for k in shapes), 0.0)
+    return out
+
+
+def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path):
+    """A checkpoint of the DTensor reference loads into the hand-rolled split and into ddp bit for bit, and
+    training goes on alike."""
+    out = run_pooled(_reshard, 2, tmp_path, "single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"], deadline_s=120)[0]
+    assert set(out) == {"single:tp=2", "ddp", "single"}
+    for spec, (loaded, stepped) in out.items():
+        assert loaded == 0.0 and stepped <= 1e-5, spec
+
+
+@pytest.mark.slow
+def test_a_tp2_by_dp2_checkpoint_loads_under_tp1_by_dp4_tp2_by_dp2_and_single(tmp_path):
+    loaders = ["ddp", "zero2", "ddp:tp=2", "zero1:tp=2,sequence_parallel=true"]
+    out = run_pooled(_reshard, 4, tmp_path, "zero3:tp=2", loaders, deadline_s=120)[0]
+    assert set(out) == {"ddp", "zero2", "ddp:tp=2", "zero1:tp=2,sequence_parallel=true", "single"}
+    for spec, (loaded, stepped) in out.items():
+        assert loaded == 0.0, spec  # the weights come back bit for bit
+        assert stepped <= 1e-5, spec  # and so do the moments: zeros would move a weight by about lr (1e-2)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _train(world: World, tree: dict, data_dir, run_dir) -> dict:
+    from lab.config import resolve
+    from lab.train import train
+
+    cfg = resolve(tree)
+    cfg.model.vocab_size = 512
+    return train(cfg, data_dir, run_dir, world)
+
+
+@pytest.mark.slow
+def test_the_loop_trains_with_tp2_and_a_single_process_resumes_it(tiny_data_config, tiny_prepared, args, tmp_path):
+    """The real loop on 2 ranks (tp 2, zero2 over a data axis of one): the logged losses are single's; its
+    checkpoint resumes under single in one process, which ends where an uninterrupted single run ends."""
+    import json
+
+    from lab.cli import run_main
+
+    tree = {"model": {"n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 32},
+            "data": {"corpus": tiny_data_config.corpus, "cache_dir": tiny_data_config.cache_dir, "vocab_size": 512},
+            "train": {"tokens": 2048, "batch_tokens": 256, "micro_batch": 4, "eval_tokens": 512, "lr": 1e-2,
+                      "log_every": 1, "stop_after": 4, "checkpoint_every": 4},
+            "parallel": {"strategy": "zero2", "tp": 2}}
+    summaries = run_pooled(_train, 2, tree, tiny_prepared, tmp_path / "tp")
+    assert summaries[0]["status"] == "stopped" and summaries[0]["tp_comm_bytes_per_step"]["all_reduce"] > 0
+    assert run_main([*args, "--run-dir", str(tmp_path / "tp"), "--resume"]) == 0
+    assert run_main([*args, "--run-dir", str(tmp_path / "single")]) == 0
+
+    def losses(run: str) -> list[float]:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+    assert len(losses("tp")) == len(losses("single")) == 8
+    assert losses("tp") == pytest.approx(losses("single"), rel=1e-5)
