@@ -54,7 +54,7 @@ from lab import accounting, memory
 from lab.checkpoint import CheckpointState, Held
 from lab.parallel.base import (ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, set_lr,
                                storage_bytes)
-from lab.parallel.comm import InOrder, SummedOnWait
+from lab.parallel.comm import Exchange, InOrder, SummedOnWait
 from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
@@ -78,7 +78,7 @@ class Unit:
     grad_shard: torch.Tensor | None = None  # this rank's chunk of the averaged gradient
     master: torch.Tensor | None = None  # offload: the host's fp32 copy of the shard
     gathered: bool = False  # stage 3: flat's storage holds the weights (or an all-gather into it is under way)
-    gathering: dist.Work | None = None  # stage 3: the prefetch's all-gather, until waited
+    gathering: dist.Work | Exchange | None = None  # stage 3: the prefetch's all-gather, until waited
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
 
 
