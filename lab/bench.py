@@ -13,9 +13,10 @@ Strategies: every strategy trains the same model on the same random batches on `
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
 again and again; round r starts at the (r mod k)-th of the k strategies, so each takes every place
 in the order equally often) so that a noisy shared machine slows them alike. Per strategy: the
-median step time and tokens/s over all timed steps; the ratio to ``torch_ddp``'s tokens/s, paired
-by round (each round's ratio compares steps taken seconds apart, so slow drifts of the machine
-cancel), as the median over rounds with a 95 % bootstrap interval; the time a step waited on
+median step time, tokens/s and CPU time (rank 0's process, every thread: on a shared machine the
+work a step costs, whatever else runs) over all timed steps; the ratio to ``torch_ddp``'s tokens/s,
+paired by round (each round's ratio compares steps taken seconds apart, so slow drifts of the
+machine cancel), as the median over rounds with a 95 % bootstrap interval; the time a step waited on
 communication (exposed); the bytes sent per step against theory; the model-state bytes per rank
 against theory; and the activation bytes a micro-step saved for its backward. ``single`` runs on
 rank 0 alone, the one-process baseline. ``--out`` writes a Markdown table, a JSON file and a PNG
@@ -40,6 +41,7 @@ import dataclasses
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -192,6 +194,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
     x = torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
     times: dict[str, list[list[float]]] = {c.label: [[] for _ in range(rounds)] for c in cases}
     waits = {c.label: [] for c in cases}
+    cpus = {c.label: [] for c in cases}
     pairs = list(zip(cases, built, strict=True))
     for r in range(-1, rounds):  # round -1 warms up
         first = max(r, 0) % len(pairs)
@@ -200,12 +203,13 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
                 dist.barrier()
                 continue
             for _ in range(warmup if r < 0 else steps):
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), process_cpu_s()
                 train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
-                elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
+                elapsed, cpu, meters = time.perf_counter() - t0, process_cpu_s() - cpu0, s.take_step_meters()
                 if r >= 0:
                     times[case.label][r].append(elapsed)
                     waits[case.label].append(meters.comm_wait_s)
+                    cpus[case.label].append(cpu)
             if _alone(case, world).world_size == 1 and world.world_size > 1:
                 dist.barrier()
             if world.is_main and r >= 0:
@@ -220,9 +224,16 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         tokens = micro_batch * shape.block_size * _alone(case, world).world_size
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens / step, "exposed_comm_s": statistics.median(waits[case.label]),
+                     "cpu_time_s": statistics.median(cpus[case.label]),
                      "round_tokens_per_s": [tokens / statistics.median(ts) for ts in times[case.label]],
                      **s.meters()})
     return rows
+
+
+def process_cpu_s() -> float:
+    """CPU seconds this process has used, every thread (the communication backend's included), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def paired_ratio(case: list[float], reference: list[float], resamples: int = 2000) -> tuple[float, float, float]:
@@ -277,15 +288,16 @@ def plot_strategies(rows: list[dict], path: Path) -> None:
 
 
 def format_strategies(rows: list[dict]) -> str:
-    lines = ["| strategy | step ms | tokens/s | vs torch_ddp (tokens/s): paired median [95 % interval] "
-             "| exposed comm ms | comm MB/step: counted / theory "
+    lines = ["| strategy | step ms | CPU ms/step, rank 0 | tokens/s | vs torch_ddp (tokens/s): paired median "
+             "[95 % interval] | exposed comm ms | comm MB/step: counted / theory "
              "| model states MB/rank: measured / theory | saved activations MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         counted, theory = sum(r["comm_bytes_per_step"].values()), sum(r["comm_bytes_per_step_theory"].values())
         vs = r.get("vs_reference")
         ratio = f"{vs['median']:.3f}× [{vs['ci95'][0]:.3f}, {vs['ci95'][1]:.3f}]" if vs else "-"
-        lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+        lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {1e3 * r['cpu_time_s']:.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {ratio} | "
                      f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
                      f"{r['model_state_bytes']['total'] / 1e6:.2f} / "
                      f"{r['model_state_bytes_theory']['total'] / 1e6:.2f} | "

@@ -47,8 +47,9 @@ def test_strategies_side_by_side_on_two_ranks(tmp_path):
     ref = rows[3]["tokens_per_s"]
     for r in rows[:2]:  # the ratio is of tokens/s, as its header says (single runs half the tokens per step)
         ratio = r["tokens_per_s"] / ref  # one round: the paired ratio is the ratio of the medians
-        assert f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | " \
-               f"{ratio:.3f}× [{ratio:.3f}, {ratio:.3f}] |" in table
+        assert f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {1e3 * r['cpu_time_s']:.1f} | " \
+               f"{r['tokens_per_s']:,.0f} | {ratio:.3f}× [{ratio:.3f}, {ratio:.3f}] |" in table
+        assert 0 < r["cpu_time_s"] < 10 * r["step_time_s"]  # rank 0's process: compute and gloo's threads
     assert "round 1/1: ddp_naive" in proc.stdout  # progress while it runs
 
 
