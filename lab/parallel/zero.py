@@ -588,7 +588,7 @@ class Zero3(Zero):
         return flat
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
-        """The root unit, the block at work and the next one (prefetched) gathered at once."""
+        """The root unit, the unit at work and the next one (prefetched) gathered at once, both taken as the largest."""
         _, grads_forward, grads_backward = super().theory_in_flight(states)
         blocks = [u.padded for u in self.units if u is not self._root]
         gathered = (self._root.padded + 2 * max(blocks, default=0)) * self._root.shard.element_size()
