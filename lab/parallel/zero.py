@@ -152,6 +152,7 @@ class Zero(Strategy):
         self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
         self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
         self._in_flight: deque[tuple[Unit, dist.Work | SummedOnWait]] = deque()  # launched, not yet settled
+        self._spare: torch.Tensor | None = None  # the last settled unit's gradient buffer
         if self.stage >= 2:
             for unit in self.units:
                 for p in unit.params:
@@ -197,8 +198,7 @@ class Zero(Strategy):
         k, i = self._unit_of[id(p)]
         unit = self.units[k]
         if unit.flat_grad is None:
-            unit.flat_grad = torch.zeros(unit.padded, dtype=p.dtype, device=self.world.device)
-            memory.tag(unit.flat_grad, "grads")
+            unit.flat_grad = self._gradient_buffer(unit.padded, p.dtype)
         memory.tag(p.grad, "grads")
         offset = unit.offsets[i]
         unit.flat_grad[offset:offset + p.numel()].add_(p.grad.flatten())
@@ -210,6 +210,18 @@ class Zero(Strategy):
             self._launches.arrived(k, eager=self.cfg.overlap)
             self._settle(in_flight=1)
 
+    def _gradient_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed buffer for a unit's whole gradient: the one the last settled reduce-scatter left if it is of this
+        size (stages 2-3), or a new one. Reused, its pages are not faulted in again (a new buffer of 1 MiB or more is
+        a fresh mapping: see ``lab.memory``); it stands in for the one just freed, so the peak does not grow."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == numel and spare.dtype == dtype:
+            buffer = spare.zero_()
+        else:
+            buffer = torch.zeros(numel, dtype=dtype, device=self.world.device)
+        memory.tag(buffer, "grads")
+        return buffer
+
     def _unit_done(self, unit: Unit) -> None:
         """All of a unit's gradients of this micro-step are in (stage 3 frees its weights here)."""
 
@@ -219,7 +231,7 @@ class Zero(Strategy):
         handle is kept only until settled: a handle keeps the backend's copy of the input alive."""
         unit, r = self.units[k], self.world.rank
         if unit.flat_grad is None:  # no parameter of the unit was used in this step
-            unit.flat_grad = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
+            unit.flat_grad = self._gradient_buffer(unit.padded, unit.shard.dtype)
         if self.stage == 1:
             unit.grad_shard = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk]
         else:
@@ -230,12 +242,14 @@ class Zero(Strategy):
 
     def _settle(self, in_flight: int) -> None:
         """Finish the reduce-scatters that are done, and wait for the oldest until at most ``in_flight`` remain:
-        each finished unit's gradient shard is averaged and (stages 2-3) its whole gradient freed."""
+        each finished unit's gradient shard is averaged and (stages 2-3) its whole gradient freed, the buffer kept
+        for the next unit's gradient (one buffer, until the backward ends)."""
         while self._in_flight and (len(self._in_flight) > in_flight or self._in_flight[0][1].is_completed()):
             unit, work = self._in_flight.popleft()
             self.comm.wait(work)
             unit.grad_shard.div_(self.world.world_size)
             if self.stage > 1:
+                self._spare = unit.flat_grad
                 unit.flat_grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -244,6 +258,7 @@ class Zero(Strategy):
             return
         self._launches.finish()
         self._settle(in_flight=0)
+        self._spare = None
         for unit, lo, hi, piece in self._pieces:
             grad = unit.grad_shard[lo:hi]
             piece.grad = grad.to(HOST) if self.offloaded and grad.device != HOST else grad
