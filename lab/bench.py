@@ -70,8 +70,8 @@ from lab.files import save_json, write_atomic
 from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
-from lab.parallel.comm import loopback_tx_bytes
 from lab.parallel import validate as validate_parallel
+from lab.parallel.comm import loopback_tx_bytes
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import train_step
 

@@ -156,7 +156,8 @@ def _peak_bytes_by_kind(world: World, spec: str) -> dict:
 def test_zero3_peak_parameter_bytes_are_one_shard_and_two_units_measured_by_allocation():
     m = run_pooled(_peak_bytes_by_kind, 2, "zero3")[0]
     *blocks, root = m["units"]
-    bound = m["shard"] + root + 2 * max(blocks)  # its shard, the root unit, the block at work and the next one
+    assert len(blocks) == 2 * WIDE.n_layer  # half blocks: the attention with its norm, the MLP with its own
+    bound = m["shard"] + root + 2 * max(blocks)  # its shard, the root unit, the unit at work and the next one
     assert m["shard"] + root < m["kinds"]["params"] <= bound < sum(m["units"]), m
     assert m["built"]["params"] == m["shard"]  # built from the meta device: only this rank's chunks ever existed
 

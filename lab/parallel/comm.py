@@ -203,13 +203,10 @@ class Comm:
 
 
 class Exchange:
-    """Point-to-point works waited for together, as one collective's work (on gloo complete only once waited for)."""
+    """Point-to-point works waited for together, as one collective's work."""
 
     def __init__(self, works: list[dist.Work]):
         self.works = works
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> bool:
         for w in self.works:
@@ -219,8 +216,8 @@ class Exchange:
 
 
 class SummedOnWait:
-    """A reduce-scatter's messages; ``wait`` then sums the N copies of this rank's chunk (``parts``, in rank order:
-    the one this rank holds and the N − 1 received) into ``output``."""
+    """A reduce-scatter's all-to-all; ``wait`` then sums the N copies of this rank's chunk (``parts``, in rank order:
+    the one this rank holds and the ones received) into ``output``."""
 
     def __init__(self, work: dist.Work, parts: list[torch.Tensor], output: torch.Tensor):
         self.work, self.parts, self.output = work, parts, output

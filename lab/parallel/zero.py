@@ -474,10 +474,10 @@ class Zero3(Zero):
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
         """Half blocks, then the root unit, in the order gradients complete (see ``segments``)."""
         prefix = {m: name for name, m in module.named_modules()}
-        names = [[f"{prefix[m]}.{n}" for m in seg for n, p in m.named_parameters() if p.requires_grad]
+        named = [(seg, [f"{prefix[m]}.{n}" for m in seg for n, p in m.named_parameters() if p.requires_grad])
                  for seg in segments(module)]
-        self._segments = [(seg, ns) for seg, ns in zip(segments(module), names, strict=True) if ns]
-        in_blocks = {n for ns in names for n in ns}
+        self._segments = [(seg, names) for seg, names in named if names]  # frozen throughout: no unit
+        in_blocks = {n for _, names in self._segments for n in names}
         root = [n for n in trainable if n not in in_blocks]
         return [ns for _, ns in reversed(self._segments)] + ([root] if root else [])
 
