@@ -13,9 +13,10 @@ Strategies: every strategy trains the same model on the same random batches on `
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
 again and again; round r starts at the (r mod k)-th of the k strategies, so each takes every place
 in the order equally often) so that a noisy shared machine slows them alike. Per strategy: the
-median step time and tokens/s over all timed steps; the ratio to ``torch_ddp``'s tokens/s, paired
-by round (each round's ratio compares steps taken seconds apart, so slow drifts of the machine
-cancel), as the median over rounds with a 95 % bootstrap interval; the time a step waited on
+median step time, tokens/s and CPU time (rank 0's process, every thread: on a shared machine the
+work a step costs, whatever else runs) over all timed steps; the ratio to ``torch_ddp``'s tokens/s,
+paired by round (each round's ratio compares steps taken seconds apart, so slow drifts of the
+machine cancel), as the median over rounds with a 95 % bootstrap interval; the time a step waited on
 communication (exposed); the bytes sent per step against theory; the model-state bytes per rank
 against theory; and the activation bytes a micro-step saved for its backward. ``single`` runs on
 rank 0 alone, the one-process baseline. ``--out`` writes a Markdown table, a JSON file and a PNG
@@ -25,11 +26,12 @@ Memory (``--memory``): each strategy trains issue 19's configuration (85M parame
 the lab's own command line under torchrun, one run after the other. Per run: the peak RSS of its
 largest process as the kernel counts it (``wait4``'s ru_maxrss over the torchrun tree, nothing the
 lab reports; the run ends with a checkpoint), rank 0's own high-water mark after the last step
-(before that checkpoint), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.memory``) beside
-``peak_bytes_theory``, the median step time of the steps after the first, and the bytes sent on
-the loopback interface while those steps ran (the counter read when the first and the last step's
-records appear) beside the formula (every rank sends ``comm_bytes_per_step_theory``), with the
-interface's background rate measured just before the run.
+(before that checkpoint), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.memory``)
+beside ``peak_bytes_theory``, the median step time of the steps after the first, and the bytes sent
+on the loopback interface while those steps ran (the counter rank 0 reads at the end of every step,
+``loopback_tx_bytes`` in its records: from the end of the first step to the end of the last) beside
+the formula (every rank sends ``comm_bytes_per_step_theory``), with the interface's background rate
+measured just before the run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import dataclasses
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -68,6 +71,7 @@ from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec
 from lab.parallel import validate as validate_parallel
+from lab.parallel.comm import loopback_tx_bytes
 from lab.parallel.spawn import RankFailed, run_ranks
 from lab.train import train_step
 
@@ -197,6 +201,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
 
     times: dict[str, list[list[float]]] = {c.label: [[] for _ in range(rounds)] for c in cases}
     waits = {c.label: [] for c in cases}
+    cpus = {c.label: [] for c in cases}
     pairs = list(zip(cases, built, strict=True))
     for r in range(-1, rounds):  # round -1 warms up
         first = max(r, 0) % len(pairs)
@@ -206,12 +211,13 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
                 continue
             x = replica_batch(case)
             for _ in range(warmup if r < 0 else steps):
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), process_cpu_s()
                 train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
-                elapsed, meters = time.perf_counter() - t0, s.take_step_meters()
+                elapsed, cpu, meters = time.perf_counter() - t0, process_cpu_s() - cpu0, s.take_step_meters()
                 if r >= 0:
                     times[case.label][r].append(elapsed)
                     waits[case.label].append(meters.comm_wait_s)
+                    cpus[case.label].append(cpu)
             if _alone(case, world).world_size == 1 and world.world_size > 1:
                 dist.barrier()
             if world.is_main and r >= 0:
@@ -227,9 +233,16 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         tokens_per_step = micro_batch * shape.block_size * data_replica(case.parallel, w.rank, w.world_size)[1]
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens_per_step / step, "exposed_comm_s": statistics.median(waits[case.label]),
+                     "cpu_time_s": statistics.median(cpus[case.label]),
                      "round_tokens_per_s": [tokens_per_step / statistics.median(ts) for ts in times[case.label]],
                      **s.meters()})
     return rows
+
+
+def process_cpu_s() -> float:
+    """CPU seconds this process has used, every thread (the communication backend's included), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def paired_ratio(case: list[float], reference: list[float], resamples: int = 2000) -> tuple[float, float, float]:
@@ -284,17 +297,18 @@ def plot_strategies(rows: list[dict], path: Path) -> None:
 
 
 def format_strategies(rows: list[dict]) -> str:
-    lines = ["| strategy | step ms | tokens/s | vs torch_ddp (tokens/s): paired median [95 % interval] "
-             "| exposed comm ms | comm MB/step: counted / theory "
+    lines = ["| strategy | step ms | CPU ms/step, rank 0 | tokens/s | vs torch_ddp (tokens/s): paired median "
+             "[95 % interval] | exposed comm ms | comm MB/step: counted / theory "
              "| model states MB/rank: measured / theory | saved activations MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:  # bytes over both axes of the mesh (tensor-parallel ones where parallel.tp > 1)
         counted = sum(r["comm_bytes_per_step"].values()) + sum(r.get("tp_comm_bytes_per_step", {}).values())
         theory = (sum(r["comm_bytes_per_step_theory"].values())
                   + sum(r.get("tp_comm_bytes_per_step_theory", {}).values()))
         vs = r.get("vs_reference")
         ratio = f"{vs['median']:.3f}× [{vs['ci95'][0]:.3f}, {vs['ci95'][1]:.3f}]" if vs else "-"
-        lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+        lines.append(f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {1e3 * r['cpu_time_s']:.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {ratio} | "
                      f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
                      f"{r['model_state_bytes']['total'] / 1e6:.2f} / "
                      f"{r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
@@ -350,60 +364,46 @@ MEMORY_RUN = ("--model.n_layer", "12", "--model.d_model", "768", "--model.n_head
               "--train.tokens", "640", "--train.log_every", "1", "--train.eval_tokens", "128",
               "--train.checkpoint_every", "0", "--train.memory_meter", "true")
 RUN_SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "run.py"
-LOOPBACK = Path("/sys/class/net/lo/statistics/tx_bytes")
 BACKGROUND_S = 2.0  # the loopback's own traffic (other processes) is read this long before each run
-POLL_S = 0.01
-
-
-def loopback_tx_bytes() -> int:
-    """Bytes sent on the loopback interface since boot (0 where the counter cannot be read)."""
-    try:
-        return int(LOOPBACK.read_text())
-    except (OSError, ValueError):
-        return 0
 
 
 def _step_records(path: Path) -> list[dict]:
-    """The step records of a run's metrics.jsonl so far (a line still being written is left out)."""
+    """The step records of a run's metrics.jsonl."""
     try:
-        lines = path.read_text().splitlines(keepends=True)
+        lines = path.read_text().splitlines()
     except OSError:
         return []
-    return [json.loads(line) for line in lines if '"loss"' in line and line.endswith("\n")]
+    return [record for record in map(json.loads, lines) if "loss" in record]
 
 
 def memory_run(strategy: str, nproc: int, run_dir: Path, extra: list[str]) -> dict:
     """Train under torchrun with the lab's command line; the kernel's peak RSS of the largest process, the loopback
-    bytes of the timed steps (all but the first), and the run's own figures (see the module docstring)."""
+    bytes of the timed steps (all but the first: the counter rank 0 read at the end of the first step and of the
+    last), and the run's own figures (see the module docstring)."""
     before = loopback_tx_bytes()
     time.sleep(BACKGROUND_S)
-    background = (loopback_tx_bytes() - before) / BACKGROUND_S
+    after = loopback_tx_bytes()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(RUN_SCRIPT), "--strategy", strategy, *MEMORY_RUN, *extra, "--run-dir", str(run_dir)]
-    marks: dict[int, tuple[float, int]] = {}  # records written -> (when first seen, loopback bytes then)
     with open(run_dir.with_name(run_dir.name + ".log"), "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                break
-            marks.setdefault(len(_step_records(run_dir / "metrics.jsonl")), (time.perf_counter(), loopback_tx_bytes()))
-            time.sleep(POLL_S)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
     records = _step_records(run_dir / "metrics.jsonl")
     if proc.returncode != 0 or len(records) < 2:
         last = Path(log.name).read_text().strip().splitlines()[-1:]
         raise RuntimeError(f"{strategy}: the run exited with {proc.returncode} after {len(records)} step(s): {last}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    (t0, sent0), (t1, sent1) = marks[1], marks[len(records)]
-    timed = len(records) - 1
+    sent = [r["loopback_tx_bytes"] for r in (records[0], records[-1])]
+    timed = records[1:]
+    loopback = None if None in (before, after, *sent) else {
+        "bytes_per_step": (sent[1] - sent[0]) / len(timed), "seconds": sum(r["step_time_s"] for r in timed),
+        "background_bytes_per_s": (after - before) / BACKGROUND_S,
+        "formula_bytes_per_step": nproc * sum(summary["comm_bytes_per_step_theory"].values())}
     return {"strategy": strategy, "rss_peak_bytes": usage.ru_maxrss * 1024,
             "rss_steps_bytes": records[-1]["peak_bytes"]["rss"],  # rank 0's VmHWM after the last step
             "peak_bytes": summary["peak_bytes"], "peak_bytes_theory": summary["peak_bytes_theory"],
-            "step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
-            "loopback": {"bytes_per_step": (sent1 - sent0) / timed, "seconds": t1 - t0,
-                         "background_bytes_per_s": background,
-                         "formula_bytes_per_step": nproc * sum(summary["comm_bytes_per_step_theory"].values())},
+            "step_time_s": statistics.median(r["step_time_s"] for r in timed), "loopback": loopback,
             "comm_bytes_per_step": summary["comm_bytes_per_step"],
             "model_state_bytes": summary["model_state_bytes"], "params": summary["params"]}
 
@@ -419,11 +419,12 @@ def format_memory(rows: list[dict]) -> str:
         measured, theory, lo = r["peak_bytes"], r["peak_bytes_theory"], r["loopback"]
         phases = " / ".join(f"{measured[p] / mib:,.0f} vs {theory[p] / mib:,.0f} ({measured[p] / theory[p] - 1:+.0%})"
                             for p in ("forward", "backward", "step"))
+        sent = "-" if lo is None else (f"{lo['bytes_per_step'] / 1e6:,.1f} / {lo['formula_bytes_per_step'] / 1e6:,.1f} "
+                                       f"({lo['background_bytes_per_s'] / 1e6:.2f})")
         lines.append(f"| {r['strategy']} | {r['rss_peak_bytes'] / mib:,.0f} "
                      f"({r['rss_peak_bytes'] / ref['rss_peak_bytes']:.2f}×) | {r['rss_steps_bytes'] / mib:,.0f} "
                      f"({r['rss_steps_bytes'] / ref['rss_steps_bytes']:.2f}×) | {phases} | {r['step_time_s']:.2f} "
-                     f"({r['step_time_s'] / ref['step_time_s']:.2f}×) | {lo['bytes_per_step'] / 1e6:,.1f} / "
-                     f"{lo['formula_bytes_per_step'] / 1e6:,.1f} ({lo['background_bytes_per_s'] / 1e6:.2f}) |")
+                     f"({r['step_time_s'] / ref['step_time_s']:.2f}×) | {sent} |")
     return "\n".join(lines)
 
 

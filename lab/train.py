@@ -31,6 +31,7 @@ from lab.model import GPT
 from lab.model import validate as validate_model
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, Strategy, World
+from lab.parallel.comm import loopback_tx_bytes
 
 ESTIMATE_MFU = 0.3  # the utilisation the start line's duration estimate assumes
 MAX_DAYS = 365  # a run that would take longer than this even at 100 % MFU is refused
@@ -411,7 +412,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             last = checkpoint.latest(run_dir)
             raise TrainingDiverged(f"{e} at step {step + 1}; stopped (last good checkpoint: {last or 'none'})") from None
         synchronize(world.device)
-        step_time, meters, done = time.perf_counter() - t0, strategy.take_step_meters(), step + 1
+        step_time, sent = time.perf_counter() - t0, loopback_tx_bytes()
+        meters, done = strategy.take_step_meters(), step + 1
         peaks = memory.take_step_peaks()
         most_peaks = {k: max(v, most_peaks.get(k, 0)) for k, v in peaks.items()}
         log.bar.update()
@@ -429,7 +431,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "step_time_s": step_time, "comm_time_s": meters.comm_wait_s,
                    "compute_time_s": max(0.0, step_time - meters.comm_wait_s), "tokens_per_s": tokens_per_s,
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
-                   "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks}
+                   "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks,
+                   "loopback_tx_bytes": sent}
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))

@@ -6,6 +6,7 @@ same micro-batches (lab.equivalence).
 """
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from lab.model import GPT
 from lab.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.activations import SavedBytes, apply
+from lab.parallel.comm import Comm
 from lab.parallel.spawn import run_pooled
 from lab.train import train_step
 from test_distributed import GPTWithSometimesUnusedLayer, frozen_gpt, rank_dependent_gpt
@@ -154,7 +156,8 @@ def _peak_bytes_by_kind(world: World, spec: str) -> dict:
 def test_zero3_peak_parameter_bytes_are_one_shard_and_two_units_measured_by_allocation():
     m = run_pooled(_peak_bytes_by_kind, 2, "zero3")[0]
     *blocks, root = m["units"]
-    bound = m["shard"] + root + 2 * max(blocks)  # its shard, the root unit, the block at work and the next one
+    assert len(blocks) == 2 * WIDE.n_layer  # half blocks: the attention with its norm, the MLP with its own
+    bound = m["shard"] + root + 2 * max(blocks)  # its shard, the root unit, the unit at work and the next one
     assert m["shard"] + root < m["kinds"]["params"] <= bound < sum(m["units"]), m
     assert m["built"]["params"] == m["shard"]  # built from the meta device: only this rank's chunks ever existed
 
@@ -165,6 +168,37 @@ def test_zero2_peak_gradient_bytes_are_one_shard_and_the_buckets_in_flight_measu
     # this rank's gradient shard, one bucket filling and one reduce-scattering, one parameter's fresh gradient
     bound = m["shard"] + 2 * max(m["units"]) + m["largest_param"]
     assert m["shard"] < m["kinds"]["grads"] <= bound, m
+
+
+def _resident_growth(world: World) -> dict:
+    """The kernel's high-water mark over the resident set (VmHWM, reset through /proc/self/clear_refs) during the
+    lab's all-gather and reduce-scatter of 16 MiB on gloo, with every tensor they write already resident."""
+    memory.return_freed_memory_to_kernel()
+    comm, n, me = Comm(world.world_size), 2**22, world.rank
+    gathered, shard = torch.zeros(n), torch.full((n // world.world_size,), float(me))
+    summed, grads = torch.zeros(n // world.world_size), torch.arange(n, dtype=torch.float32) * (me + 1)
+
+    def growth(collective) -> int:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = memory.proc_kib_field("/proc/self/status", "VmRSS")
+        collective()
+        return memory.peak_rss_bytes() - before
+
+    out = {"gather": growth(lambda: comm.all_gather(gathered, shard)),
+           "scatter": growth(lambda: comm.reduce_scatter(summed, grads))}
+    expected = torch.arange(n, dtype=torch.float32).view(world.world_size, -1)[me] * 3  # ranks multiply by 1 and 2
+    out["right"] = (torch.equal(gathered, torch.arange(world.world_size).repeat_interleave(n // world.world_size)
+                                .float()) and torch.equal(summed, expected))
+    return out
+
+
+def test_gloo_all_gather_and_reduce_scatter_hold_no_hidden_copy_by_the_kernels_count():
+    # gloo's own all_gather_into_tensor receives into a 16 MiB buffer of its own (+16 MiB resident, unseen by the
+    # lab's tensor meter); the lab's receives in place. Its reduce-scatter holds only the other rank's 8 MiB chunk.
+    for rank in run_pooled(_resident_growth, 2):
+        assert rank["right"], rank
+        assert rank["gather"] < 4 * 2**20, rank
+        assert 6 * 2**20 < rank["scatter"] < 12 * 2**20, rank
 
 
 def _rank_dependent_frozen_gpt(seed: int) -> GPT:

@@ -9,9 +9,16 @@ them: the loop takes them once per optimizer step.
 
 gloo's reduce-scatter is an all-reduce underneath: it sends 2(N − 1)/N of the input per rank, as
 much as an all-reduce, from a full copy of it (measured on the loopback interface: see
-benchmarks/results-memory.md). On gloo the lab reduce-scatters with an all-to-all instead (chunk j
-to rank j) and sums the N chunks it receives, in rank order, when the work is waited for: the
-(N − 1)/N of the ring formula.
+benchmarks/results-memory.md); its all-gather receives into a full-size buffer of its own and
+copies that into the output (a hidden copy of every gathered unit, in the resident set, not in the
+lab's tensor meter). On gloo the lab does both itself, between the caller's tensors. An all-gather
+is point-to-point messages: this rank's shard to every other rank, theirs received straight into
+their places in the output. A reduce-scatter is an all-to-all that sends chunk j of the input to
+rank j and receives the N − 1 other copies of this rank's chunk (the first and the last rank send
+themselves nothing; one in the middle, whose other chunks do not lie end to end, sends itself its
+own), summed with its own, in rank order, when the work is waited for. Both send the (N − 1)/N of
+the ring formula. (gloo's point-to-point works say they are complete only once waited for; the
+all-to-all's says so when done, so a finished reduce-scatter's buffers are freed early.)
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +37,17 @@ from lab.accounting import COLLECTIVES, ring_elements_sent
 # torch 2.13 renamed the flat collectives; older releases (the project supports torch >= 2.6) have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_GATHER_TAG = 1  # the all-gather's point-to-point messages (they match in the order they are posted)
+LOOPBACK = Path("/sys/class/net/lo/statistics/tx_bytes")
+
+
+def loopback_tx_bytes() -> int | None:
+    """Bytes sent on this host's loopback interface since boot (what gloo ranks on one host send each other, and
+    any other process's loopback traffic); None where the counter cannot be read."""
+    try:
+        return int(LOOPBACK.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass
@@ -129,27 +148,54 @@ class Comm:
         self._count("all_reduce", tensor)
         return self._run(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op)
 
+    def _by_hand(self) -> bool:
+        """Whether the all-gather and the reduce-scatter are the lab's own (gloo with other ranks: see the module
+        docstring)."""
+        return self.world_size > 1 and dist.get_backend(self.group) == "gloo"
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                        ) -> dist.Work | SummedOnWait | None:
         """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``
         (it may be a view into ``input``). On gloo: an all-to-all, summed on ``wait`` (see the module docstring)."""
         self._count("reduce_scatter", input)
-        if dist.get_backend(self.group) != "gloo" or self.world_size == 1:
+        if not self._by_hand():
             return self._run(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op),
                              async_op)
-        received = torch.empty_like(input)
-        work = SummedOnWait(dist.all_to_all_single(received, input, group=self.group, async_op=True), received,
-                            output)
+        me, n, chunks = dist.get_rank(self.group), self.world_size, input.view(self.world_size, -1)
+        if me in (0, n - 1):  # the other ranks' chunks lie end to end: send only them
+            sent = input[chunks.shape[1]:] if me == 0 else input[:-chunks.shape[1]]
+            splits = [0 if j == me else chunks.shape[1] for j in range(n)]
+            received = input.new_empty(n - 1, chunks.shape[1])
+            parts = [*received[:me], chunks[me], *received[me:]]
+        else:  # a rank in the middle sends itself its own chunk too
+            sent, splits = input, [chunks.shape[1]] * n
+            received = input.new_empty(n, chunks.shape[1])
+            parts = list(received)
+        exchange = dist.all_to_all_single(received.view(-1), sent, splits, splits, group=self.group, async_op=True)
+        work = SummedOnWait(exchange, parts, output)
         if async_op:
             return work
         with self.waiting():
             work.wait()
         return None
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """Concatenate every rank's ``input`` into ``output``, in rank order."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+                   ) -> dist.Work | Exchange | None:
+        """Concatenate every rank's ``input`` into ``output`` (1-D), in rank order; ``input`` may be a view into it."""
         self._count("all_gather", output)
-        return self._run(lambda: _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
+        if not self._by_hand():
+            return self._run(lambda: _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
+        me, chunks = dist.get_rank(self.group), output.view(self.world_size, -1)
+        chunks[me].copy_(input)
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        peers = [j for j in range(self.world_size) if j != me]
+        exchange = Exchange([dist.isend(input, ranks[j], group=self.group, tag=_GATHER_TAG) for j in peers]
+                            + [dist.irecv(chunks[j], ranks[j], group=self.group, tag=_GATHER_TAG) for j in peers])
+        if async_op:
+            return exchange
+        with self.waiting():
+            exchange.wait()
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> dist.Work | None:
         """Copy rank ``src``'s ``tensor`` (``src`` within this group) to every rank, in place."""
@@ -158,20 +204,39 @@ class Comm:
         return self._run(lambda: dist.broadcast(tensor, src=root, group=self.group, async_op=async_op), async_op)
 
 
-class SummedOnWait:
-    """An all-to-all's work whose ``wait`` then sums the N chunks received into ``output`` (a reduce-scatter)."""
+class Exchange:
+    """Point-to-point works waited for together, as one collective's work."""
 
-    def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor):
-        self.work, self.received, self.output = work, received, output
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+
+class SummedOnWait:
+    """A reduce-scatter's all-to-all; ``wait`` then sums the N copies of this rank's chunk (``parts``, in rank order:
+    the one this rank holds and the ones received) into ``output``."""
+
+    def __init__(self, work: dist.Work, parts: list[torch.Tensor], output: torch.Tensor):
+        self.work, self.parts, self.output = work, parts, output
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
     def wait(self) -> bool:
         self.work.wait()
-        if self.received is not None:
-            torch.sum(self.received.view(-1, self.output.numel()), dim=0, out=self.output)
-            self.received = None
+        if self.parts:
+            parts, out = self.parts, self.output
+            # ((c0 + c1) + c2) + ...: the output may be this rank's own chunk, read only by the first addition
+            parts = [p.clone() if i > 1 and p.data_ptr() == out.data_ptr() else p for i, p in enumerate(parts)]
+            torch.add(parts[0], parts[1], out=out)
+            for p in parts[2:]:
+                out.add_(p)
+            self.parts = []
         return True
 
 
