@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -168,12 +169,13 @@ class Tuned:
 
 def planned_run(sweep: Sweep, budget: float, shape_name: str, target: float | None, shape: dict[str, Any],
                 entry_launch: dict[str, Any], tuned: Tuned | None = None, *, lr: float | None = None,
-                batch_tokens: float | None = None, role: str = "sweep", name: str | None = None
-                ) -> PlannedRun | str:
+                batch_tokens: float | None = None, role: str = "sweep", name: str | None = None,
+                seed: int | None = None) -> PlannedRun | str:
     """One run of ``shape`` at ``budget``, or the one line that refuses it.
 
     The learning rate and batch are ``lr`` / ``batch_tokens`` when given, else from ``tuned``'s laws, else
-    from ``[rules]``; the batch is rounded to whole micro-steps of every process.
+    from ``[rules]``; the batch is rounded to whole micro-steps of every process. ``seed``: the run's
+    ``train.seed`` (and a name ending ``-s<seed>``) when it is not ``[base.train]``'s.
     """
     where = _where(budget, shape_name, target)
     try:
@@ -181,6 +183,7 @@ def planned_run(sweep: Sweep, budget: float, shape_name: str, target: float | No
     except SpecError as e:
         return f"{where}: {e}"
     train = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train
+    seed = train.seed if seed is None else seed
     counts = accounting.param_counts(cfg)
     n = counts.total if sweep.count == "total" else counts.non_embedding
     launch = launch_for(sweep, n, entry_launch)
@@ -199,13 +202,13 @@ def planned_run(sweep: Sweep, budget: float, shape_name: str, target: float | No
     lr = float(f"{lr:.4g}")
     args = run_args(sweep.base, {
         "model": {**shape, "vocab_size": vocab_size(sweep.base), **sweep.mup_model_fields()},
-        "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch},
+        "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch} | ({} if seed == train.seed else {"seed": seed}),
         "parallel": {"strategy": launch.strategy},
     })
     eval_flops = fpt / 3 * train.eval_tokens  # forward only
     est = (sweep.overhead_s + tokens // batch * sweep.step_s
            + (fpt * tokens + eval_flops) / (sweep.flops_per_s * launch.world_size))
-    name = name or f"C{format_flops(budget)}-{shape_name}"
+    name = (name or f"C{format_flops(budget)}-{shape_name}") + ("" if seed == train.seed else f"-s{seed}")
     try:
         check_name(name, "run name")
     except SpecError as e:
@@ -248,8 +251,10 @@ def plan(sweep: Sweep, tuned: Tuned | None = None) -> Plan:
         shapes, budget_refused, budget_warnings = _shapes(sweep, budget, fixed, priors.get(budget))
         refused += budget_refused
         warnings += budget_warnings
-        for shape_name, target, shape, entry_launch in shapes:
-            run = planned_run(sweep, budget, shape_name, target, shape, entry_launch, tuned)
+        repeated = sweep.seeds and (sweep.seeds_below is None or budget < sweep.seeds_below)
+        seeds = sweep.seeds if repeated else sweep.seeds[:1] or (None,)
+        for (shape_name, target, shape, entry_launch), seed in itertools.product(shapes, seeds):
+            run = planned_run(sweep, budget, shape_name, target, shape, entry_launch, tuned, seed=seed)
             if isinstance(run, str):
                 refused.append(run)
                 continue

@@ -147,6 +147,8 @@ class Sweep:
     per_budget: int = 7  # with a centre: sizes per budget, log-spaced
     search: Search | None = None  # hyperparameter grids run first; their laws replace [rules]
     mup_base_width: int | None = None  # [rules] mup_base_width: every run under μP, at one tuned learning rate
+    seeds: tuple[int, ...] = ()  # [sweep] seeds: each run once per seed (empty: once, at [base.train]'s seed)
+    seeds_below: float | None = None  # [sweep] seeds_below: repeat only the budgets below this C (short, noisy runs)
 
     def mup_model_fields(self) -> dict[str, Any]:
         """The [model] options μP adds to every run's command line (none without ``mup_base_width``)."""
@@ -156,7 +158,8 @@ class Sweep:
 
 
 _TABLES = {
-    "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget"},
+    "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget", "seeds",
+              "seeds_below"},
     "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "ffn_ratio", "list"},
     "rules": {"lr", "batch_tokens", "mup_base_width"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
@@ -462,8 +465,24 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         parallel=_integer(local.get("parallel", 1), "[local] parallel"),
         threads=_integer(local.get("threads", 0), "[local] threads", minimum=0),
         slurm=slurm, source=text, centre=centre, decades_each_side=decades, per_budget=per_budget,
-        search=_search(_table(doc, "search"), family), mup_base_width=mup_base_width,
+        search=_search(_table(doc, "search"), family), mup_base_width=mup_base_width, **_seeds(sweep),
     )
+
+
+def _seeds(sweep: dict[str, Any]) -> dict[str, Any]:
+    """``[sweep] seeds`` (distinct integers >= 0) and ``seeds_below`` (FLOPs), checked."""
+    if "seeds" not in sweep:
+        if "seeds_below" in sweep:
+            raise SpecError("[sweep] seeds_below needs 'seeds' (the seeds to repeat runs with)")
+        return {}
+    seeds = sweep["seeds"]
+    if not isinstance(seeds, list) or not seeds:
+        raise SpecError("[sweep] seeds must be a non-empty list of integers")
+    seeds = tuple(_integer(v, f"[sweep] seeds[{i}]", minimum=0) for i, v in enumerate(seeds))
+    if len(set(seeds)) != len(seeds):
+        raise SpecError("[sweep] seeds has duplicate values")
+    below = sweep.get("seeds_below")
+    return {"seeds": seeds, "seeds_below": None if below is None else _number(below, "[sweep] seeds_below")}
 
 
 def option_name(key: str) -> str:

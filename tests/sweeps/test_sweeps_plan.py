@@ -165,6 +165,10 @@ def test_family_sizes_that_round_to_one_shape_are_refused():
     (("nproc = 2", "nproc = 0"), "launch.by_size[0].nproc must be an integer >= 1"),
     (("[rules]", "[rulez]"), "unknown table [rulez]"),
     (("sizes = [3e5, 1e6, 3e6, 1e7]", "sizes = 3"), "[sweep] sizes must be a list of numbers"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [1, 1]"), "[sweep] seeds has duplicate values"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = []"), "[sweep] seeds must be a non-empty list"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [-1]"), "[sweep] seeds[0] must be an integer >= 0"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds_below = 1e14"), "seeds_below needs 'seeds'"),
 ])
 def test_bad_sweep_files_fail_with_one_line(edit, message):
     with pytest.raises(spec.SpecError) as info:
@@ -362,3 +366,22 @@ def test_a_centre_is_refused_with_an_explicit_shape_list():
     with pytest.raises(spec.SpecError, match="centre is for the 'aspect' family"):
         parse(LIST.replace('name = "list"', 'name = "list"\ncentre = { prior = "tokens_per_param", '
                                               'tokens_per_param = 20 }'))
+
+
+def test_seeds_repeat_the_runs_of_the_budgets_below_seeds_below():
+    once = planner.plan(parse(FAMILY))
+    text = FAMILY.replace("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [1337, 7]\nseeds_below = 5e13")
+    result = planner.plan(parse(text))
+    assert not result.refused
+    small = [r for r in once.runs if r.budget == 1e13]
+    assert len(result.runs) == len(once.runs) + len(small)  # the 1e13 runs twice, the 1e14 runs once
+    by_name = {r.name: r for r in result.runs}
+    for first in small:  # 1337 is [base.train]'s seed: the first seed's runs are the sweep's runs unchanged
+        assert by_name[first.name].config_hash == first.config_hash and "--train.seed" not in first.args
+        again = by_name[first.name + "-s7"]
+        assert again.args[again.args.index("--train.seed") + 1] == "7"
+        assert (again.params, again.tokens, again.lr) == (first.params, first.tokens, first.lr)
+        assert again.config_hash != first.config_hash
+    assert not any(r.name.endswith("-s7") for r in result.runs if r.budget == 1e14)
+    everywhere = planner.plan(parse(FAMILY.replace("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [3]")))
+    assert [r.name for r in everywhere.runs] == [r.name + "-s3" for r in once.runs]
