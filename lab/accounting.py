@@ -303,7 +303,9 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     three times b·s (row max, sum of exponentials, target logit). With sequence parallelism each
     all-reduce of b·s·h becomes an all-gather and a reduce-scatter (the same bytes), and the
     gradients of the whole weights that act on sequence shards (norms, the row-parallel biases,
-    learned positions) are all-reduced once per micro-step.
+    learned positions) are all-reduced once per micro-step. With fewer key/value heads than ``tp`` (GQA,
+    replicated), each block's key and value rows' gradients are all-reduced once per micro-step, every part
+    in its own slot (``n_kv_head`` slots of one head's rows).
     """
     out = dict.fromkeys(COLLECTIVES, 0.0)
     if tp == 1:
@@ -311,6 +313,9 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     activations = micro_batch * cfg.block_size * cfg.d_model
     big = (4 * cfg.n_layer + 2) * activations  # elements all-reduced (or gathered and reduce-scattered)
     out["all_reduce"] = ring_elements_sent("all_reduce", 3 * micro_batch * cfg.block_size, tp)
+    if kv_heads(cfg) < tp:
+        replicated = cfg.n_layer * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
+        out["all_reduce"] += ring_elements_sent("all_reduce", replicated, tp)
     if sequence_parallel:
         norms = 2 * cfg.n_layer + 1
         on_shards = norms * cfg.d_model * (2 if _norm_has_bias(cfg) else 1)
