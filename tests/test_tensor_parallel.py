@@ -329,3 +329,53 @@ def test_the_loop_trains_with_tp2_and_a_single_process_resumes_it(tiny_data_conf
 
     assert len(losses("tp")) == len(losses("single")) == 8
     assert losses("tp") == pytest.approx(losses("single"), rel=1e-5)
+
+
+# ---------------------------------------------------------------- export and sample
+
+
+BYTES_MODEL = dataclasses.replace(GQA_ONE, vocab_size=257, pad_vocab_to=64)  # the bytes tokenizer's vocabulary
+
+
+def _tp_checkpoint(world: World, run_dir, model: ModelConfig) -> dict:
+    """Two steps under zero2 with tp 2, a checkpoint in ``run_dir``; the whole weights the group gathers."""
+    setup = Setup(model=model)
+    strategy = _built(world, "zero2:tp=2", setup)
+    _steps(world, strategy, "zero2:tp=2", setup, range(2))
+    checkpoint.save(run_dir, 2, world.rank, world.world_size, strategy.checkpoint_state(), {}, keep=1)
+    return strategy.full_state_dict()
+
+
+def test_export_and_sample_read_a_tp2_checkpoint_as_a_single_process_one_of_the_same_weights(tmp_path, capsys):
+    """``python -m lab export`` and ``sample`` on a checkpoint written by 2 tensor-parallel ranks (vocabulary
+    padded, one key/value head replicated) give the gathered weights bit for bit, and what they give on a
+    checkpoint that one process wrote of those weights."""
+    from lab.cli import export_main, sample_main
+    from lab.config import RunConfig
+    from lab.data.tokenizer import BytesTokenizer
+    from lab.files import save_json
+
+    runs = {layout: tmp_path / layout for layout in ("tp", "single")}
+    for run in runs.values():
+        run.mkdir()
+        save_json(run / "config.json", RunConfig(model=BYTES_MODEL).to_dict())
+        BytesTokenizer().save(run / "tokenizer")
+    weights = run_pooled(_tp_checkpoint, 2, runs["tp"], BYTES_MODEL)[0]
+    single = _built(World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), "single",
+                    Setup(model=BYTES_MODEL))
+    with torch.no_grad():
+        for name, p in single.module.named_parameters():
+            p.copy_(weights[name])
+    checkpoint.save(runs["single"], 2, 0, 1, single.checkpoint_state(), {}, keep=1)
+
+    exported, samples = {}, {}
+    for layout, run in runs.items():
+        assert export_main([str(run), "--out", str(tmp_path / f"{layout}.pt")]) == 0
+        exported[layout] = torch.load(tmp_path / f"{layout}.pt", weights_only=True)["model"]
+        capsys.readouterr()
+        assert sample_main(["--run-dir", str(run), "--prompt", "the ", "--tokens", "24", "--seed", "3"]) == 0
+        samples[layout] = capsys.readouterr().out
+    assert set(exported["tp"]) == set(exported["single"]) == {n for n, _ in single.module.named_parameters()}
+    for name, value in exported["tp"].items():
+        assert torch.equal(value, weights[name]) and torch.equal(value, exported["single"][name]), name
+    assert samples["tp"] == samples["single"] and samples["tp"].startswith("the ")
