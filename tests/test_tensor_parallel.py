@@ -214,6 +214,36 @@ def test_replicated_key_value_gradients_are_counted_in_the_bytes():
     assert results[("gpt2", "ddp:tp=2")][1]["all_reduce"] == without["all_reduce"] + extra
 
 
+ACTIVATIONS = ModelConfig(n_layer=4, n_head=4, d_model=64, block_size=64, vocab_size=256)  # GPT-2 blocks, 4h MLP
+
+
+def _saved_bytes(world: World, specs: list[str]) -> dict:
+    """The bytes one micro-step of 2 sequences saved for its backward on this rank, under each spec."""
+    from lab.equivalence import batch
+    from lab.train import train_step
+
+    out, setup = {}, Setup(model=ACTIVATIONS)
+    for spec in specs:
+        strategy = _built(world, spec, setup)
+        x, y = batch(setup, 0, setup.micro_batch)
+        train_step(strategy, world, [(x, y)], 1, setup.lr, 1.0)
+        strategy.take_step_meters()
+        out[spec] = strategy.meters()["activation_saved_bytes"]
+    return out
+
+
+def test_saved_activation_bytes_are_within_a_tenth_of_their_theory_under_tp_and_sequence_parallel():
+    specs = {"ddp": (1, False), "ddp:tp=2": (2, False), "ddp:tp=2,sequence_parallel=true": (2, True)}
+    measured = run_pooled(_saved_bytes, 2, list(specs))[0]
+    theory = {spec: accounting.activation_bytes(ACTIVATIONS, 2, 4, tp=tp, sequence_parallel=sp)
+              for spec, (tp, sp) in specs.items()}
+    for spec in specs:
+        assert abs(measured[spec] / theory[spec] - 1) <= 0.1, (spec, measured[spec], theory[spec])
+    # the three theories lie more than the tolerance apart: the test tells the layouts apart
+    assert theory["ddp:tp=2"] < 0.9 * theory["ddp"] and theory["ddp:tp=2,sequence_parallel=true"] < 0.9 * theory[
+        "ddp:tp=2"]
+
+
 # ---------------------------------------------------------------- checkpoints across layouts
 
 
