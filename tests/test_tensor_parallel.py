@@ -43,7 +43,7 @@ def _close(r) -> bool:
     ({"sequence_parallel": True}, 2, "sequence_parallel needs parallel.tp > 1"),
     ({"strategy": "deepspeed", "tp": 2}, 4, "strategy 'deepspeed' does not run with parallel.tp > 1"),
     ({"strategy": "single", "tp": 2}, 4, "strategy 'single' runs on at most 1 process"),
-    ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single"),
+    ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single or ddp_naive"),
     ({"strategy": "single", "tp": 2, "tp_impl": "torch", "sequence_parallel": True}, 2, "without sequence_parallel"),
     ({"tp": 2, "tp_impl": "torh"}, 2, r"must be one of lab, torch, got 'torh' \(did you mean torch\?\)"),
 ])
@@ -118,6 +118,15 @@ def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(s
         assert set(by_spec) == set(specs)
         for spec, r in by_spec.items():
             assert _close(r), (arch, spec, r)
+
+
+@pytest.mark.slow
+def test_the_torch_reference_composes_with_a_data_parallel_axis_on_four_ranks():
+    """The DTensor reference on tp 2 × dp 2 under ddp_naive (the data axis all-reduces each shard's local part)."""
+    results = run_pooled(_both_archs, 4, ["ddp_naive:tp=2,tp_impl=torch"], Setup(steps=3, accum=2, grad_clip=CLIP),
+                         deadline_s=120)[0]
+    for arch, by_spec in results.items():
+        assert _close(by_spec["ddp_naive:tp=2,tp_impl=torch"]), arch
 
 
 @pytest.mark.slow

@@ -508,7 +508,7 @@ class TorchTensorParallel(TensorParallel):
 
     def numel(self, param: torch.Tensor) -> int:
         """This rank's part of a weight torch split across the group."""
-        return _local(param).numel()
+        return local_part(param).numel()
 
     def _reorder(self, model: nn.Module, name: str, blocks: tuple[int, ...]) -> None:
         """Order a fused weight's rows rank by rank (each rank's part of every block together), so that an even
@@ -578,7 +578,7 @@ class WithTensorParallel:
             return self.strategy.eval_loss(x, y)
 
     def checkpoint_state(self) -> CheckpointState:
-        state = {k: _local(v) for k, v in self.strategy.checkpoint_state().items()}
+        state = {k: local_part(v) for k, v in self.strategy.checkpoint_state().items()}
         state, self._after_load = self.tp.checkpoint_state(state, self.strategy.world)
         return state
 
@@ -593,7 +593,7 @@ class WithTensorParallel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on global rank 0: the data axis's first ranks (one tensor-parallel group) gather it."""
-        shards = {k: _local(v) for k, v in self.strategy.full_state_dict().items()}
+        shards = {k: local_part(v) for k, v in self.strategy.full_state_dict().items()}
         return self.tp.full_state_dict(shards) if self.strategy.world.is_main else {}
 
     def meters(self) -> dict[str, object]:
@@ -613,6 +613,6 @@ def _broadcast(tensor: torch.Tensor, axis: World) -> None:
         dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)
 
 
-def _local(value: object) -> object:
+def local_part(value: object) -> object:
     """A DTensor's local part (the torch reference's shards); anything else as it is."""
     return value.to_local() if hasattr(value, "to_local") else value
