@@ -303,7 +303,9 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     three times b·s (row max, sum of exponentials, target logit). With sequence parallelism each
     all-reduce of b·s·h becomes an all-gather and a reduce-scatter (the same bytes), and the
     gradients of the whole weights that act on sequence shards (norms, the row-parallel biases,
-    learned positions) are all-reduced once per micro-step.
+    learned positions) are all-reduced once per micro-step. With fewer key/value heads than ``tp`` (GQA,
+    replicated), each block's key and value rows' gradients are all-reduced once per micro-step, every part
+    in its own slot (``n_kv_head`` slots of one head's rows).
     """
     out = dict.fromkeys(COLLECTIVES, 0.0)
     if tp == 1:
@@ -311,6 +313,9 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     activations = micro_batch * cfg.block_size * cfg.d_model
     big = (4 * cfg.n_layer + 2) * activations  # elements all-reduced (or gathered and reduce-scattered)
     out["all_reduce"] = ring_elements_sent("all_reduce", 3 * micro_batch * cfg.block_size, tp)
+    if kv_heads(cfg) < tp:
+        replicated = cfg.n_layer * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
+        out["all_reduce"] += ring_elements_sent("all_reduce", replicated, tp)
     if sequence_parallel:
         norms = 2 * cfg.n_layer + 1
         on_shards = norms * cfg.d_model * (2 if _norm_has_bias(cfg) else 1)
@@ -333,7 +338,7 @@ def _norm_has_bias(cfg: ModelShape) -> bool:
 
 
 def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, checkpointing: bool = False,
-                     flash: bool = True) -> float:
+                     flash: bool = True, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes of activations one rank keeps for the backward pass of one micro-batch: an estimate.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4),
@@ -347,18 +352,26 @@ def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, 
     that term. Full activation checkpointing keeps each layer's input (p·s·b·h) plus one layer's
     full activations while it is recomputed. The fp32 logits for the loss add 4·s·b·V.
 
+    Tensor parallelism over ``tp`` ranks (``lab.parallel.tensor``) splits the 12 values inside attention
+    and the MLP (Q, K, V, attention output, the MLP's 4h and 4h), the s×s term and the logits tp ways;
+    the norms' inputs, the two column-parallel inputs and the masks stay whole (s·b·h·(4·p + 2 + 12·p/tp),
+    Korthikanti's 10 + 24/t). Sequence parallelism also splits the norms' inputs, the masks and the
+    checkpointed layer inputs; the column-parallel layers keep the input they were given, gathered whole
+    (s·b·h·(2·p + (14·p + 2)/tp); Megatron-LM keeps the shard and gathers it again in the backward: 34/t).
+
     Assumptions: GPT-2-style blocks (GELU MLP of width 4h, full multi-head attention, dropout masks
     counted even at dropout 0); SwiGLU, GQA or another d_ff shift the count somewhat. Embedding
     output, final norm, temporaries and the allocator's slack are left out.
     """
-    if micro_batch <= 0 or bytes_per_act <= 0:
-        raise ValueError("need micro_batch > 0 and bytes_per_act > 0")
+    if micro_batch <= 0 or bytes_per_act <= 0 or tp <= 0:
+        raise ValueError("need micro_batch > 0, bytes_per_act > 0 and tp > 0")
     s, b, h, a, p = cfg.block_size, micro_batch, cfg.d_model, cfg.n_head, bytes_per_act
-    layer = s * b * h * (16 * p + 2)
+    on_shards = tp if sequence_parallel else 1  # what the sequence shards hold: norms' inputs, masks, layer inputs
+    layer = s * b * h * (2 * p + (2 * p + 2) / on_shards + 12 * p / tp)
     if not flash:
-        layer += a * s * s * b * (2 * p + 1)
-    kept = cfg.n_layer * p * s * b * h + layer if checkpointing else cfg.n_layer * layer
-    return float(kept + 4 * s * b * padded_vocab(cfg))
+        layer += a * s * s * b * (2 * p + 1) / tp
+    kept = cfg.n_layer * p * s * b * h / on_shards + layer if checkpointing else cfg.n_layer * layer
+    return float(kept + 4 * s * b * padded_vocab(cfg) / tp)
 
 
 # ---------------------------------------------------------------- memory: what fits

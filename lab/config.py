@@ -136,7 +136,7 @@ class ParallelConfig:
                     "the embedding and the loss (Megatron style); the strategy runs over the rest (data parallel)")
     tp_impl: str = _f("lab", "lab (hand-rolled tensor parallelism) or torch (the reference: DTensor's "
                              "parallelize_module with ColwiseParallel/RowwiseParallel and loss_parallel; strategy "
-                             "single, tp = world size)")
+                             "single, or ddp_naive over a data axis)")
     sequence_parallel: bool = _f(False, "with tp > 1, norms and dropout run on sequence shards and the "
                                         "tensor-parallel all-reduces become all-gather / reduce-scatter")
 

@@ -472,5 +472,6 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "peak_bytes": outcome.peak_bytes,
         "peak_bytes_theory": strategy.peak_bytes_theory(accounting.activation_bytes(
             cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
-            checkpointing=cfg.parallel.activation_checkpointing == "full")),
+            checkpointing=cfg.parallel.activation_checkpointing == "full", tp=cfg.parallel.tp,
+            sequence_parallel=cfg.parallel.sequence_parallel)),
     }

@@ -190,6 +190,12 @@ def test_activation_bytes_small() -> None:
     assert acc.activation_bytes(GPT2_UNTIED, 2, checkpointing=True) == ckpt == 188_416
     # fp32 activations: 16 values at 4 bytes + 2 one-byte masks per token and channel.
     assert acc.activation_bytes(GPT2_UNTIED, 2, bytes_per_act=4) == 2 * sbh * 66 + logits
+    # tp 2 (Korthikanti's 10 + 24/t): norms' and column inputs and masks whole, the rest and the logits halved.
+    assert acc.activation_bytes(GPT2_UNTIED, 2, tp=2) == 2 * sbh * (10 + 24 / 2) + logits / 2 == 196_608
+    # sequence parallel: only the two gathered column inputs (4 bytes) stay whole: 4 + 30/2, not Megatron's 34/2.
+    assert acc.activation_bytes(GPT2_UNTIED, 2, tp=2, sequence_parallel=True) == 2 * sbh * 19 + logits / 2
+    assert acc.activation_bytes(GPT2_UNTIED, 2, checkpointing=True, tp=2, sequence_parallel=True) == (
+        2 * 2 * sbh / 2 + sbh * 19 + logits / 2)
 
 
 def test_checkpointing_reduces_activations() -> None:

@@ -43,7 +43,7 @@ def _close(r) -> bool:
     ({"sequence_parallel": True}, 2, "sequence_parallel needs parallel.tp > 1"),
     ({"strategy": "deepspeed", "tp": 2}, 4, "strategy 'deepspeed' does not run with parallel.tp > 1"),
     ({"strategy": "single", "tp": 2}, 4, "strategy 'single' runs on at most 1 process"),
-    ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single"),
+    ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single or ddp_naive"),
     ({"strategy": "single", "tp": 2, "tp_impl": "torch", "sequence_parallel": True}, 2, "without sequence_parallel"),
     ({"tp": 2, "tp_impl": "torh"}, 2, r"must be one of lab, torch, got 'torh' \(did you mean torch\?\)"),
 ])
@@ -54,14 +54,22 @@ def test_the_mesh_is_validated_up_front(options, world_size, message):
 
 @pytest.mark.parametrize("model, options, message", [
     (dict(n_head=3, d_model=48), {}, r"must divide model.n_head, which is 3"),
-    (dict(n_head=4, n_kv_head=1), {}, r"must divide model.n_kv_head"),
+    (dict(n_head=6, n_kv_head=3, d_model=48), {"tp": 2}, r"must divide model.n_kv_head"),
+    (dict(n_head=4, n_kv_head=1), {"tp_impl": "torch"}, r"tp_impl torch does not replicate key/value heads"),
+    (dict(n_head=4, n_kv_head=1), {"strategy": "fsdp"}, r"strategy fsdp does not replicate key/value heads"),
     (dict(vocab_size=97), {}, r"set model.pad_vocab_to to a multiple of 2"),
     (dict(block_size=33), {"sequence_parallel": True}, "must divide model.block_size"),
     (dict(pad_vocab_to=64), {"tp_impl": "torch"}, "tp_impl torch cannot leave padding rows out of its loss"),
 ])
 def test_shapes_the_group_cannot_split_are_refused(model, options, message):
     with pytest.raises(ConfigError, match=message):
-        validate_model(ParallelConfig(tp=2, **options), dataclasses.replace(TINY, **model))
+        validate_model(ParallelConfig(**{"tp": 2, **options}), dataclasses.replace(TINY, **model))
+
+
+def test_fewer_key_value_heads_than_the_degree_must_divide_it():
+    with pytest.raises(ConfigError, match=r"model.n_kv_head \(3\) must divide parallel.tp \(4\)"):
+        validate_model(ParallelConfig(tp=4), dataclasses.replace(TINY, n_head=12, n_kv_head=3, d_model=48))
+    validate_model(ParallelConfig(tp=4), dataclasses.replace(TINY, n_head=4, n_kv_head=2))  # replicated, accepted
 
 
 def test_a_run_with_a_bad_degree_fails_in_one_line_before_any_work(capsys, tmp_path, args):
@@ -113,12 +121,43 @@ def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(s
 
 
 @pytest.mark.slow
+def test_the_torch_reference_composes_with_a_data_parallel_axis_on_four_ranks():
+    """The DTensor reference on tp 2 × dp 2 under ddp_naive (the data axis all-reduces each shard's local part)."""
+    results = run_pooled(_both_archs, 4, ["ddp_naive:tp=2,tp_impl=torch"], Setup(steps=3, accum=2, grad_clip=CLIP),
+                         deadline_s=120)[0]
+    for arch, by_spec in results.items():
+        assert _close(by_spec["ddp_naive:tp=2,tp_impl=torch"]), arch
+
+
+@pytest.mark.slow
 def test_tp2_by_dp2_reproduces_single_with_accumulation_and_clipping_on_four_ranks():
     specs = ["ddp:tp=2", "zero2:tp=2", "zero3:tp=2", "fsdp:tp=2", "zero2:tp=2,sequence_parallel=true"]
     results = run_pooled(_both_archs, 4, specs, Setup(steps=3, accum=2, grad_clip=CLIP))[0]
     for arch, by_spec in results.items():
         for spec, r in by_spec.items():
             assert _close(r), (arch, spec, r)
+
+
+GQA_ONE = dataclasses.replace(MODERN, n_kv_head=1)  # one key/value head for 2 or 4 ranks: replicated
+GQA_BIAS = dataclasses.replace(TINY, n_head=4, n_kv_head=1, bias=True)  # gpt2 with biases: the qkv bias replicated
+
+
+def _gqa(world: World, specs: list[str], setup: Setup) -> dict:
+    return {name: equivalence(world, specs, dataclasses.replace(setup, model=model))
+            for name, model in {"modern": GQA_ONE, "gpt2": GQA_BIAS}.items()}
+
+
+@pytest.mark.parametrize("ranks, specs", [
+    (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true"]),
+    pytest.param(4, ["ddp:tp=4", "zero2:tp=4", "zero2:tp=2"], marks=pytest.mark.slow)])
+def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_single(ranks, specs):
+    """Each rank holds the key/value head its query heads use; the replicas' gradients are summed over the ranks
+    holding them and counted once in the clipped norm, so the losses, norms and weights are single's."""
+    results = run_pooled(_gqa, ranks, specs, Setup(steps=3, accum=2, grad_clip=CLIP))[0]
+    for name, by_spec in results.items():
+        assert set(by_spec) == set(specs)
+        for spec, r in by_spec.items():
+            assert _close(r), (name, spec, r)
 
 
 def test_sequence_parallel_reproduces_single_on_two_ranks():
@@ -132,13 +171,13 @@ def test_sequence_parallel_reproduces_single_on_two_ranks():
 # ---------------------------------------------------------------- meters
 
 
-def _tp_meters(world: World, specs: list[str], accum: int) -> dict:
-    """The tensor-parallel bytes of one step (measured, theory) under each spec, on both archs."""
+def _tp_meters(world: World, specs: list[str], accum: int, models: dict[str, ModelConfig] = ARCHS) -> dict:
+    """The tensor-parallel bytes of one step (measured, theory) under each spec, on each of ``models``."""
     from lab.equivalence import batch
     from lab.train import StepPlan, train_step
 
     out = {}
-    for arch, model in ARCHS.items():
+    for arch, model in models.items():
         setup = Setup(model=model, accum=accum)
         for spec in specs:
             parallel = parse_spec(spec)
@@ -171,6 +210,49 @@ def test_tensor_parallel_bytes_per_step_equal_their_theory():
     assert results[("gpt2", "ddp:tp=2")][1]["all_reduce"] == 2 * 4 * ((4 * shape.n_layer + 2) * b * s * h + 3 * b * s)
 
 
+def test_replicated_key_value_gradients_are_counted_in_the_bytes():
+    """With one key/value head on 2 ranks, each block's key and value rows' gradients (with the qkv bias) are
+    all-reduced once per micro-step besides the activations."""
+    models = {"modern": GQA_ONE, "gpt2": GQA_BIAS}
+    results = run_pooled(_tp_meters, 2, ["ddp:tp=2", "zero2:tp=2,sequence_parallel=true"], 2, models)[0]
+    for key, (measured, theory) in results.items():
+        assert measured == pytest.approx(theory, rel=1e-12), key
+    without = accounting.tensor_parallel_comm_bytes(dataclasses.replace(GQA_BIAS, n_kv_head=2), 2, 2, 2)
+    head_dim = GQA_BIAS.d_model // GQA_BIAS.n_head  # 2 blocks × 2 (k, v) × 1 slot × one head's rows and bias
+    extra = 2 * 4 * GQA_BIAS.n_layer * 2 * head_dim * (GQA_BIAS.d_model + 1)
+    assert results[("gpt2", "ddp:tp=2")][1]["all_reduce"] == without["all_reduce"] + extra
+
+
+ACTIVATIONS = ModelConfig(n_layer=4, n_head=4, d_model=64, block_size=64, vocab_size=256)  # GPT-2 blocks, 4h MLP
+
+
+def _saved_bytes(world: World, specs: list[str]) -> dict:
+    """The bytes one micro-step of 2 sequences saved for its backward on this rank, under each spec."""
+    from lab.equivalence import batch
+    from lab.train import train_step
+
+    out, setup = {}, Setup(model=ACTIVATIONS)
+    for spec in specs:
+        strategy = _built(world, spec, setup)
+        x, y = batch(setup, 0, setup.micro_batch)
+        train_step(strategy, world, [(x, y)], 1, setup.lr, 1.0)
+        strategy.take_step_meters()
+        out[spec] = strategy.meters()["activation_saved_bytes"]
+    return out
+
+
+def test_saved_activation_bytes_are_within_a_tenth_of_their_theory_under_tp_and_sequence_parallel():
+    specs = {"ddp": (1, False), "ddp:tp=2": (2, False), "ddp:tp=2,sequence_parallel=true": (2, True)}
+    measured = run_pooled(_saved_bytes, 2, list(specs))[0]
+    theory = {spec: accounting.activation_bytes(ACTIVATIONS, 2, 4, tp=tp, sequence_parallel=sp)
+              for spec, (tp, sp) in specs.items()}
+    for spec in specs:
+        assert abs(measured[spec] / theory[spec] - 1) <= 0.1, (spec, measured[spec], theory[spec])
+    # the three theories lie more than the tolerance apart: the test tells the layouts apart
+    assert theory["ddp:tp=2"] < 0.9 * theory["ddp"] and theory["ddp:tp=2,sequence_parallel=true"] < 0.9 * theory[
+        "ddp:tp=2"]
+
+
 # ---------------------------------------------------------------- checkpoints across layouts
 
 
@@ -193,10 +275,10 @@ def _steps(world: World, strategy, spec: str, setup: Setup, steps: range) -> Non
         train_step(strategy, world, [(x[lo:hi], y[lo:hi])], 1, setup.lr, 0.0)
 
 
-def _reshard(world: World, run_dir, saved: str, loaders: list[str]) -> dict:
+def _reshard(world: World, run_dir, saved: str, loaders: list[str], model: ModelConfig = MODERN) -> dict:
     """Train 2 steps under ``saved`` and checkpoint; load that into each of ``loaders`` (fresh) and compare the
     weights; then one more step under each (the moments must have come along too)."""
-    setup = Setup(model=MODERN)
+    setup = Setup(model=model)
     original = _built(world, saved, setup)
     _steps(world, original, saved, setup, range(2))
     checkpoint.save(run_dir, 2, world.rank, world.world_size, original.checkpoint_state(), {}, keep=1)
@@ -226,6 +308,16 @@ def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path):
     training goes on alike."""
     out = run_pooled(_reshard, 2, tmp_path, "single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"], deadline_s=120)[0]
     assert set(out) == {"single:tp=2", "ddp", "single"}
+    for spec, (loaded, stepped) in out.items():
+        assert loaded == 0.0 and stepped <= 1e-5, spec
+
+
+def test_replicated_key_value_heads_are_saved_once_and_reach_every_holder_on_load(tmp_path):
+    """tp 2 with one key/value head: the first holder saves the replicated rows; a load under tp 2 (ddp, zero2)
+    gives them to both holders (a rank left at its initial rows would move away from single at the next step)."""
+    loaders = ["ddp", "ddp:tp=2", "zero2:tp=2"]
+    out = run_pooled(_reshard, 2, tmp_path, "zero2:tp=2", loaders, GQA_ONE, deadline_s=120)[0]
+    assert set(out) == {*loaders, "single"}
     for spec, (loaded, stepped) in out.items():
         assert loaded == 0.0 and stepped <= 1e-5, spec
 
@@ -276,3 +368,53 @@ def test_the_loop_trains_with_tp2_and_a_single_process_resumes_it(tiny_data_conf
 
     assert len(losses("tp")) == len(losses("single")) == 8
     assert losses("tp") == pytest.approx(losses("single"), rel=1e-5)
+
+
+# ---------------------------------------------------------------- export and sample
+
+
+BYTES_MODEL = dataclasses.replace(GQA_ONE, vocab_size=257, pad_vocab_to=64)  # the bytes tokenizer's vocabulary
+
+
+def _tp_checkpoint(world: World, run_dir, model: ModelConfig) -> dict:
+    """Two steps under zero2 with tp 2, a checkpoint in ``run_dir``; the whole weights the group gathers."""
+    setup = Setup(model=model)
+    strategy = _built(world, "zero2:tp=2", setup)
+    _steps(world, strategy, "zero2:tp=2", setup, range(2))
+    checkpoint.save(run_dir, 2, world.rank, world.world_size, strategy.checkpoint_state(), {}, keep=1)
+    return strategy.full_state_dict()
+
+
+def test_export_and_sample_read_a_tp2_checkpoint_as_a_single_process_one_of_the_same_weights(tmp_path, capsys):
+    """``python -m lab export`` and ``sample`` on a checkpoint written by 2 tensor-parallel ranks (vocabulary
+    padded, one key/value head replicated) give the gathered weights bit for bit, and what they give on a
+    checkpoint that one process wrote of those weights."""
+    from lab.cli import export_main, sample_main
+    from lab.config import RunConfig
+    from lab.data.tokenizer import BytesTokenizer
+    from lab.files import save_json
+
+    runs = {layout: tmp_path / layout for layout in ("tp", "single")}
+    for run in runs.values():
+        run.mkdir()
+        save_json(run / "config.json", RunConfig(model=BYTES_MODEL).to_dict())
+        BytesTokenizer().save(run / "tokenizer")
+    weights = run_pooled(_tp_checkpoint, 2, runs["tp"], BYTES_MODEL)[0]
+    single = _built(World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), "single",
+                    Setup(model=BYTES_MODEL))
+    with torch.no_grad():
+        for name, p in single.module.named_parameters():
+            p.copy_(weights[name])
+    checkpoint.save(runs["single"], 2, 0, 1, single.checkpoint_state(), {}, keep=1)
+
+    exported, samples = {}, {}
+    for layout, run in runs.items():
+        assert export_main([str(run), "--out", str(tmp_path / f"{layout}.pt")]) == 0
+        exported[layout] = torch.load(tmp_path / f"{layout}.pt", weights_only=True)["model"]
+        capsys.readouterr()
+        assert sample_main(["--run-dir", str(run), "--prompt", "the ", "--tokens", "24", "--seed", "3"]) == 0
+        samples[layout] = capsys.readouterr().out
+    assert set(exported["tp"]) == set(exported["single"]) == {n for n, _ in single.module.named_parameters()}
+    for name, value in exported["tp"].items():
+        assert torch.equal(value, weights[name]) and torch.equal(value, exported["single"][name]), name
+    assert samples["tp"] == samples["single"] and samples["tp"].startswith("the ")

@@ -306,19 +306,21 @@ class Strategy:
         return norm
 
     def local_norm_squares(self) -> torch.Tensor:
-        """The squared gradient norm of what this rank holds of the parameters it counts (``counts_in_norm``;
+        """The squared gradient norm of what this rank holds of the parameters it counts (``norm_ranges``;
         a DTensor's local shard), in fp32."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for name, p in self.module.named_parameters():
-            if p.grad is not None and self.counts_in_norm(name):
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                squares += grad.float().pow(2).sum()
+            if p.grad is not None:
+                grad = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).reshape(-1)
+                for lo, hi in self.norm_ranges(name, grad.numel()):
+                    squares += grad[lo:hi].float().pow(2).sum()
         return squares
 
-    def counts_in_norm(self, name: str) -> bool:
-        """Whether this rank adds parameter ``name``'s gradient to the global norm: always, except a weight
-        that every tensor-parallel rank holds whole, which only the first counts."""
-        return self.tensor is None or self.tensor.counts_in_norm(name)
+    def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
+        """The ranges of this rank's ``numel`` elements of parameter ``name`` (flattened) that it adds to the global
+        norm: all, except under tensor parallelism a weight every rank of the group holds whole (only the first
+        counts it) or a replicated part of a split one (only its first holder counts it)."""
+        return [(0, numel)] if self.tensor is None else self.tensor.norm_ranges(name, numel)
 
     def tensor_norm_squares(self, squares: torch.Tensor) -> torch.Tensor:
         """Squared norms summed over the tensor-parallel group (unchanged without one)."""

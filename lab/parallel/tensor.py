@@ -5,7 +5,9 @@
 names (each now holding this rank's shard):
 
 - **column-parallel** (output features split): the fused QKV (each rank its share of the query
-  heads and of the key/value heads: GQA's kv heads split with them), the MLP's up projection (and
+  heads and of the key/value heads: GQA's kv heads split with them, or, when there are fewer than N,
+  replicated: each rank holds the one its query heads use, and the gradients of a replica are summed
+  over the ranks holding it, ``_SumOverReplicas``), the MLP's up projection (and
   the gate of SwiGLU, split alike so ``chunk(2)`` still finds gate and up). The input passes through
   **f** (identity forward, all-reduce of the gradient backward);
 - **row-parallel** (input features split): the attention output and the MLP's down projection;
@@ -66,8 +68,15 @@ def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
     if n == 1:
         return
     kv = accounting.kv_heads(model)
-    checks = [(model.n_head, "model.n_head"), (kv, "model.n_kv_head (key/value heads are split, not replicated)"),
-              (accounting.ffn_width(model), "the MLP width (model.d_ff)")]
+    checks = [(model.n_head, "model.n_head"), (accounting.ffn_width(model), "the MLP width (model.d_ff)")]
+    if kv >= n:
+        checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
+    elif n % kv:
+        raise ConfigError(f"model.n_kv_head ({kv}) must divide parallel.tp ({n}) to replicate the key/value heads")
+    elif cfg.tp_impl == "torch" or cfg.strategy == "fsdp":
+        what = "parallel.tp_impl torch" if cfg.tp_impl == "torch" else "strategy fsdp"
+        raise ConfigError(f"{what} does not replicate key/value heads: model.n_kv_head ({kv}) must be a multiple of "
+                          f"parallel.tp ({n})")
     if cfg.sequence_parallel:
         checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
     if model.vocab_size is not None:
@@ -83,37 +92,51 @@ def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
 @dataclass(frozen=True)
 class Split:
     """How one weight is cut across the group: along ``dim``, each of ``blocks`` (consecutive extents of that
-    dimension, as a fused QKV's query, key and value rows) into N equal parts; rank r holds part r of each."""
+    dimension, as a fused QKV's query, key and value rows) into equal parts; rank r holds part r of each, or
+    (``shared``, per block: k consecutive ranks hold the same part, as GQA's key/value heads when there are
+    fewer than N) part r // k, a replica: the first of its k ranks hands it over to checkpoints and exports."""
 
     shape: tuple[int, ...]  # the whole weight's
     dim: int
     blocks: tuple[int, ...]
+    shared: tuple[int, ...] = ()  # per block, how many ranks hold each part (empty: one each)
+
+    def sharing(self, block: int) -> int:
+        return self.shared[block] if self.shared else 1
 
     def segments(self, rank: int, n: int) -> list[tuple[int, int, int]]:
         """(start in the shard, start in the whole weight, length) along ``dim``, block by block."""
         out, local, start = [], 0, 0
-        for size in self.blocks:
-            part = size // n
-            out.append((local, start + rank * part, part))
+        for b, size in enumerate(self.blocks):
+            k = self.sharing(b)
+            part = size * k // n
+            out.append((local, start + rank // k * part, part))
             local, start = local + part, start + size
         return out
+
+    def replicas(self, rank: int, n: int) -> list[tuple[int, int, int, int]]:
+        """The replicated blocks of a dim-0 split in the flattened shard: (start, length, which part, how many
+        parts), each part held by the consecutive ranks that share it."""
+        inner = math.prod(self.shape[1:])
+        return [(local * inner, size * inner, rank // self.sharing(b), n // self.sharing(b))
+                for b, (local, _, size) in enumerate(self.segments(rank, n)) if self.sharing(b) > 1]
 
     def take(self, whole: torch.Tensor, rank: int, n: int) -> torch.Tensor:
         """Rank ``rank``'s shard of ``whole`` (a copy; on the meta device, a meta tensor)."""
         return torch.cat([whole.narrow(self.dim, g, size) for _, g, size in self.segments(rank, n)], dim=self.dim)
 
     def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The whole weight from every rank's shard, in rank order."""
+        """The whole weight from every rank's shard, in rank order (a replicated part from its first rank)."""
         n = len(shards)
         parts = [shards[r].narrow(self.dim, local, size) for b in range(len(self.blocks))
-                 for r in range(n) for local, _, size in [self.segments(r, n)[b]]]
+                 for r in range(0, n, self.sharing(b)) for local, _, size in [self.segments(r, n)[b]]]
         return torch.cat(parts, dim=self.dim)
 
     def flat_pieces(self, rank: int, n: int, lo: int, view: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """Where elements [lo, lo + len(view)) of the flattened shard sit in the flattened whole weight: (start in
-        the whole, the part of ``view``) for each range that is contiguous in both."""
+        the whole, the part of ``view``) for each range that is contiguous in both and that this rank hands over."""
         hi = lo + view.numel()
-        segments = self.segments(rank, n)
+        segments = [s for b, s in enumerate(self.segments(rank, n)) if rank % self.sharing(b) == 0]
         if self.dim == 0:
             inner = math.prod(self.shape[1:])
             runs = [(local * inner, start * inner, size * inner) for local, start, size in segments]
@@ -161,6 +184,22 @@ _GatherSequence = _conjugate("GatherSequence", "f under sequence parallelism: th
 _ReduceScatterSequence = _conjugate("ReduceScatterSequence", "g under sequence parallelism: partial outputs summed "
                                     "and split along the sequence forward; gathered backward.",
                                     lambda tp, x: tp.reduce_scatter_sequence(x), lambda tp, g: tp.gather_sequence(g))
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """A weight with replicated parts (GQA's key/value rows held by several ranks): identity forward; backward,
+    each part's gradient summed over the ranks that hold it (each has only its query heads' share)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, split: Split, tp: TensorParallel) -> torch.Tensor:
+        ctx.split, ctx.tp = split, tp
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        ctx.tp.sum_replicas(ctx.split, 0, grad.view(-1), everyone=True)
+        return grad, None, None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -240,6 +279,27 @@ class TensorParallel:
         """A whole weight applied to this rank's tokens only (sequence parallel): its gradient summed over the group."""
         return _CopyToGroup.apply(weight, self) if self.sequence_parallel and weight is not None else weight
 
+    def first_replica(self, parts: int) -> bool:
+        """Whether this rank is the first of those holding its part when a weight has ``parts`` distinct parts."""
+        return self.rank % (self.n // parts) == 0
+
+    def sum_replicas(self, split: Split, lo: int, view: torch.Tensor, everyone: bool) -> None:
+        """Sum, in place, each replicated part of ``view`` (elements [lo, lo + len(view)) of this rank's flattened
+        shard) over the ranks holding it: every one's (gradients) or the first's alone (values after a load, which
+        only the first reads). One all-reduce over the group per part, each part in its own slot, the others zero;
+        every rank of the group calls it with the same range."""
+        hi = lo + view.numel()
+        for start, length, part, parts in split.replicas(self.rank, self.n):
+            a, b = max(start, lo), min(start + length, hi)
+            if a >= b:
+                continue
+            piece = view[a - lo:b - lo]
+            slots = piece.new_zeros((parts, b - a))
+            if everyone or self.first_replica(parts):
+                slots[part] = piece
+            self.all_reduce_(slots)
+            piece.copy_(slots[part])
+
     # ------------------------------------------------------------ the rewrite
 
     def parallelize(self, model: nn.Module) -> nn.Module:
@@ -248,12 +308,13 @@ class TensorParallel:
         validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
         heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
         ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
+        shared = (1, self.n // kv, self.n // kv) if kv < self.n else ()  # GQA: kv heads replicated
         for i, block in enumerate(model.blocks):
-            self._split(model, f"blocks.{i}.attn.qkv", 0, (heads * head_dim, kv * head_dim, kv * head_dim))
+            self._split(model, f"blocks.{i}.attn.qkv", 0, (heads * head_dim, kv * head_dim, kv * head_dim), shared)
             self._split(model, f"blocks.{i}.attn.proj", 1, (heads * head_dim,))
             self._split(model, f"blocks.{i}.mlp.up", 0, (ff, ff) if block.mlp.gated else (ff,))
             self._split(model, f"blocks.{i}.mlp.down", 1, (ff,))
-            block.attn.n_head, block.attn.n_kv_head = heads // self.n, kv // self.n
+            block.attn.n_head, block.attn.n_kv_head = heads // self.n, max(kv // self.n, 1)
             if self.sequence_parallel:
                 for norm in (block.norm1, block.norm2):
                     norm.forward = functools.partial(self._norm, norm)
@@ -269,7 +330,8 @@ class TensorParallel:
         model.initial_value = functools.partial(self._initial_value, model.initial_value)
         return model
 
-    def _split(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...]) -> None:
+    def _split(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...], shared: tuple[int, ...] = ()
+               ) -> None:
         """Replace the weight (and, split the same way, the bias of a column-parallel layer) of module ``name``
         with this rank's shard, and set its forward (linear layers) to the column- or row-parallel one."""
         module = model.get_submodule(name)
@@ -277,20 +339,25 @@ class TensorParallel:
             param = getattr(module, attr, None)
             if param is None or (attr == "bias" and dim != 0):
                 continue
-            split = Split(tuple(param.shape), dim, blocks)
+            split = Split(tuple(param.shape), dim, blocks, shared)
             shard = split.take(param.detach(), self.rank, self.n)
             setattr(module, attr, nn.Parameter(shard, requires_grad=param.requires_grad))
             self.splits[f"{name}.{attr}"] = split
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
-            module.forward = functools.partial(self._column if dim == 0 else self._row, module)
+            module.forward = (functools.partial(self._column, module, name) if dim == 0
+                              else functools.partial(self._row, module))
 
     def _initial_value(self, whole: Callable[..., torch.Tensor], name: str) -> torch.Tensor:
         split = self.splits.get(name)
         return whole(name) if split is None else split.take(whole(name, split.shape), self.rank, self.n)
 
-    def _column(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.enter(x), linear.weight, linear.bias)
+    def _column(self, linear: nn.Linear, name: str, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = linear.weight, linear.bias
+        if self.splits[f"{name}.weight"].shared:  # replicated rows: their gradients summed over their ranks
+            weight = _SumOverReplicas.apply(weight, self.splits[f"{name}.weight"], self)
+            bias = bias if bias is None else _SumOverReplicas.apply(bias, self.splits[f"{name}.bias"], self)
+        return F.linear(self.enter(x), weight, bias)
 
     def _row(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = self.leave(F.linear(x, linear.weight))
@@ -341,32 +408,47 @@ class TensorParallel:
         shards further counts whole)."""
         return param.numel()
 
-    def counts_in_norm(self, name: str) -> bool:
-        """A split weight counts on every rank (each its shard); a whole one on the group's first rank only."""
-        return name in self.splits or self.rank == 0
+    def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
+        """The ranges of this rank's ``numel`` elements of ``name`` (flattened) that it adds to the global gradient
+        norm: all of a split weight's but the replicated parts of which it is not the first holder; all of a whole
+        weight on the group's first rank, none on the others."""
+        split = self.splits.get(name)
+        if split is None:
+            return [(0, numel)] if self.rank == 0 else []
+        out, at = [], 0
+        for start, length, _, parts in split.replicas(self.rank, self.n):
+            if not self.first_replica(parts):
+                out.append((at, start))
+                at = start + length
+        out.append((at, numel))
+        return [(a, b) for a, b in out if a < b]
 
     def checkpoint_state(self, state: CheckpointState, data: World
-                         ) -> tuple[CheckpointState, list[tuple[torch.Tensor, World]]]:
+                         ) -> tuple[CheckpointState, list[Callable[[], None]]]:
         """The data-parallel strategy's ``state`` (flattened shards) as ranges of the whole flattened weights, each
-        range handed over by one rank; and the tensors the other ranks then receive after a load, each with the
-        axis to broadcast it over from that axis's first rank."""
+        range handed over by one rank; and what the ranks then do after a load, in order: broadcast what one rank
+        of an axis read to the others, and copy a replicated part from its first holder to the others."""
         out: CheckpointState = {}
-        broadcasts = []
+        after_load: list[Callable[[], None]] = []
         for key, value in state.items():
             split = self.splits.get(key.split("/")[1])
             if isinstance(value, torch.Tensor) and (split is None or key.endswith("/step")):
                 out[key] = value  # whole on every rank
             elif split is None:  # a range of a weight every tensor-parallel rank holds: the first hands it over
-                broadcasts.append((value.view, self.world))
+                after_load.append(functools.partial(_broadcast, value.view, self.world))
                 out[key] = value if self.world.is_main else Held(value.numel, value.lo, value.view[:0])
             else:
                 if isinstance(value, Held):
                     lo, view = value.lo, value.view
                 else:  # this rank's shard, whole on every data-parallel rank: the first hands it over
-                    broadcasts.append((value, data))
-                    lo, view = 0, value.view(-1) if data.is_main else value.new_empty(0)
+                    after_load.append(functools.partial(_broadcast, value, data))
+                    lo, view = 0, value.view(-1)
+                if split.shared:
+                    after_load.append(functools.partial(self.sum_replicas, split, lo, view, everyone=False))
+                if not isinstance(value, Held) and not data.is_main:
+                    view = value.new_empty(0)
                 out[key] = Pieces(math.prod(split.shape), split.flat_pieces(self.rank, self.n, lo, view))
-        return out, broadcasts
+        return out, after_load
 
     def full_state_dict(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole weights from every rank's ``shards`` on the group's first rank (a collective of the group)."""
@@ -426,7 +508,7 @@ class TorchTensorParallel(TensorParallel):
 
     def numel(self, param: torch.Tensor) -> int:
         """This rank's part of a weight torch split across the group."""
-        return _local(param).numel()
+        return local_part(param).numel()
 
     def _reorder(self, model: nn.Module, name: str, blocks: tuple[int, ...]) -> None:
         """Order a fused weight's rows rank by rank (each rank's part of every block together), so that an even
@@ -468,7 +550,7 @@ class WithTensorParallel:
 
     def __init__(self, strategy: Strategy, tp: TensorParallel):
         self.strategy, self.tp = strategy, tp
-        self._broadcasts: list[tuple[torch.Tensor, World]] = []  # filled by checkpoint_state, sent by after_load
+        self._after_load: list[Callable[[], None]] = []  # filled by checkpoint_state, run by after_load
         self._tp_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
 
     def __getattr__(self, name: str) -> object:
@@ -496,21 +578,22 @@ class WithTensorParallel:
             return self.strategy.eval_loss(x, y)
 
     def checkpoint_state(self) -> CheckpointState:
-        state = {k: _local(v) for k, v in self.strategy.checkpoint_state().items()}
-        state, self._broadcasts = self.tp.checkpoint_state(state, self.strategy.world)
+        state = {k: local_part(v) for k, v in self.strategy.checkpoint_state().items()}
+        state, self._after_load = self.tp.checkpoint_state(state, self.strategy.world)
         return state
 
     @torch.no_grad()
     def after_load(self) -> None:
-        """What one rank of an axis loaded for all of it goes to the others first; then the strategy's own."""
-        for tensor, axis in self._broadcasts:
-            if axis.world_size > 1:
-                dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)
+        """What one rank loaded for others goes to them first (not a training step's traffic); then the strategy's
+        own."""
+        with self.tp.comm.paused():
+            for step in self._after_load:
+                step()
         self.strategy.after_load()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on global rank 0: the data axis's first ranks (one tensor-parallel group) gather it."""
-        shards = {k: _local(v) for k, v in self.strategy.full_state_dict().items()}
+        shards = {k: local_part(v) for k, v in self.strategy.full_state_dict().items()}
         return self.tp.full_state_dict(shards) if self.strategy.world.is_main else {}
 
     def meters(self) -> dict[str, object]:
@@ -524,6 +607,12 @@ class WithTensorParallel:
                                                                       loop.accum_steps)}
 
 
-def _local(value: object) -> object:
+def _broadcast(tensor: torch.Tensor, axis: World) -> None:
+    """``tensor`` from the first rank of ``axis`` to the others."""
+    if axis.world_size > 1:
+        dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)
+
+
+def local_part(value: object) -> object:
     """A DTensor's local part (the torch reference's shards); anything else as it is."""
     return value.to_local() if hasattr(value, "to_local") else value

@@ -283,9 +283,10 @@ class Zero(Strategy):
         """Ranges of this rank's chunk of ``unit`` that belong to parameters it counts in the norm."""
         start, out = self.world.rank * unit.chunk, []
         for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
-            a, b = max(offset, start) - start, min(offset + math.prod(shape), start + unit.chunk) - start
-            if a < b and self.counts_in_norm(name):
-                out.append((a, b))
+            for lo, hi in self.norm_ranges(name, math.prod(shape)):
+                a, b = max(offset + lo, start) - start, min(offset + hi, start + unit.chunk) - start
+                if a < b:
+                    out.append((a, b))
         return out
 
     # ------------------------------------------------------------ the step
