@@ -13,9 +13,9 @@ Strategies: every strategy trains the same model on the same random batches on `
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
 again and again; round r starts at the (r mod k)-th of the k strategies, so each takes every place
 in the order equally often) so that a noisy shared machine slows them alike. Per strategy: the
-median step time, tokens/s and CPU time (rank 0's process, every thread: on a shared machine the
-work a step costs, whatever else runs) over all timed steps; the ratio to ``torch_ddp``'s tokens/s,
-paired by round (each round's ratio compares steps taken seconds apart, so slow drifts of the
+median step time, tokens/s, CPU time and minor page faults (rank 0's process, every thread: on a
+shared machine the work a step costs, whatever else runs) over all timed steps; the ratio to
+``torch_ddp``'s tokens/s, paired by round (each round's ratio compares steps taken seconds apart, so slow drifts of the
 machine cancel), as the median over rounds with a 95 % bootstrap interval; the time a step waited on
 communication (exposed); the bytes sent per step against theory; the model-state bytes per rank
 against theory; and the activation bytes a micro-step saved for its backward. ``single`` runs on
@@ -202,6 +202,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
     times: dict[str, list[list[float]]] = {c.label: [[] for _ in range(rounds)] for c in cases}
     waits = {c.label: [] for c in cases}
     cpus = {c.label: [] for c in cases}
+    page_faults = {c.label: [] for c in cases}
     pairs = list(zip(cases, built, strict=True))
     for r in range(-1, rounds):  # round -1 warms up
         first = max(r, 0) % len(pairs)
@@ -211,13 +212,14 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
                 continue
             x = replica_batch(case)
             for _ in range(warmup if r < 0 else steps):
-                t0, cpu0 = time.perf_counter(), process_cpu_s()
+                t0, (cpu0, faults0) = time.perf_counter(), process_usage()
                 train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
-                elapsed, cpu, meters = time.perf_counter() - t0, process_cpu_s() - cpu0, s.take_step_meters()
+                elapsed, (cpu, faults), meters = time.perf_counter() - t0, process_usage(), s.take_step_meters()
                 if r >= 0:
                     times[case.label][r].append(elapsed)
                     waits[case.label].append(meters.comm_wait_s)
-                    cpus[case.label].append(cpu)
+                    cpus[case.label].append(cpu - cpu0)
+                    page_faults[case.label].append(faults - faults0)
             if _alone(case, world).world_size == 1 and world.world_size > 1:
                 dist.barrier()
             if world.is_main and r >= 0:
@@ -234,15 +236,17 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens_per_step / step, "exposed_comm_s": statistics.median(waits[case.label]),
                      "cpu_time_s": statistics.median(cpus[case.label]),
+                     "minor_faults": statistics.median(page_faults[case.label]),
                      "round_tokens_per_s": [tokens_per_step / statistics.median(ts) for ts in times[case.label]],
                      **s.meters()})
     return rows
 
 
-def process_cpu_s() -> float:
-    """CPU seconds this process has used, every thread (the communication backend's included), user and system."""
+def process_usage() -> tuple[float, int]:
+    """CPU seconds this process has used, every thread (the communication backend's included), user and system; and
+    its minor page faults (first touches of fresh memory, each a trip into the kernel)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
 def paired_ratio(case: list[float], reference: list[float], resamples: int = 2000) -> tuple[float, float, float]:
@@ -299,8 +303,8 @@ def plot_strategies(rows: list[dict], path: Path) -> None:
 def format_strategies(rows: list[dict]) -> str:
     lines = ["| strategy | step ms | CPU ms/step, rank 0 | tokens/s | vs torch_ddp (tokens/s): paired median "
              "[95 % interval] | exposed comm ms | comm MB/step: counted / theory "
-             "| model states MB/rank: measured / theory | saved activations MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model states MB/rank: measured / theory | saved activations MB | page faults/step, rank 0 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:  # bytes over both axes of the mesh (tensor-parallel ones where parallel.tp > 1)
         counted = sum(r["comm_bytes_per_step"].values()) + sum(r.get("tp_comm_bytes_per_step", {}).values())
         theory = (sum(r["comm_bytes_per_step_theory"].values())
@@ -312,7 +316,7 @@ def format_strategies(rows: list[dict]) -> str:
                      f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
                      f"{r['model_state_bytes']['total'] / 1e6:.2f} / "
                      f"{r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
-                     f"{r['activation_saved_bytes'] / 1e6:.1f} |")
+                     f"{r['activation_saved_bytes'] / 1e6:.1f} | {r['minor_faults']:,.0f} |")
     return "\n".join(lines)
 
 

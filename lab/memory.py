@@ -2,7 +2,8 @@
 
 ``Meter`` runs around a whole run (from before the strategy builds its model). On the CPU a
 ``TorchDispatchMode`` sees the output of every tensor operation; each new storage is counted
-until it dies (a weak reference's callback) or is resized (``UntypedStorage.resize_`` is watched),
+until it dies (a weak reference's callback) or is resized (``UntypedStorage.resize_`` is watched, and
+``_swap_data_ptr_``, which moves memory between two storages),
 so the live bytes and their peak follow what the allocator really holds, whoever keeps a storage
 alive (autograd's saved tensors included). On CUDA the allocator's own peak is read and reset per
 phase. Beside it, the kernel's peak resident set of the process (``VmHWM``, a high-water mark over
@@ -79,7 +80,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self.at_phase_peaks: dict[str, dict[str, int]] = {}  # the bytes of each kind at each phase's peak
         self.phase: str | None = None
-        self._resize = None
+        self._resize = self._swap = None
 
     # ------------------------------------------------------------ what is alive
 
@@ -149,20 +150,34 @@ class LiveBytes(TorchDispatchMode):
                 self.see(t)
         return out
 
-    def __enter__(self) -> LiveBytes:
-        original = self._resize = torch.UntypedStorage.resize_
-
-        def resize_(storage: torch.UntypedStorage, size: int) -> None:  # not a dispatched operation
-            original(storage, size)
+    def _follow(self, *storages: torch.UntypedStorage) -> None:
+        for storage in storages:
             entry = self._storages.get(id(storage))
             if entry is not None:
                 self._resized(entry, storage.nbytes())
 
+    def __enter__(self) -> LiveBytes:
+        resize, swap = self._resize, self._swap = (torch.UntypedStorage.resize_,
+                                                   getattr(torch.UntypedStorage, "_swap_data_ptr_", None))
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> None:  # not a dispatched operation
+            resize(storage, size)
+            self._follow(storage)
+
+        def swap_data_ptr_(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:  # nor is this
+            swap(storage, other)
+            # the one that gave its memory away first: no peak that never was
+            self._follow(*sorted((storage, other), key=lambda s: s.nbytes()))
+
         torch.UntypedStorage.resize_ = resize_
+        if swap is not None:
+            torch.UntypedStorage._swap_data_ptr_ = swap_data_ptr_
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         torch.UntypedStorage.resize_ = self._resize
+        if self._swap is not None:
+            torch.UntypedStorage._swap_data_ptr_ = self._swap
         super().__exit__(*exc)
 
 

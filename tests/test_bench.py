@@ -50,6 +50,8 @@ def test_strategies_side_by_side_on_two_ranks(tmp_path):
         assert f"| {r['label']} | {1e3 * r['step_time_s']:.1f} | {1e3 * r['cpu_time_s']:.1f} | " \
                f"{r['tokens_per_s']:,.0f} | {ratio:.3f}× [{ratio:.3f}, {ratio:.3f}] |" in table
         assert 0 < r["cpu_time_s"] < 10 * r["step_time_s"]  # rank 0's process: compute and gloo's threads
+        row = next(line for line in table.splitlines() if line.startswith(f"| {r['label']} |"))
+        assert r["minor_faults"] >= 0 and row.endswith(f"| {r['minor_faults']:,.0f} |")
     assert "round 1/1: ddp_naive" in proc.stdout  # progress while it runs
 
 

@@ -16,8 +16,9 @@ is point-to-point messages: this rank's shard to every other rank, theirs receiv
 their places in the output. A reduce-scatter is an all-to-all that sends chunk j of the input to
 rank j and receives the N − 1 other copies of this rank's chunk (the first and the last rank send
 themselves nothing; one in the middle, whose other chunks do not lie end to end, sends itself its
-own), summed with its own, in rank order, when the work is waited for. Both send the (N − 1)/N of
-the ring formula. (gloo's point-to-point works say they are complete only once waited for; the
+own), summed with its own, in rank order, when the work is waited for; on two ranks the other
+rank's chunk is received straight into the output, where that is not a view into the input, and
+summed there (no receive buffer). Both send the (N − 1)/N of the ring formula. (gloo's point-to-point works say they are complete only once waited for; the
 all-to-all's says so when done, so a finished reduce-scatter's buffers are freed early.)
 """
 
@@ -165,7 +166,9 @@ class Comm:
         if me in (0, n - 1):  # the other ranks' chunks lie end to end: send only them
             sent = input[chunks.shape[1]:] if me == 0 else input[:-chunks.shape[1]]
             splits = [0 if j == me else chunks.shape[1] for j in range(n)]
-            received = input.new_empty(n - 1, chunks.shape[1])
+            apart = output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
+            # two ranks: the other's chunk lands in the output itself, the sum is then made in place
+            received = output.view(1, -1) if n == 2 and apart else input.new_empty(n - 1, chunks.shape[1])
             parts = [*received[:me], chunks[me], *received[me:]]
         else:  # a rank in the middle sends itself its own chunk too
             sent, splits = input, [chunks.shape[1]] * n

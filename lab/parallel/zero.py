@@ -21,8 +21,11 @@ with the trainable weights, so every rank starts from the same values).
 - ``zero3``: also the weights are sharded at rest. The model is built on the meta device and each
   rank fills only its chunks from the model's ``initial_value`` (a digest of every initial value
   is compared across ranks): the whole model never exists on a rank. A unit's weights are views
-  of one flat buffer whose storage is resized to nothing at rest (as FSDP does), so the tensors
-  autograd saves (``weight.t()``) hold no memory and at most one gathered copy of a unit exists.
+  of one flat buffer whose storage holds no memory at rest, so the tensors autograd saves
+  (``weight.t()``) hold none and at most one gathered copy of a unit exists. Gathered, the storage
+  borrows the memory of a resident pool buffer of its size (data pointers swapped in and back
+  out), so a gather writes into pages already mapped instead of fresh ones. The pool holds at most
+  what is gathered at once: the root unit and the two largest neighbours in the forward order.
   Each half of a transformer block is a unit (the attention with the norm before it, the MLP with
   its own: ``segments``): gathered (all-gather) just before its forward, while the next unit's
   all-gather is launched asynchronously (prefetch), freed right after; gathered again when the
@@ -62,6 +65,9 @@ from lab.parallel.comm import Exchange, InOrder, SummedOnWait
 from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
+# zero3 pools gathered units where a storage can take another's memory (a private method of torch's; without it
+# each gather allocates afresh)
+SWAPS_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 @dataclass
@@ -83,6 +89,7 @@ class Unit:
     master: torch.Tensor | None = None  # offload: the host's fp32 copy of the shard
     gathered: bool = False  # stage 3: flat's storage holds the weights (or an all-gather into it is under way)
     gathering: dist.Work | Exchange | None = None  # stage 3: the prefetch's all-gather, until waited
+    lent: torch.Tensor | None = None  # stage 3: the pool's buffer whose memory flat's storage holds while gathered
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
 
 
@@ -501,6 +508,10 @@ class Zero3(Zero):
         self._root = self.units[-1]
         unit_of = {name: unit for unit in self.units for name in unit.names}
         self._forward_order = [unit_of[names[0]] for _, names in self._segments]
+        sizes = [u.padded for u in self._forward_order]
+        self._pool_budget = self._root.padded + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+        self._spares: dict[int, list[torch.Tensor]] = {}  # idle pool buffers by their number of elements
+        self._pooled = 0  # elements in pool buffers, idle or lent
         for (first, *_, last), names in self._segments:
             unit = unit_of[names[0]]
             first.register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
@@ -509,7 +520,7 @@ class Zero3(Zero):
 
     def _place(self, unit: Unit) -> None:
         """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
-        storage is empty at rest (resized to the whole unit while gathered, as FSDP does)."""
+        storage is empty at rest (it borrows a pool buffer's memory while gathered: ``_lend``)."""
         r, module = self.world.rank, self.module
         unit.shard = torch.zeros(unit.chunk, device=self.world.device)
         memory.tag(unit.shard, "params")
@@ -534,8 +545,7 @@ class Zero3(Zero):
     # ------------------------------------------------------------ gather and free
 
     def _start_gather(self, unit: Unit, async_op: bool) -> None:
-        nbytes = unit.padded * unit.shard.element_size()
-        unit.flat.untyped_storage().resize_(nbytes)
+        self._lend(unit)
         unit.gathering = self.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
         unit.gathered = True
 
@@ -560,8 +570,38 @@ class Zero3(Zero):
         if unit.gathering is not None:
             self.comm.wait(unit.gathering)
             unit.gathering = None
-        unit.flat.untyped_storage().resize_(0)
+        self._take_back(unit)
         unit.gathered = False
+
+    def _lend(self, unit: Unit) -> None:
+        """Give flat's storage memory for the whole unit: an idle pool buffer's of its size (its pages stay mapped
+        between gathers, so gathering into them does not fault them in again), else a new pool buffer if the pool,
+        rid of idle buffers of other sizes, has room for it within ``_pool_budget``, else fresh memory. The storage
+        swaps data pointers with the buffer, so the views autograd saved see the weights wherever they lie."""
+        spares = self._spares.setdefault(unit.padded, [])
+        if SWAPS_MEMORY and not spares:
+            for size, idle in self._spares.items():
+                while idle and self._pooled + unit.padded > self._pool_budget:
+                    idle.pop()
+                    self._pooled -= size
+            if self._pooled + unit.padded <= self._pool_budget:
+                spares.append(torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device))
+                memory.tag(spares[-1], "params")
+                self._pooled += unit.padded
+        if spares:
+            unit.lent = spares.pop()
+            unit.flat.untyped_storage()._swap_data_ptr_(unit.lent.untyped_storage())
+        else:
+            unit.flat.untyped_storage().resize_(unit.padded * unit.shard.element_size())
+
+    def _take_back(self, unit: Unit) -> None:
+        """flat's storage gives its memory back: to the pool buffer it came from, or to the allocator."""
+        if unit.lent is None:
+            unit.flat.untyped_storage().resize_(0)
+            return
+        unit.flat.untyped_storage()._swap_data_ptr_(unit.lent.untyped_storage())
+        self._spares[unit.padded].append(unit.lent)
+        unit.lent = None
 
     def _next(self, unit: Unit, step: int) -> Unit | None:
         """The block unit ``step`` places after ``unit`` in the forward order (None past either end)."""
@@ -616,9 +656,16 @@ class Zero3(Zero):
         self.comm.all_gather(flat, unit.shard)
         return flat
 
+    def _pool_bytes(self) -> float:
+        """The gather pool once full: the root unit and the two largest neighbours in the forward order."""
+        return self._pool_budget * self._root.shard.element_size()
+
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
-        """The root unit, the unit at work and the next one (prefetched) gathered at once, both taken as the largest."""
+        """The root unit, the unit at work and the next one (prefetched) gathered at once: the pool full."""
         _, grads_forward, grads_backward = super().theory_in_flight(states)
-        blocks = [u.padded for u in self.units if u is not self._root]
-        gathered = (self._root.padded + 2 * max(blocks, default=0)) * self._root.shard.element_size()
-        return gathered, grads_forward, grads_backward
+        return self._pool_bytes(), grads_forward, grads_backward
+
+    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
+        """The pool's buffers stay allocated through the optimizer step too."""
+        theory = super().peak_bytes_theory(activations)
+        return theory | {"step": theory["step"] + self._pool_bytes()}
