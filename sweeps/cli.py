@@ -21,6 +21,7 @@ from sweeps import plan as planner, progress, spec as specs
 from sweeps.driver import attempt_for, driver_lock, execute, run_dir
 from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
+from sweeps.plan import PlannedRun
 from sweeps.verify import HELD_OUT_FACTOR
 
 EXIT_BAD_INPUT = 2
@@ -400,12 +401,20 @@ def _verify(args: argparse.Namespace) -> int:
         runs, refused = verify.plan_runs(sweep, args.budget, predicted.n_opt, found.tuned if found else None)
         if refused:
             return _refuse(refused)
-        registry.sync(runs, lambda name: folder / verify.FOLDER / "runs" / name)
-        code = execute(folder, registry, [r.name for r in runs], executor, not args.no_progress)
-        rows = [registry.get(r.name) for r in runs]
-        if any(row.status != "done" for row in rows):
-            return code if code != 0 else 1
-        losses = [(run, float(row.final_loss)) for run, row in zip(runs, rows)]
+        losses: list[tuple[PlannedRun, float]] = []
+        for _ in range(1 + verify.MAX_EXTENSIONS):  # three shapes, then a step further while the lowest is at an edge
+            registry.sync(runs, lambda name: folder / verify.FOLDER / "runs" / name)
+            code = execute(folder, registry, [r.name for r in runs], executor, not args.no_progress)
+            rows = [registry.get(r.name) for r in runs]
+            if any(row.status != "done" for row in rows):
+                return code if code != 0 else 1
+            losses += [(run, float(row.final_loss)) for run, row in zip(runs, rows)]
+            runs = verify.extension(sweep, args.budget, losses, found.tuned if found else None)
+            if isinstance(runs, str):
+                return _refuse([runs])
+            if not runs:
+                break
+            print(f"the lowest of the runs at {args.budget:.3g} is at an edge: one size step further ({runs[0].name})")
         verdict = verify.judge(predicted, losses, result.parametric.theta, result.thetas, result.config.ci_level)
         md = verify.record(folder, registry, fit_dir, verdict)
         print("\n".join(verify.describe(verdict)))

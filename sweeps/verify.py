@@ -4,7 +4,8 @@ The finished sweep is fitted (``python -m analysis fit`` with ``--predict C``, w
 ``SWEEP/verify/fit-C/``); the law the fit prefers gives N_opt at the held-out budget C with its
 interval, and the parametric law L(N, D) the loss. The family's shape nearest N_opt and its
 neighbours one size step either side (the sweep's own step between sizes) are trained at C, with
-the search's learning-rate and batch laws when the sweep has a search. Achieved against predicted:
+the search's learning-rate and batch laws when the sweep has a search; while the lowest of them is at
+an edge, one more size step that way (at most ``MAX_EXTENSIONS``). Achieved against predicted:
 N_opt (the vertex of a parabola in log N through the three runs, when the lowest is the middle one)
 inside the predicted interval, and the best run's loss within ``LOSS_TOLERANCE`` of the loss L(N, D)
 predicts for it. The comparison goes to the terminal, ``SWEEP/verify/verify-C.json`` and ``.md``, the
@@ -33,6 +34,7 @@ FOLDER = "verify"
 ROLE = "verify"
 HELD_OUT_FACTOR = 4.0  # a budget this many times the largest swept one is a real extrapolation
 LOSS_TOLERANCE = 0.01  # relative
+MAX_EXTENSIONS = 2  # size steps added beyond the three shapes while the lowest run is at an edge
 
 
 class VerifyError(ValueError):
@@ -50,13 +52,36 @@ def size_step(sweep: Sweep) -> float:
 def plan_runs(sweep: Sweep, budget: float, n_opt: float, tuned: Tuned | None) -> tuple[list[PlannedRun], list[str]]:
     """The shape nearest ``n_opt`` and its neighbours one size step either side, at ``budget``; refusals."""
     step = size_step(sweep)
-    shapes, refused, _ = planner.family_shapes(sweep, [n_opt / step, n_opt, n_opt * step], f"verify at {budget:.3g}, ")
+    return plan_runs_at(sweep, budget, [n_opt / step, n_opt, n_opt * step], tuned)
+
+
+def plan_runs_at(sweep: Sweep, budget: float, sizes: list[float], tuned: Tuned | None
+                 ) -> tuple[list[PlannedRun], list[str]]:
+    """The family's shapes for ``sizes`` at ``budget`` (each once), as verify runs; refusals."""
+    shapes, refused, _ = planner.family_shapes(sweep, sizes, f"verify at {budget:.3g}, ")
     runs = []
     for shape_name, target, shape, entry_launch in shapes:
         run = planner.planned_run(sweep, budget, shape_name, target, shape, entry_launch, tuned, role=ROLE,
                                   name=f"verify-C{format_flops(budget)}-{shape_name}")
         (refused if isinstance(run, str) else runs).append(run)
     return runs, refused
+
+
+def extension(sweep: Sweep, budget: float, runs: list[tuple[PlannedRun, float]], tuned: Tuned | None
+              ) -> list[PlannedRun] | str:
+    """One more shape a size step beyond the edge run when the lowest of ``runs`` is at an edge (none when it is
+    interior: the minimum is located), or the line refusing it."""
+    ordered = sorted(runs, key=lambda rl: rl[0].params)
+    i = min(range(len(ordered)), key=lambda k: ordered[k][1])
+    if 0 < i < len(ordered) - 1:
+        return []
+    edge = ordered[i][0].params
+    target = edge / size_step(sweep) if i == 0 else edge * size_step(sweep)
+    planned, refused = plan_runs_at(sweep, budget, [target], tuned)
+    if refused:
+        return refused[0]
+    known = {r.name for r, _ in runs}
+    return [r for r in planned if r.name not in known]
 
 
 @dataclass(frozen=True)

@@ -188,3 +188,18 @@ def test_the_family_sets_the_mlp_width_from_ffn_ratio():
         assert run.shape["d_ff"] == round(2.6667 * run.shape["d_model"])
         assert f"--model.d_ff {run.shape['d_ff']}" in " ".join(run.args)
     assert all("d_ff" not in r.shape for r in planner.plan(parse()).runs)  # unset: the architecture's default
+
+
+def test_verify_adds_a_size_step_while_the_lowest_run_is_at_an_edge():
+    sweep = parse()
+    runs, _ = verify.plan_runs(sweep, 1.6e12, 6e4, None)
+    runs.sort(key=lambda r: r.params)
+    assert verify.extension(sweep, 1.6e12, [(r, loss) for r, loss in zip(runs, (2.0, 1.9, 2.1))], None) == []
+    falling = [(r, loss) for r, loss in zip(runs, (1.9, 2.0, 2.1))]  # lowest at the smallest: one step smaller
+    (smaller,) = verify.extension(sweep, 1.6e12, falling, None)
+    assert smaller.params < runs[0].params and smaller.role == "verify" and smaller.budget == 1.6e12
+    (larger,) = verify.extension(sweep, 1.6e12, [(r, loss) for r, loss in zip(runs, (2.1, 2.0, 1.9))], None)
+    assert larger.params > runs[-1].params
+    v = verify.judge(verify.Prediction(1.6e12, "isoflop", runs[0].params, [1, 1e9], None, None),
+                     falling + [(smaller, 2.0)], _theta(1.0, 50.0, 400.0, 0.4, 0.35), None, 0.95)
+    assert v.n_opt_located and v.best == runs[0].name  # the extra run brackets the minimum
