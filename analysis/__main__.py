@@ -28,12 +28,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pandas as pd  # noqa: E402
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note  # noqa: E402
-from analysis.fit import ENVELOPE_SOURCES, FitConfig, FitResult, fit_runs  # noqa: E402
+from analysis.fit import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig, FitResult, fit_runs  # noqa: E402
+from analysis.forms import FORMS  # noqa: E402
 from analysis.laws import LAWS, law_line  # noqa: E402
 from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
 from analysis.planner import (  # noqa: E402
     LAW_COLUMNS,
-    PARAMETRIC_COLUMNS,
     Unidentified,
     allocations,
     describe,
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--law", choices=LAWS, default="chinchilla",
                    help="also fit Kaplan et al.'s form or Muennighoff et al.'s data-constrained law (needs a "
                         "unique_tokens column) beside approach 3 (default: Chinchilla's form only)")
+    f.add_argument("--form", choices=FORM_CHOICES, default="auto",
+                   help="approach 3's form of L(N, D): Chinchilla's E + A/N^alpha + B/D^beta, kaplan-e (Kaplan et "
+                        "al.'s with an irreducible E), or auto (default): the one that predicts the hold-out's runs "
+                        "better when refitted without them (Chinchilla's without a hold-out)")
     f.add_argument("--huber-delta", type=float, default=HUBER_DELTA,
                    help=f"approach 3's Huber threshold on log-loss residuals (default {HUBER_DELTA:g}, as in "
                         "Hoffmann et al.)")
@@ -151,8 +155,9 @@ def _formats(text: str) -> tuple[str, ...]:
 
 def bootstrap_frame(result: FitResult) -> pd.DataFrame:
     """One row per resample: approach 3's parameters and every other approach's power law."""
-    samples = named_samples(result.thetas)
-    columns = {k: samples[k] for k in PARAMETRIC_COLUMNS}
+    form = result.parametric.form
+    samples = named_samples(result.thetas, form=form)
+    columns = {k: samples[k] for k in form.names}
     for key in APPROACHES[:2]:
         law = result.approaches[key].samples
         if law is not None:
@@ -218,8 +223,9 @@ def _summary(doc: dict) -> list[str]:
             continue
         a_ci = (section.get("ci") or {}).get("a")
         state = "identified" if section["identification"]["identified"] else "NOT identified"
-        extra = (f" alpha={section['alpha']:.4g} beta={section['beta']:.4g} E={section['E']:.4g} "
-                 f"A={section['A']:.4g} B={section['B']:.4g}" if key == "approach3" else "")
+        extra = (f" {section['form']} form, L = {section['formula'][4:]}: "
+                 + " ".join(f"{name}={section[name]:.4g}" for name in FORMS[section['form']].names)
+                 if key == "approach3" else "")
         if key == "envelope":
             extra = (" from training curves (--envelope curves)" if section["points_from"] == "curves"
                      else " from final losses (end points only)")
@@ -242,6 +248,7 @@ def _fit(args: argparse.Namespace) -> int:
     config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
                        predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
+                       form=args.form,
                        envelope=args.envelope, huber_delta=args.huber_delta, holdout_budgets=args.holdout_budgets,
                        holdout_above=args.holdout_above, law=args.law)
     config.validate()
@@ -277,7 +284,8 @@ def _compare(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a folder")
     labels = args.label or fits.labels_for(paths)
-    config = FitConfig(n_bootstrap=args.bootstrap, workers=args.workers, progress=False, delta_sensitivity=False)
+    config = FitConfig(n_bootstrap=args.bootstrap, workers=args.workers, progress=False, delta_sensitivity=False,
+                       form="auto")
     config.validate()
     entries = []
     for label, path in zip(labels, paths):

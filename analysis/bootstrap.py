@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from analysis.envelope import Envelope, Frontier
 from analysis.isoflop import METHODS, PowerLaws, budget_minima
+from analysis.forms import CHINCHILLA, Form
 from analysis.parametric import HUBER_DELTA, fit_weighted
 
 CHUNK = 50
@@ -68,6 +69,7 @@ class Problem:
     envelope: Envelope | Frontier | None
     seed: int
     huber_delta: float = HUBER_DELTA
+    form: Form = CHINCHILLA
 
 
 @dataclass
@@ -82,7 +84,8 @@ class Resamples:
 
 def _refit(problem: Problem, chunk: int, size: int) -> Resamples:
     w = chunk_weights(len(problem.n), problem.seed, chunk, size)
-    thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, w, problem.huber_delta)
+    thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, w, problem.huber_delta,
+                                     problem.form)
     isoflop = {}
     if len(problem.budget_flops):
         minima = budget_minima(problem.n, problem.loss, problem.labels, problem.budget_flops, w)

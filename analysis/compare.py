@@ -20,6 +20,7 @@ import numpy as np
 
 from analysis.bootstrap import interval
 from analysis.isoflop import PowerLaws
+from analysis.forms import CHINCHILLA, Form
 from analysis.parametric import named_samples
 
 APPROACHES = ("envelope", "isoflop", "approach3")  # fit.json keys, in the paper's order
@@ -31,9 +32,9 @@ WHY = {"approach3": "it is identified and is the only approach that also predict
        "envelope": "approaches 3 and 2 are not identified; approach 1 is"}
 
 
-def parametric_allocation(thetas: np.ndarray, flops_k: float) -> PowerLaws:
+def parametric_allocation(thetas: np.ndarray, flops_k: float, form: Form = CHINCHILLA) -> PowerLaws:
     """Approach 3's N_opt = k_N C^a, D_opt = k_D C^b for each theta row (K, 5), along C = flops_k N D."""
-    s = named_samples(np.atleast_2d(thetas), flops_k)
+    s = named_samples(np.atleast_2d(thetas), flops_k, form)
     return PowerLaws(a=s["a"], k_n=s["k_N"], b=s["b"], k_d=s["k_D"], n_points=np.zeros(len(s["a"]), int))
 
 

@@ -12,12 +12,12 @@ import math
 import pandas as pd
 
 from analysis.compare import APPROACHES, TITLES
+from analysis.forms import FORMS
 from analysis.published import LAWS
 
-PARAMETERS = ("E", "A", "B", "alpha", "beta", "a", "b", "G")
 LAW_KEYS = ("a", "b", "k_N", "k_D")
 CAPTIONS = {
-    "parameters": "Approach 3: L(N, D) = E + A/N^alpha + B/D^beta",
+    "parameters": "Approach 3: L(N, D) in its form's parameters",
     "allocation": "N_opt = k_N C^a, D_opt = k_D C^b per approach",
     "predictions": "Compute-optimal allocation at the prediction budgets",
     "published": "Published laws",
@@ -36,7 +36,8 @@ def tidy(doc: dict) -> pd.DataFrame:
     rows = []
     a3 = doc["approach3"]
     ci = a3.get("ci") or {}
-    rows += [_row("parameters", "approach 3", k, a3.get(k), ci.get(k)) for k in PARAMETERS]
+    names = FORMS[a3.get("form", "chinchilla")].names
+    rows += [_row("parameters", "approach 3", k, a3.get(k), ci.get(k)) for k in (*names, "a", "b", "G")]
     for key in APPROACHES:
         section = doc[key]
         if section.get("skipped") or section.get("a") is None:
@@ -57,7 +58,7 @@ def tidy(doc: dict) -> pd.DataFrame:
         rows += [_row("published", law.name, k, v) for k, v in values.items() if v is not None]
     for r in doc.get("delta_sensitivity") or []:
         rows += [_row("huber_delta", f"delta = {r['huber_delta']:g}", k, r[k])
-                 for k in ("E", "A", "B", "alpha", "beta", "a")]
+                 for k in (*names, "a")]
     hold = doc.get("holdout") or {}
     if not hold.get("skipped", True):
         for r in hold["approach3"]["runs"]:

@@ -22,11 +22,11 @@ from analysis.bootstrap import Problem, Resamples, bootstrap, interval
 from analysis.budgets import Budgets, group_budgets
 from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
+from analysis.forms import CHINCHILLA, FORMS, Form
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
 from analysis.laws import LAWS, fit_data_constrained, fit_kaplan
 from analysis.parametric import (
-    GRID_AXES,
     HUBER_DELTA,
     ParametricFit,
     compute_optimal,
@@ -40,7 +40,7 @@ from analysis.parametric import (
 from analysis.table import MIN_RUNS, InputError, RunTable
 
 SCHEMA_VERSION = 2
-THETA_NAMES = ("log A", "log B", "log E", "alpha", "beta")
+FORM_CHOICES = ("auto", *FORMS)
 HOLDOUT_BIAS = 0.01  # mean signed relative error of the held-out losses beyond which the fit warns
 HOLDOUT_FRACTION = 0.2  # with continuous budgets, the runs with the largest C that the hold-out keeps back
 # A run is an outlier when its log-loss residual from approach 3 lies more than OUTLIER_Z robust standard
@@ -77,6 +77,7 @@ class FitConfig:
     holdout_above: float | None = None  # ... or, when set, every run with C above this
     delta_sensitivity: bool = True  # refit approach 3 at each of DELTA_GRID for the report
     law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.laws), or only approach 3
+    form: str = "chinchilla"  # approach 3's form (analysis.forms), or "auto": chosen by the hold-out
     progress: bool = field(default=True, compare=False)
 
     def validate(self) -> None:
@@ -94,6 +95,7 @@ class FitConfig:
              f"--huber-delta must be a positive number, got {self.huber_delta}"),
             (self.holdout_budgets >= 1, f"--holdout-budgets must be >= 1, got {self.holdout_budgets}"),
             (self.law in LAWS, f"--law must be one of {', '.join(LAWS)}, got '{self.law}'"),
+            (self.form in FORM_CHOICES, f"--form must be one of {', '.join(FORM_CHOICES)}, got '{self.form}'"),
             (self.holdout_above is None or (math.isfinite(self.holdout_above) and self.holdout_above > 0),
              f"--holdout-above must be positive FLOPs, got {self.holdout_above}"),
         ]
@@ -143,6 +145,7 @@ class FitResult:
     noiseless: bool = False
     delta_sensitivity: list[dict] = field(default_factory=list)
     law: dict | None = None  # the --law form fitted beside approach 3 (analysis.laws), when not chinchilla
+    form_choice: dict | None = None  # with --form auto: each form's hold-out error and the choice
 
     @property
     def flops_max(self) -> float:
@@ -198,16 +201,17 @@ class FitResult:
         return {"level": level, **{k: interval(v, level) for k, v in samples.items()}}
 
     def _approach3(self) -> dict:
-        p, t, k = self.parametric, self.table, self.table.flops_k
-        out: dict = dict(p.params_at(k))
-        predicted = predict_loss(p.theta, t.n, t.d)
+        p, t, k, form = self.parametric, self.table, self.table.flops_k, self.parametric.form
+        out: dict = {"form": form.name, "formula": f"L = {form.formula}", "form_choice": self.form_choice,
+                     **p.params_at(k)}
+        predicted = predict_loss(p.theta, t.n, t.d, form)
         out["fit"] = {
             "method": f"Huber (delta={self.config.huber_delta:g}) on log-space residuals via log-sum-exp, summed; "
-                      f"L-BFGS from the {p.n_starts} best of {np.prod([len(a) for a in GRID_AXES])} grid points",
+                      f"L-BFGS from the {p.n_starts} best of {len(form.grid())} grid points",
             "huber_delta": self.config.huber_delta, "objective": p.objective, "converged": p.converged,
             "message": p.message, "iterations": p.n_iter, "n_starts": p.n_starts,
             "starts_agreeing": p.starts_agreeing, "optimum_inside_grid": p.optimum_inside_grid,
-            "best_start": dict(zip(("a", "b", "e", "alpha", "beta"), p.best_start)),
+            "best_start": dict(zip(form.theta_names, p.best_start)),
             "condition_number": self.condition, "flops_k": k,
         }
         resid = t.loss - predicted
@@ -217,7 +221,7 @@ class FitResult:
         out["ci"], out["covariance"] = None, None
         if self.resamples is not None:
             thetas = self.resamples.thetas
-            out["ci"] = self._ci(named_samples(thetas, k))
+            out["ci"] = self._ci(named_samples(thetas, k, form))
             out["bootstrap"] = {"resamples": len(thetas), "seed": self.config.seed,
                                 "converged": int(self.resamples.converged.sum()),
                                 "refit": "one L-BFGS per resample from the full-data optimum"}
@@ -226,7 +230,7 @@ class FitResult:
                 cov = np.cov(good, rowvar=False)
                 std = np.sqrt(np.diag(cov))
                 with np.errstate(all="ignore"):
-                    out["covariance"] = {"names": list(THETA_NAMES), "std": std, "matrix": cov,
+                    out["covariance"] = {"names": list(form.theta_names), "std": std, "matrix": cov,
                                          "correlation": cov / np.outer(std, std)}
         out["identification"] = self.approaches["approach3"].identification.to_dict()
         return out
@@ -343,10 +347,10 @@ def _predict(flops: float, result: dict, config: FitConfig, flops_max: float, fl
     a3 = out["approach3"]
     if a3 is None:  # alpha or beta not positive: no compute-optimal allocation
         return out
-    n, d, loss = (float(v[0, 0]) for v in compute_optimal(result["theta"], flops, flops_k))
+    n, d, loss = (float(v[0, 0]) for v in compute_optimal(result["theta"], flops, flops_k, result["form"]))
     a3.update(loss=loss, tokens_per_param=d / n)
     if result["thetas"] is not None:
-        ns, ds, ls = (v[:, 0] for v in compute_optimal(result["thetas"], flops, flops_k))
+        ns, ds, ls = (v[:, 0] for v in compute_optimal(result["thetas"], flops, flops_k, result["form"]))
         a3["ci"].update(loss=interval(ls, level), tokens_per_param=interval(ds / ns, level))
     return out
 
@@ -367,30 +371,66 @@ def _held_out(table: RunTable, budgets: Budgets, config: FitConfig) -> tuple[np.
     return c >= np.quantile(c, 1.0 - HOLDOUT_FRACTION), f"the {HOLDOUT_FRACTION:.0%} of runs with the largest C"
 
 
-def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, config: FitConfig) -> dict:
-    """Refit without the runs ``_held_out`` names, then predict each of them."""
-    n, d, c, loss = table.n, table.d, table.c, table.loss
+def _holdout_skip(table: RunTable, budgets: Budgets, config: FitConfig) -> tuple[np.ndarray, str, str | None]:
+    """The held-out runs, their description, and why the hold-out cannot run (None when it can)."""
+    n, d = table.n, table.d
     held, what = _held_out(table, budgets, config)
     train = ~held
-    if train.sum() < MIN_RUNS or len(np.unique(n[train])) < 2 or len(np.unique(d[train])) < 2 or not held.any():
-        return {"skipped": True, "reason": f"fewer than {MIN_RUNS} runs (or too few distinct N, D) outside {what}"
-                if held.any() else f"no run to hold out ({what})"}
-    fit = fit_parametric(n[train], d[train], loss[train], n_starts=config.n_starts, delta=config.huber_delta)
-    predicted = predict_loss(fit.theta, n[held], d[held])
+    if not held.any():
+        return held, what, f"no run to hold out ({what})"
+    if train.sum() < MIN_RUNS or len(np.unique(n[train])) < 2 or len(np.unique(d[train])) < 2:
+        return held, what, f"fewer than {MIN_RUNS} runs (or too few distinct N, D) outside {what}"
+    return held, what, None
+
+
+def _holdout_parametric(table: RunTable, held: np.ndarray, config: FitConfig, form: Form) -> tuple[ParametricFit, dict]:
+    """Approach 3 in ``form`` refitted without the ``held`` runs, and its errors on them."""
+    n, d, c, loss = table.n, table.d, table.c, table.loss
+    train = ~held
+    fit = fit_parametric(n[train], d[train], loss[train], n_starts=config.n_starts, delta=config.huber_delta,
+                         form=form)
+    predicted = predict_loss(fit.theta, n[held], d[held], form)
     err = predicted - loss[held]
     runs = [{"run_id": str(r), "params": float(nn), "tokens": float(dd), "flops": float(cc), "loss": float(obs),
              "predicted": float(p), "error": float(p - obs), "rel_error": float((p - obs) / obs)}
             for r, nn, dd, cc, obs, p in zip(table.runs["run_id"][held], n[held], d[held], c[held], loss[held],
                                              predicted)]
+    return fit, {"form": form.name, "mean_abs_error": float(np.mean(np.abs(err))),
+                 "mean_rel_error": float(np.mean(np.abs(err) / loss[held])),
+                 "max_rel_error": float(np.max(np.abs(err) / loss[held])),
+                 "bias": float(np.mean(err / loss[held])),
+                 "too_high": int(np.sum(err > 0)),
+                 "converged": fit.converged, "runs": runs}
+
+
+def choose_form(table: RunTable, budgets: Budgets, config: FitConfig) -> tuple[Form, dict | None]:
+    """Approach 3's form: the one named, or with ``auto`` the one whose refit without the hold-out's runs predicts
+    their losses with the smallest mean relative error (Chinchilla's on a tie, or without a hold-out)."""
+    if config.form != "auto":
+        return FORMS[config.form], None
+    held, what, skip = _holdout_skip(table, budgets, config)
+    if skip is not None:
+        return CHINCHILLA, {"chosen": CHINCHILLA.name, "why": f"no hold-out to choose by: {skip}", "holdout": {}}
+    errors = {name: _holdout_parametric(table, held, config, form)[1] for name, form in FORMS.items()}
+    best = min(errors, key=lambda name: errors[name]["mean_rel_error"])  # FORMS lists Chinchilla's first
+    summary = {name: {k: e[k] for k in ("mean_rel_error", "bias", "too_high", "converged")}
+               for name, e in errors.items()}
+    shown = ", ".join(f"{name} {e['mean_rel_error']:.2%}" for name, e in errors.items())
+    return FORMS[best], {"chosen": best, "holdout": summary, "held_out": what,
+                         "why": f"the smaller mean relative error on {what}, refitted without it: {shown}"}
+
+
+def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, config: FitConfig,
+             form: Form = CHINCHILLA) -> dict:
+    """Refit without the runs ``_held_out`` names, then predict each of them."""
+    n, d, c, loss = table.n, table.d, table.c, table.loss
+    held, what, skip = _holdout_skip(table, budgets, config)
+    if skip is not None:
+        return {"skipped": True, "reason": skip}
+    train = ~held
+    fit, errors = _holdout_parametric(table, held, config, form)
     out = {"skipped": False, "held_out": what, "budget_flops": float(np.exp(np.log(c[held]).mean())),
-           "n_train": int(train.sum()), "n_holdout": int(held.sum()),
-           "approach3": {"mean_abs_error": float(np.mean(np.abs(err))),
-                         "mean_rel_error": float(np.mean(np.abs(err) / loss[held])),
-                         "max_rel_error": float(np.max(np.abs(err) / loss[held])),
-                         "bias": float(np.mean(err / loss[held])),
-                         "too_high": int(np.sum(err > 0)),
-                         "converged": fit.converged, "runs": runs},
-           "isoflop": None}
+           "n_train": int(train.sum()), "n_holdout": int(held.sum()), "approach3": errors, "isoflop": None}
     method = config.isoflop_minimum
     top = budgets.count - 1
     if (minima is None or budgets.count < 3 or not minima.usable(method)[0, top]
@@ -403,7 +443,7 @@ def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, con
     law = train_minima.power_laws(method, n, d, table.flops_k)
     if law.n_points[0] >= 2:
         pred = float(law.at(budget)[0][0, 0])
-        n_opt3 = float(compute_optimal(fit.theta, budget, table.flops_k)[0][0, 0])
+        n_opt3 = float(compute_optimal(fit.theta, budget, table.flops_k, form)[0][0, 0])
         out["isoflop"] = {"params_opt_predicted": pred, "params_opt_observed": observed,
                           "rel_error": abs(pred - observed) / observed}
         out["approach3"].update(params_opt_predicted=n_opt3, params_opt_rel_error=abs(n_opt3 - observed) / observed)
@@ -468,15 +508,16 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     minima = budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n)))) if budgets.count else None
     warnings += _budget_warnings(budgets, minima, len(n))
 
-    parametric = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta)
-    condition = gauss_newton_condition(parametric.theta, n, d)
-    outliers = find_outliers(table, parametric.theta)
+    form, form_choice = choose_form(table, budgets, config)
+    parametric = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form)
+    condition = gauss_newton_condition(parametric.theta, n, d, form)
+    outliers = find_outliers(table, parametric.theta, form)
     if outliers["runs"]:
         shown = ", ".join(f"{o['run_id']} ({o['residual']:+.3g} nats, z = {o['z']:+.1f})" for o in outliers["runs"][:5])
         warnings.append(("outliers", f"{len(outliers['runs'])} run(s) lie more than {OUTLIER_Z:g} robust standard "
                          f"deviations from approach 3's law: {shown}{' ...' if len(outliers['runs']) > 5 else ''}; "
                          "drop them with --exclude RUN_ID (or a condition) or --drop-highest-loss K"))
-    noise = _noise_check(table, parametric.theta)
+    noise = _noise_check(table, parametric.theta, form)
     if noise is not None:
         warnings.append(("noiseless", noise))
     if 2 * parametric.starts_agreeing < parametric.n_starts:  # near-zero objectives are compared absolutely
@@ -511,7 +552,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         problem = Problem(theta0=parametric.theta, n=n, d=d, loss=loss, labels=budgets.labels,
                           budget_flops=budgets.flops if iso_skip is None else np.zeros(0), flops_k=k,
                           envelope=envelope if env_skip is None else None, seed=config.seed,
-                          huber_delta=config.huber_delta)
+                          huber_delta=config.huber_delta, form=form)
         resamples = bootstrap(problem, config.n_bootstrap, config.workers, config.progress)
         failed = int((~resamples.converged).sum())
         if failed > 0.05 * len(resamples.converged):
@@ -532,7 +573,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
                              for key, app in approaches.items()})
     flops_max = float(c.max())
     budgets_c = config.predict or tuple(m * flops_max for m in (1.0, 10.0, 100.0))
-    parts = {"approaches": approaches, "theta": parametric.theta,
+    parts = {"approaches": approaches, "theta": parametric.theta, "form": form,
              "thetas": None if resamples is None else resamples.thetas}
     predictions = [_predict(float(f), parts, config, flops_max, k) for f in budgets_c]
     disagree = [x for f in budgets_c for x in disagreements(allocations, float(f), level)]
@@ -545,7 +586,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
 
     holdout = {"skipped": True, "reason": "disabled"}
     if config.holdout:
-        holdout = _holdout(table, budgets, minima, config)
+        holdout = _holdout(table, budgets, minima, config, form)
         if holdout["skipped"]:
             warnings.append(("holdout_skipped", f"hold-out check skipped: {holdout['reason']}"))
         elif (bias := _holdout_bias(holdout)) is not None:
@@ -554,16 +595,19 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     sensitivity = delta_sensitivity(table, parametric, config.huber_delta) if config.delta_sensitivity else []
     other = None
     if config.law != "chinchilla":
-        rmse = float(np.sqrt(np.mean((np.log(loss) - np.log(predict_loss(parametric.theta, n, d))) ** 2)))
+        rmse = float(np.sqrt(np.mean((np.log(loss) - np.log(predict_loss(parametric.theta, n, d, form))) ** 2)))
+        start = parametric.theta if form is CHINCHILLA else fit_parametric(
+            n, d, loss, n_starts=config.n_starts, delta=config.huber_delta).theta  # it extends Chinchilla's form
         other = (fit_kaplan(n, d, loss, rmse, config.huber_delta) if config.law == "kaplan" else
-                 fit_data_constrained(n, d, unique, loss, parametric.theta, rmse, config.huber_delta))
+                 fit_data_constrained(n, d, unique, loss, start, rmse, config.huber_delta))
         if not other["converged"]:
             warnings.append(("law_convergence", f"the {config.law} law's L-BFGS did not converge"))
     return FitResult(table=table, config=config, budgets=budgets, parametric=parametric, condition=condition,
                      resamples=resamples, minima=minima, isoflop_laws=isoflop_laws, envelope=envelope,
                      approaches=approaches, preferred=choice, why=why, disagreements=disagree,
                      predictions=predictions, holdout=holdout, warnings=warnings, outliers=outliers,
-                     noiseless=noise is not None, delta_sensitivity=sensitivity, law=other)
+                     noiseless=noise is not None, delta_sensitivity=sensitivity, law=other,
+                     form_choice=form_choice)
 
 
 def _unique_tokens(table: RunTable) -> np.ndarray:
@@ -578,9 +622,9 @@ def _unique_tokens(table: RunTable) -> np.ndarray:
     return values
 
 
-def find_outliers(table: RunTable, theta: np.ndarray) -> dict:
+def find_outliers(table: RunTable, theta: np.ndarray, form: Form = CHINCHILLA) -> dict:
     """Runs whose log-loss residual from ``theta`` is more than OUTLIER_Z robust standard deviations from the median."""
-    predicted = predict_loss(theta, table.n, table.d)
+    predicted = predict_loss(theta, table.n, table.d, form)
     resid = np.log(table.loss) - np.log(predicted)
     centre = float(np.median(resid))
     scale = max(1.4826 * float(np.median(np.abs(resid - centre))), OUTLIER_SCALE_FLOOR)
@@ -594,9 +638,9 @@ def find_outliers(table: RunTable, theta: np.ndarray) -> dict:
                       "residual": float(table.loss[i] - predicted[i]), "z": float(z[i])} for i in flagged]}
 
 
-def _noise_check(table: RunTable, theta: np.ndarray) -> str | None:
+def _noise_check(table: RunTable, theta: np.ndarray, form: Form) -> str | None:
     """A warning when the law fits every run to rounding precision (noiseless or derived data), else None."""
-    rmse = float(np.sqrt(np.mean((np.log(table.loss) - np.log(predict_loss(theta, table.n, table.d))) ** 2)))
+    rmse = float(np.sqrt(np.mean((np.log(table.loss) - np.log(predict_loss(theta, table.n, table.d, form))) ** 2)))
     if rmse >= NOISELESS_RMSE:
         return None
     return (f"NOISELESS DATA: approach 3 fits all {len(table.loss)} runs to an RMSE of {rmse:.2g} in log loss (below "
@@ -606,17 +650,17 @@ def _noise_check(table: RunTable, theta: np.ndarray) -> str | None:
 
 def delta_sensitivity(table: RunTable, parametric: ParametricFit, delta: float) -> list[dict]:
     """Approach 3 refitted at each Huber delta of DELTA_GRID (and ``delta``), from the fit's optimum."""
-    rows = []
+    rows, form = [], parametric.form
     for value in sorted(set(DELTA_GRID) | {delta}):
         if value == delta:
             theta, converged = parametric.theta, parametric.converged
         else:
             thetas, ok = fit_weighted(parametric.theta, table.n, table.d, table.loss, np.ones((1, len(table.n))),
-                                      value)
+                                      value, form)
             theta, converged = thetas[0], bool(ok[0])
-        params = params_from_theta(theta, table.flops_k)
+        params = params_from_theta(theta, table.flops_k, form)
         rows.append({"huber_delta": value, "fitted": value == delta, "converged": converged,
-                     **{k: params[k] for k in ("E", "A", "B", "alpha", "beta", "a", "b")}})
+                     **{k: params[k] for k in (*form.names, "a", "b")}})
     return rows
 
 
@@ -652,12 +696,12 @@ def _approaches(table: RunTable, config: FitConfig, budgets: Budgets, parametric
     ci = boot_ok = None
     samples = None
     if resamples is not None:
-        ci = {key: interval(v, level) for key, v in named_samples(resamples.thetas, k).items()}
+        ci = {key: interval(v, level) for key, v in named_samples(resamples.thetas, k, parametric.form).items()}
         boot_ok = float(resamples.converged.mean())
-        samples = parametric_allocation(resamples.thetas, k)
+        samples = parametric_allocation(resamples.thetas, k, parametric.form)
     ident = identify.parametric(parametric.params_at(k), parametric.converged, condition,
                                 len(np.unique(table.n)), len(np.unique(table.d)), float(table.loss.min()),
-                                budgets.single, ci, boot_ok, level)
-    law = parametric_allocation(parametric.theta, k)
+                                budgets.single, ci, boot_ok, level, parametric.form.exponents)
+    law = parametric_allocation(parametric.theta, k, parametric.form)
     out["approach3"] = Approach("approach3", None, law if np.isfinite(law.a[0]) else None, samples, ident)
     return out

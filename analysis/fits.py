@@ -38,7 +38,7 @@ class FitEntry:
 
     @property
     def theta(self) -> np.ndarray:
-        return theta_of(self.doc["approach3"])
+        return theta_of(self.doc)
 
     @property
     def flops_range(self) -> tuple[float, float]:

@@ -76,9 +76,13 @@ def _spread_check(a_interval: list[float] | None, level: float) -> Check:
 
 def parametric(params: dict[str, float], converged: bool, condition: float, n_distinct: int, d_distinct: int,
                min_loss: float, single_budget: bool, ci: dict | None, boot_converged: float | None,
-               level: float) -> Identification:
-    """Checks of approach 3: design, optimiser, plausible values, conditioning, bootstrap spread."""
-    alpha, beta, e = params["alpha"], params["beta"], params["E"]
+               level: float, exponents: tuple[str, str] = ("alpha", "beta")) -> Identification:
+    """Checks of approach 3: design, optimiser, plausible values, conditioning, bootstrap spread.
+
+    ``exponents`` names the form's N and D exponents in ``params`` and ``ci``.
+    """
+    (name_n, name_d), e = exponents, params["E"]
+    alpha, beta = params[name_n], params[name_d]
     lo, hi = EXPONENT_BOUNDS
     checks = [
         Check("budgets", not single_budget,
@@ -88,16 +92,16 @@ def parametric(params: dict[str, float], converged: bool, condition: float, n_di
               f"{n_distinct} distinct N and {d_distinct} distinct D (need {MIN_DISTINCT} of each)"),
         Check("converged", converged, "L-BFGS converged" if converged else "L-BFGS did not converge"),
         Check("bounds", lo < alpha < hi and lo < beta < hi and e < min_loss,
-              f"alpha = {alpha:.3g}, beta = {beta:.3g} (plausible: {lo:g} to {hi:g}); "
+              f"{name_n} = {alpha:.3g}, {name_d} = {beta:.3g} (plausible: {lo:g} to {hi:g}); "
               f"E = {e:.4g} {'<' if e < min_loss else '>='} the lowest loss {min_loss:.4g}"),
         Check("conditioning", condition <= MAX_CONDITION,
               f"condition number of J^T J {condition:.3g} ({'<=' if condition <= MAX_CONDITION else '>'} "
               f"{MAX_CONDITION:g})"),
     ]
     if ci is not None:
-        inside = all(ci[k] is not None and lo < ci[k][0] and ci[k][1] < hi for k in ("alpha", "beta"))
+        inside = all(ci[k] is not None and lo < ci[k][0] and ci[k][1] < hi for k in exponents)
         checks.append(Check("exponent intervals", inside,
-                            f"{level:.0%} intervals alpha {_fmt(ci['alpha'])}, beta {_fmt(ci['beta'])} "
+                            f"{level:.0%} intervals {name_n} {_fmt(ci[name_n])}, {name_d} {_fmt(ci[name_d])} "
                             f"{'inside' if inside else 'not inside'} ({lo:g}, {hi:g})"))
         checks.append(Check("bootstrap refits", boot_converged is not None and boot_converged >= MIN_CONVERGED,
                             f"{boot_converged:.0%} of bootstrap refits converged (need {MIN_CONVERGED:.0%})"))

@@ -37,7 +37,7 @@ def law_line(section: dict) -> str:
     """One line on a fitted law (fit.json's ``law``) for the terminal and the report."""
     params = " ".join(f"{k}={v:.4g}" for k, v in section["params"].items())
     return (f"{section['form']} law: {params}, a={section['a']:.4g}; RMSE of log loss {section['rmse_log_loss']:.3g} "
-            f"(approach 3, Chinchilla's form: {section['approach3_rmse_log_loss']:.3g}); no bootstrap"
+            f"(approach 3: {section['approach3_rmse_log_loss']:.3g}); no bootstrap"
             + ("" if section["converged"] else "; NOT converged"))
 
 

@@ -1,5 +1,8 @@
 """Approach 3: fit L(N, D) = E + A/N^alpha + B/D^beta as in Hoffmann et al. (2022), appendix D.
 
+Every function takes a ``form`` (``analysis.forms``): Chinchilla's, described here, by default, or
+``kaplan-e``, whose N and D terms interact; both have five parameters and are fitted the same way.
+
 With theta = (a, b, e, alpha, beta), A = e^a, B = e^b, E = e^e, the objective is
 
     sum_i w_i * Huber_delta( LSE(a - alpha log N_i, b - beta log D_i, e) - log L_i ),  delta = 1e-3,
@@ -33,15 +36,10 @@ from typing import Any
 import numpy as np
 from scipy.optimize import OptimizeResult, minimize
 
+from analysis.forms import CHINCHILLA, Form
+
 HUBER_DELTA = 1e-3
-# Hoffmann et al.'s grid of starting points, in theta order (a, b, e, alpha, beta).
-GRID_AXES: tuple[np.ndarray, ...] = (
-    np.arange(0.0, 25.1, 5.0),  # a
-    np.arange(0.0, 25.1, 5.0),  # b
-    np.arange(-1.0, 1.01, 0.5),  # e
-    np.arange(0.0, 2.01, 0.5),  # alpha
-    np.arange(0.0, 2.01, 0.5),  # beta
-)
+GRID_AXES = CHINCHILLA.grid_axes  # Hoffmann et al.'s grid of starting points, in theta order (a, b, e, alpha, beta)
 GRID_RUNS = 2000
 # L-BFGS stopping: the objective is tiny (residuals near delta), so scipy's default relative
 # tolerance on it (floored at an absolute 2.2e-9) stops far too early.
@@ -53,27 +51,18 @@ OBJECTIVE_ATOL_PER_RUN = 0.5 * 1e-6 ** 2
 
 
 def huber_lse_objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
-                        weights: np.ndarray | None = None, delta: float = HUBER_DELTA
+                        weights: np.ndarray | None = None, delta: float = HUBER_DELTA, form: Form = CHINCHILLA
                         ) -> tuple[float, np.ndarray]:
-    """Objective and gradient at theta = (a, b, e, alpha, beta), with x = log N, y = log D.
+    """Objective and gradient at theta, with x = log N, y = log D.
 
-    The log-sum-exp subtracts the largest term and the gradient uses the softmax weights of the
-    three terms, so neither overflows for any finite theta.
+    The form's log loss is a log-sum-exp that subtracts its largest term, and the gradient uses the
+    softmax weights of the terms, so neither overflows for any finite theta.
     """
-    a, b, e, alpha, beta = theta
-    u1 = a - alpha * x
-    u2 = b - beta * y
-    top = np.maximum(np.maximum(u1, u2), e)
-    s1, s2, s3 = np.exp(u1 - top), np.exp(u2 - top), np.exp(e - top)
-    total = s1 + s2 + s3
-    r = top + np.log(total) - log_loss
+    predicted, jac = form.log_loss_jac(np.asarray(theta, float), x, y)
+    r = predicted - log_loss
     dh = np.clip(r, -delta, delta)  # Huber'(r); Huber(r) = dh (r - dh/2) on both branches
     wdh = dh if weights is None else dh * weights
-    value = float(np.dot(wdh, r - 0.5 * dh))
-    g = wdh / total
-    g1, g2 = g * s1, g * s2
-    grad = np.array([g1.sum(), g2.sum(), np.dot(g, s3), -np.dot(g1, x), -np.dot(g2, y)])
-    return value, grad
+    return float(np.dot(wdh, r - 0.5 * dh)), (jac * wdh[:, None]).sum(axis=0)
 
 
 def grid_objective(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: float = HUBER_DELTA,
@@ -101,27 +90,42 @@ def grid_objective(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: fl
     return points, values
 
 
+def _grid_values(form: Form, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: float,
+                 chunk: int = 400) -> tuple[np.ndarray, np.ndarray]:
+    """(points, objective at each): ``grid_objective`` for Chinchilla's form, the form's log loss otherwise."""
+    if form is CHINCHILLA:
+        return grid_objective(x, y, log_loss, delta)
+    points = form.grid()
+    values = np.zeros(len(points))
+    for lo in range(0, len(x), chunk):
+        r = form.log_loss(points, x[lo:lo + chunk], y[lo:lo + chunk]) - log_loss[lo:lo + chunk]
+        abs_r = np.abs(r)
+        values += np.where(abs_r <= delta, 0.5 * r * r, delta * (abs_r - 0.5 * delta)).sum(axis=1)
+    return points, np.where(np.isfinite(values), values, np.inf)
+
+
 @dataclass(frozen=True)
 class Centring:
     """Shift of log N and log D by their means; maps theta to and from the centred coordinates."""
 
     x0: float
     y0: float
+    form: Form = CHINCHILLA
 
     def to_centred(self, theta: np.ndarray) -> np.ndarray:
-        a, b, e, alpha, beta = theta
-        return np.array([a - alpha * self.x0, b - beta * self.y0, e, alpha, beta])
+        sx, sy = self.form.shift(theta)
+        return np.asarray(theta, float) - np.array([sx * self.x0, sy * self.y0, 0.0, 0.0, 0.0])
 
     def from_centred(self, theta: np.ndarray) -> np.ndarray:
-        a, b, e, alpha, beta = theta
-        return np.array([a + alpha * self.x0, b + beta * self.y0, e, alpha, beta])
+        sx, sy = self.form.shift(theta)
+        return np.asarray(theta, float) + np.array([sx * self.x0, sy * self.y0, 0.0, 0.0, 0.0])
 
 
 @dataclass
 class ParametricFit:
     """Fitted L(N, D) with the optimiser's diagnostics."""
 
-    theta: np.ndarray  # (a, b, e, alpha, beta) = (log A, log B, log E, alpha, beta)
+    theta: np.ndarray  # the form's theta; Chinchilla's: (a, b, e, alpha, beta) = (log A, log B, log E, alpha, beta)
     objective: float
     converged: bool
     message: str
@@ -129,92 +133,80 @@ class ParametricFit:
     n_starts: int
     starts_agreeing: int  # starts that reached the best objective (relative 1e-6, or OBJECTIVE_ATOL_PER_RUN per run)
     best_start: np.ndarray  # the grid point the winning L-BFGS run started from
+    form: Form = CHINCHILLA
 
     @property
     def params(self) -> dict[str, float]:
-        return params_from_theta(self.theta)
+        return params_from_theta(self.theta, form=self.form)
 
     def params_at(self, flops_k: float) -> dict[str, float]:
         """Named parameters with the allocation along C = flops_k N D."""
-        return params_from_theta(self.theta, flops_k)
+        return params_from_theta(self.theta, flops_k, self.form)
 
     @property
     def optimum_inside_grid(self) -> bool:
         """Whether the optimum lies within the box spanned by the grid of starts."""
-        return all(ax[0] <= v <= ax[-1] for v, ax in zip(self.theta, GRID_AXES))
+        return all(ax.min() <= v <= ax.max() for v, ax in zip(self.theta, self.form.grid_axes))
 
 
-def params_from_theta(theta: np.ndarray, flops_k: float = 6.0) -> dict[str, float]:
-    """Named parameters of one theta (see named_samples); a, b, G, k_N, k_D are NaN unless alpha, beta > 0."""
-    return {k: float(v[0]) for k, v in named_samples(np.asarray(theta, float)[None], flops_k).items()}
+def params_from_theta(theta: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHILLA) -> dict[str, float]:
+    """Named parameters of one theta (see named_samples); a, b, G, k_N, k_D are NaN unless the exponents are > 0."""
+    return {k: float(v[0]) for k, v in named_samples(np.asarray(theta, float)[None], flops_k, form).items()}
 
 
-def named_samples(thetas: np.ndarray, flops_k: float = 6.0) -> dict[str, np.ndarray]:
-    """E, A, B, alpha, beta and the allocation a = beta/(alpha+beta), b = alpha/(alpha+beta),
-    G = (alpha A / (beta B))^(1/(alpha+beta)), k_N, k_D for each row of thetas (K, 5)."""
-    th = np.asarray(thetas, float)
-    alpha, beta = th[:, 3], th[:, 4]
+def named_samples(thetas: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHILLA) -> dict[str, np.ndarray]:
+    """The form's named parameters and the allocation N_opt = G (C/k)^a, D_opt = (C/k)/N_opt for each row of thetas
+    (K, 5): a, b = 1 - a, G, and k_N, k_D such that N_opt = k_N C^a, D_opt = k_D C^b."""
+    th = np.atleast_2d(np.asarray(thetas, float))
+    log_g, a = form.allocation(th)
     with np.errstate(all="ignore"):
-        ok = (alpha > 0) & (beta > 0)
-        s = np.where(ok, alpha + beta, np.nan)
-        log_g = (np.log(np.where(ok, alpha, np.nan)) + th[:, 0]
-                 - np.log(np.where(ok, beta, np.nan)) - th[:, 1]) / s
-        a, b = beta / s, alpha / s
-        # N_opt = G (C/k)^a = k_N C^a and D_opt = k_D C^b, comparable with the other approaches.
-        k_n, k_d = np.exp(log_g - a * np.log(flops_k)), np.exp(-log_g - b * np.log(flops_k))
-        return {"E": np.exp(th[:, 2]), "A": np.exp(th[:, 0]), "B": np.exp(th[:, 1]), "alpha": alpha,
-                "beta": beta, "a": a, "b": b, "G": np.exp(log_g), "k_N": k_n, "k_D": k_d}
+        k_n, k_d = np.exp(log_g - a * np.log(flops_k)), np.exp(-log_g - (1.0 - a) * np.log(flops_k))
+        return {**form.named(th), "a": a, "b": 1.0 - a, "G": np.exp(log_g), "k_N": k_n, "k_D": k_d}
 
 
-def predict_loss(thetas: np.ndarray, n: np.ndarray, d: np.ndarray) -> np.ndarray:
+def predict_loss(thetas: np.ndarray, n: np.ndarray, d: np.ndarray, form: Form = CHINCHILLA) -> np.ndarray:
     """L(N, D) for each theta row (shape (K, 5) or (5,)) at points n, d; broadcasts to (K, len(n))."""
     th = np.atleast_2d(np.asarray(thetas, float))
-    n, d = np.asarray(n, float), np.asarray(d, float)
-    out = (np.exp(th[:, 2, None]) + np.exp(th[:, 0, None] - th[:, 3, None] * np.log(n))
-           + np.exp(th[:, 1, None] - th[:, 4, None] * np.log(d)))
+    x, y = np.log(np.asarray(n, float)), np.log(np.asarray(d, float))
+    out = np.exp(form.log_loss(th, np.atleast_1d(x), np.atleast_1d(y)))
     return out if np.ndim(thetas) == 2 else out[0]
 
 
-def compute_optimal(thetas: np.ndarray, flops: np.ndarray, flops_k: float = 6.0
+def compute_optimal(thetas: np.ndarray, flops: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHILLA
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """N_opt = G (C/k)^a, D_opt = G^-1 (C/k)^b and L(N_opt, D_opt), each (K, len(flops)).
+    """N_opt = G (C/k)^a, D_opt = (C/k)/N_opt and L(N_opt, D_opt), each (K, len(flops)).
 
-    NaN where alpha or beta is not positive (no compute-optimal allocation exists).
+    NaN where an exponent is not positive (no compute-optimal allocation exists).
     """
     th = np.atleast_2d(np.asarray(thetas, float))
     log_c6 = np.log(np.atleast_1d(np.asarray(flops, float)) / flops_k)
-    alpha, beta = th[:, 3, None], th[:, 4, None]
+    log_g, a = form.allocation(th)
     with np.errstate(all="ignore"):
-        ok = (alpha > 0) & (beta > 0)
-        s = np.where(ok, alpha + beta, np.nan)
-        log_g = (np.log(np.where(ok, alpha, np.nan)) + th[:, 0, None]
-                 - np.log(np.where(ok, beta, np.nan)) - th[:, 1, None]) / s
-        n_opt = np.exp(log_g + beta / s * log_c6)
-        d_opt = np.exp(-log_g + alpha / s * log_c6)
-        loss = (np.exp(th[:, 2, None]) + np.exp(th[:, 0, None] - alpha * np.log(n_opt))
-                + np.exp(th[:, 1, None] - beta * np.log(d_opt)))
-    return n_opt, d_opt, loss
+        log_n = log_g[:, None] + a[:, None] * log_c6
+        log_d = log_c6 - log_n
+        loss = np.stack([np.exp(form.log_loss(th[i:i + 1], log_n[i], log_d[i]))[0] for i in range(len(th))])
+    return np.exp(log_n), np.exp(log_d), loss
 
 
 def _lbfgs(theta0: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
-           weights: np.ndarray | None, delta: float) -> OptimizeResult:
-    return minimize(huber_lse_objective, theta0, args=(x, y, log_loss, weights, delta), jac=True,
+           weights: np.ndarray | None, delta: float, form: Form) -> OptimizeResult:
+    return minimize(huber_lse_objective, theta0, args=(x, y, log_loss, weights, delta, form), jac=True,
                     method="L-BFGS-B", options=_LBFGS_OPTIONS)
 
 
 def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int = 8,
-                   delta: float = HUBER_DELTA) -> ParametricFit:
+                   delta: float = HUBER_DELTA, form: Form = CHINCHILLA) -> ParametricFit:
     """Fit L(N, D) to runs: grid of starts evaluated at once, L-BFGS from the best ``n_starts``.
 
     Only choosing starts, the grid is evaluated on at most ``GRID_RUNS`` runs (every k-th, in C order).
     """
     x, y, log_loss = np.log(n), np.log(d), np.log(loss)
     every = np.argsort(x + y, kind="stable")[::max(1, -(-len(x) // GRID_RUNS))]
-    points, values = grid_objective(x[every], y[every], log_loss[every], delta)
+    points, values = _grid_values(form, x[every], y[every], log_loss[every], delta)
     order = np.argsort(values, kind="stable")[:max(1, n_starts)]
-    centring = Centring(float(x.mean()), float(y.mean()))
+    centring = Centring(float(x.mean()), float(y.mean()), form)
     xc, yc = x - centring.x0, y - centring.y0
-    results = [_lbfgs(centring.to_centred(points[i]), xc, yc, log_loss, None, delta) for i in order]
+    results = [_lbfgs(centring.to_centred(points[i]), xc, yc, log_loss, None, delta, form) for i in order]
     finals = np.array([r.fun if np.isfinite(r.fun) else np.inf for r in results])
     best = int(np.argmin(finals))
     res = results[best]
@@ -222,24 +214,14 @@ def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int
     agreeing = int(np.sum(np.abs(finals - finals[best]) <= tol))
     return ParametricFit(theta=centring.from_centred(res.x), objective=float(res.fun),
                          converged=bool(res.success), message=str(res.message), n_iter=int(res.nit),
-                         n_starts=len(order), starts_agreeing=agreeing, best_start=points[order[best]])
+                         n_starts=len(order), starts_agreeing=agreeing, best_start=points[order[best]], form=form)
 
 
-def _log_loss_jacobian(theta_c: np.ndarray, xc: np.ndarray, yc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Predicted log L and its Jacobian (runs, 5) at centred theta, for centred log N and log D."""
-    a, b, e, alpha, beta = theta_c
-    u1, u2 = a - alpha * xc, b - beta * yc
-    top = np.maximum(np.maximum(u1, u2), e)
-    s1, s2, s3 = np.exp(u1 - top), np.exp(u2 - top), np.exp(e - top)
-    total = s1 + s2 + s3
-    return top + np.log(total), np.stack([s1, s2, s3, -s1 * xc, -s2 * yc], axis=1) / total[:, None]
-
-
-def gauss_newton_condition(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> float:
+def gauss_newton_condition(theta: np.ndarray, n: np.ndarray, d: np.ndarray, form: Form = CHINCHILLA) -> float:
     """Condition number of J^T J at theta (see the module docstring); inf when J is rank-deficient."""
     x, y = np.log(n), np.log(d)
-    centring = Centring(float(x.mean()), float(y.mean()))
-    _, jac = _log_loss_jacobian(centring.to_centred(np.asarray(theta, float)), x - centring.x0, y - centring.y0)
+    centring = Centring(float(x.mean()), float(y.mean()), form)
+    _, jac = form.log_loss_jac(centring.to_centred(theta), x - centring.x0, y - centring.y0)
     norms = np.linalg.norm(jac, axis=0)
     if not np.all(norms > 0):
         return float("inf")
@@ -248,13 +230,13 @@ def gauss_newton_condition(theta: np.ndarray, n: np.ndarray, d: np.ndarray) -> f
 
 
 def _preconditioner(theta_c: np.ndarray, xc: np.ndarray, yc: np.ndarray, log_loss: np.ndarray,
-                    delta: float) -> np.ndarray:
+                    delta: float, form: Form) -> np.ndarray:
     """T such that, with theta = theta_c + T z, the objective near theta_c is about isotropic in z.
 
     T = L^-T for L L^T = J^T diag(min(1, delta/|r|)) J, the curvature that iteratively reweighted
     least squares gives the Huber loss; the identity when that matrix is not positive definite.
     """
-    predicted, jac = _log_loss_jacobian(theta_c, xc, yc)
+    predicted, jac = form.log_loss_jac(theta_c, xc, yc)
     weights = np.minimum(1.0, delta / np.maximum(np.abs(predicted - log_loss), 1e-300))
     try:
         lower = np.linalg.cholesky(jac.T @ (jac * weights[:, None]))
@@ -264,17 +246,18 @@ def _preconditioner(theta_c: np.ndarray, xc: np.ndarray, yc: np.ndarray, log_los
 
 
 def fit_weighted(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray,
-                 weights: np.ndarray, delta: float = HUBER_DELTA) -> tuple[np.ndarray, np.ndarray]:
+                 weights: np.ndarray, delta: float = HUBER_DELTA, form: Form = CHINCHILLA
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Refit for each row of ``weights`` (K, n_runs) from theta0; returns thetas (K, 5), converged (K,).
 
     L-BFGS runs in coordinates preconditioned at theta0 (``_preconditioner``): resamples' optima lie
     close to it, and there this cuts the objective evaluations per refit two- to three-fold.
     """
     x, y, log_loss = np.log(n), np.log(d), np.log(loss)
-    centring = Centring(float(x.mean()), float(y.mean()))
+    centring = Centring(float(x.mean()), float(y.mean()), form)
     xc, yc = x - centring.x0, y - centring.y0
     start = centring.to_centred(np.asarray(theta0, float))
-    scale = _preconditioner(start, xc, yc, log_loss, delta)
+    scale = _preconditioner(start, xc, yc, log_loss, delta, form)
 
     def objective(z: np.ndarray, *args: Any) -> tuple[float, np.ndarray]:
         value, grad = huber_lse_objective(start + scale @ z, *args)
@@ -284,7 +267,8 @@ def fit_weighted(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndar
     converged = np.empty(len(weights), bool)
     for k, w in enumerate(np.asarray(weights, float)):
         drawn = w > 0  # runs left out of a resample cost nothing
-        res = minimize(objective, np.zeros(5), args=(xc[drawn], yc[drawn], log_loss[drawn], w[drawn], delta),
+        res = minimize(objective, np.zeros(5),
+                       args=(xc[drawn], yc[drawn], log_loss[drawn], w[drawn], delta, form),
                        jac=True, method="L-BFGS-B", options=_LBFGS_OPTIONS)
         thetas[k] = centring.from_centred(start + scale @ res.x)
         converged[k] = res.success

@@ -30,13 +30,13 @@ from analysis.compare import (
     parametric_allocation,
     preferred,
 )
+from analysis.forms import CHINCHILLA, FORMS, Form
 from analysis.isoflop import PowerLaws
 from analysis.parametric import compute_optimal
 from analysis.table import InputError
 from lab.accounting import gpu_peak_flops, training_seconds
 
 SCHEMA_VERSION = 2
-PARAMETRIC_COLUMNS = ("E", "A", "B", "alpha", "beta")
 LAW_COLUMNS = ("a", "k_N", "b", "k_D")
 
 
@@ -44,9 +44,22 @@ class Unidentified(InputError):
     """The fit has no law the data identify (or not the one asked for)."""
 
 
-def bootstrap_columns(key: str) -> list[str]:
+def form_of(fit: dict) -> Form:
+    """Approach 3's form in a fit.json document (Chinchilla's in documents from before forms)."""
+    name = fit["approach3"].get("form", CHINCHILLA.name)
+    if name not in FORMS:
+        raise InputError(f"fit.json: unknown approach 3 form '{name}' (known: {', '.join(FORMS)})")
+    return FORMS[name]
+
+
+def theta_of(fit: dict) -> np.ndarray:
+    """Approach 3's theta from a fit.json document's named parameters."""
+    return form_of(fit).theta_of(fit["approach3"])[0]
+
+
+def bootstrap_columns(key: str, form: Form) -> list[str]:
     """Columns of bootstrap.csv holding one approach's resamples."""
-    return list(PARAMETRIC_COLUMNS) if key == "approach3" else [f"{key}_{c}" for c in LAW_COLUMNS]
+    return list(form.names) if key == "approach3" else [f"{key}_{c}" for c in LAW_COLUMNS]
 
 
 @dataclass
@@ -75,18 +88,6 @@ class Plan:
         return asdict(self)
 
 
-def theta_of(params: dict) -> np.ndarray:
-    """(log A, log B, log E, alpha, beta) from a dict with E, A, B, alpha, beta."""
-    return np.array([math.log(params["A"]), math.log(params["B"]), math.log(params["E"]),
-                     params["alpha"], params["beta"]])
-
-
-def thetas_of(samples: pd.DataFrame) -> np.ndarray:
-    """Thetas (K, 5) from bootstrap.csv's E, A, B, alpha, beta columns."""
-    return np.column_stack([np.log(samples["A"]), np.log(samples["B"]), np.log(samples["E"]),
-                            samples["alpha"], samples["beta"]]).astype(float)
-
-
 def load_fit(path: str | Path) -> tuple[dict, pd.DataFrame | None]:
     """fit.json and, if present beside it, its bootstrap resamples (bootstrap.csv)."""
     path = Path(path)
@@ -111,15 +112,15 @@ def _law_of(section: dict) -> PowerLaws | None:
 
 def allocations(fit: dict, samples: pd.DataFrame | None) -> dict[str, Allocation]:
     """Each approach of a fit.json with a law, with its resamples from bootstrap.csv."""
-    out = {}
+    out, form = {}, form_of(fit)
     for key in APPROACHES:
         section = fit.get(key) or {}
         ident = section.get("identification") or {"identified": False, "reasons": ["no identification in fit.json"]}
         boot = None
-        columns = bootstrap_columns(key)
+        columns = bootstrap_columns(key, form)
         if samples is not None and all(c in samples.columns for c in columns):
             if key == "approach3":
-                boot = parametric_allocation(thetas_of(samples), fit["approach3"]["fit"]["flops_k"])
+                boot = parametric_allocation(form.theta_of(samples), fit["approach3"]["fit"]["flops_k"], form)
             else:
                 values = samples[columns].to_numpy(float)
                 boot = PowerLaws(*values.T, n_points=np.zeros(len(values), int))
@@ -167,10 +168,10 @@ def plan(fit: dict, gpu: str, n_gpus: int, mfu: float, flops: float | None = Non
     ci = dict(chosen["ci"]) if chosen["ci"] else None
     loss = None
     if key == "approach3":
-        theta, k = theta_of(fit["approach3"]), fit["approach3"]["fit"]["flops_k"]
-        loss = float(compute_optimal(theta, flops, k)[2][0, 0])
+        form, k = form_of(fit), fit["approach3"]["fit"]["flops_k"]
+        loss = float(compute_optimal(theta_of(fit), flops, k, form)[2][0, 0])
         if ci is not None and samples is not None:
-            ns, ds, ls = (v[:, 0] for v in compute_optimal(thetas_of(samples), flops, k))
+            ns, ds, ls = (v[:, 0] for v in compute_optimal(form.theta_of(samples), flops, k, form))
             ci.update(loss=interval(ls, level), tokens_per_param=interval(ds / ns, level))
     seconds = training_seconds(flops, gpu, n_gpus, mfu, dtype)
     data_max = (fit.get("data") or {}).get("flops", [None, None])[1]

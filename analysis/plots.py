@@ -32,6 +32,7 @@ from analysis.compare import TITLES  # noqa: E402
 from analysis.fit import FitResult  # noqa: E402
 from analysis.isoflop import PowerLaws  # noqa: E402
 from analysis.parametric import compute_optimal, predict_loss  # noqa: E402
+from analysis.planner import form_of  # noqa: E402
 from analysis.published import LAWS, PublishedLaw, comparable, listed_note  # noqa: E402
 from analysis.synthetic import law_loss, law_optimum  # noqa: E402
 
@@ -280,12 +281,12 @@ def plot_frontier(result: FitResult) -> plt.Figure:
     _colorbar(fig, points, ax, "parameters N")
     k = t.flops_k
     ident = result.approaches["approach3"].identification.identified
-    _, _, loss = compute_optimal(result.parametric.theta, flops, k)
+    _, _, loss = compute_optimal(result.parametric.theta, flops, k, result.parametric.form)
     ax.plot(flops, loss[0], color="C3", ls="-" if ident else ":", lw=1.6, zorder=4,
             label="approach 3: L(N_opt(C), D_opt(C))" + ("" if ident else " (not identified)"))
     if result.thetas is not None and ident:
         level = result.config.ci_level
-        lo, hi = _band(compute_optimal(result.thetas, flops, k)[2], level)
+        lo, hi = _band(compute_optimal(result.thetas, flops, k, result.parametric.form)[2], level)
         ax.fill_between(flops, lo, hi, color="C3", alpha=0.2, lw=0, zorder=3,
                         label=f"approach 3: {level:.0%} bootstrap band")
     for law, (color, style) in zip(_published(result)[0], _PUBLISHED_STYLES):
@@ -313,14 +314,14 @@ def plot_contours(result: FitResult) -> plt.Figure:
     n_grid = np.geomspace(t.n.min() / 3, t.n.max() * 3, 80)
     d_grid = np.geomspace(t.d.min() / 3, t.d.max() * 3, 80)
     nn, dd = np.meshgrid(n_grid, d_grid)
-    loss = predict_loss(result.parametric.theta, nn.ravel(), dd.ravel()).reshape(nn.shape)
+    loss = predict_loss(result.parametric.theta, nn.ravel(), dd.ravel(), result.parametric.form).reshape(nn.shape)
     fig, ax = _figure("contours", figsize=(7, 6.2))
     levels = np.unique(np.quantile(loss[np.isfinite(loss)], np.linspace(0.02, 0.9, 12)))
     if len(levels) > 1:
         cs = ax.contour(nn, dd, loss, levels=levels, cmap="magma", linewidths=1.0, zorder=3)
         ax.clabel(cs, fontsize=8, fmt="%.3g")
     flops = np.geomspace(t.flops_k * n_grid[0] * d_grid[0], t.flops_k * n_grid[-1] * d_grid[-1], 120)
-    n_opt, d_opt, _ = compute_optimal(result.parametric.theta, flops, t.flops_k)
+    n_opt, d_opt, _ = compute_optimal(result.parametric.theta, flops, t.flops_k, result.parametric.form)
     ax.plot(n_opt[0], d_opt[0], color="C0", lw=2, zorder=4, label="efficient frontier (N_opt, D_opt)")
     for law, (color, style) in zip(_published(result)[0], _PUBLISHED_STYLES):
         ax.plot(*law_optimum(flops, law.as_dict()), color=color, ls=style, lw=0.9, label=f"published: {law.name}")
@@ -337,7 +338,7 @@ def plot_contours(result: FitResult) -> plt.Figure:
 
 def plot_residuals(result: FitResult) -> plt.Figure:
     t = result.table
-    resid = t.loss - predict_loss(result.parametric.theta, t.n, t.d)
+    resid = t.loss - predict_loss(result.parametric.theta, t.n, t.d, result.parametric.form)
     norm = _flops_norm(result)
     fig, axes = _figure("residuals", 1, 2, figsize=(11, 4), sharey=True)
     for ax, x, label in zip(axes, (t.c, t.n), ("compute C (FLOPs)", "parameters N")):
@@ -424,7 +425,7 @@ def plot_compare_frontier(entries: list[Any]) -> plt.Figure:
                        label=f"{entry.label}: runs", **_point_style(len(entry.runs)))
         k = entry.doc["approach3"]["fit"]["flops_k"]
         ident = entry.doc["approach3"]["identification"]["identified"]
-        _, _, loss = compute_optimal(entry.theta, flops, k)
+        _, _, loss = compute_optimal(entry.theta, flops, k, form_of(entry.doc))
         ax.plot(flops, loss[0], color=f"C{i}", ls=("-", "--", "-.")[i % 3] if ident else ":", lw=1.8, zorder=3 + i,
                 label=f"{entry.label}: approach 3 frontier" + ("" if ident else " (not identified)"))
     ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs)", ylabel="loss (nats per token)",

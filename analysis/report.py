@@ -12,6 +12,7 @@ import math
 from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
+from analysis.forms import FORMS
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import CURVES_FIGURE, FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, MUENNIGHOFF, TABLE3, comparable, listed_note
@@ -130,7 +131,9 @@ def _fitted(doc: dict) -> list[str]:
         "C: " + ("6ND (no FLOPs column)" if k["derived"] else
                   f"the FLOPs column, which follows C = {k['k']:.4g} N D (median over the runs)")
         + f"; compute-optimal allocations are taken along C = {a3['fit']['flops_k']:.4g} N D.",
-        "Approach 3: L(N, D) = E + A/N^alpha + B/D^beta, " + a3["fit"]["method"] + ".",
+        f"Approach 3: {a3.get('formula', 'L = E + A/N^alpha + B/D^beta')} ({a3.get('form', 'chinchilla')} form"
+        + (f", chosen by the hold-out: {a3['form_choice']['why']}" if a3.get("form_choice") else "") + "), "
+        + a3["fit"]["method"] + ".",
         f"Approach 2: {budgets['mode']} budgets within {budgets['tolerance']:.0%} of C; per budget the "
         f"{doc['isoflop']['minimum']} minimum (parabola in log N fitted in a window around the lowest run); "
         "N_opt = k_N C^a, D_opt = k_D C^b.",
@@ -202,22 +205,22 @@ def _law_blocks(law: dict) -> list[Block]:
     return [("p", f"Fitted beside approach 3 with `--law {law['form']}` ({source}), by the same Huber loss "
                   f"(delta = {law['huber_delta']:g}) of log-space residuals; no bootstrap, so no intervals. "
                   f"RMSE of log loss {fmt(law['rmse_log_loss'], 3)}, against {fmt(law['approach3_rmse_log_loss'], 3)} "
-                  f"for Chinchilla's form; N_opt ∝ C^a with a = {fmt(law['a'])}."
+                  f"for approach 3; N_opt ∝ C^a with a = {fmt(law['a'])}."
                   + ("" if law["converged"] else " **L-BFGS did not converge.**")),
             ("table", list(law["params"]), [[fmt(v) for v in law["params"].values()]])]
 
 
 def _delta_blocks(doc: dict) -> list[Block]:
     rows = doc["delta_sensitivity"]
+    names = [*FORMS[doc["approach3"].get("form", "chinchilla")].names, "a"]
     if not rows:
         return [("p", "Not computed.")]
     return [("p", "Approach 3 refitted at each Huber delta (from the fitted optimum; the fitted delta in bold). "
                   "A delta far above the residuals makes the loss least squares; far below, it approaches least "
                   "absolute deviations, which outliers move least."),
-            ("table", ["delta", "E", "A", "B", "alpha", "beta", "a", "converged"],
+            ("table", ["delta", *names, "converged"],
              [[f"**{r['huber_delta']:g}**" if r["fitted"] else f"{r['huber_delta']:g}"]
-              + [fmt(r[k]) for k in ("E", "A", "B", "alpha", "beta", "a")] + ["yes" if r["converged"] else "NO"]
-              for r in rows])]
+              + [fmt(r[k]) for k in names] + ["yes" if r["converged"] else "NO"] for r in rows])]
 
 
 def _identification_table(doc: dict) -> Block:
@@ -229,7 +232,7 @@ def _identification_table(doc: dict) -> Block:
 
 
 def _approach3_blocks(a3: dict, level: str) -> list[Block]:
-    names = ["E", "A", "B", "alpha", "beta", "a", "b", "G"]
+    names = [*FORMS[a3.get("form", "chinchilla")].names, "a", "b", "G"]
     fit, good = a3["fit"], a3["goodness"]
     blocks: list[Block] = [
         ("table", ["parameter", f"value [{level} interval]"], [[n, _with_ci(a3.get(n), _ci(a3, n))] for n in names]),
@@ -248,7 +251,7 @@ def _approach3_blocks(a3: dict, level: str) -> list[Block]:
         rows = [[name, fmt(cov["std"][i], 3)] + [fmt(v, 3) for v in cov["correlation"][i]]
                 for i, name in enumerate(cov["names"])]
         blocks += [("p", "Parameter covariance from the bootstrap refits, as standard deviations and correlations "
-                         "(theta = log A, log B, log E, alpha, beta; A trades off against alpha, B against beta):"),
+                         f"(theta = {', '.join(cov['names'])}; a constant trades off against its exponent):"),
                    ("table", ["", "std"] + cov["names"], rows)]
     return blocks
 
@@ -328,7 +331,11 @@ _METHOD = (
     "compared pair by pair on the same resamples. The hold-out check refits approach 3 without the largest "
     "budgets (--holdout-budgets K, default 1; or the runs above --holdout-above C; with continuous C the top fifth) "
     "and predicts each run held out. Runs sharing N and D are each their own point by default, as in the "
-    "published fits; outliers are flagged from robust (median and MAD) z-scores of the log-loss residuals.")
+    "published fits; outliers are flagged from robust (median and MAD) z-scores of the log-loss residuals. "
+    "Approach 3 may fit another form, Kaplan et al.'s (2020) with an irreducible E, "
+    "E + ((N_c/N)^(alpha_N/alpha_D) + D_c/D)^alpha_D, in the same way (its own grid of 675 starts); with "
+    "--form auto (the default) both are refitted without the hold-out's runs and the one that predicts them with "
+    "the smaller mean relative error is used for everything that follows.")
 
 
 def _holdout_blocks(hold: dict) -> list[Block]:

@@ -94,6 +94,7 @@ class Prediction:
     n_opt_ci: list[float] | None
     loss_opt: float | None  # L(N_opt, D_opt) of the parametric law
     loss_opt_ci: list[float] | None
+    form: str = "chinchilla"  # the parametric law's form (analysis.forms)
 
 
 @dataclass(frozen=True)
@@ -133,22 +134,25 @@ def prediction(doc: dict, budget: float) -> Prediction:
     a3 = entry.get("approach3") or {}
     return Prediction(budget=budget, approach=approach, n_opt=alloc["params"],
                       n_opt_ci=(alloc.get("ci") or {}).get("params"), loss_opt=a3.get("loss"),
-                      loss_opt_ci=(a3.get("ci") or {}).get("loss"))
+                      loss_opt_ci=(a3.get("ci") or {}).get("loss"), form=doc["approach3"].get("form", "chinchilla"))
 
 
 def judge(pred: Prediction, runs: list[tuple[PlannedRun, float]], theta: np.ndarray, thetas: np.ndarray | None,
           level: float) -> Verdict:
-    """Achieved against predicted, from the finished verify runs and the parametric law's parameters (pure)."""
+    """Achieved against predicted, from the finished verify runs and the parametric law's parameters in the
+    prediction's form (pure)."""
+    from analysis.forms import FORMS
     from analysis.parametric import predict_loss
 
+    form = FORMS[pred.form]
     runs = sorted(runs, key=lambda rl: rl[0].params)
     n = np.array([r.params for r, _ in runs], float)
     d = np.array([r.tokens for r, _ in runs], float)
     losses = np.array([loss for _, loss in runs], float)
-    predicted = predict_loss(theta, n, d)
+    predicted = predict_loss(theta, n, d, form)
     bands = None
     if thetas is not None:
-        samples = predict_loss(thetas, n, d)
+        samples = predict_loss(thetas, n, d, form)
         tail = (1 - level) / 2
         bands = [list(np.nanquantile(samples[:, i], [tail, 1 - tail])) for i in range(len(runs))]
     outcomes = [RunOutcome(r.name, r.params, r.tokens, float(loss), float(p), None if bands is None else
@@ -174,7 +178,7 @@ def describe(v: Verdict) -> list[str]:
     """The comparison as text lines (terminal and Markdown alike)."""
     p = v.prediction
     n_opt = f"{p.n_opt:,.0f}{_interval(p.n_opt_ci, ',.0f')}"
-    lines = [f"prediction at C = {p.budget:.3g} ({p.approach} law): N_opt = {n_opt}"
+    lines = [f"prediction at C = {p.budget:.3g} ({p.approach} law; approach 3 in {p.form} form): N_opt = {n_opt}"
              + ("" if p.loss_opt is None else f", loss at the optimum {p.loss_opt:.4f}"
                 f"{_interval(p.loss_opt_ci, '.4f')}"),
              "",
@@ -224,7 +228,7 @@ def fit(folder: Path, budget: float, progress: bool, exclude: tuple[str, ...] = 
     from analysis.fit import FitConfig, fit_runs
     from analysis.table import load_runs
 
-    config = FitConfig(predict=(budget,), progress=progress, workers=len(os.sched_getaffinity(0)))
+    config = FitConfig(predict=(budget,), progress=progress, workers=len(os.sched_getaffinity(0)), form="auto")
     result = fit_runs(load_runs(folder, exclude=exclude, drop_highest_loss=drop_highest_loss), config)
     flagged = tuple(o["run_id"] for o in result.outliers.get("runs", [])) if drop_outliers else ()
     if flagged:

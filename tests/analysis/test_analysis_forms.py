@@ -1,0 +1,124 @@
+"""Approach 3's second form (Kaplan et al.'s with an irreducible E) and the hold-out's choice between forms."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy.optimize import minimize_scalar
+
+from analysis.__main__ import main
+from analysis.budgets import group_budgets
+from analysis.fit import FitConfig, choose_form, fit_runs
+from analysis.forms import CHINCHILLA, KAPLAN_E
+from analysis.parametric import (
+    Centring,
+    compute_optimal,
+    fit_parametric,
+    huber_lse_objective,
+    named_samples,
+    predict_loss,
+)
+from analysis.planner import load_fit, plan
+from analysis.synthetic import isoflop_runs
+from analysis.table import RunTable, load_runs
+
+# A Kaplan-form truth at the lab's scale: E 1.0 nats, a = 0.55 / (0.45 + 0.55) = 0.55.
+TRUTH = np.array([np.log(6e3), np.log(2e5), np.log(1.0), 0.45, 0.55])
+BUDGETS = np.geomspace(6e10, 2e12, 6)
+
+
+def _kaplan_runs(noise: float, seed: int = 0, per_budget: int = 7) -> pd.DataFrame:
+    """An IsoFLOP grid (sizes from a Chinchilla-shaped layout) whose losses follow TRUTH in Kaplan's form."""
+    runs = isoflop_runs(BUDGETS * 1e7, per_budget=per_budget, spread=6, noise=0.0, seed=seed)
+    n = runs["params"].to_numpy() / 3e3  # the layout's sizes, moved to this truth's scale (C = 6ND kept)
+    d = runs["flops"].to_numpy() / (6 * n) / 1e7
+    rng = np.random.default_rng(seed)
+    loss = predict_loss(TRUTH, n, d, KAPLAN_E) * np.exp(noise * rng.standard_normal(len(n)))
+    return pd.DataFrame({"params": n, "tokens": d, "loss": loss, "flops": 6 * n * d})
+
+
+def _table(runs: pd.DataFrame, tmp_path) -> RunTable:
+    path = tmp_path / f"runs{len(list(tmp_path.iterdir()))}.csv"
+    runs.to_csv(path, index=False)
+    return load_runs(path)
+
+
+@pytest.mark.parametrize("theta", [TRUTH, np.array([9.0, 12.0, -0.5, 1.2, 0.2]), np.array([2.0, 30.0, 0.3, 0.1, 1.5])])
+def test_kaplan_e_gradient_matches_finite_differences(theta):
+    rng = np.random.default_rng(1)
+    x, y = rng.uniform(8, 14, 30), rng.uniform(12, 18, 30)
+    log_loss = np.log(predict_loss(TRUTH, np.exp(x), np.exp(y), KAPLAN_E)) + 0.01 * rng.standard_normal(30)
+    centring = Centring(x.mean(), y.mean(), KAPLAN_E)
+    xc, yc, tc = x - x.mean(), y - y.mean(), centring.to_centred(theta)
+    value, grad = huber_lse_objective(tc, xc, yc, log_loss, None, 1e-2, KAPLAN_E)
+    for i in range(5):
+        step = np.zeros(5)
+        step[i] = 1e-6
+        numeric = (huber_lse_objective(tc + step, xc, yc, log_loss, None, 1e-2, KAPLAN_E)[0]
+                   - huber_lse_objective(tc - step, xc, yc, log_loss, None, 1e-2, KAPLAN_E)[0]) / 2e-6
+        assert grad[i] == pytest.approx(numeric, rel=1e-5, abs=1e-9)
+    # the centred log loss is the uncentred one
+    pred_c, _ = KAPLAN_E.log_loss_jac(tc, xc, yc)
+    assert np.allclose(pred_c, KAPLAN_E.log_loss(np.asarray(theta)[None], x, y)[0], atol=1e-12)
+
+
+def test_kaplan_e_allocation_is_the_minimum_along_each_budget():
+    n_opt, d_opt, loss = compute_optimal(TRUTH, np.array([1e11, 1e13]), 6.0, KAPLAN_E)
+    for j, c in enumerate((1e11, 1e13)):
+        best = minimize_scalar(lambda x: predict_loss(TRUTH, np.exp(x), c / (6 * np.exp(x)), KAPLAN_E),
+                               bounds=(0, 30), method="bounded", options={"xatol": 1e-10})
+        assert n_opt[0, j] == pytest.approx(np.exp(best.x), rel=1e-4)
+        assert loss[0, j] == pytest.approx(best.fun, rel=1e-10)
+        assert 6 * n_opt[0, j] * d_opt[0, j] == pytest.approx(c)
+    assert named_samples(TRUTH[None], 6.0, KAPLAN_E)["a"][0] == pytest.approx(0.55)
+
+
+def test_kaplan_e_fit_recovers_its_parameters():
+    runs = _kaplan_runs(noise=0.0)
+    fit = fit_parametric(runs["params"].to_numpy(), runs["tokens"].to_numpy(), runs["loss"].to_numpy(),
+                         form=KAPLAN_E)
+    assert fit.converged and fit.form is KAPLAN_E
+    assert np.allclose(fit.theta, TRUTH, atol=1e-4)
+    noisy = _kaplan_runs(noise=0.005)
+    fit = fit_parametric(noisy["params"].to_numpy(), noisy["tokens"].to_numpy(), noisy["loss"].to_numpy(),
+                         form=KAPLAN_E)
+    params = fit.params
+    assert params["E"] == pytest.approx(1.0, rel=0.05)
+    assert params["a"] == pytest.approx(0.55, abs=0.03)
+
+
+def test_auto_chooses_the_form_that_generated_the_data(tmp_path):
+    kaplan = _table(_kaplan_runs(noise=0.003), tmp_path)
+    config = FitConfig(form="auto", n_bootstrap=0, progress=False, delta_sensitivity=False)
+    form, choice = choose_form(kaplan, group_budgets(kaplan.c, 0.05), config)
+    assert form is KAPLAN_E and choice["chosen"] == "kaplan-e"
+    assert choice["holdout"]["kaplan-e"]["mean_rel_error"] < choice["holdout"]["chinchilla"]["mean_rel_error"]
+    chinchilla = _table(isoflop_runs(np.geomspace(1e18, 1e21, 6), per_budget=7, spread=6, noise=0.003, seed=0), tmp_path)
+    result = fit_runs(chinchilla, config)
+    assert result.parametric.form is CHINCHILLA and result.form_choice["chosen"] == "chinchilla"
+    # a named form is taken as named, without a choice
+    assert choose_form(chinchilla, result.budgets, FitConfig(form="kaplan-e"))[1] is None
+
+
+def test_cli_fit_in_kaplan_form_plans_from_its_fit_json_and_bootstrap(tmp_path, capsys):
+    path = tmp_path / "runs.csv"
+    _kaplan_runs(noise=0.003).to_csv(path, index=False)
+    out = tmp_path / "fit"
+    assert main(["fit", str(path), "--out", str(out), "--bootstrap", "40", "--workers", "1", "--no-progress",
+                 "--predict", "8e12"]) == 0
+    printed = capsys.readouterr().out
+    assert "kaplan-e form" in printed and "alpha_N=" in printed
+    doc, samples = load_fit(out / "fit.json")
+    a3 = doc["approach3"]
+    assert a3["form"] == "kaplan-e" and a3["form_choice"]["chosen"] == "kaplan-e"
+    assert list(samples.columns[:5]) == list(KAPLAN_E.names)
+    assert "kaplan-e" in (out / "report.md").read_text()
+    # plan's loss and interval are the fit's prediction at the same budget
+    predicted = doc["predictions"][0]["approach3"]
+    p = plan(doc, "H100", 1, 0.4, flops=8e12, samples=samples, approach="approach3")
+    assert p.loss == pytest.approx(predicted["loss"], rel=1e-9)
+    assert p.ci["loss"] == pytest.approx(predicted["ci"]["loss"], rel=1e-9)
+    with pytest.raises(Exception, match="unknown approach 3 form"):
+        plan({**doc, "approach3": {**a3, "form": "nope"}}, "H100", 1, 0.4, flops=8e12)
+    assert json.loads((out / "fit.json").read_text())["config"]["form"] == "auto"
