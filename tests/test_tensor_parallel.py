@@ -10,6 +10,7 @@ steps, taken at those weights, then differs by up to 2.7e-6 relative (tested at 
 """
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -44,7 +45,6 @@ def _close(r) -> bool:
     ({"strategy": "deepspeed", "tp": 2}, 4, "strategy 'deepspeed' does not run with parallel.tp > 1"),
     ({"strategy": "single", "tp": 2}, 4, "strategy 'single' runs on at most 1 process"),
     ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single or ddp_naive"),
-    ({"strategy": "single", "tp": 2, "tp_impl": "torch", "sequence_parallel": True}, 2, "without sequence_parallel"),
     ({"tp": 2, "tp_impl": "torh"}, 2, r"must be one of lab, torch, got 'torh' \(did you mean torch\?\)"),
 ])
 def test_the_mesh_is_validated_up_front(options, world_size, message):
@@ -161,7 +161,8 @@ def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_sing
 
 
 def test_sequence_parallel_reproduces_single_on_two_ranks():
-    specs = ["ddp:tp=2,sequence_parallel=true", "zero3:tp=2,sequence_parallel=true"]
+    specs = ["ddp:tp=2,sequence_parallel=true", "zero3:tp=2,sequence_parallel=true",
+             "single:tp=2,tp_impl=torch,sequence_parallel=true"]
     results = run_pooled(_both_archs, 2, specs, Setup(steps=3, accum=2, grad_clip=CLIP))[0]
     for arch, by_spec in results.items():
         for spec, r in by_spec.items():
@@ -303,13 +304,40 @@ def _reshard(world: World, run_dir, saved: str, loaders: list[str], model: Model
     return out
 
 
-def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path):
-    """A checkpoint of the DTensor reference loads into the hand-rolled split and into ddp bit for bit, and
-    training goes on alike."""
-    out = run_pooled(_reshard, 2, tmp_path, "single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"], deadline_s=120)[0]
-    assert set(out) == {"single:tp=2", "ddp", "single"}
+@pytest.mark.parametrize("saved, loaders", [
+    ("single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"]),
+    ("single:tp=2,tp_impl=torch,sequence_parallel=true", ["single:tp=2,sequence_parallel=true"])])
+def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path, saved, loaders):
+    """A checkpoint of the DTensor reference loads into the hand-rolled split (sequence parallel too) and into ddp
+    bit for bit, and training goes on alike."""
+    out = run_pooled(_reshard, 2, tmp_path, saved, loaders, deadline_s=120)[0]
+    assert set(out) == {*loaders, "single"}
     for spec, (loaded, stepped) in out.items():
         assert loaded == 0.0 and stepped <= 1e-5, spec
+
+
+def _norm_input_tokens(world: World, spec: str) -> dict[str, int]:
+    """The tokens per sequence that each norm and the first block's QKV see on this rank in one forward."""
+    setup = Setup(model=TINY)
+    strategy, seen = _built(world, spec, setup), {}
+    names = [name for name, m in strategy.module.named_modules() if name.endswith(("norm1", "norm2", "norm_f"))]
+
+    def record(name: str, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        seen[name] = (out.to_local() if hasattr(out, "to_local") else out).shape[1]
+
+    for name in [*names, "blocks.0.attn.qkv"]:
+        strategy.module.get_submodule(name).register_forward_hook(functools.partial(record, name))
+    from lab.equivalence import batch
+
+    strategy.forward(*batch(setup, 0, 2), sync=True)
+    return seen
+
+
+def test_the_torch_reference_runs_norms_on_sequence_shards():
+    """Under sequence_parallel the reference's norms see half the tokens on 2 ranks; its QKV the whole sequence."""
+    seen = run_pooled(_norm_input_tokens, 2, "single:tp=2,tp_impl=torch,sequence_parallel=true")[0]
+    assert seen.pop("blocks.0.attn.qkv") == TINY.block_size
+    assert len(seen) == 2 * TINY.n_layer + 1 and set(seen.values()) == {TINY.block_size // 2}
 
 
 def test_replicated_key_value_heads_are_saved_once_and_reach_every_holder_on_load(tmp_path):

@@ -475,35 +475,53 @@ class TorchTensorParallel(TensorParallel):
     MLP down, and the embedding with replicated ids), the head's weight sharded by vocabulary rows, and the
     loss under ``loss_parallel``. A fused weight (QKV; gate and up) is first reordered so that torch's even
     row split hands each rank the shard the hand-rolled split gives: the local tensors, and so the
-    checkpoints, are the same. Its collectives are torch's own, not counted (no ``tp_comm_bytes``).
+    checkpoints, are the same. Under ``sequence_parallel`` the residual stream between the matmuls is
+    ``Shard(1)``: ``SequenceParallel`` runs the norms (and, behind ``PrepareModuleInput``, the learned positions)
+    on sequence shards, the column-parallel layers gather it and the row-parallel ones reduce-scatter into it.
+    Its collectives are torch's own, not counted (no ``tp_comm_bytes``).
     """
 
     implementation = "torch"
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
 
         cfg = model.cfg
-        validate(ParallelConfig(tp=self.n, tp_impl=self.implementation), cfg)
+        validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
         heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
         ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
-        plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate())}
+        between = Shard(1) if self.sequence_parallel else Replicate()  # the residual stream between the matmuls
+        plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=between)}
         for i, block in enumerate(model.blocks):
             self._reorder(model, f"blocks.{i}.attn.qkv", (heads * head_dim, kv * head_dim, kv * head_dim))
             self._reorder(model, f"blocks.{i}.mlp.up", (ff, ff) if block.mlp.gated else (ff,))
             self.splits[f"blocks.{i}.attn.proj.weight"] = Split((cfg.d_model, heads * head_dim), 1, (heads * head_dim,))
             self.splits[f"blocks.{i}.mlp.down.weight"] = Split((cfg.d_model, ff), 1, (ff,))
-            plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.mlp.up": ColwiseParallel(),
-                     f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.down": RowwiseParallel()}
+            for name in ("attn.qkv", "mlp.up"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel(input_layouts=between)
+            for name in ("attn.proj", "mlp.down"):
+                plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=between)
+            if self.sequence_parallel:
+                plan |= {f"blocks.{i}.{name}": SequenceParallel(use_local_output=True) for name in ("norm1", "norm2")}
             block.attn.n_head, block.attn.n_kv_head = heads // self.n, kv // self.n
+        if self.sequence_parallel:
+            plan["norm_f"] = SequenceParallel(use_local_output=True)
+            if model.wpe is not None:  # the positions [T] arrive whole: each rank looks up its tokens' rows
+                parallelize_module(model.wpe, self.world.device_mesh, PrepareModuleInput(
+                    input_layouts=Replicate(), desired_input_layouts=Replicate()))
+                plan["wpe"] = SequenceParallel(sequence_dim=0, use_local_output=True)
         self.splits["wte.weight"] = Split((rows, cfg.d_model), 0, (rows,))
         parallelize_module(model, self.world.device_mesh, plan)
         if model.lm_head is not None:
             self.splits["lm_head.weight"] = Split((rows, cfg.d_model), 0, (rows,))
             model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(),
                                                                   self.world.device_mesh, [Shard(0)]))
-        model.output = functools.partial(self._torch_output, model)
+        model.output = functools.partial(self._torch_output, model, between)
+        for param in model.parameters():  # whole weights applied to sequence shards: their gradients come back partial
+            if isinstance(param, DTensor):
+                param.register_post_accumulate_grad_hook(_reduce_partial_gradient)
         return model
 
     def numel(self, param: torch.Tensor) -> int:
@@ -523,11 +541,13 @@ class TorchTensorParallel(TensorParallel):
             setattr(module, attr, nn.Parameter(ordered, requires_grad=param.requires_grad))
             self.splits[f"{name}.{attr}"] = split
 
-    def _torch_output(self, model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _torch_output(self, model: nn.Module, layout: object, x: torch.Tensor, targets: torch.Tensor | None
+                      ) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor.parallel import loss_parallel
 
-        x = DTensor.from_local(model.norm_f(x), self.world.device_mesh, [Replicate()])
+        mesh = self.world.device_mesh  # the final norm's output in ``layout``, gathered whole for the head
+        x = DTensor.from_local(model.norm_f(x), mesh, [layout]).redistribute(mesh, [Replicate()])
         logits = F.linear(x, model.wte.weight if model.lm_head is None else model.lm_head.weight)  # vocab-sharded
         if model.cfg.parametrization == "mup":
             logits = logits / model.width
@@ -605,6 +625,14 @@ class WithTensorParallel:
         return {**self.strategy.meters(), "tp_comm_bytes_per_step": dict(self._tp_bytes),
                 "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.module.cfg, loop.micro_batch,
                                                                       loop.accum_steps)}
+
+
+def _reduce_partial_gradient(param: torch.Tensor) -> None:
+    """A DTensor weight's gradient in the weight's own layout: DTensor leaves a replicated weight that met sequence
+    shards (a norm, the learned positions) with partial sums, which the clipped norm and a data-parallel strategy
+    over the local parts would read as the gradient. Summed over the group here, once per micro-step."""
+    if param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(param.device_mesh, param.placements)
 
 
 def _broadcast(tensor: torch.Tensor, axis: World) -> None:
