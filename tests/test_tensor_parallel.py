@@ -44,7 +44,7 @@ def _close(r) -> bool:
     ({"sequence_parallel": True}, 2, "sequence_parallel needs parallel.tp > 1"),
     ({"strategy": "deepspeed", "tp": 2}, 4, "strategy 'deepspeed' does not run with parallel.tp > 1"),
     ({"strategy": "single", "tp": 2}, 4, "strategy 'single' runs on at most 1 process"),
-    ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single or ddp_naive"),
+    ({"strategy": "ddp", "tp_impl": "torch"}, 2, r"tp_impl torch \(the DTensor reference\) needs parallel.tp > 1"),
     ({"tp": 2, "tp_impl": "torh"}, 2, r"must be one of lab, torch, got 'torh' \(did you mean torch\?\)"),
 ])
 def test_the_mesh_is_validated_up_front(options, world_size, message):
@@ -109,9 +109,10 @@ def _both_archs(world: World, specs: list[str], setup: Setup) -> dict:
 
 
 @pytest.mark.parametrize("specs", [
-    ["single:tp=2", "ddp:tp=2", "zero2:tp=2", "zero3:tp=2", "single:tp=2,tp_impl=torch"],
+    ["single:tp=2", "ddp:tp=2", "zero2:tp=2", "zero3:tp=2", "single:tp=2,tp_impl=torch", "zero2:tp=2,tp_impl=torch"],
     pytest.param(["torch_ddp:tp=2", "fsdp:tp=2", "zero1:tp=2,activation_checkpointing=full",
-                  "zero2:tp=2,activation_checkpointing=selective"], marks=pytest.mark.slow)])
+                  "zero2:tp=2,activation_checkpointing=selective", "fsdp:tp=2,tp_impl=torch",
+                  "zero3:tp=2,tp_impl=torch,activation_checkpointing=full"], marks=pytest.mark.slow)])
 def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(specs):
     results = run_pooled(_both_archs, 2, specs, Setup(steps=3, grad_clip=CLIP))[0]
     for arch, by_spec in results.items():
@@ -121,12 +122,15 @@ def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(s
 
 
 @pytest.mark.slow
-def test_the_torch_reference_composes_with_a_data_parallel_axis_on_four_ranks():
-    """The DTensor reference on tp 2 × dp 2 under ddp_naive (the data axis all-reduces each shard's local part)."""
-    results = run_pooled(_both_archs, 4, ["ddp_naive:tp=2,tp_impl=torch"], Setup(steps=3, accum=2, grad_clip=CLIP),
-                         deadline_s=120)[0]
+def test_the_torch_reference_composes_with_every_data_parallel_strategy_on_four_ranks():
+    """The DTensor reference on tp 2 × dp 2: the data-parallel strategies run over its weights' local parts."""
+    specs = ["ddp:tp=2,tp_impl=torch", "zero2:tp=2,tp_impl=torch,sequence_parallel=true", "fsdp:tp=2,tp_impl=torch",
+             "torch_ddp:tp=2,tp_impl=torch", "zero3:tp=2,tp_impl=torch"]
+    results = run_pooled(_both_archs, 4, specs, Setup(steps=3, accum=2, grad_clip=CLIP), deadline_s=180)[0]
     for arch, by_spec in results.items():
-        assert _close(by_spec["ddp_naive:tp=2,tp_impl=torch"]), arch
+        assert set(by_spec) == set(specs)
+        for spec, r in by_spec.items():
+            assert _close(r), (arch, spec, r)
 
 
 @pytest.mark.slow
@@ -306,10 +310,12 @@ def _reshard(world: World, run_dir, saved: str, loaders: list[str], model: Model
 
 @pytest.mark.parametrize("saved, loaders", [
     ("single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"]),
-    ("single:tp=2,tp_impl=torch,sequence_parallel=true", ["single:tp=2,sequence_parallel=true"])])
+    ("zero2:tp=2,tp_impl=torch,sequence_parallel=true", ["single:tp=2,sequence_parallel=true"]),
+    ("zero2:tp=2", ["fsdp:tp=2,tp_impl=torch"])])
 def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path, saved, loaders):
-    """A checkpoint of the DTensor reference loads into the hand-rolled split (sequence parallel too) and into ddp
-    bit for bit, and training goes on alike."""
+    """A checkpoint of the DTensor reference (under single or zero2) loads into the hand-rolled split (sequence
+    parallel too) and into ddp bit for bit, one of the hand-rolled split into the reference under fsdp, and
+    training goes on alike."""
     out = run_pooled(_reshard, 2, tmp_path, saved, loaders, deadline_s=120)[0]
     assert set(out) == {*loaders, "single"}
     for spec, (loaded, stepped) in out.items():

@@ -268,10 +268,7 @@ class Strategy:
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """torch optimizer groups: each ParamGroup's tensors as this strategy holds them."""
         params = dict(self.module.named_parameters())
-        out = [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
-        if self.tensor is None:
-            return out
-        return [{**group, "params": ps} for group in out for ps in _plain_and_distributed(group["params"]) if ps]
+        return [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -301,8 +298,8 @@ class Strategy:
                 torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
             return norm
         norm = self.tensor_norm_squares(self.local_norm_squares()).sqrt()
-        for params in _plain_and_distributed(self.trainable) if max_norm > 0 else []:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
         return norm
 
     def local_norm_squares(self) -> torch.Tensor:
@@ -451,11 +448,6 @@ class Strategy:
             "comm_bytes_per_step_theory": theory_comm,
             "activation_saved_bytes": self._most_saved,
         }
-
-
-def _plain_and_distributed(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Plain tensors and DTensors (a torch reference's shards) apart: torch's foreach and fused ops take one kind."""
-    return [p for p in params if not hasattr(p, "to_local")], [p for p in params if hasattr(p, "to_local")]
 
 
 def changed_options(cfg: ParallelConfig) -> list[str]:

@@ -478,17 +478,26 @@ class TorchTensorParallel(TensorParallel):
     checkpoints, are the same. Under ``sequence_parallel`` the residual stream between the matmuls is
     ``Shard(1)``: ``SequenceParallel`` runs the norms (and, behind ``PrepareModuleInput``, the learned positions)
     on sequence shards, the column-parallel layers gather it and the row-parallel ones reduce-scatter into it.
+
+    Between forwards each DTensor weight is a plain parameter of its local part, under its own name (what a
+    data-parallel strategy's buffers, hooks and optimizer take, as under the hand-rolled split); a module sees
+    the DTensor during its forward (``DTensor.from_local``, whose backward hands the local part its gradient in
+    the weight's layout: a whole weight that met sequence shards gets its partial sums all-reduced).
     Its collectives are torch's own, not counted (no ``tp_comm_bytes``).
     """
 
     implementation = "torch"
 
+    def __init__(self, world: World, sequence_parallel: bool):
+        super().__init__(world, sequence_parallel)
+        self.layouts: dict[nn.Module, dict[str, tuple]] = {}  # module → its weights' DTensor layouts, by name
+
     def parallelize(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                        SequenceParallel, parallelize_module)
 
-        cfg = model.cfg
+        cfg, mesh = model.cfg, self.world.device_mesh
         validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
         heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
         ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
@@ -509,24 +518,53 @@ class TorchTensorParallel(TensorParallel):
         if self.sequence_parallel:
             plan["norm_f"] = SequenceParallel(use_local_output=True)
             if model.wpe is not None:  # the positions [T] arrive whole: each rank looks up its tokens' rows
-                parallelize_module(model.wpe, self.world.device_mesh, PrepareModuleInput(
-                    input_layouts=Replicate(), desired_input_layouts=Replicate()))
+                parallelize_module(model.wpe, mesh, PrepareModuleInput(input_layouts=Replicate(),
+                                                                       desired_input_layouts=Replicate()))
                 plan["wpe"] = SequenceParallel(sequence_dim=0, use_local_output=True)
         self.splits["wte.weight"] = Split((rows, cfg.d_model), 0, (rows,))
-        parallelize_module(model, self.world.device_mesh, plan)
+        # every rank built the same whole weights (or meta ones): each keeps its part, nothing is sent
+        parallelize_module(model, mesh, plan, src_data_rank=None)
         if model.lm_head is not None:
             self.splits["lm_head.weight"] = Split((rows, cfg.d_model), 0, (rows,))
-            model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(),
-                                                                  self.world.device_mesh, [Shard(0)]))
+            model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)],
+                                                                  src_data_rank=None))
+        for module in model.modules():
+            self._hold_local(module)
         model.output = functools.partial(self._torch_output, model, between)
-        for param in model.parameters():  # whole weights applied to sequence shards: their gradients come back partial
-            if isinstance(param, DTensor):
-                param.register_post_accumulate_grad_hook(_reduce_partial_gradient)
+        model.initial_value = functools.partial(self._initial_value, model.initial_value)
         return model
 
-    def numel(self, param: torch.Tensor) -> int:
-        """This rank's part of a weight torch split across the group."""
-        return local_part(param).numel()
+    def _hold_local(self, module: nn.Module) -> None:
+        """Make ``module``'s DTensor weights plain parameters of their local parts, seen as DTensors in its forward."""
+        from torch.distributed.tensor import DTensor
+
+        layouts = {name: (p.device_mesh, p.placements, p.shape, p.stride())
+                   for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        if not layouts:
+            return
+        self.layouts[module] = layouts
+        for name, p in module.named_parameters(recurse=False):
+            if name in layouts:
+                setattr(module, name, nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad))
+        forward = module.forward
+
+        def as_distributed(*args: object, **kwargs: object) -> object:
+            held = {name: module._parameters[name] for name in layouts}  # a data-parallel strategy may swap them
+            try:  # restored however the forward ends (a recomputation for activation checkpointing stops early)
+                module._parameters.update({name: self.distributed(module, name) for name in layouts})
+                return forward(*args, **kwargs)
+            finally:
+                module._parameters.update(held)
+
+        module.forward = as_distributed
+
+    def distributed(self, module: nn.Module, name: str) -> torch.Tensor:
+        """``module``'s weight ``name`` as the DTensor its local part belongs to (differentiable)."""
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.layouts[module][name]
+        return DTensor.from_local(module._parameters[name], mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
     def _reorder(self, model: nn.Module, name: str, blocks: tuple[int, ...]) -> None:
         """Order a fused weight's rows rank by rank (each rank's part of every block together), so that an even
@@ -548,13 +586,13 @@ class TorchTensorParallel(TensorParallel):
 
         mesh = self.world.device_mesh  # the final norm's output in ``layout``, gathered whole for the head
         x = DTensor.from_local(model.norm_f(x), mesh, [layout]).redistribute(mesh, [Replicate()])
-        logits = F.linear(x, model.wte.weight if model.lm_head is None else model.lm_head.weight)  # vocab-sharded
+        logits = F.linear(x, self.distributed(model.wte if model.lm_head is None else model.lm_head, "weight"))
         if model.cfg.parametrization == "mup":
             logits = logits / model.width
         if targets is None:
             return logits.full_tensor()
-        with loss_parallel():
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local()
+        with loss_parallel():  # the local part is a view: cloned, as FSDP2 wants a root's output
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local().clone()
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -598,8 +636,7 @@ class WithTensorParallel:
             return self.strategy.eval_loss(x, y)
 
     def checkpoint_state(self) -> CheckpointState:
-        state = {k: local_part(v) for k, v in self.strategy.checkpoint_state().items()}
-        state, self._after_load = self.tp.checkpoint_state(state, self.strategy.world)
+        state, self._after_load = self.tp.checkpoint_state(self.strategy.checkpoint_state(), self.strategy.world)
         return state
 
     @torch.no_grad()
@@ -613,7 +650,7 @@ class WithTensorParallel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on global rank 0: the data axis's first ranks (one tensor-parallel group) gather it."""
-        shards = {k: local_part(v) for k, v in self.strategy.full_state_dict().items()}
+        shards = self.strategy.full_state_dict()
         return self.tp.full_state_dict(shards) if self.strategy.world.is_main else {}
 
     def meters(self) -> dict[str, object]:
@@ -627,20 +664,7 @@ class WithTensorParallel:
                                                                       loop.accum_steps)}
 
 
-def _reduce_partial_gradient(param: torch.Tensor) -> None:
-    """A DTensor weight's gradient in the weight's own layout: DTensor leaves a replicated weight that met sequence
-    shards (a norm, the learned positions) with partial sums, which the clipped norm and a data-parallel strategy
-    over the local parts would read as the gradient. Summed over the group here, once per micro-step."""
-    if param.grad.placements != param.placements:
-        param.grad = param.grad.redistribute(param.device_mesh, param.placements)
-
-
 def _broadcast(tensor: torch.Tensor, axis: World) -> None:
     """``tensor`` from the first rank of ``axis`` to the others."""
     if axis.world_size > 1:
         dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)
-
-
-def local_part(value: object) -> object:
-    """A DTensor's local part (the torch reference's shards); anything else as it is."""
-    return value.to_local() if hasattr(value, "to_local") else value
