@@ -56,7 +56,6 @@ def test_the_mesh_is_validated_up_front(options, world_size, message):
     (dict(n_head=3, d_model=48), {}, r"must divide model.n_head, which is 3"),
     (dict(n_head=6, n_kv_head=3, d_model=48), {"tp": 2}, r"must divide model.n_kv_head"),
     (dict(n_head=4, n_kv_head=1), {"tp_impl": "torch"}, r"tp_impl torch does not replicate key/value heads"),
-    (dict(n_head=4, n_kv_head=1), {"strategy": "fsdp"}, r"strategy fsdp does not replicate key/value heads"),
     (dict(vocab_size=97), {}, r"set model.pad_vocab_to to a multiple of 2"),
     (dict(block_size=33), {"sequence_parallel": True}, "must divide model.block_size"),
     (dict(pad_vocab_to=64), {"tp_impl": "torch"}, "tp_impl torch cannot leave padding rows out of its loss"),
@@ -152,8 +151,9 @@ def _gqa(world: World, specs: list[str], setup: Setup) -> dict:
 
 
 @pytest.mark.parametrize("ranks, specs", [
-    (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true"]),
-    pytest.param(4, ["ddp:tp=4", "zero2:tp=4", "zero2:tp=2"], marks=pytest.mark.slow)])
+    (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true", "fsdp:tp=2"]),
+    pytest.param(4, ["ddp:tp=4", "zero2:tp=4", "zero2:tp=2", "fsdp:tp=2", "fsdp:tp=2,sequence_parallel=true"],
+                 marks=pytest.mark.slow)])
 def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_single(ranks, specs):
     """Each rank holds the key/value head its query heads use; the replicas' gradients are summed over the ranks
     holding them and counted once in the clipped norm, so the losses, norms and weights are single's."""
@@ -349,11 +349,22 @@ def test_the_torch_reference_runs_norms_on_sequence_shards():
 def test_replicated_key_value_heads_are_saved_once_and_reach_every_holder_on_load(tmp_path):
     """tp 2 with one key/value head: the first holder saves the replicated rows; a load under tp 2 (ddp, zero2)
     gives them to both holders (a rank left at its initial rows would move away from single at the next step)."""
-    loaders = ["ddp", "ddp:tp=2", "zero2:tp=2"]
+    loaders = ["ddp", "ddp:tp=2", "zero2:tp=2", "fsdp:tp=2"]
     out = run_pooled(_reshard, 2, tmp_path, "zero2:tp=2", loaders, GQA_ONE, deadline_s=120)[0]
     assert set(out) == {*loaders, "single"}
     for spec, (loaded, stepped) in out.items():
         assert loaded == 0.0 and stepped <= 1e-5, spec
+
+
+@pytest.mark.slow
+def test_replicated_key_value_heads_under_fsdp_on_tp2_by_dp2_save_and_load_across_layouts(tmp_path):
+    """FSDP shards each replica's rows over the data axis: its checkpoint loads under zero2 (tp 2 × dp 2), ddp (dp 4)
+    and single, and one of zero2 loads back under fsdp."""
+    for saved, loaders in (("fsdp:tp=2", ["zero2:tp=2", "ddp"]), ("zero2:tp=2", ["fsdp:tp=2"])):
+        out = run_pooled(_reshard, 4, tmp_path / saved, saved, loaders, GQA_ONE, deadline_s=120)[0]
+        assert set(out) == {*loaders, "single"}
+        for spec, (loaded, stepped) in out.items():
+            assert loaded == 0.0 and stepped <= 1e-5, (saved, spec)
 
 
 @pytest.mark.slow

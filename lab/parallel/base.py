@@ -303,15 +303,21 @@ class Strategy:
         return norm
 
     def local_norm_squares(self) -> torch.Tensor:
-        """The squared gradient norm of what this rank holds of the parameters it counts (``norm_ranges``;
-        a DTensor's local shard), in fp32."""
+        """The squared gradient norm of what this rank holds of the parameters it counts (``norm_ranges``), in
+        fp32."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for name, p in self.module.named_parameters():
             if p.grad is not None:
-                grad = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).reshape(-1)
-                for lo, hi in self.norm_ranges(name, grad.numel()):
-                    squares += grad[lo:hi].float().pow(2).sum()
+                grad, start = self.grad_piece(p)
+                for lo, hi in self.norm_ranges(name, p.numel()):
+                    lo, hi = max(lo, start), min(hi, start + grad.numel())
+                    if lo < hi:
+                        squares += grad[lo - start:hi - start].float().pow(2).sum()
         return squares
+
+    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int]:
+        """This rank's part of ``param``'s gradient, flattened, and where it starts in the flattened parameter."""
+        return param.grad.reshape(-1), 0
 
     def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
         """The ranges of this rank's ``numel`` elements of parameter ``name`` (flattened) that it adds to the global

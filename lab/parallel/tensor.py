@@ -73,10 +73,9 @@ def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
         checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
     elif n % kv:
         raise ConfigError(f"model.n_kv_head ({kv}) must divide parallel.tp ({n}) to replicate the key/value heads")
-    elif cfg.tp_impl == "torch" or cfg.strategy == "fsdp":
-        what = "parallel.tp_impl torch" if cfg.tp_impl == "torch" else "strategy fsdp"
-        raise ConfigError(f"{what} does not replicate key/value heads: model.n_kv_head ({kv}) must be a multiple of "
-                          f"parallel.tp ({n})")
+    elif cfg.tp_impl == "torch":
+        raise ConfigError(f"parallel.tp_impl torch does not replicate key/value heads: model.n_kv_head ({kv}) must "
+                          f"be a multiple of parallel.tp ({n})")
     if cfg.sequence_parallel:
         checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
     if model.vocab_size is not None:
