@@ -100,6 +100,48 @@ def test_a_split_takes_assembles_and_places_every_element_once(shape, dim, block
     assert torch.equal(placed, whole.reshape(-1))
 
 
+@pytest.mark.parametrize("model", [
+    dataclasses.replace(TINY, n_head=4), MODERN, dataclasses.replace(TINY, n_head=4, n_kv_head=1, bias=True),
+    dataclasses.replace(MODERN, n_kv_head=1, tie_embeddings=False, pad_vocab_to=64)])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_parameters_a_rank_holds_under_tp_are_counted_in_theory(model, tp):
+    """``accounting.tensor_parallel_params`` is what each rank of the hand-rolled split holds (built on meta)."""
+    from lab.parallel.tensor import TensorParallel
+
+    for rank in range(tp):
+        with torch.device("meta"):
+            split = GPT(model)
+        if tp > 1:
+            TensorParallel(World(rank=rank, world_size=tp, local_rank=rank, device=torch.device("cpu")),
+                           False).parallelize(split)
+        assert sum(p.numel() for p in split.parameters()) == accounting.tensor_parallel_params(model, tp), rank
+
+
+def test_the_resource_check_divides_what_tp_divides():
+    """Per process, tp 2 × dp 2 holds half the split weights (sharded by zero3 over 2 replicas, not 4) and tp's
+    share of the activations: a memory budget between the two estimates refuses tp 1 and admits tp 2."""
+    from lab.config import RunConfig
+    from lab.device import Peak
+    from lab.train import check_resources
+
+    world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
+    precision = Precision("cpu", False)
+
+    def estimate(available: float, **parallel: object):
+        cfg = RunConfig(model=MODERN, parallel=ParallelConfig(strategy="zero3", **parallel))
+        return check_resources(cfg, world, precision, peak, MODERN.vocab_size, available)
+
+    sp = estimate(1e12, tp=2, sequence_parallel=True).memory_bytes
+    states = accounting.model_state_bytes(accounting.tensor_parallel_params(MODERN, 2), "zero3", 2, "fp32").total
+    activations = accounting.activation_bytes(MODERN, TrainConfig().micro_batch, 4, tp=2, sequence_parallel=True)
+    assert sp == states + activations
+    whole, split = estimate(1e12).memory_bytes, estimate(1e12, tp=2).memory_bytes
+    assert sp < split < whole
+    with pytest.raises(ConfigError, match="GiB per process"):
+        estimate((split + whole) / 2)
+    assert estimate((split + whole) / 2, tp=2).memory_bytes == split
+
+
 # ---------------------------------------------------------------- equivalence with single
 
 
