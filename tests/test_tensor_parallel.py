@@ -215,6 +215,30 @@ def test_sequence_parallel_reproduces_single_on_two_ranks():
             assert _close(r), (arch, spec, r)
 
 
+def _compiled_and_eager(world: World, spec: str, setup: Setup) -> tuple:
+    """Traces of ``spec`` with the model compiled (as ``train.compile`` does: ``GPT.compile()`` before the split) and
+    eager."""
+    from lab.equivalence import train_tiny
+
+    def compiled() -> GPT:
+        model = GPT(setup.model, seed=setup.seed)
+        model.compile()
+        return model
+
+    return train_tiny(world, setup, parse_spec(spec), compiled), train_tiny(world, setup, parse_spec(spec))
+
+
+@pytest.mark.slow
+def test_a_compiled_model_under_tp_reproduces_the_eager_losses():
+    """torch.compile with the hand-rolled split (sequence parallel too, gpt2 and modern): dynamo breaks the graph at
+    the group's collectives, which run eagerly; the losses and gradient norms are the eager run's."""
+    for spec, model in (("ddp:tp=2", TINY), ("ddp:tp=2,sequence_parallel=true", MODERN)):
+        compiled, eager = run_pooled(_compiled_and_eager, 2, spec, Setup(steps=2, accum=2, grad_clip=CLIP, model=model),
+                                     deadline_s=300)[0]
+        assert compiled.losses == pytest.approx(eager.losses, rel=1e-6), spec
+        assert compiled.grad_norms == pytest.approx(eager.grad_norms, rel=1e-5), spec
+
+
 # ---------------------------------------------------------------- meters
 
 

@@ -244,7 +244,10 @@ class TensorParallel:
         self.splits: dict[str, Split] = {}  # parameter name → how it is cut
 
     # ------------------------------------------------------------ collectives (counted on the group's Comm)
+    # Under torch.compile they run eagerly (dynamo breaks the graph there instead of tracing the bookkeeping
+    # and recompiling for every tensor it guards on).
 
+    @torch.compiler.disable
     def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         self.comm.all_reduce(x, op=op)
         return x
@@ -252,6 +255,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_(x.clone(memory_format=torch.contiguous_format))
 
+    @torch.compiler.disable
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T/N, ...] shards → [B, T, ...], rank r's shard at tokens [r·T/N, (r+1)·T/N)."""
         shard = x.transpose(0, 1).contiguous()
@@ -259,6 +263,7 @@ class TensorParallel:
         self.comm.all_gather(whole.view(-1), shard.view(-1))
         return whole.transpose(0, 1)
 
+    @torch.compiler.disable
     def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] partial sums → this rank's tokens of their sum, [B, T/N, ...]."""
         whole = x.transpose(0, 1).contiguous()
