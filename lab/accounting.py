@@ -86,8 +86,7 @@ def param_counts(cfg: ModelShape) -> ParamCounts:
     """Parameter counts of ``lab.model.GPT`` built from ``cfg`` (vocab_size resolved)."""
     d, L, V = cfg.d_model, cfg.n_layer, padded_vocab(cfg)
     hd, kv, ff, b = head_dim(cfg), kv_heads(cfg), ffn_width(cfg), uses_bias(cfg)
-    modern = cfg.arch == "modern"
-    norm = d if modern else (2 * d if b else d)  # RMSNorm has no bias
+    modern, norm = cfg.arch == "modern", _norm_params(cfg)
     qkv = d * (d + 2 * kv * hd) + (d + 2 * kv * hd if b else 0)
     proj = d * d + (d if b else 0)
     if modern:
@@ -101,6 +100,29 @@ def param_counts(cfg: ModelShape) -> ParamCounts:
     non_embedding = L * block + norm
     return ParamCounts(total=embedding + non_embedding + head, non_embedding=non_embedding,
                        embedding=embedding, head=head, position=position)
+
+
+def _norm_params(cfg: ModelShape) -> int:
+    return cfg.d_model * (2 if cfg.arch == "gpt2" and uses_bias(cfg) else 1)  # RMSNorm has no bias
+
+
+def tensor_parallel_params(cfg: ModelShape, tp: int) -> int:
+    """Parameters each rank of a tensor-parallel group of ``tp`` holds (``lab.parallel.tensor``): the query heads,
+    the MLP's hidden units (their rows, biases and down-projection columns), the attention output's columns and
+    the vocabulary rows split ``tp`` ways; the key/value heads too, or, when fewer than ``tp``, one per rank
+    (replicated); norms, learned positions and the row-parallel biases whole. ``param_counts`` at ``tp`` 1."""
+    if tp == 1:
+        return param_counts(cfg).total
+    d, b = cfg.d_model, int(uses_bias(cfg))
+    kv = max(kv_heads(cfg) // tp, 1)
+    columns = (cfg.n_head // tp + 2 * kv) * head_dim(cfg)  # this rank's QKV rows
+    hidden = ffn_width(cfg) // tp
+    up = (2 if cfg.arch == "modern" else 1) * hidden
+    block = 2 * _norm_params(cfg) + columns * (d + b) + d * (cfg.n_head // tp) * head_dim(cfg) + up * (d + b) \
+        + d * hidden + 2 * d * b
+    position = 0 if cfg.arch == "modern" else cfg.block_size * d
+    vocabulary = padded_vocab(cfg) // tp * d * (1 if cfg.tie_embeddings else 2)
+    return cfg.n_layer * block + _norm_params(cfg) + position + vocabulary
 
 
 # ---------------------------------------------------------------- FLOPs

@@ -135,8 +135,8 @@ class ParallelConfig:
     tp: int = _f(1, "tensor-parallel degree: groups of this many consecutive ranks split every block's matmuls, "
                     "the embedding and the loss (Megatron style); the strategy runs over the rest (data parallel)")
     tp_impl: str = _f("lab", "lab (hand-rolled tensor parallelism) or torch (the reference: DTensor's "
-                             "parallelize_module with ColwiseParallel/RowwiseParallel and loss_parallel; strategy "
-                             "single, or ddp_naive over a data axis)")
+                             "parallelize_module with ColwiseParallel/RowwiseParallel/SequenceParallel and "
+                             "loss_parallel; the data-parallel strategy runs over its weights' local parts)")
     sequence_parallel: bool = _f(False, "with tp > 1, norms and dropout run on sequence shards and the "
                                         "tensor-parallel all-reduces become all-gather / reduce-scatter")
 

@@ -118,14 +118,20 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
 
     Memory: the strategy's model states (``accounting.model_state_bytes``, fp32 widths) plus one
     micro-batch's activations (``accounting.activation_bytes`` with a fused attention kernel: a
-    lower bound) per process; processes on one CPU host share its available memory. Time: the
-    run's FLOPs over the peak of all its devices.
+    lower bound) per process; processes on one CPU host share its available memory. Under
+    ``parallel.tp`` a process holds its group's shards (``accounting.tensor_parallel_params``), which the
+    strategy shards over the data-parallel replicas, and its share of the activations (split tp ways inside
+    attention and the MLP; with sequence parallelism also the norms' inputs). Time: the run's FLOPs over
+    the peak of all its devices.
     """
     shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
-    params = accounting.param_counts(shape).total
+    tp, sequence_parallel = cfg.parallel.tp, cfg.parallel.sequence_parallel
+    params = accounting.tensor_parallel_params(shape, tp)
     layout = parallel.strategy_class(cfg.parallel.strategy).state_layout
-    states = accounting.model_state_bytes(params, layout, world.world_size, "fp32").total
-    activations = accounting.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes)
+    replicas = parallel.data_replica(cfg.parallel, 0, world.world_size)[1]
+    states = accounting.model_state_bytes(params, layout, replicas, "fp32").total
+    activations = accounting.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes, tp=tp,
+                                              sequence_parallel=sequence_parallel)
     share = available_bytes / (local_world_size if world.device.type == "cpu" else 1)
     if states + activations > share:
         raise ConfigError(f"this run needs about {(states + activations) / 2**30:,.1f} GiB per process "

@@ -10,6 +10,7 @@ steps, taken at those weights, then differs by up to 2.7e-6 relative (tested at 
 """
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -43,8 +44,7 @@ def _close(r) -> bool:
     ({"sequence_parallel": True}, 2, "sequence_parallel needs parallel.tp > 1"),
     ({"strategy": "deepspeed", "tp": 2}, 4, "strategy 'deepspeed' does not run with parallel.tp > 1"),
     ({"strategy": "single", "tp": 2}, 4, "strategy 'single' runs on at most 1 process"),
-    ({"strategy": "ddp", "tp": 2, "tp_impl": "torch"}, 2, "tp_impl torch .* runs under strategy single or ddp_naive"),
-    ({"strategy": "single", "tp": 2, "tp_impl": "torch", "sequence_parallel": True}, 2, "without sequence_parallel"),
+    ({"strategy": "ddp", "tp_impl": "torch"}, 2, r"tp_impl torch \(the DTensor reference\) needs parallel.tp > 1"),
     ({"tp": 2, "tp_impl": "torh"}, 2, r"must be one of lab, torch, got 'torh' \(did you mean torch\?\)"),
 ])
 def test_the_mesh_is_validated_up_front(options, world_size, message):
@@ -56,7 +56,6 @@ def test_the_mesh_is_validated_up_front(options, world_size, message):
     (dict(n_head=3, d_model=48), {}, r"must divide model.n_head, which is 3"),
     (dict(n_head=6, n_kv_head=3, d_model=48), {"tp": 2}, r"must divide model.n_kv_head"),
     (dict(n_head=4, n_kv_head=1), {"tp_impl": "torch"}, r"tp_impl torch does not replicate key/value heads"),
-    (dict(n_head=4, n_kv_head=1), {"strategy": "fsdp"}, r"strategy fsdp does not replicate key/value heads"),
     (dict(vocab_size=97), {}, r"set model.pad_vocab_to to a multiple of 2"),
     (dict(block_size=33), {"sequence_parallel": True}, "must divide model.block_size"),
     (dict(pad_vocab_to=64), {"tp_impl": "torch"}, "tp_impl torch cannot leave padding rows out of its loss"),
@@ -101,6 +100,48 @@ def test_a_split_takes_assembles_and_places_every_element_once(shape, dim, block
     assert torch.equal(placed, whole.reshape(-1))
 
 
+@pytest.mark.parametrize("model", [
+    dataclasses.replace(TINY, n_head=4), MODERN, dataclasses.replace(TINY, n_head=4, n_kv_head=1, bias=True),
+    dataclasses.replace(MODERN, n_kv_head=1, tie_embeddings=False, pad_vocab_to=64)])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_parameters_a_rank_holds_under_tp_are_counted_in_theory(model, tp):
+    """``accounting.tensor_parallel_params`` is what each rank of the hand-rolled split holds (built on meta)."""
+    from lab.parallel.tensor import TensorParallel
+
+    for rank in range(tp):
+        with torch.device("meta"):
+            split = GPT(model)
+        if tp > 1:
+            TensorParallel(World(rank=rank, world_size=tp, local_rank=rank, device=torch.device("cpu")),
+                           False).parallelize(split)
+        assert sum(p.numel() for p in split.parameters()) == accounting.tensor_parallel_params(model, tp), rank
+
+
+def test_the_resource_check_divides_what_tp_divides():
+    """Per process, tp 2 × dp 2 holds half the split weights (sharded by zero3 over 2 replicas, not 4) and tp's
+    share of the activations: a memory budget between the two estimates refuses tp 1 and admits tp 2."""
+    from lab.config import RunConfig
+    from lab.device import Peak
+    from lab.train import check_resources
+
+    world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
+    precision = Precision("cpu", False)
+
+    def estimate(available: float, **parallel: object):
+        cfg = RunConfig(model=MODERN, parallel=ParallelConfig(strategy="zero3", **parallel))
+        return check_resources(cfg, world, precision, peak, MODERN.vocab_size, available)
+
+    sp = estimate(1e12, tp=2, sequence_parallel=True).memory_bytes
+    states = accounting.model_state_bytes(accounting.tensor_parallel_params(MODERN, 2), "zero3", 2, "fp32").total
+    activations = accounting.activation_bytes(MODERN, TrainConfig().micro_batch, 4, tp=2, sequence_parallel=True)
+    assert sp == states + activations
+    whole, split = estimate(1e12).memory_bytes, estimate(1e12, tp=2).memory_bytes
+    assert sp < split < whole
+    with pytest.raises(ConfigError, match="GiB per process"):
+        estimate((split + whole) / 2)
+    assert estimate((split + whole) / 2, tp=2).memory_bytes == split
+
+
 # ---------------------------------------------------------------- equivalence with single
 
 
@@ -109,9 +150,10 @@ def _both_archs(world: World, specs: list[str], setup: Setup) -> dict:
 
 
 @pytest.mark.parametrize("specs", [
-    ["single:tp=2", "ddp:tp=2", "zero2:tp=2", "zero3:tp=2", "single:tp=2,tp_impl=torch"],
+    ["single:tp=2", "ddp:tp=2", "zero2:tp=2", "zero3:tp=2", "single:tp=2,tp_impl=torch", "zero2:tp=2,tp_impl=torch"],
     pytest.param(["torch_ddp:tp=2", "fsdp:tp=2", "zero1:tp=2,activation_checkpointing=full",
-                  "zero2:tp=2,activation_checkpointing=selective"], marks=pytest.mark.slow)])
+                  "zero2:tp=2,activation_checkpointing=selective", "fsdp:tp=2,tp_impl=torch",
+                  "zero3:tp=2,tp_impl=torch,activation_checkpointing=full"], marks=pytest.mark.slow)])
 def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(specs):
     results = run_pooled(_both_archs, 2, specs, Setup(steps=3, grad_clip=CLIP))[0]
     for arch, by_spec in results.items():
@@ -121,12 +163,15 @@ def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(s
 
 
 @pytest.mark.slow
-def test_the_torch_reference_composes_with_a_data_parallel_axis_on_four_ranks():
-    """The DTensor reference on tp 2 × dp 2 under ddp_naive (the data axis all-reduces each shard's local part)."""
-    results = run_pooled(_both_archs, 4, ["ddp_naive:tp=2,tp_impl=torch"], Setup(steps=3, accum=2, grad_clip=CLIP),
-                         deadline_s=120)[0]
+def test_the_torch_reference_composes_with_every_data_parallel_strategy_on_four_ranks():
+    """The DTensor reference on tp 2 × dp 2: the data-parallel strategies run over its weights' local parts."""
+    specs = ["ddp:tp=2,tp_impl=torch", "zero2:tp=2,tp_impl=torch,sequence_parallel=true", "fsdp:tp=2,tp_impl=torch",
+             "torch_ddp:tp=2,tp_impl=torch", "zero3:tp=2,tp_impl=torch"]
+    results = run_pooled(_both_archs, 4, specs, Setup(steps=3, accum=2, grad_clip=CLIP), deadline_s=180)[0]
     for arch, by_spec in results.items():
-        assert _close(by_spec["ddp_naive:tp=2,tp_impl=torch"]), arch
+        assert set(by_spec) == set(specs)
+        for spec, r in by_spec.items():
+            assert _close(r), (arch, spec, r)
 
 
 @pytest.mark.slow
@@ -148,8 +193,9 @@ def _gqa(world: World, specs: list[str], setup: Setup) -> dict:
 
 
 @pytest.mark.parametrize("ranks, specs", [
-    (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true"]),
-    pytest.param(4, ["ddp:tp=4", "zero2:tp=4", "zero2:tp=2"], marks=pytest.mark.slow)])
+    (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true", "fsdp:tp=2"]),
+    pytest.param(4, ["ddp:tp=4", "zero2:tp=4", "zero2:tp=2", "fsdp:tp=2", "fsdp:tp=2,sequence_parallel=true"],
+                 marks=pytest.mark.slow)])
 def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_single(ranks, specs):
     """Each rank holds the key/value head its query heads use; the replicas' gradients are summed over the ranks
     holding them and counted once in the clipped norm, so the losses, norms and weights are single's."""
@@ -161,11 +207,36 @@ def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_sing
 
 
 def test_sequence_parallel_reproduces_single_on_two_ranks():
-    specs = ["ddp:tp=2,sequence_parallel=true", "zero3:tp=2,sequence_parallel=true"]
+    specs = ["ddp:tp=2,sequence_parallel=true", "zero3:tp=2,sequence_parallel=true",
+             "single:tp=2,tp_impl=torch,sequence_parallel=true"]
     results = run_pooled(_both_archs, 2, specs, Setup(steps=3, accum=2, grad_clip=CLIP))[0]
     for arch, by_spec in results.items():
         for spec, r in by_spec.items():
             assert _close(r), (arch, spec, r)
+
+
+def _compiled_and_eager(world: World, spec: str, setup: Setup) -> tuple:
+    """Traces of ``spec`` with the model compiled (as ``train.compile`` does: ``GPT.compile()`` before the split) and
+    eager."""
+    from lab.equivalence import train_tiny
+
+    def compiled() -> GPT:
+        model = GPT(setup.model, seed=setup.seed)
+        model.compile()
+        return model
+
+    return train_tiny(world, setup, parse_spec(spec), compiled), train_tiny(world, setup, parse_spec(spec))
+
+
+@pytest.mark.slow
+def test_a_compiled_model_under_tp_reproduces_the_eager_losses():
+    """torch.compile with the hand-rolled split (sequence parallel too, gpt2 and modern): dynamo breaks the graph at
+    the group's collectives, which run eagerly; the losses and gradient norms are the eager run's."""
+    for spec, model in (("ddp:tp=2", TINY), ("ddp:tp=2,sequence_parallel=true", MODERN)):
+        compiled, eager = run_pooled(_compiled_and_eager, 2, spec, Setup(steps=2, accum=2, grad_clip=CLIP, model=model),
+                                     deadline_s=300)[0]
+        assert compiled.losses == pytest.approx(eager.losses, rel=1e-6), spec
+        assert compiled.grad_norms == pytest.approx(eager.grad_norms, rel=1e-5), spec
 
 
 # ---------------------------------------------------------------- meters
@@ -303,23 +374,63 @@ def _reshard(world: World, run_dir, saved: str, loaders: list[str], model: Model
     return out
 
 
-def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path):
-    """A checkpoint of the DTensor reference loads into the hand-rolled split and into ddp bit for bit, and
+@pytest.mark.parametrize("saved, loaders", [
+    ("single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"]),
+    ("zero2:tp=2,tp_impl=torch,sequence_parallel=true", ["single:tp=2,sequence_parallel=true"]),
+    ("zero2:tp=2", ["fsdp:tp=2,tp_impl=torch"])])
+def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path, saved, loaders):
+    """A checkpoint of the DTensor reference (under single or zero2) loads into the hand-rolled split (sequence
+    parallel too) and into ddp bit for bit, one of the hand-rolled split into the reference under fsdp, and
     training goes on alike."""
-    out = run_pooled(_reshard, 2, tmp_path, "single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"], deadline_s=120)[0]
-    assert set(out) == {"single:tp=2", "ddp", "single"}
+    out = run_pooled(_reshard, 2, tmp_path, saved, loaders, deadline_s=120)[0]
+    assert set(out) == {*loaders, "single"}
     for spec, (loaded, stepped) in out.items():
         assert loaded == 0.0 and stepped <= 1e-5, spec
+
+
+def _norm_input_tokens(world: World, spec: str) -> dict[str, int]:
+    """The tokens per sequence that each norm and the first block's QKV see on this rank in one forward."""
+    setup = Setup(model=TINY)
+    strategy, seen = _built(world, spec, setup), {}
+    names = [name for name, m in strategy.module.named_modules() if name.endswith(("norm1", "norm2", "norm_f"))]
+
+    def record(name: str, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        seen[name] = (out.to_local() if hasattr(out, "to_local") else out).shape[1]
+
+    for name in [*names, "blocks.0.attn.qkv"]:
+        strategy.module.get_submodule(name).register_forward_hook(functools.partial(record, name))
+    from lab.equivalence import batch
+
+    strategy.forward(*batch(setup, 0, 2), sync=True)
+    return seen
+
+
+def test_the_torch_reference_runs_norms_on_sequence_shards():
+    """Under sequence_parallel the reference's norms see half the tokens on 2 ranks; its QKV the whole sequence."""
+    seen = run_pooled(_norm_input_tokens, 2, "single:tp=2,tp_impl=torch,sequence_parallel=true")[0]
+    assert seen.pop("blocks.0.attn.qkv") == TINY.block_size
+    assert len(seen) == 2 * TINY.n_layer + 1 and set(seen.values()) == {TINY.block_size // 2}
 
 
 def test_replicated_key_value_heads_are_saved_once_and_reach_every_holder_on_load(tmp_path):
     """tp 2 with one key/value head: the first holder saves the replicated rows; a load under tp 2 (ddp, zero2)
     gives them to both holders (a rank left at its initial rows would move away from single at the next step)."""
-    loaders = ["ddp", "ddp:tp=2", "zero2:tp=2"]
+    loaders = ["ddp", "ddp:tp=2", "zero2:tp=2", "fsdp:tp=2"]
     out = run_pooled(_reshard, 2, tmp_path, "zero2:tp=2", loaders, GQA_ONE, deadline_s=120)[0]
     assert set(out) == {*loaders, "single"}
     for spec, (loaded, stepped) in out.items():
         assert loaded == 0.0 and stepped <= 1e-5, spec
+
+
+@pytest.mark.slow
+def test_replicated_key_value_heads_under_fsdp_on_tp2_by_dp2_save_and_load_across_layouts(tmp_path):
+    """FSDP shards each replica's rows over the data axis: its checkpoint loads under zero2 (tp 2 × dp 2), ddp (dp 4)
+    and single, and one of zero2 loads back under fsdp."""
+    for saved, loaders in (("fsdp:tp=2", ["zero2:tp=2", "ddp"]), ("zero2:tp=2", ["fsdp:tp=2"])):
+        out = run_pooled(_reshard, 4, tmp_path / saved, saved, loaders, GQA_ONE, deadline_s=120)[0]
+        assert set(out) == {*loaders, "single"}
+        for spec, (loaded, stepped) in out.items():
+            assert loaded == 0.0 and stepped <= 1e-5, (saved, spec)
 
 
 @pytest.mark.slow

@@ -43,9 +43,8 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
     if cfg.tp_impl not in tensor.IMPLEMENTATIONS:
         raise ConfigError(f"parallel.tp_impl must be one of {', '.join(tensor.IMPLEMENTATIONS)}, got '{cfg.tp_impl}'"
                           f"{did_you_mean(cfg.tp_impl, tensor.IMPLEMENTATIONS)}")
-    if cfg.tp_impl == "torch" and (cfg.tp == 1 or cls.name not in ("single", "ddp_naive") or cfg.sequence_parallel):
-        raise ConfigError("parallel.tp_impl torch (the DTensor reference) runs under strategy single or ddp_naive with "
-                          "parallel.tp > 1, without sequence_parallel")
+    if cfg.tp_impl == "torch" and cfg.tp == 1:
+        raise ConfigError("parallel.tp_impl torch (the DTensor reference) needs parallel.tp > 1")
     if not cfg.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
     if not cfg.bucket_mb > 0:

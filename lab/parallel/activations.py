@@ -83,6 +83,7 @@ class SavedBytes:
         # mid-forward, so parameters are told by identity, which sharding keeps, not by storage.
         params = {id(p) for p in module.parameters()}
 
+        @torch.compiler.disable  # bookkeeping: dynamo would guard on every tensor's identity and recompile
         def pack(t: torch.Tensor) -> torch.Tensor:
             if id(t) not in params and (t._base is None or id(t._base) not in params):
                 self.add(t)

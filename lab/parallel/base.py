@@ -268,10 +268,7 @@ class Strategy:
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """torch optimizer groups: each ParamGroup's tensors as this strategy holds them."""
         params = dict(self.module.named_parameters())
-        out = [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
-        if self.tensor is None:
-            return out
-        return [{**group, "params": ps} for group in out for ps in _plain_and_distributed(group["params"]) if ps]
+        return [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -301,20 +298,26 @@ class Strategy:
                 torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
             return norm
         norm = self.tensor_norm_squares(self.local_norm_squares()).sqrt()
-        for params in _plain_and_distributed(self.trainable) if max_norm > 0 else []:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
         return norm
 
     def local_norm_squares(self) -> torch.Tensor:
-        """The squared gradient norm of what this rank holds of the parameters it counts (``norm_ranges``;
-        a DTensor's local shard), in fp32."""
+        """The squared gradient norm of what this rank holds of the parameters it counts (``norm_ranges``), in
+        fp32."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for name, p in self.module.named_parameters():
             if p.grad is not None:
-                grad = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).reshape(-1)
-                for lo, hi in self.norm_ranges(name, grad.numel()):
-                    squares += grad[lo:hi].float().pow(2).sum()
+                grad, start = self.grad_piece(p)
+                for lo, hi in self.norm_ranges(name, p.numel()):
+                    lo, hi = max(lo, start), min(hi, start + grad.numel())
+                    if lo < hi:
+                        squares += grad[lo - start:hi - start].float().pow(2).sum()
         return squares
+
+    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int]:
+        """This rank's part of ``param``'s gradient, flattened, and where it starts in the flattened parameter."""
+        return param.grad.reshape(-1), 0
 
     def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
         """The ranges of this rank's ``numel`` elements of parameter ``name`` (flattened) that it adds to the global
@@ -451,11 +454,6 @@ class Strategy:
             "comm_bytes_per_step_theory": theory_comm,
             "activation_saved_bytes": self._most_saved,
         }
-
-
-def _plain_and_distributed(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Plain tensors and DTensors (a torch reference's shards) apart: torch's foreach and fused ops take one kind."""
-    return [p for p in params if not hasattr(p, "to_local")], [p for p in params if hasattr(p, "to_local")]
 
 
 def changed_options(cfg: ParallelConfig) -> list[str]:

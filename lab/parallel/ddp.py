@@ -29,14 +29,13 @@ import torch.nn as nn
 
 from lab.parallel.base import ParamGroup, Strategy
 from lab.parallel.comm import InOrder
-from lab.parallel.tensor import local_part
 
 
 def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
     """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step)."""
     with torch.no_grad(), strategy.comm.paused():
         for tensor in [*module.parameters(), *module.buffers()]:
-            strategy.comm.broadcast(local_part(tensor.data), src=0)
+            strategy.comm.broadcast(tensor.data, src=0)
 
 
 class NaiveDDP(Strategy):
@@ -53,7 +52,7 @@ class NaiveDDP(Strategy):
         for p in self.trainable:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            self.comm.all_reduce(local_part(p.grad))
+            self.comm.all_reduce(p.grad)
             p.grad.div_(self.world.world_size)
 
 

@@ -73,10 +73,9 @@ def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
         checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
     elif n % kv:
         raise ConfigError(f"model.n_kv_head ({kv}) must divide parallel.tp ({n}) to replicate the key/value heads")
-    elif cfg.tp_impl == "torch" or cfg.strategy == "fsdp":
-        what = "parallel.tp_impl torch" if cfg.tp_impl == "torch" else "strategy fsdp"
-        raise ConfigError(f"{what} does not replicate key/value heads: model.n_kv_head ({kv}) must be a multiple of "
-                          f"parallel.tp ({n})")
+    elif cfg.tp_impl == "torch":
+        raise ConfigError(f"parallel.tp_impl torch does not replicate key/value heads: model.n_kv_head ({kv}) must "
+                          f"be a multiple of parallel.tp ({n})")
     if cfg.sequence_parallel:
         checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
     if model.vocab_size is not None:
@@ -245,7 +244,10 @@ class TensorParallel:
         self.splits: dict[str, Split] = {}  # parameter name → how it is cut
 
     # ------------------------------------------------------------ collectives (counted on the group's Comm)
+    # Under torch.compile they run eagerly (dynamo breaks the graph there instead of tracing the bookkeeping
+    # and recompiling for every tensor it guards on).
 
+    @torch.compiler.disable
     def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         self.comm.all_reduce(x, op=op)
         return x
@@ -253,6 +255,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_(x.clone(memory_format=torch.contiguous_format))
 
+    @torch.compiler.disable
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T/N, ...] shards → [B, T, ...], rank r's shard at tokens [r·T/N, (r+1)·T/N)."""
         shard = x.transpose(0, 1).contiguous()
@@ -260,6 +263,7 @@ class TensorParallel:
         self.comm.all_gather(whole.view(-1), shard.view(-1))
         return whole.transpose(0, 1)
 
+    @torch.compiler.disable
     def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] partial sums → this rank's tokens of their sum, [B, T/N, ...]."""
         whole = x.transpose(0, 1).contiguous()
@@ -475,40 +479,96 @@ class TorchTensorParallel(TensorParallel):
     MLP down, and the embedding with replicated ids), the head's weight sharded by vocabulary rows, and the
     loss under ``loss_parallel``. A fused weight (QKV; gate and up) is first reordered so that torch's even
     row split hands each rank the shard the hand-rolled split gives: the local tensors, and so the
-    checkpoints, are the same. Its collectives are torch's own, not counted (no ``tp_comm_bytes``).
+    checkpoints, are the same. Under ``sequence_parallel`` the residual stream between the matmuls is
+    ``Shard(1)``: ``SequenceParallel`` runs the norms (and, behind ``PrepareModuleInput``, the learned positions)
+    on sequence shards, the column-parallel layers gather it and the row-parallel ones reduce-scatter into it.
+
+    Between forwards each DTensor weight is a plain parameter of its local part, under its own name (what a
+    data-parallel strategy's buffers, hooks and optimizer take, as under the hand-rolled split); a module sees
+    the DTensor during its forward (``DTensor.from_local``, whose backward hands the local part its gradient in
+    the weight's layout: a whole weight that met sequence shards gets its partial sums all-reduced).
+    Its collectives are torch's own, not counted (no ``tp_comm_bytes``).
     """
 
     implementation = "torch"
 
+    def __init__(self, world: World, sequence_parallel: bool):
+        super().__init__(world, sequence_parallel)
+        self.layouts: dict[nn.Module, dict[str, tuple]] = {}  # module → its weights' DTensor layouts, by name
+
     def parallelize(self, model: nn.Module) -> nn.Module:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
 
-        cfg = model.cfg
-        validate(ParallelConfig(tp=self.n, tp_impl=self.implementation), cfg)
+        cfg, mesh = model.cfg, self.world.device_mesh
+        validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
         heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
         ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
-        plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate())}
+        between = Shard(1) if self.sequence_parallel else Replicate()  # the residual stream between the matmuls
+        plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=between)}
         for i, block in enumerate(model.blocks):
             self._reorder(model, f"blocks.{i}.attn.qkv", (heads * head_dim, kv * head_dim, kv * head_dim))
             self._reorder(model, f"blocks.{i}.mlp.up", (ff, ff) if block.mlp.gated else (ff,))
             self.splits[f"blocks.{i}.attn.proj.weight"] = Split((cfg.d_model, heads * head_dim), 1, (heads * head_dim,))
             self.splits[f"blocks.{i}.mlp.down.weight"] = Split((cfg.d_model, ff), 1, (ff,))
-            plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.mlp.up": ColwiseParallel(),
-                     f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.down": RowwiseParallel()}
+            for name in ("attn.qkv", "mlp.up"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel(input_layouts=between)
+            for name in ("attn.proj", "mlp.down"):
+                plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=between)
+            if self.sequence_parallel:
+                plan |= {f"blocks.{i}.{name}": SequenceParallel(use_local_output=True) for name in ("norm1", "norm2")}
             block.attn.n_head, block.attn.n_kv_head = heads // self.n, kv // self.n
+        if self.sequence_parallel:
+            plan["norm_f"] = SequenceParallel(use_local_output=True)
+            if model.wpe is not None:  # the positions [T] arrive whole: each rank looks up its tokens' rows
+                parallelize_module(model.wpe, mesh, PrepareModuleInput(input_layouts=Replicate(),
+                                                                       desired_input_layouts=Replicate()))
+                plan["wpe"] = SequenceParallel(sequence_dim=0, use_local_output=True)
         self.splits["wte.weight"] = Split((rows, cfg.d_model), 0, (rows,))
-        parallelize_module(model, self.world.device_mesh, plan)
+        # every rank built the same whole weights (or meta ones): each keeps its part, nothing is sent
+        parallelize_module(model, mesh, plan, src_data_rank=None)
         if model.lm_head is not None:
             self.splits["lm_head.weight"] = Split((rows, cfg.d_model), 0, (rows,))
-            model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(),
-                                                                  self.world.device_mesh, [Shard(0)]))
-        model.output = functools.partial(self._torch_output, model)
+            model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)],
+                                                                  src_data_rank=None))
+        for module in model.modules():
+            self._hold_local(module)
+        model.output = functools.partial(self._torch_output, model, between)
+        model.initial_value = functools.partial(self._initial_value, model.initial_value)
         return model
 
-    def numel(self, param: torch.Tensor) -> int:
-        """This rank's part of a weight torch split across the group."""
-        return local_part(param).numel()
+    def _hold_local(self, module: nn.Module) -> None:
+        """Make ``module``'s DTensor weights plain parameters of their local parts, seen as DTensors in its forward."""
+        from torch.distributed.tensor import DTensor
+
+        layouts = {name: (p.device_mesh, p.placements, p.shape, p.stride())
+                   for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        if not layouts:
+            return
+        self.layouts[module] = layouts
+        for name, p in module.named_parameters(recurse=False):
+            if name in layouts:
+                setattr(module, name, nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad))
+        forward = module.forward
+
+        def as_distributed(*args: object, **kwargs: object) -> object:
+            held = {name: module._parameters[name] for name in layouts}  # a data-parallel strategy may swap them
+            try:  # restored however the forward ends (a recomputation for activation checkpointing stops early)
+                module._parameters.update({name: self.distributed(module, name) for name in layouts})
+                return forward(*args, **kwargs)
+            finally:
+                module._parameters.update(held)
+
+        module.forward = as_distributed
+
+    def distributed(self, module: nn.Module, name: str) -> torch.Tensor:
+        """``module``'s weight ``name`` as the DTensor its local part belongs to (differentiable)."""
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.layouts[module][name]
+        return DTensor.from_local(module._parameters[name], mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
     def _reorder(self, model: nn.Module, name: str, blocks: tuple[int, ...]) -> None:
         """Order a fused weight's rows rank by rank (each rank's part of every block together), so that an even
@@ -523,18 +583,20 @@ class TorchTensorParallel(TensorParallel):
             setattr(module, attr, nn.Parameter(ordered, requires_grad=param.requires_grad))
             self.splits[f"{name}.{attr}"] = split
 
-    def _torch_output(self, model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _torch_output(self, model: nn.Module, layout: object, x: torch.Tensor, targets: torch.Tensor | None
+                      ) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor.parallel import loss_parallel
 
-        x = DTensor.from_local(model.norm_f(x), self.world.device_mesh, [Replicate()])
-        logits = F.linear(x, model.wte.weight if model.lm_head is None else model.lm_head.weight)  # vocab-sharded
+        mesh = self.world.device_mesh  # the final norm's output in ``layout``, gathered whole for the head
+        x = DTensor.from_local(model.norm_f(x), mesh, [layout]).redistribute(mesh, [Replicate()])
+        logits = F.linear(x, self.distributed(model.wte if model.lm_head is None else model.lm_head, "weight"))
         if model.cfg.parametrization == "mup":
             logits = logits / model.width
         if targets is None:
             return logits.full_tensor()
-        with loss_parallel():
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local()
+        with loss_parallel():  # the local part is a view: cloned, as FSDP2 wants a root's output
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local().clone()
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -578,8 +640,7 @@ class WithTensorParallel:
             return self.strategy.eval_loss(x, y)
 
     def checkpoint_state(self) -> CheckpointState:
-        state = {k: local_part(v) for k, v in self.strategy.checkpoint_state().items()}
-        state, self._after_load = self.tp.checkpoint_state(state, self.strategy.world)
+        state, self._after_load = self.tp.checkpoint_state(self.strategy.checkpoint_state(), self.strategy.world)
         return state
 
     @torch.no_grad()
@@ -593,7 +654,7 @@ class WithTensorParallel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on global rank 0: the data axis's first ranks (one tensor-parallel group) gather it."""
-        shards = {k: local_part(v) for k, v in self.strategy.full_state_dict().items()}
+        shards = self.strategy.full_state_dict()
         return self.tp.full_state_dict(shards) if self.strategy.world.is_main else {}
 
     def meters(self) -> dict[str, object]:
@@ -611,8 +672,3 @@ def _broadcast(tensor: torch.Tensor, axis: World) -> None:
     """``tensor`` from the first rank of ``axis`` to the others."""
     if axis.world_size > 1:
         dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)
-
-
-def local_part(value: object) -> object:
-    """A DTensor's local part (the torch reference's shards); anything else as it is."""
-    return value.to_local() if hasattr(value, "to_local") else value

@@ -117,14 +117,21 @@ class FSDP(Strategy):
         bad = torch.tensor([float(any(not torch.isfinite(p.to_local()).all() for p in self.module.parameters()))])
         return self.everyone.sum(bad).item() == 0
 
+    def _start(self, param: nn.Parameter) -> int:
+        """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk
+        does)."""
+        rows, n = param.shape[0], self.world.world_size
+        return min(self.world.rank * -(-rows // n), rows) * (param.numel() // rows)
+
+    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int]:
+        return param.grad.to_local().reshape(-1), self._start(param)
+
     def checkpoint_state(self) -> CheckpointState:
-        """Each parameter's rows on this rank (FSDP shards dim 0 as torch.chunk does), weights and moments."""
+        """Each parameter's rows on this rank, weights and moments."""
         materialize_adam_state(self.optimizer)
         state: CheckpointState = {}
-        n, r = self.world.world_size, self.world.rank
         for name, p in self.module.named_parameters():
-            rows = p.shape[0]
-            lo = min(r * -(-rows // n), rows) * (p.numel() // rows)
+            lo = self._start(p)
             local = p.detach().to_local().view(-1)  # detached: loading writes into it in place
             state[f"model/{name}"] = Held(p.numel(), lo, local)
             moments = self.optimizer.state.get(p)
