@@ -55,7 +55,6 @@ def test_the_mesh_is_validated_up_front(options, world_size, message):
 @pytest.mark.parametrize("model, options, message", [
     (dict(n_head=3, d_model=48), {}, r"must divide model.n_head, which is 3"),
     (dict(n_head=6, n_kv_head=3, d_model=48), {"tp": 2}, r"must divide model.n_kv_head"),
-    (dict(n_head=4, n_kv_head=1), {"tp_impl": "torch"}, r"tp_impl torch does not replicate key/value heads"),
     (dict(vocab_size=97), {}, r"set model.pad_vocab_to to a multiple of 2"),
     (dict(block_size=33), {"sequence_parallel": True}, "must divide model.block_size"),
     (dict(pad_vocab_to=64), {"tp_impl": "torch"}, "tp_impl torch cannot leave padding rows out of its loss"),
@@ -65,10 +64,12 @@ def test_shapes_the_group_cannot_split_are_refused(model, options, message):
         validate_model(ParallelConfig(**{"tp": 2, **options}), dataclasses.replace(TINY, **model))
 
 
-def test_fewer_key_value_heads_than_the_degree_must_divide_it():
+@pytest.mark.parametrize("impl", ["lab", "torch"])
+def test_fewer_key_value_heads_than_the_degree_must_divide_it(impl):
+    degree = ParallelConfig(tp=4, tp_impl=impl)
     with pytest.raises(ConfigError, match=r"model.n_kv_head \(3\) must divide parallel.tp \(4\)"):
-        validate_model(ParallelConfig(tp=4), dataclasses.replace(TINY, n_head=12, n_kv_head=3, d_model=48))
-    validate_model(ParallelConfig(tp=4), dataclasses.replace(TINY, n_head=4, n_kv_head=2))  # replicated, accepted
+        validate_model(degree, dataclasses.replace(TINY, n_head=12, n_kv_head=3, d_model=48))
+    validate_model(degree, dataclasses.replace(TINY, n_head=4, n_kv_head=2))  # replicated, accepted
 
 
 def test_a_run_with_a_bad_degree_fails_in_one_line_before_any_work(capsys, tmp_path, args):
@@ -187,19 +188,26 @@ GQA_ONE = dataclasses.replace(MODERN, n_kv_head=1)  # one key/value head for 2 o
 GQA_BIAS = dataclasses.replace(TINY, n_head=4, n_kv_head=1, bias=True)  # gpt2 with biases: the qkv bias replicated
 
 
-def _gqa(world: World, specs: list[str], setup: Setup) -> dict:
-    return {name: equivalence(world, specs, dataclasses.replace(setup, model=model))
-            for name, model in {"modern": GQA_ONE, "gpt2": GQA_BIAS}.items()}
+def _gqa(world: World, specs: list[str], setup: Setup, models: dict[str, ModelConfig] | None = None) -> dict:
+    models = models or {"modern": GQA_ONE, "gpt2": GQA_BIAS}
+    return {name: equivalence(world, specs, dataclasses.replace(setup, model=model)) for name, model in models.items()}
 
 
-@pytest.mark.parametrize("ranks, specs", [
-    (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true", "fsdp:tp=2"]),
-    pytest.param(4, ["ddp:tp=4", "zero2:tp=4", "zero2:tp=2", "fsdp:tp=2", "fsdp:tp=2,sequence_parallel=true"],
-                 marks=pytest.mark.slow)])
-def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_single(ranks, specs):
+@pytest.mark.parametrize("ranks, specs, models", [
+    (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true", "fsdp:tp=2"], None),
+    (2, ["single:tp=2,tp_impl=torch", "zero2:tp=2,tp_impl=torch,sequence_parallel=true"], None),
+    pytest.param(4, ["ddp:tp=4", "zero2:tp=4", "zero2:tp=2", "fsdp:tp=2", "fsdp:tp=2,sequence_parallel=true"], None,
+                 marks=pytest.mark.slow),
+    pytest.param(4, ["ddp:tp=4,tp_impl=torch", "fsdp:tp=2,tp_impl=torch,sequence_parallel=true"], None,
+                 marks=pytest.mark.slow),
+    # two key/value heads on four ranks: the reference's mesh of (key/value heads × sharers) is 2 × 2
+    pytest.param(4, ["ddp:tp=4,tp_impl=torch", "zero2:tp=4,tp_impl=torch,sequence_parallel=true"],
+                 {"modern": MODERN}, marks=pytest.mark.slow)])
+def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_single(ranks, specs, models):
     """Each rank holds the key/value head its query heads use; the replicas' gradients are summed over the ranks
-    holding them and counted once in the clipped norm, so the losses, norms and weights are single's."""
-    results = run_pooled(_gqa, ranks, specs, Setup(steps=3, accum=2, grad_clip=CLIP))[0]
+    holding them and counted once in the clipped norm, so the losses, norms and weights are single's. The same under
+    the torch reference (sequence parallel too), whose key/value weights are replicated DTensors over the sharers."""
+    results = run_pooled(_gqa, ranks, specs, Setup(steps=3, accum=2, grad_clip=CLIP), models)[0]
     for name, by_spec in results.items():
         assert set(by_spec) == set(specs)
         for spec, r in by_spec.items():
@@ -374,18 +382,33 @@ def _reshard(world: World, run_dir, saved: str, loaders: list[str], model: Model
     return out
 
 
-@pytest.mark.parametrize("saved, loaders", [
-    ("single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"]),
-    ("zero2:tp=2,tp_impl=torch,sequence_parallel=true", ["single:tp=2,sequence_parallel=true"]),
-    ("zero2:tp=2", ["fsdp:tp=2,tp_impl=torch"])])
-def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path, saved, loaders):
+@pytest.mark.parametrize("saved, loaders, model", [
+    ("single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"], MODERN),
+    ("zero2:tp=2,tp_impl=torch,sequence_parallel=true", ["single:tp=2,sequence_parallel=true"], MODERN),
+    ("zero2:tp=2", ["fsdp:tp=2,tp_impl=torch"], MODERN),
+    ("single:tp=2,tp_impl=torch", ["zero2:tp=2", "ddp"], GQA_ONE),
+    ("zero2:tp=2", ["single:tp=2,tp_impl=torch", "fsdp:tp=2,tp_impl=torch,sequence_parallel=true"], GQA_ONE)])
+def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path, saved, loaders, model):
     """A checkpoint of the DTensor reference (under single or zero2) loads into the hand-rolled split (sequence
     parallel too) and into ddp bit for bit, one of the hand-rolled split into the reference under fsdp, and
-    training goes on alike."""
-    out = run_pooled(_reshard, 2, tmp_path, saved, loaders, deadline_s=120)[0]
+    training goes on alike; with one key/value head too (replicated: a holder the load missed would drift)."""
+    out = run_pooled(_reshard, 2, tmp_path, saved, loaders, model, deadline_s=120)[0]
     assert set(out) == {*loaders, "single"}
     for spec, (loaded, stepped) in out.items():
         assert loaded == 0.0 and stepped <= 1e-5, spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [GQA_ONE, MODERN], ids=["one_kv_head", "two_kv_heads"])
+def test_the_torch_reference_on_tp4_holds_the_hand_rolled_replicated_key_value_heads(tmp_path, model):
+    """tp 4 with one key/value head (all four ranks hold it) or two (each pair of ranks holds one): the reference's
+    checkpoint loads into the hand-rolled split and ddp bit for bit, and one of the hand-rolled split into it."""
+    torch_tp4 = "ddp:tp=4,tp_impl=torch"
+    for saved, loaders in ((torch_tp4, ["zero2:tp=4", "ddp"]), ("zero2:tp=4", [torch_tp4])):
+        out = run_pooled(_reshard, 4, tmp_path / saved, saved, loaders, model, deadline_s=120)[0]
+        assert set(out) == {*loaders, "single"}
+        for spec, (loaded, stepped) in out.items():
+            assert loaded == 0.0 and stepped <= 1e-5, (saved, spec)
 
 
 def _norm_input_tokens(world: World, spec: str) -> dict[str, int]:

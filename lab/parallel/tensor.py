@@ -73,9 +73,6 @@ def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
         checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
     elif n % kv:
         raise ConfigError(f"model.n_kv_head ({kv}) must divide parallel.tp ({n}) to replicate the key/value heads")
-    elif cfg.tp_impl == "torch":
-        raise ConfigError(f"parallel.tp_impl torch does not replicate key/value heads: model.n_kv_head ({kv}) must "
-                          f"be a multiple of parallel.tp ({n})")
     if cfg.sequence_parallel:
         checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
     if model.vocab_size is not None:
@@ -338,6 +335,14 @@ class TensorParallel:
                ) -> None:
         """Replace the weight (and, split the same way, the bias of a column-parallel layer) of module ``name``
         with this rank's shard, and set its forward (linear layers) to the column- or row-parallel one."""
+        module = self._shard(model, name, dim, blocks, shared)
+        if isinstance(module, nn.Linear):
+            module.forward = (functools.partial(self._column, module, name) if dim == 0
+                              else functools.partial(self._row, module))
+
+    def _shard(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...], shared: tuple[int, ...] = ()
+               ) -> nn.Module:
+        """Replace the weight (and the bias of a column-parallel layer) of module ``name`` with this rank's shard."""
         module = model.get_submodule(name)
         for attr in ("weight", "bias"):
             param = getattr(module, attr, None)
@@ -349,8 +354,7 @@ class TensorParallel:
             self.splits[f"{name}.{attr}"] = split
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
-            module.forward = (functools.partial(self._column, module, name) if dim == 0
-                              else functools.partial(self._row, module))
+        return module
 
     def _initial_value(self, whole: Callable[..., torch.Tensor], name: str) -> torch.Tensor:
         split = self.splits.get(name)
@@ -483,6 +487,11 @@ class TorchTensorParallel(TensorParallel):
     ``Shard(1)``: ``SequenceParallel`` runs the norms (and, behind ``PrepareModuleInput``, the learned positions)
     on sequence shards, the column-parallel layers gather it and the row-parallel ones reduce-scatter into it.
 
+    With fewer key/value heads than ranks (GQA), torch's even split of one fused weight cannot give every rank the
+    head its query heads use: the QKV then holds the hand-rolled shard and runs on the group seen as a 2-D mesh
+    (key/value heads × the ranks sharing one, ``DeviceMesh._unflatten``), where the key/value rows are
+    ``[Shard(0), Replicate()]`` and their output's gradient ``Partial()`` over the sharers (``_qkv_shared_kv``).
+
     Between forwards each DTensor weight is a plain parameter of its local part, under its own name (what a
     data-parallel strategy's buffers, hooks and optimizer take, as under the hand-rolled split); a module sees
     the DTensor during its forward (``DTensor.from_local``, whose backward hands the local part its gradient in
@@ -507,18 +516,28 @@ class TorchTensorParallel(TensorParallel):
         ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
         between = Shard(1) if self.sequence_parallel else Replicate()  # the residual stream between the matmuls
         plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=between)}
+        qkv = (heads * head_dim, kv * head_dim, kv * head_dim)
+        shared_kv = None
+        if kv < self.n:  # GQA's key/value heads replicated: the group as a (key/value heads × sharers) mesh
+            shared_kv = mesh._unflatten(0, (kv, self.n // kv), ("kv_head", "kv_share"))
+            shared_kv._flatten()  # known flattened, DTensor reduces over both axes in one collective over the group
         for i, block in enumerate(model.blocks):
-            self._reorder(model, f"blocks.{i}.attn.qkv", (heads * head_dim, kv * head_dim, kv * head_dim))
+            if shared_kv is None:
+                self._reorder(model, f"blocks.{i}.attn.qkv", qkv)
+                plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(input_layouts=between)
+            else:
+                module = self._shard(model, f"blocks.{i}.attn.qkv", 0, qkv, (1, self.n // kv, self.n // kv))
+                module.forward = functools.partial(self._qkv_shared_kv, module, shared_kv, between,
+                                                   heads * head_dim // self.n)
             self._reorder(model, f"blocks.{i}.mlp.up", (ff, ff) if block.mlp.gated else (ff,))
             self.splits[f"blocks.{i}.attn.proj.weight"] = Split((cfg.d_model, heads * head_dim), 1, (heads * head_dim,))
             self.splits[f"blocks.{i}.mlp.down.weight"] = Split((cfg.d_model, ff), 1, (ff,))
-            for name in ("attn.qkv", "mlp.up"):
-                plan[f"blocks.{i}.{name}"] = ColwiseParallel(input_layouts=between)
+            plan[f"blocks.{i}.mlp.up"] = ColwiseParallel(input_layouts=between)
             for name in ("attn.proj", "mlp.down"):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=between)
             if self.sequence_parallel:
                 plan |= {f"blocks.{i}.{name}": SequenceParallel(use_local_output=True) for name in ("norm1", "norm2")}
-            block.attn.n_head, block.attn.n_kv_head = heads // self.n, kv // self.n
+            block.attn.n_head, block.attn.n_kv_head = heads // self.n, max(kv // self.n, 1)
         if self.sequence_parallel:
             plan["norm_f"] = SequenceParallel(use_local_output=True)
             if model.wpe is not None:  # the positions [T] arrive whole: each rank looks up its tokens' rows
@@ -569,6 +588,27 @@ class TorchTensorParallel(TensorParallel):
         mesh, placements, shape, stride = self.layouts[module][name]
         return DTensor.from_local(module._parameters[name], mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
+
+    @staticmethod
+    def _qkv_shared_kv(linear: nn.Linear, mesh: object, between: object, queries: int, x: torch.Tensor
+                       ) -> torch.Tensor:
+        """QKV when there are fewer key/value heads than ranks (``linear`` holds the hand-rolled shard: this rank's
+        ``queries`` query rows, then its key/value head's rows), on the group as a 2-D ``mesh`` (key/value heads ×
+        the ranks sharing one; rank r at (r // sharers, r % sharers), so ``between`` on both axes is rank r's
+        sequence shard): the query rows ``Shard(0)`` on both axes, the key/value rows ``Shard(0)`` on the first and
+        ``Replicate()`` on the second. Each rank's key/value output feeds only its query heads, so its gradient is
+        ``Partial()`` over the sharers: the backward of ``from_local`` sums the key/value weights' gradients over
+        them."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        x = DTensor.from_local(x, mesh, [between, between]).redistribute(mesh, [Replicate(), Replicate()])
+        out = []
+        for rows, layout, grad in ((slice(None, queries), [Shard(0), Shard(0)], [Shard(2), Shard(2)]),
+                                   (slice(queries, None), [Shard(0), Replicate()], [Shard(2), Partial()])):
+            weight, bias = (None if p is None else DTensor.from_local(p[rows], mesh, layout, run_check=False)
+                            for p in (linear.weight, linear.bias))
+            out.append(F.linear(x, weight, bias).to_local(grad_placements=grad))
+        return torch.cat(out, dim=-1)
 
     def _reorder(self, model: nn.Module, name: str, blocks: tuple[int, ...]) -> None:
         """Order a fused weight's rows rank by rank (each rank's part of every block together), so that an even
