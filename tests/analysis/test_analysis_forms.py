@@ -122,3 +122,29 @@ def test_cli_fit_in_kaplan_form_plans_from_its_fit_json_and_bootstrap(tmp_path, 
     with pytest.raises(Exception, match="unknown approach 3 form"):
         plan({**doc, "approach3": {**a3, "form": "nope"}}, "H100", 1, 0.4, flops=8e12)
     assert json.loads((out / "fit.json").read_text())["config"]["form"] == "auto"
+
+
+def test_the_default_sweeps_runs_give_an_identified_law_that_predicts_8e12():
+    """The runs `make sweep` trained (tests/analysis/data/default-sweep.csv), fitted as `verify` fits them."""
+    from types import SimpleNamespace
+
+    from sweeps.verify import judge, prediction
+
+    path = "tests/analysis/data/default-sweep.csv"
+    config = FitConfig(form="auto", predict=(8e12,), workers=2, progress=False, delta_sensitivity=False)
+    result = fit_runs(load_runs(path, exclude=["role == 'verify'"]), config)
+    doc = result.to_dict()
+    iso, a3 = doc["isoflop"], doc["approach3"]
+    assert iso["identification"]["identified"] and a3["identification"]["identified"]  # a-intervals <= 0.2 wide
+    assert iso["ci"]["a"][0] <= a3["a"] <= iso["ci"]["a"][1] and a3["ci"]["a"][0] <= iso["a"] <= a3["ci"]["a"][1]
+    assert a3["form"] == "kaplan-e"
+    assert a3["form_choice"]["holdout"]["kaplan-e"]["mean_rel_error"] < 0.5 * a3["form_choice"]["holdout"][
+        "chinchilla"]["mean_rel_error"]
+    # verify --drop-outliers: refit without the flagged runs, then judge the three shapes it trains
+    flagged = [o["run_id"] for o in doc["outliers"]["runs"]]
+    result = fit_runs(load_runs(path, exclude=["role == 'verify'", *flagged]), config)
+    runs = pd.read_csv(path).query("run_id in ['verify-C8e12-L1-d88', 'verify-C8e12-L1-d112', 'verify-C8e12-L1-d144']")
+    trained = [(SimpleNamespace(name=r.run_id, params=r.params, tokens=r.tokens), r.loss) for r in runs.itertuples()]
+    verdict = judge(prediction(result.to_dict(), 8e12), trained, result.parametric.theta, result.thetas, 0.95)
+    assert verdict.verified and verdict.best == "verify-C8e12-L1-d112"
+    assert abs(verdict.loss_error) < 0.01 and verdict.n_opt_inside
