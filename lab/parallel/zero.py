@@ -85,6 +85,7 @@ class Unit:
     shard: torch.Tensor | None = None  # this rank's chunk of the weights (a view into flat for stages 1-2)
     flat: torch.Tensor | None = None  # all the weights: stages 1-2 always, stage 3 while gathered
     flat_grad: torch.Tensor | None = None  # all the gradients, accumulated until reduce-scattered
+    written: list[bool] = field(default_factory=list)  # stages 2-3: which parameters' slices of flat_grad hold one
     grad_shard: torch.Tensor | None = None  # this rank's chunk of the averaged gradient
     master: torch.Tensor | None = None  # offload: the host's fp32 copy of the shard
     gathered: bool = False  # stage 3: flat's storage holds the weights (or an all-gather into it is under way)
@@ -205,10 +206,14 @@ class Zero(Strategy):
         k, i = self._unit_of[id(p)]
         unit = self.units[k]
         if unit.flat_grad is None:
-            unit.flat_grad = self._gradient_buffer(unit.padded, p.dtype)
+            unit.flat_grad = self._gradient_buffer(unit, p.dtype)
         memory.tag(p.grad, "grads")
-        offset = unit.offsets[i]
-        unit.flat_grad[offset:offset + p.numel()].add_(p.grad.flatten())
+        place = unit.flat_grad[unit.offsets[i]:unit.offsets[i] + p.numel()]
+        if unit.written[i]:  # a later micro-step of an accumulation
+            place.add_(p.grad.flatten())
+        else:  # the buffer's first gradient for this parameter: copied, so the buffer needs no zeroing
+            place.copy_(p.grad.flatten())
+            unit.written[i] = True
         p.grad = None
         self._missing[k] -= 1
         if self._missing[k] == 0:
@@ -217,15 +222,19 @@ class Zero(Strategy):
             self._launches.arrived(k, eager=self.cfg.overlap)
             self._settle(in_flight=1)
 
-    def _gradient_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed buffer for a unit's whole gradient: the one the last settled reduce-scatter left if it is of this
-        size (stages 2-3), or a new one. Reused, its pages are not faulted in again (a new buffer of 1 MiB or more is
-        a fresh mapping: see ``lab.memory``); it stands in for the one just freed, so the peak does not grow."""
+    def _gradient_buffer(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for a unit's whole gradient, its padding zeroed (each parameter's slice is written by its first
+        gradient, or zeroed at the reduce-scatter if none came): the one the last settled reduce-scatter left if it
+        is of this size (stages 2-3), or a new one. Reused, its pages are not faulted in again (a new buffer of 1 MiB
+        or more is a fresh mapping: see ``lab.memory``); it stands in for the one just freed, so the peak does not
+        grow."""
         spare, self._spare = self._spare, None
-        if spare is not None and spare.numel() == numel and spare.dtype == dtype:
-            buffer = spare.zero_()
+        if spare is not None and spare.numel() == unit.padded and spare.dtype == dtype:
+            buffer = spare
         else:
-            buffer = torch.zeros(numel, dtype=dtype, device=self.world.device)
+            buffer = torch.empty(unit.padded, dtype=dtype, device=self.world.device)
+        buffer[unit.numel:].zero_()
+        unit.written = [False] * len(unit.params)
         memory.tag(buffer, "grads")
         return buffer
 
@@ -238,7 +247,9 @@ class Zero(Strategy):
         handle is kept only until settled: a handle keeps the backend's copy of the input alive."""
         unit, r = self.units[k], self.world.rank
         if unit.flat_grad is None:  # no parameter of the unit was used in this step
-            unit.flat_grad = self._gradient_buffer(unit.padded, unit.shard.dtype)
+            unit.flat_grad = self._gradient_buffer(unit, unit.shard.dtype)
+        for i in [i for i, written in enumerate(unit.written) if not written]:  # unused in this step: a zero gradient
+            unit.flat_grad[unit.offsets[i]:unit.offsets[i] + unit.params[i].numel()].zero_()
         if self.stage == 1:
             unit.grad_shard = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk]
         else:
