@@ -68,6 +68,8 @@ HOST = torch.device("cpu")
 # zero3 pools gathered units where a storage can take another's memory (a private method of torch's; without it
 # each gather allocates afresh)
 SWAPS_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+# elements squared at once for the gradient norm: half of lab.memory's MMAP_THRESHOLD, so the heap reuses the temporary
+SQUARES_CHUNK = memory.MMAP_THRESHOLD // 8
 
 
 @dataclass
@@ -282,14 +284,13 @@ class Zero(Strategy):
             piece.grad = grad.to(HOST) if self.offloaded and grad.device != HOST else grad
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global norm: squared sums of every rank's chunks (padding is zero), added over ranks."""
+        """Global norm: squared sums of every rank's chunks (padding is zero), added over ranks. The squares are taken
+        ``SQUARES_CHUNK`` elements at a time: a temporary the size of a shard would be a fresh mapping every time."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for unit in self.units:
-            if self.tensor is None:
-                squares += unit.grad_shard.float().pow(2).sum()
-                continue
-            for lo, hi in self._counted_ranges(unit):
-                squares += unit.grad_shard[lo:hi].float().pow(2).sum()
+            for lo, hi in [(0, unit.chunk)] if self.tensor is None else self._counted_ranges(unit):
+                for part in unit.grad_shard[lo:hi].split(SQUARES_CHUNK):
+                    squares += part.float().pow(2).sum()
         norm = self.tensor_norm_squares(self.world.sum(squares)).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -433,8 +434,8 @@ class Zero(Strategy):
         return 0.0, 0.0, states.grads + two_units
 
     def theory_step_temporaries(self) -> float:
-        """The clipping's squares and the optimizer's temporaries: two of a unit's chunks."""
-        return 2.0 * self.units[0].shard.element_size() * max(u.chunk for u in self.units)
+        """The optimizer's temporaries: one of a unit's chunks (the clipping's squares are small: ``SQUARES_CHUNK``)."""
+        return self.units[0].shard.element_size() * max(u.chunk for u in self.units)
 
     def meters(self) -> dict[str, dict[str, float]]:
         out = super().meters()
