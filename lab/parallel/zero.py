@@ -262,18 +262,19 @@ class Zero(Strategy):
 
     def _settle(self, in_flight: int) -> None:
         """Finish the reduce-scatters that are done, and wait for the oldest until at most ``in_flight`` remain:
-        each finished unit's gradient shard is averaged and (stages 2-3) its whole gradient freed, the buffer kept
-        for the next unit's gradient (one buffer, until the backward ends)."""
+        (stages 2-3) each finished unit's whole gradient is freed, the buffer kept for the next unit's gradient (one
+        buffer, until the backward ends)."""
         while self._in_flight and (len(self._in_flight) > in_flight or self._in_flight[0][1].is_completed()):
             unit, work = self._in_flight.popleft()
             self.comm.wait(work)
-            unit.grad_shard.div_(self.world.world_size)
             if self.stage > 1:
                 self._spare = unit.flat_grad
                 unit.flat_grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        """The loss is divided by N before its backward (as ddp's), so the reduce-scattered sum is the average without
+        a pass over the shards (with N a power of two the same bits as dividing the sum)."""
+        (loss / self.world.world_size).backward()
         if not self._sync:
             return
         self._launches.finish()
