@@ -34,8 +34,9 @@ with the trainable weights, so every rank starts from the same values).
   the backward's peak (the unit at work, the prefetched one, the gradient buffer filling and the
   one being reduce-scattered) is about half as large (the 85M model's peak resident set: 1,140 ->
   1,106 MiB). The rest of the model (embeddings, final norm, head) is one root unit, gathered for
-  the forward and again for the backward. The optimizer updates the shards in place, so no
-  all-gather follows the step.
+  the forward. The backward starts where the forward ends: the root unit and the last block unit
+  stay gathered into it (their pool buffers would lie idle meanwhile) instead of being freed and
+  gathered again. The optimizer updates the shards in place, so no all-gather follows the step.
 
 On the non-final micro-steps of an accumulation nothing is sent: gradients accumulate whole in
 the units' flat buffers (zero2 and zero3 then hold a whole gradient until the last micro-step).
@@ -440,11 +441,12 @@ class Zero(Strategy):
 
     def meters(self) -> dict[str, dict[str, float]]:
         out = super().meters()
-        theory = accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
-        if self.stage == 3:  # the weights are gathered twice in every micro-step, not once a step
-            theory["all_gather"] *= self.loop.accum_steps
-        out["comm_bytes_per_step_theory"] = theory
+        out["comm_bytes_per_step_theory"] = self.theory_comm_bytes()
         return out
+
+    def theory_comm_bytes(self) -> dict[str, float]:
+        """Bytes each rank sends per step in theory (``lab.accounting.comm_bytes_per_step``)."""
+        return accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
 
 
 class Zero1(Zero):
@@ -631,7 +633,19 @@ class Zero3(Zero):
             return
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(lambda grad: (self._before_backward(unit), grad)[1])
+            if unit is self._forward_order[-1]:  # the backward starts with it: kept, not gathered again
+                return
         self._free(unit)
+
+    def theory_comm_bytes(self) -> dict[str, float]:
+        """The weights are gathered twice in every micro-step, not once a step, less what the backward finds still
+        gathered from the forward (the root unit and the last block unit)."""
+        theory = super().theory_comm_bytes()
+        kept = self._root.padded + (self._forward_order[-1].padded if self._forward_order else 0)
+        width = self._root.shard.element_size()
+        theory["all_gather"] = self.loop.accum_steps * width * accounting.ring_elements_sent(
+            "all_gather", 2 * self.comm_elements() - kept, self.world.world_size)
+        return theory
 
     def _before_backward(self, unit: Unit) -> None:
         self._gather(unit)
@@ -644,10 +658,8 @@ class Zero3(Zero):
         self._gather(self._root)
         self._prefetch(self._forward_order[0] if self._forward_order else None)
         loss = super().forward(x, y, sync=sync)
-        if torch.is_grad_enabled():
-            loss.register_hook(lambda grad: (self._gather(self._root), self._prefetch(
-                self._forward_order[-1] if self._forward_order else None), grad)[-1])
-        self._free(self._root)
+        if not (torch.is_grad_enabled() and loss.requires_grad):  # else kept for the backward, which starts with it
+            self._free(self._root)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
