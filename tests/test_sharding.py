@@ -22,6 +22,7 @@ from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.activations import SavedBytes, apply
 from lab.parallel.comm import Comm
 from lab.parallel.spawn import run_pooled
+from lab.parallel.zero import SQUARES_CHUNK
 from lab.train import train_step
 from test_distributed import GPTWithSometimesUnusedLayer, frozen_gpt, rank_dependent_gpt
 
@@ -38,6 +39,16 @@ def test_every_sharded_variant_reproduces_single_bit_for_bit_on_two_ranks():
     # One micro-batch per rank on 2 ranks: sums of two numbers and exact halving (see lab.equivalence).
     # Clipping off: the sharded gradient norm is summed shard by shard, so it may differ in the last bits.
     results = run_pooled(equivalence, 2, ["ddp", *SHARDED, *OFFLOADED, *CHECKPOINTED], Setup(steps=4, grad_clip=0))[0]
+    for spec, r in results.items():
+        assert r.same_losses and r.same_params, (spec, r)
+        assert r.max_rel_grad_norm_diff <= 1e-6, (spec, r)
+
+
+def test_the_norm_of_shards_longer_than_a_squares_chunk_matches_single():
+    # every unit's shard here spans several of the clipping's chunks of squares (the tiny model's fit in one)
+    model = ModelConfig(n_layer=1, n_head=2, d_model=256, block_size=8, vocab_size=64)
+    assert 4 * model.d_model**2 > SQUARES_CHUNK  # the shard of an MLP unit (two d × 4d matrices) on 2 ranks
+    results = run_pooled(equivalence, 2, ["zero2", "zero3"], Setup(steps=2, grad_clip=0, model=model))[0]
     for spec, r in results.items():
         assert r.same_losses and r.same_params, (spec, r)
         assert r.max_rel_grad_norm_diff <= 1e-6, (spec, r)

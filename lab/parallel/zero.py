@@ -34,8 +34,9 @@ with the trainable weights, so every rank starts from the same values).
   the backward's peak (the unit at work, the prefetched one, the gradient buffer filling and the
   one being reduce-scattered) is about half as large (the 85M model's peak resident set: 1,140 ->
   1,106 MiB). The rest of the model (embeddings, final norm, head) is one root unit, gathered for
-  the forward and again for the backward. The optimizer updates the shards in place, so no
-  all-gather follows the step.
+  the forward. The backward starts where the forward ends: the root unit and the last block unit
+  stay gathered into it (their pool buffers would lie idle meanwhile) instead of being freed and
+  gathered again. The optimizer updates the shards in place, so no all-gather follows the step.
 
 On the non-final micro-steps of an accumulation nothing is sent: gradients accumulate whole in
 the units' flat buffers (zero2 and zero3 then hold a whole gradient until the last micro-step).
@@ -68,6 +69,8 @@ HOST = torch.device("cpu")
 # zero3 pools gathered units where a storage can take another's memory (a private method of torch's; without it
 # each gather allocates afresh)
 SWAPS_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+# elements squared at once for the gradient norm: half of lab.memory's MMAP_THRESHOLD, so the heap reuses the temporary
+SQUARES_CHUNK = memory.MMAP_THRESHOLD // 8
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Unit:
     shard: torch.Tensor | None = None  # this rank's chunk of the weights (a view into flat for stages 1-2)
     flat: torch.Tensor | None = None  # all the weights: stages 1-2 always, stage 3 while gathered
     flat_grad: torch.Tensor | None = None  # all the gradients, accumulated until reduce-scattered
+    written: list[bool] = field(default_factory=list)  # stages 2-3: which parameters' slices of flat_grad hold one
     grad_shard: torch.Tensor | None = None  # this rank's chunk of the averaged gradient
     master: torch.Tensor | None = None  # offload: the host's fp32 copy of the shard
     gathered: bool = False  # stage 3: flat's storage holds the weights (or an all-gather into it is under way)
@@ -205,10 +209,14 @@ class Zero(Strategy):
         k, i = self._unit_of[id(p)]
         unit = self.units[k]
         if unit.flat_grad is None:
-            unit.flat_grad = self._gradient_buffer(unit.padded, p.dtype)
+            unit.flat_grad = self._gradient_buffer(unit, p.dtype)
         memory.tag(p.grad, "grads")
-        offset = unit.offsets[i]
-        unit.flat_grad[offset:offset + p.numel()].add_(p.grad.flatten())
+        place = unit.flat_grad[unit.offsets[i]:unit.offsets[i] + p.numel()]
+        if unit.written[i]:  # a later micro-step of an accumulation
+            place.add_(p.grad.flatten())
+        else:  # the buffer's first gradient for this parameter: copied, so the buffer needs no zeroing
+            place.copy_(p.grad.flatten())
+            unit.written[i] = True
         p.grad = None
         self._missing[k] -= 1
         if self._missing[k] == 0:
@@ -217,15 +225,19 @@ class Zero(Strategy):
             self._launches.arrived(k, eager=self.cfg.overlap)
             self._settle(in_flight=1)
 
-    def _gradient_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed buffer for a unit's whole gradient: the one the last settled reduce-scatter left if it is of this
-        size (stages 2-3), or a new one. Reused, its pages are not faulted in again (a new buffer of 1 MiB or more is
-        a fresh mapping: see ``lab.memory``); it stands in for the one just freed, so the peak does not grow."""
+    def _gradient_buffer(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for a unit's whole gradient, its padding zeroed (each parameter's slice is written by its first
+        gradient, or zeroed at the reduce-scatter if none came): the one the last settled reduce-scatter left if it
+        is of this size (stages 2-3), or a new one. Reused, its pages are not faulted in again (a new buffer of 1 MiB
+        or more is a fresh mapping: see ``lab.memory``); it stands in for the one just freed, so the peak does not
+        grow."""
         spare, self._spare = self._spare, None
-        if spare is not None and spare.numel() == numel and spare.dtype == dtype:
-            buffer = spare.zero_()
+        if spare is not None and spare.numel() == unit.padded and spare.dtype == dtype:
+            buffer = spare
         else:
-            buffer = torch.zeros(numel, dtype=dtype, device=self.world.device)
+            buffer = torch.empty(unit.padded, dtype=dtype, device=self.world.device)
+        buffer[unit.numel:].zero_()
+        unit.written = [False] * len(unit.params)
         memory.tag(buffer, "grads")
         return buffer
 
@@ -238,7 +250,9 @@ class Zero(Strategy):
         handle is kept only until settled: a handle keeps the backend's copy of the input alive."""
         unit, r = self.units[k], self.world.rank
         if unit.flat_grad is None:  # no parameter of the unit was used in this step
-            unit.flat_grad = self._gradient_buffer(unit.padded, unit.shard.dtype)
+            unit.flat_grad = self._gradient_buffer(unit, unit.shard.dtype)
+        for i in [i for i, written in enumerate(unit.written) if not written]:  # unused in this step: a zero gradient
+            unit.flat_grad[unit.offsets[i]:unit.offsets[i] + unit.params[i].numel()].zero_()
         if self.stage == 1:
             unit.grad_shard = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk]
         else:
@@ -249,18 +263,19 @@ class Zero(Strategy):
 
     def _settle(self, in_flight: int) -> None:
         """Finish the reduce-scatters that are done, and wait for the oldest until at most ``in_flight`` remain:
-        each finished unit's gradient shard is averaged and (stages 2-3) its whole gradient freed, the buffer kept
-        for the next unit's gradient (one buffer, until the backward ends)."""
+        (stages 2-3) each finished unit's whole gradient is freed, the buffer kept for the next unit's gradient (one
+        buffer, until the backward ends)."""
         while self._in_flight and (len(self._in_flight) > in_flight or self._in_flight[0][1].is_completed()):
             unit, work = self._in_flight.popleft()
             self.comm.wait(work)
-            unit.grad_shard.div_(self.world.world_size)
             if self.stage > 1:
                 self._spare = unit.flat_grad
                 unit.flat_grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        """The loss is divided by N before its backward (as ddp's), so the reduce-scattered sum is the average without
+        a pass over the shards (with N a power of two the same bits as dividing the sum)."""
+        (loss / self.world.world_size).backward()
         if not self._sync:
             return
         self._launches.finish()
@@ -271,14 +286,13 @@ class Zero(Strategy):
             piece.grad = grad.to(HOST) if self.offloaded and grad.device != HOST else grad
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global norm: squared sums of every rank's chunks (padding is zero), added over ranks."""
+        """Global norm: squared sums of every rank's chunks (padding is zero), added over ranks. The squares are taken
+        ``SQUARES_CHUNK`` elements at a time: a temporary the size of a shard would be a fresh mapping every time."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for unit in self.units:
-            if self.tensor is None:
-                squares += unit.grad_shard.float().pow(2).sum()
-                continue
-            for lo, hi in self._counted_ranges(unit):
-                squares += unit.grad_shard[lo:hi].float().pow(2).sum()
+            for lo, hi in [(0, unit.chunk)] if self.tensor is None else self._counted_ranges(unit):
+                for part in unit.grad_shard[lo:hi].split(SQUARES_CHUNK):
+                    squares += part.float().pow(2).sum()
         norm = self.tensor_norm_squares(self.world.sum(squares)).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -422,16 +436,17 @@ class Zero(Strategy):
         return 0.0, 0.0, states.grads + two_units
 
     def theory_step_temporaries(self) -> float:
-        """The clipping's squares and the optimizer's temporaries: two of a unit's chunks."""
-        return 2.0 * self.units[0].shard.element_size() * max(u.chunk for u in self.units)
+        """The optimizer's temporaries: one of a unit's chunks (the clipping's squares are small: ``SQUARES_CHUNK``)."""
+        return self.units[0].shard.element_size() * max(u.chunk for u in self.units)
 
     def meters(self) -> dict[str, dict[str, float]]:
         out = super().meters()
-        theory = accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
-        if self.stage == 3:  # the weights are gathered twice in every micro-step, not once a step
-            theory["all_gather"] *= self.loop.accum_steps
-        out["comm_bytes_per_step_theory"] = theory
+        out["comm_bytes_per_step_theory"] = self.theory_comm_bytes()
         return out
+
+    def theory_comm_bytes(self) -> dict[str, float]:
+        """Bytes each rank sends per step in theory (``lab.accounting.comm_bytes_per_step``)."""
+        return accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
 
 
 class Zero1(Zero):
@@ -618,7 +633,19 @@ class Zero3(Zero):
             return
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(lambda grad: (self._before_backward(unit), grad)[1])
+            if unit is self._forward_order[-1]:  # the backward starts with it: kept, not gathered again
+                return
         self._free(unit)
+
+    def theory_comm_bytes(self) -> dict[str, float]:
+        """The weights are gathered twice in every micro-step, not once a step, less what the backward finds still
+        gathered from the forward (the root unit and the last block unit)."""
+        theory = super().theory_comm_bytes()
+        kept = self._root.padded + (self._forward_order[-1].padded if self._forward_order else 0)
+        width = self._root.shard.element_size()
+        theory["all_gather"] = self.loop.accum_steps * width * accounting.ring_elements_sent(
+            "all_gather", 2 * self.comm_elements() - kept, self.world.world_size)
+        return theory
 
     def _before_backward(self, unit: Unit) -> None:
         self._gather(unit)
@@ -631,10 +658,8 @@ class Zero3(Zero):
         self._gather(self._root)
         self._prefetch(self._forward_order[0] if self._forward_order else None)
         loss = super().forward(x, y, sync=sync)
-        if torch.is_grad_enabled():
-            loss.register_hook(lambda grad: (self._gather(self._root), self._prefetch(
-                self._forward_order[-1] if self._forward_order else None), grad)[-1])
-        self._free(self._root)
+        if not (torch.is_grad_enabled() and loss.requires_grad):  # else kept for the backward, which starts with it
+            self._free(self._root)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
