@@ -238,13 +238,15 @@ def _compiled_and_eager(world: World, spec: str, setup: Setup) -> tuple:
 
 @pytest.mark.slow
 def test_a_compiled_model_under_tp_reproduces_the_eager_losses():
-    """torch.compile with the hand-rolled split (sequence parallel too, gpt2 and modern): dynamo breaks the graph at
-    the group's collectives, which run eagerly; the losses and gradient norms are the eager run's."""
-    for spec, model in (("ddp:tp=2", TINY), ("ddp:tp=2,sequence_parallel=true", MODERN)):
-        compiled, eager = run_pooled(_compiled_and_eager, 2, spec, Setup(steps=2, accum=2, grad_clip=CLIP, model=model),
-                                     deadline_s=300)[0]
-        assert compiled.losses == pytest.approx(eager.losses, rel=1e-6), spec
-        assert compiled.grad_norms == pytest.approx(eager.grad_norms, rel=1e-5), spec
+    """torch.compile with the hand-rolled split under sequence parallelism (its all-gathers and reduce-scatters and
+    the all-reduces of the whole norm weights' gradients; the modern arch): dynamo breaks the graph at the group's
+    collectives, which run eagerly; the losses and gradient norms are the eager run's. One configuration: each
+    compiles for about 15 s on 2 cores."""
+    spec = "ddp:tp=2,sequence_parallel=true"
+    compiled, eager = run_pooled(_compiled_and_eager, 2, spec, Setup(steps=2, accum=2, grad_clip=CLIP, model=MODERN),
+                                 deadline_s=300)[0]
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-6)
+    assert compiled.grad_norms == pytest.approx(eager.grad_norms, rel=1e-5)
 
 
 # ---------------------------------------------------------------- meters

@@ -124,9 +124,10 @@ def test_cli_fit_in_kaplan_form_plans_from_its_fit_json_and_bootstrap(tmp_path, 
     assert json.loads((out / "fit.json").read_text())["config"]["form"] == "auto"
 
 
-@pytest.mark.slow  # two fits with 1,000 bootstrap resamples each
+@pytest.mark.slow  # a fit with 1,000 bootstrap resamples
 def test_the_default_sweeps_runs_give_an_identified_law_that_predicts_8e12():
-    """The runs `make sweep` trained (tests/analysis/data/default-sweep.csv), fitted as `verify` fits them."""
+    """The runs `make sweep` trained (tests/analysis/data/default-sweep.csv), fitted as `verify` fits them (all runs:
+    `make sweep` also drops the flagged outliers, which verifies as well, 0.59 % against 0.53 % here)."""
     from types import SimpleNamespace
 
     from sweeps.verify import judge, prediction
@@ -141,11 +142,9 @@ def test_the_default_sweeps_runs_give_an_identified_law_that_predicts_8e12():
     assert a3["form"] == "kaplan-e"
     assert a3["form_choice"]["holdout"]["kaplan-e"]["mean_rel_error"] < 0.5 * a3["form_choice"]["holdout"][
         "chinchilla"]["mean_rel_error"]
-    # verify --drop-outliers: refit without the flagged runs, then judge the three shapes it trains
-    flagged = [o["run_id"] for o in doc["outliers"]["runs"]]
-    result = fit_runs(load_runs(path, exclude=["role == 'verify'", *flagged]), config)
+    # the three shapes verify trained at 8e12, judged against the prediction
     runs = pd.read_csv(path).query("run_id in ['verify-C8e12-L1-d88', 'verify-C8e12-L1-d112', 'verify-C8e12-L1-d144']")
     trained = [(SimpleNamespace(name=r.run_id, params=r.params, tokens=r.tokens), r.loss) for r in runs.itertuples()]
-    verdict = judge(prediction(result.to_dict(), 8e12), trained, result.parametric.theta, result.thetas, 0.95)
+    verdict = judge(prediction(doc, 8e12), trained, result.parametric.theta, result.thetas, 0.95)
     assert verdict.verified and verdict.best == "verify-C8e12-L1-d112"
     assert abs(verdict.loss_error) < 0.01 and verdict.n_opt_inside
