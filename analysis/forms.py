@@ -36,7 +36,7 @@ class Form:
     grid_axes: tuple[Array, ...]  # starting points of L-BFGS (their product)
     shift: Callable[[Array], tuple[float, float]]  # one theta: multipliers of mean log N, mean log D
     log_loss_jac: Callable[[Array, Array, Array], tuple[Array, Array]]  # one centred theta -> (runs,), (runs, 5)
-    log_loss: Callable[[Array, Array, Array], Array]  # (K, 5), log N (R,), log D (R,) -> (K, R)
+    log_loss: Callable[[Array, Array, Array], Array]  # (K, 5), log N and log D as (R,) or (K, R) -> (K, R)
     allocation: Callable[[Array], tuple[Array, Array]]  # (K, 5) -> log G (K,), a (K,); NaN where none exists
     named: Callable[[Array], dict[str, Array]]  # (K, 5) -> each of ``names``
     theta_of: Callable[[dict], Array]  # named parameters (one dict, or columns of a frame) -> theta (K, 5)

@@ -184,7 +184,7 @@ def compute_optimal(thetas: np.ndarray, flops: np.ndarray, flops_k: float = 6.0,
     with np.errstate(all="ignore"):
         log_n = log_g[:, None] + a[:, None] * log_c6
         log_d = log_c6 - log_n
-        loss = np.stack([np.exp(form.log_loss(th[i:i + 1], log_n[i], log_d[i]))[0] for i in range(len(th))])
+        loss = np.exp(form.log_loss(th, log_n, log_d))  # each row's theta at its own (K, len(flops)) points
     return np.exp(log_n), np.exp(log_d), loss
 
 
