@@ -212,7 +212,8 @@ def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, .
     return names
 
 
-def _summary(doc: dict) -> list[str]:
+def summary_lines(doc: dict) -> list[str]:
+    """What `analysis fit` prints: the runs, each approach's allocation exponent, the law, what the plan uses."""
     b = doc["data"]["budgets"]
     lines = [f"fitted {doc['data']['n_runs']} runs ("
              + ("continuous C, no IsoFLOP budgets)" if b["mode"] == "continuous" else f"{len(b['groups'])} budgets)")]
@@ -257,7 +258,7 @@ def _fit(args: argparse.Namespace) -> int:
     result = fit_runs(table, config)
     doc = result.to_dict()
     names = write_outputs(result, doc, out, args.format)
-    print("\n".join(_summary(doc)))
+    print("\n".join(summary_lines(doc)))
     for code, message in result.warnings:
         print(f"warning [{code}]: {message}")
     print(f"wrote {', '.join(sorted(names))} to {out}")

@@ -403,32 +403,36 @@ def _holdout_parametric(table: RunTable, held: np.ndarray, config: FitConfig, fo
                  "converged": fit.converged, "runs": runs}
 
 
-def choose_form(table: RunTable, budgets: Budgets, config: FitConfig) -> tuple[Form, dict | None]:
+def choose_form(table: RunTable, budgets: Budgets, config: FitConfig
+                ) -> tuple[Form, dict | None, tuple[ParametricFit, dict] | None]:
     """Approach 3's form: the one named, or with ``auto`` the one whose refit without the hold-out's runs predicts
-    their losses with the smallest mean relative error (Chinchilla's on a tie, or without a hold-out)."""
+    their losses with the smallest mean relative error (Chinchilla's on a tie, or without a hold-out). Also the
+    chosen form's refit and its errors (``_holdout_parametric``) when it was made, for the hold-out to reuse."""
     if config.form != "auto":
-        return FORMS[config.form], None
+        return FORMS[config.form], None, None
     held, what, skip = _holdout_skip(table, budgets, config)
     if skip is not None:
-        return CHINCHILLA, {"chosen": CHINCHILLA.name, "why": f"no hold-out to choose by: {skip}", "holdout": {}}
-    errors = {name: _holdout_parametric(table, held, config, form)[1] for name, form in FORMS.items()}
+        return CHINCHILLA, {"chosen": CHINCHILLA.name, "why": f"no hold-out to choose by: {skip}", "holdout": {}}, None
+    refits = {name: _holdout_parametric(table, held, config, form) for name, form in FORMS.items()}
+    errors = {name: refit[1] for name, refit in refits.items()}
     best = min(errors, key=lambda name: errors[name]["mean_rel_error"])  # FORMS lists Chinchilla's first
     summary = {name: {k: e[k] for k in ("mean_rel_error", "bias", "too_high", "converged")}
                for name, e in errors.items()}
     shown = ", ".join(f"{name} {e['mean_rel_error']:.2%}" for name, e in errors.items())
-    return FORMS[best], {"chosen": best, "holdout": summary, "held_out": what,
-                         "why": f"the smaller mean relative error on {what}, refitted without it: {shown}"}
+    choice = {"chosen": best, "holdout": summary, "held_out": what,
+              "why": f"the smaller mean relative error on {what}, refitted without it: {shown}"}
+    return FORMS[best], choice, refits[best]
 
 
 def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, config: FitConfig,
-             form: Form = CHINCHILLA) -> dict:
-    """Refit without the runs ``_held_out`` names, then predict each of them."""
+             form: Form = CHINCHILLA, refit: tuple[ParametricFit, dict] | None = None) -> dict:
+    """Refit without the runs ``_held_out`` names (or take ``refit``, ``choose_form``'s), then predict each of them."""
     n, d, c, loss = table.n, table.d, table.c, table.loss
     held, what, skip = _holdout_skip(table, budgets, config)
     if skip is not None:
         return {"skipped": True, "reason": skip}
     train = ~held
-    fit, errors = _holdout_parametric(table, held, config, form)
+    fit, errors = refit or _holdout_parametric(table, held, config, form)
     out = {"skipped": False, "held_out": what, "budget_flops": float(np.exp(np.log(c[held]).mean())),
            "n_train": int(train.sum()), "n_holdout": int(held.sum()), "approach3": errors, "isoflop": None}
     method = config.isoflop_minimum
@@ -508,7 +512,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     minima = budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n)))) if budgets.count else None
     warnings += _budget_warnings(budgets, minima, len(n))
 
-    form, form_choice = choose_form(table, budgets, config)
+    form, form_choice, refit = choose_form(table, budgets, config)
     parametric = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form)
     condition = gauss_newton_condition(parametric.theta, n, d, form)
     outliers = find_outliers(table, parametric.theta, form)
@@ -586,7 +590,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
 
     holdout = {"skipped": True, "reason": "disabled"}
     if config.holdout:
-        holdout = _holdout(table, budgets, minima, config, form)
+        holdout = _holdout(table, budgets, minima, config, form, refit)
         if holdout["skipped"]:
             warnings.append(("holdout_skipped", f"hold-out check skipped: {holdout['reason']}"))
         elif (bias := _holdout_bias(holdout)) is not None:

@@ -391,9 +391,9 @@ def _verify(args: argparse.Namespace) -> int:
                                               args.drop_highest_loss, args.drop_outliers)
         except InputError as e:  # an --exclude that matches nothing, too few runs left
             raise UsageError(str(e)) from None
-        from analysis.__main__ import EXIT_UNIDENTIFIED, _summary
+        from analysis.__main__ import EXIT_UNIDENTIFIED, summary_lines
 
-        print("\n".join(_summary(doc)))
+        print("\n".join(summary_lines(doc)))
         if doc["comparison"]["preferred"] is None:
             print(f"error: {result.why}; {fit_dir / 'report.html'} says why", file=sys.stderr)
             return EXIT_UNIDENTIFIED

@@ -91,7 +91,7 @@ def test_kaplan_e_fit_recovers_its_parameters():
 def test_auto_chooses_the_form_that_generated_the_data(tmp_path):
     kaplan = _table(_kaplan_runs(noise=0.003), tmp_path)
     config = FitConfig(form="auto", n_bootstrap=0, progress=False, delta_sensitivity=False)
-    form, choice = choose_form(kaplan, group_budgets(kaplan.c, 0.05), config)
+    form, choice, _ = choose_form(kaplan, group_budgets(kaplan.c, 0.05), config)
     assert form is KAPLAN_E and choice["chosen"] == "kaplan-e"
     assert choice["holdout"]["kaplan-e"]["mean_rel_error"] < choice["holdout"]["chinchilla"]["mean_rel_error"]
     chinchilla = _table(isoflop_runs(np.geomspace(1e18, 1e21, 6), per_budget=7, spread=6, noise=0.003, seed=0), tmp_path)
