@@ -12,9 +12,10 @@ import torch
 
 from lab import accounting, checkpoint
 from lab.cli import run_main, sample_main
-from lab.config import RunConfig
+from lab.config import RunConfig, resolve
 from lab.model import GPT
 from lab.parallel.spawn import run_pooled
+from lab.train import checkpoint_interval
 from test_checkpoints import train_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,6 +221,13 @@ def test_launch_script_exits_2_with_one_line_on_bad_input(tmp_path, args):
     assert not r.exists()
 
 
+def test_checkpoints_come_about_ten_per_run_unless_set():
+    """The tiny runs of these tests set their interval (conftest.TINY_RUN); the default is this."""
+    unset, every_3, at_the_end = (resolve({"train": {"checkpoint_every": n}}) for n in (None, 3, 0))
+    assert [checkpoint_interval(unset, steps) for steps in (1, 8, 100, 1001)] == [1, 1, 10, 101]
+    assert (checkpoint_interval(every_3, 100), checkpoint_interval(at_the_end, 100)) == (3, 0)
+
+
 @pytest.mark.slow
 def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, args, capsys):
     full, r = tmp_path / "full", tmp_path / "r"
@@ -238,7 +246,7 @@ def test_resume_auto_continues_from_the_newest_checkpoint_and_drops_a_torn_line(
     full, r = tmp_path / "full", tmp_path / "r"
     assert run(full, *args) == 0
     assert run(r, *args, "--train.stop_after", "4") == 0
-    assert (r / "checkpoints" / "step-000004").is_dir()  # the default interval: about ten per run
+    assert (r / "checkpoints" / "step-000004").is_dir()  # where stop_after stopped
     with (r / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "tokens": 12')  # killed mid-write
     assert run(r, *args, "--resume", "auto") == 0
