@@ -67,7 +67,8 @@ def tiny_data_config(tiny_corpus: Path, tiny_cache_dir: Path) -> DataConfig:
 # step, which is most of a tiny run's time.
 TINY_RUN = ["--model.n_layer", "2", "--model.d_model", "32", "--model.n_head", "2", "--model.block_size", "32",
             "--train.tokens", "2048", "--train.batch_tokens", "256", "--train.micro_batch", "4",
-            "--train.log_every", "1", "--train.eval_tokens", "512", "--train.lr", "1e-2", "--train.checkpoint_every", "4"]
+            "--train.log_every", "1", "--train.eval_tokens", "512", "--train.lr", "1e-2",
+            "--train.checkpoint_every", "4"]
 
 
 @pytest.fixture(scope="session")
