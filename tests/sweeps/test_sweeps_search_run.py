@@ -50,7 +50,7 @@ batch_tokens = 128
 [base]
 model = {{ block_size = 32 }}
 data = {corpus}
-train = {{ micro_batch = 4, eval_tokens = 512, log_every = 1 }}
+train = {{ micro_batch = 4, eval_tokens = 512, log_every = 1, checkpoint_every = 0 }}
 [local]
 parallel = 2
 threads = 1
