@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave the K runs with the highest loss out of the fit")
     p.add_argument("--drop-outliers", action="store_true",
                    help="fit again without the runs the fit flags as outliers (robust residuals from approach 3)")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N",
+                   help="bootstrap resamples of the fit, as 'python -m analysis fit --bootstrap' (default: 1000)")
     _executor_options(p, launch=False)
 
     for name, text in (("status", "print the sweep's runs and progress"),
@@ -367,6 +369,8 @@ def _verify(args: argparse.Namespace) -> int:
     sweep = specs.with_overrides(sweep, {}, _overrides(args, SLURM_OPTIONS))
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise UsageError(f"--budget must be a positive number of FLOPs, got {args.budget}")
+    if args.bootstrap < 0:
+        raise UsageError(f"--bootstrap must be 0 or more, got {args.bootstrap}")
     registry = Registry.open(folder)
     rows = [r for r in registry.rows() if r.plan.role == "sweep"]
     unfinished = [r for r in rows if r.status != "done"]
@@ -388,7 +392,7 @@ def _verify(args: argparse.Namespace) -> int:
 
         try:
             result, doc, fit_dir = verify.fit(folder, args.budget, not args.no_progress, tuple(args.exclude),
-                                              args.drop_highest_loss, args.drop_outliers)
+                                              args.drop_highest_loss, args.drop_outliers, args.bootstrap)
         except InputError as e:  # an --exclude that matches nothing, too few runs left
             raise UsageError(str(e)) from None
         from analysis.__main__ import EXIT_UNIDENTIFIED, summary_lines

@@ -220,15 +220,17 @@ def record(folder: Path, registry: Registry, fit_dir: Path, v: Verdict) -> Path:
 
 
 def fit(folder: Path, budget: float, progress: bool, exclude: tuple[str, ...] = (),
-        drop_highest_loss: int = 0, drop_outliers: bool = False) -> tuple[object, dict, Path]:
+        drop_highest_loss: int = 0, drop_outliers: bool = False, n_bootstrap: int = 1000) -> tuple[object, dict, Path]:
     """Fit the sweep's finished runs (less those ``exclude`` and ``drop_highest_loss`` leave out, as in
-    ``python -m analysis fit``) with a prediction at ``budget``; with ``drop_outliers``, fit again without
-    the runs the first fit flags as outliers. (FitResult, fit.json document, fit folder)."""
+    ``python -m analysis fit``) with a prediction at ``budget`` and ``n_bootstrap`` resamples; with
+    ``drop_outliers``, fit again without the runs the first fit flags as outliers. (FitResult, fit.json document,
+    fit folder)."""
     from analysis.__main__ import write_outputs
     from analysis.fit import FitConfig, fit_runs
     from analysis.table import load_runs
 
-    config = FitConfig(predict=(budget,), progress=progress, workers=len(os.sched_getaffinity(0)), form="auto")
+    config = FitConfig(predict=(budget,), progress=progress, workers=len(os.sched_getaffinity(0)), form="auto",
+                       n_bootstrap=n_bootstrap)
     result = fit_runs(load_runs(folder, exclude=exclude, drop_highest_loss=drop_highest_loss), config)
     flagged = tuple(o["run_id"] for o in result.outliers.get("runs", [])) if drop_outliers else ()
     if flagged:

@@ -62,10 +62,13 @@ def tiny_data_config(tiny_corpus: Path, tiny_cache_dir: Path) -> DataConfig:
 
 # ---------------------------------------------------------------- a tiny run on that corpus
 
-# 8 steps of 8 sequences × 32 tokens, 2 micro-steps of 4 sequences each (one per rank on 2 ranks).
+# 8 steps of 8 sequences × 32 tokens, 2 micro-steps of 4 sequences each (one per rank on 2 ranks); checkpoints
+# after steps 4 and 8 (and where --train.stop_after stops): the default, about ten per run, would save after every
+# step, which is most of a tiny run's time.
 TINY_RUN = ["--model.n_layer", "2", "--model.d_model", "32", "--model.n_head", "2", "--model.block_size", "32",
             "--train.tokens", "2048", "--train.batch_tokens", "256", "--train.micro_batch", "4",
-            "--train.log_every", "1", "--train.eval_tokens", "512", "--train.lr", "1e-2"]
+            "--train.log_every", "1", "--train.eval_tokens", "512", "--train.lr", "1e-2",
+            "--train.checkpoint_every", "4"]
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,8 @@
 """Config: defaults, presets, TOML, dotted overrides, types and errors."""
 
-import subprocess
-import sys
-
 import pytest
 
+from lab.cli import run_main
 from lab.config import ConfigError, RunConfig, build_parser, config_from_args, resolve
 
 
@@ -60,9 +58,11 @@ def test_missing_and_invalid_toml(tmp_path):
         parse(["--config", str(bad)])
 
 
-@pytest.mark.slow
-def test_help_lists_every_option():
-    out = subprocess.run([sys.executable, "launch/run.py", "--help"], capture_output=True, text=True, check=True).stdout
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_:  # what `python launch/run.py --help` prints: the script is run_main
+        run_main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
     for option in ("--model.d_model", "--train.tokens", "--data.corpus", "--parallel.strategy", "--strategy",
                    "--resume", "--run-dir", "--config"):
         assert option in out

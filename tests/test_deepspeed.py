@@ -298,24 +298,27 @@ def test_the_same_deepspeed_run_resumes_bit_for_bit_and_exports_and_samples(tree
 # ---------------------------------------------------------------- torchrun, as the README runs it
 
 
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 def test_torchrun_two_ranks_and_one_process_train_as_single_does(args, tmp_path):
     # an empty extension cache: nothing may be compiled into it
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    runs = {"single": [sys.executable, "launch/run.py", "--strategy", "single"],
-            "one process": [sys.executable, "launch/run.py", "--strategy", "deepspeed", "--parallel.zero_stage", "3",
+    runs = {"one process": [sys.executable, "launch/run.py", "--strategy", "deepspeed", "--parallel.zero_stage", "3",
                             "--parallel.offload", "all"],
             "torchrun": [*torchrun, "launch/run.py", "--strategy", "deepspeed"]}
-    losses = {}
+    assert run_main([*args, "--run-dir", str(tmp_path / "single")]) == 0  # the reference needs no launcher
+    losses = {"single": train_losses(tmp_path / "single")}
     for name, command in runs.items():
         run_dir = tmp_path / name.replace(" ", "-")
         proc = subprocess.run([*command, *args, "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
                               env=env, timeout=300)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         assert "done (completed): 8 steps" in proc.stdout, name
-        losses[name] = [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                        if "loss" in r]
+        losses[name] = train_losses(run_dir)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["model_state_bytes"]["total"] > 0
     assert "strategy deepspeed (ZeRO stage 2) × 2" in proc.stdout and summary["world_size"] == 2

@@ -33,8 +33,9 @@ def sweep_text(data, name: str = "t", budgets=(6e8, 1.2e9), shapes=SHAPES, extra
     """A sweep file over explicit tiny shapes, on the tiny corpus (``data``: a DataConfig).
 
     Runs use one thread each: tiny models gain nothing from more, and spinning threads on a busy
-    machine slow them down many times over."""
-    train = {"micro_batch": 4, "eval_tokens": 512, "log_every": 1, **(train or {})}
+    machine slow them down many times over. They checkpoint only at the end (and when a signal stops them)
+    unless ``train`` sets checkpoint_every: about ten saves per run cost more than the steps."""
+    train = {"micro_batch": 4, "eval_tokens": 512, "log_every": 1, "checkpoint_every": 0, **(train or {})}
     lines = ["[sweep]", f"name = {toml_value(name)}", f"budgets = {toml_value(list(budgets))}", "",
              "[shapes]", 'family = "list"']
     for shape in shapes:

@@ -192,8 +192,8 @@ def test_export_refuses_a_bad_output_name(finished, sweeps_cli, tmp_path):
 
 def test_sigkill_in_the_middle_then_restart_completes_every_run_exactly_once(tmp_path, write_sweep, registry_rows,
                                                                             completions):
-    # 4 runs of 24-48 steps, one at a time: the driver is killed while the second one is training.
-    file = write_sweep(tmp_path / "s.toml", budgets=[3.3e9, 6.6e9], shapes=THREE[:2])
+    # 2 runs of 49 and 94 steps, one at a time: the driver is killed while the second one is training.
+    file = write_sweep(tmp_path / "s.toml", budgets=[6.6e9], shapes=THREE[:2])
     folder = tmp_path / "sweep"
     driver = start_driver("run", file, "--folder", folder, "--no-progress")
 
@@ -219,7 +219,7 @@ def test_sigkill_in_the_middle_then_restart_completes_every_run_exactly_once(tmp
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     after = registry_rows(folder)
-    assert len(after) == 4 and all(r["status"] == "done" for r in after.values())
+    assert len(after) == 2 and all(r["status"] == "done" for r in after.values())
     for name, row in before.items():  # nothing recorded before the kill was lost or redone
         if row["status"] == "done":
             assert after[name]["summary"] == row["summary"] and after[name]["attempts"] == 1

@@ -50,7 +50,7 @@ batch_tokens = 128
 [base]
 model = {{ block_size = 32 }}
 data = {corpus}
-train = {{ micro_batch = 4, eval_tokens = 512, log_every = 1 }}
+train = {{ micro_batch = 4, eval_tokens = 512, log_every = 1, checkpoint_every = 0 }}
 [local]
 parallel = 2
 threads = 1
@@ -134,9 +134,12 @@ def test_verify_refuses_a_budget_that_is_not_held_out_and_an_unidentified_fit(se
         "error: --budget 2e+09 is not held out: the sweep runs budgets up to 6e+09")
     proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--exclude", "no-such-run")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --exclude 'no-such-run': no run has that id")
+    proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--bootstrap", "-1")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --bootstrap must be 0 or more, got -1"
     before = rows(folder)
-    # three budgets of three sizes cannot identify a law: verify says so (exit 3) and trains nothing
-    proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--no-progress")
+    # three budgets of three sizes cannot identify a law: verify says so (exit 3) and trains nothing (the widths
+    # that judge identification need no more than 100 resamples here)
+    proc = sweeps_cli("verify", folder, "--budget", "2.4e10", "--bootstrap", "100", "--no-progress")
     assert proc.returncode == EXIT_UNIDENTIFIED, proc.stdout + proc.stderr
     assert "report.html says why" in proc.stderr and rows(folder) == before
     assert (folder / "verify" / "fit-C2.4e10" / "fit.json").is_file()
@@ -156,7 +159,7 @@ def test_verify_trains_the_predicted_shapes_at_the_held_out_budget(searched, swe
         n, d = doc["params"], doc["tokens"]
         doc["final_eval_loss"] = law["E"] + law["A"] / n ** law["alpha"] + law["B"] / d ** law["beta"]
         summary.write_text(json.dumps(doc))
-    proc = sweeps_cli("verify", folder, "--budget", "8e9", "--no-progress")
+    proc = sweeps_cli("verify", folder, "--budget", "8e9", "--bootstrap", "100", "--no-progress")
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: the real runs do not follow the law
     verdict = json.loads((folder / "verify" / "verify-C8e9.json").read_text())
     n_opt, (lo, hi) = verdict["prediction"]["n_opt"], verdict["prediction"]["n_opt_ci"]
