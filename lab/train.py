@@ -220,8 +220,9 @@ def _duration(seconds: float) -> str:
 def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
     grad = "skipped (non-finite)" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
     return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad {grad} | "
-            f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | comm {1e3 * rec['comm_time_s']:.0f} ms | "
-            f"mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | eta {_duration(eta_s)}")
+            f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
+            f"comm {1e3 * rec['comm_time_s']:.0f} ms | mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | "
+            f"eta {_duration(eta_s)}")
 
 
 # ---------------------------------------------------------------- one step
@@ -416,7 +417,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             result = train_step(strategy, world, batches, plan.accum_steps, lr, t.grad_clip, stop_signal() != 0)
         except TrainingDiverged as e:
             last = checkpoint.latest(run_dir)
-            raise TrainingDiverged(f"{e} at step {step + 1}; stopped (last good checkpoint: {last or 'none'})") from None
+            raise TrainingDiverged(f"{e} at step {step + 1}; stopped "
+                                   f"(last good checkpoint: {last or 'none'})") from None
         synchronize(world.device)
         step_time, sent = time.perf_counter() - t0, loopback_tx_bytes()
         meters, done = strategy.take_step_meters(), step + 1

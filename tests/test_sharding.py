@@ -109,7 +109,8 @@ def _odd_parameters(world: World) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [f"{label} {spec}" for label in ("frozen", "unused", "never used")
-                                  for spec in ("zero1", "zero2", "zero3", "fsdp") if (label, spec) != ("unused", "fsdp")])
+                                  for spec in ("zero1", "zero2", "zero3", "fsdp")
+                                  if (label, spec) != ("unused", "fsdp")])
 def test_frozen_and_unused_parameters_under_each_stage(odd_parameters, case):
     r = odd_parameters[case]
     assert r.same_losses and r.same_params, r  # the tied embedding is in every one of these models

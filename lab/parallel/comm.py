@@ -18,8 +18,9 @@ rank j and receives the N − 1 other copies of this rank's chunk (the first and
 themselves nothing; one in the middle, whose other chunks do not lie end to end, sends itself its
 own), summed with its own, in rank order, when the work is waited for; on two ranks the other
 rank's chunk is received straight into the output, where that is not a view into the input, and
-summed there (no receive buffer). Both send the (N − 1)/N of the ring formula. (gloo's point-to-point works say they are complete only once waited for; the
-all-to-all's says so when done, so a finished reduce-scatter's buffers are freed early.)
+summed there (no receive buffer). Both send the (N − 1)/N of the ring formula. (gloo's
+point-to-point works say they are complete only once waited for; the all-to-all's says so when
+done, so a finished reduce-scatter's buffers are freed early.)
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ def test_auto_chooses_the_form_that_generated_the_data(tmp_path):
     form, choice, _ = choose_form(kaplan, group_budgets(kaplan.c, 0.05), config)
     assert form is KAPLAN_E and choice["chosen"] == "kaplan-e"
     assert choice["holdout"]["kaplan-e"]["mean_rel_error"] < choice["holdout"]["chinchilla"]["mean_rel_error"]
-    chinchilla = _table(isoflop_runs(np.geomspace(1e18, 1e21, 6), per_budget=7, spread=6, noise=0.003, seed=0), tmp_path)
+    runs = isoflop_runs(np.geomspace(1e18, 1e21, 6), per_budget=7, spread=6, noise=0.003, seed=0)
+    chinchilla = _table(runs, tmp_path)
     result = fit_runs(chinchilla, config)
     assert result.parametric.form is CHINCHILLA and result.form_choice["chosen"] == "chinchilla"
     # a named form is taken as named, without a choice

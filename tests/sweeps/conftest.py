@@ -42,7 +42,8 @@ def sweep_text(data, name: str = "t", budgets=(6e8, 1.2e9), shapes=SHAPES, extra
         lines += ["[[shapes.list]]"] + [f"{k} = {toml_value(v)}" for k, v in shape.items()]
     lines += ["", "[rules]", "lr = 1e-2", "batch_tokens = 256", "",
               "[base]", f"model = {toml_value({'block_size': 32})}",
-              f"data = {toml_value({'corpus': str(data.corpus), 'cache_dir': str(data.cache_dir), 'vocab_size': data.vocab_size})}",
+              "data = " + toml_value({"corpus": str(data.corpus), "cache_dir": str(data.cache_dir),
+                                      "vocab_size": data.vocab_size}),
               f"train = {toml_value(train)}", "", "[estimate]", "flops_per_s = 1e9", "overhead_s = 4", "",
               "[local]"] + [f"{k} = {toml_value(v)}" for k, v in {"threads": 1, **(local or {})}.items()] + ["", extra]
     return "\n".join(lines) + "\n"

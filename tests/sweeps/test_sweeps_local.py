@@ -97,10 +97,12 @@ def test_each_run_went_through_torchrun_with_its_strategy_and_process_count(fini
         config = json.loads((Path(row["run_dir"]) / "config.json").read_text())
         summary = json.loads(row["summary"])
         expected = ("ddp", 2) if name.endswith("ddp2") else ("single", 1)
-        assert (config["parallel"]["strategy"], summary["strategy"], summary["world_size"]) == (*expected[:1], *expected)
+        got = (config["parallel"]["strategy"], summary["strategy"], summary["world_size"])
+        assert got == (*expected[:1], *expected)
     for budget in ("3e9", "6e9"):  # the same global batch on 2 processes: the same run, up to rounding
         one, two = (json.loads(rows[f"C{budget}-{n}"]["summary"]) for n in ("small", "small-ddp2"))
-        assert two["tokens"] == one["tokens"] and two["final_eval_loss"] == pytest.approx(one["final_eval_loss"], rel=1e-3)
+        assert two["tokens"] == one["tokens"]
+        assert two["final_eval_loss"] == pytest.approx(one["final_eval_loss"], rel=1e-3)
 
 
 def test_running_again_skips_finished_runs(finished, sweeps_cli, registry_rows):
@@ -360,7 +362,8 @@ def test_a_corrupt_registry_is_reported_and_left_untouched(tmp_path, write_sweep
     garbage = b"this is not an SQLite database\n" * 100
     (folder / "sweep.db").write_bytes(garbage)
     for args in (("run", file, "--folder", folder, "--no-progress"), ("status", folder),
-                 ("export", folder, "--out", tmp_path / "x.csv"), ("cancel", folder), ("retry", file, "--folder", folder)):
+                 ("export", folder, "--out", tmp_path / "x.csv"), ("cancel", folder),
+                 ("retry", file, "--folder", folder)):
         proc = sweeps_cli(*args)
         assert proc.returncode == 2, args
         lines = proc.stderr.strip().splitlines()

@@ -239,7 +239,8 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
                                      folder="it's; $(touch PWNED4) here", slurm=slurm)
     script = attempt.log.with_suffix(".sbatch")
     command = script_command(attempt, sweep.slurm, "sweep-x", script)
-    assert command[:2] == [sys.executable, str(SLURM_PY)] and command[command.index("--") + 1:] == list(attempt.run.args)
+    assert command[:2] == [sys.executable, str(SLURM_PY)]
+    assert command[command.index("--") + 1:] == list(attempt.run.args)
     written = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert written.returncode == 0, written.stderr
     text = script.read_text()
@@ -262,8 +263,8 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", "--rdzv_id=4242",
             f"--rdzv_endpoint=node-a:{20000 + 4242}"} <= set(argv)
     # the run's path and options arrive character for character
-    assert argv[argv.index("launch/run.py"):] == ["launch/run.py", "--run-dir", str(attempt.run_dir), "--resume", "auto",
-                                                  *attempt.run.args]
+    assert argv[argv.index("launch/run.py"):] == ["launch/run.py", "--run-dir", str(attempt.run_dir), "--resume",
+                                                  "auto", *attempt.run.args]
     assert NASTY in attempt.run_dir.name
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
