@@ -337,7 +337,10 @@ class TensorParallel:
         with this rank's shard, and set its forward (linear layers) to the column- or row-parallel one."""
         module = self._shard(model, name, dim, blocks, shared)
         if isinstance(module, nn.Linear):
-            module.forward = (functools.partial(self._column, module, name) if dim == 0
+            # the column-parallel forward takes the splits, not the name: compiled, a string would be guarded on
+            # and every layer compiled again
+            module.forward = (functools.partial(self._column, module, self.splits[f"{name}.weight"],
+                                                self.splits.get(f"{name}.bias")) if dim == 0
                               else functools.partial(self._row, module))
 
     def _shard(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...], shared: tuple[int, ...] = ()
@@ -360,11 +363,12 @@ class TensorParallel:
         split = self.splits.get(name)
         return whole(name) if split is None else split.take(whole(name, split.shape), self.rank, self.n)
 
-    def _column(self, linear: nn.Linear, name: str, x: torch.Tensor) -> torch.Tensor:
+    def _column(self, linear: nn.Linear, weight_split: Split, bias_split: Split | None, x: torch.Tensor
+                ) -> torch.Tensor:
         weight, bias = linear.weight, linear.bias
-        if self.splits[f"{name}.weight"].shared:  # replicated rows: their gradients summed over their ranks
-            weight = _SumOverReplicas.apply(weight, self.splits[f"{name}.weight"], self)
-            bias = bias if bias is None else _SumOverReplicas.apply(bias, self.splits[f"{name}.bias"], self)
+        if weight_split.shared:  # replicated rows: their gradients summed over their ranks
+            weight = _SumOverReplicas.apply(weight, weight_split, self)
+            bias = bias if bias is None else _SumOverReplicas.apply(bias, bias_split, self)
         return F.linear(self.enter(x), weight, bias)
 
     def _row(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
