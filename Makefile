@@ -51,4 +51,4 @@ bench: $(STAMP)
 	$(PY) launch/bench.py
 
 clean:
-	rm -rf $(VENV) runs data/prepared
+	rm -rf $(VENV) runs data/prepared demo-sweep demo-fit

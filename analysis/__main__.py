@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. \"loss > 4\" or \"params < 1e7\"); repeatable; the report lists what was dropped")
     f.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
                    help="leave out the K runs with the highest loss (after --exclude)")
+    f.add_argument("--side-runs", action="store_true",
+                   help="also fit the rows a table's role column marks as a sweep's search or verify runs "
+                        "(left out by default, as they are from a sweep folder)")
     f.add_argument("--law", choices=LAWS, default="chinchilla",
                    help="also fit Kaplan et al.'s form or Muennighoff et al.'s data-constrained law (needs a "
                         "unique_tokens column) beside approach 3 (default: Chinchilla's form only)")
@@ -254,7 +257,9 @@ def _fit(args: argparse.Namespace) -> int:
                        holdout_above=args.holdout_above, law=args.law)
     config.validate()
     table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates,
-                      exclude=args.exclude, drop_highest_loss=args.drop_highest_loss)
+                      exclude=args.exclude, drop_highest_loss=args.drop_highest_loss, side_runs=args.side_runs)
+    if table.side_runs:
+        print(table.side_runs)
     result = fit_runs(table, config)
     doc = result.to_dict()
     names = write_outputs(result, doc, out, args.format)

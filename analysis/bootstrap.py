@@ -110,7 +110,8 @@ def _refit_in_worker(chunk: int, size: int) -> Resamples:
 def bootstrap(problem: Problem, n_resamples: int, workers: int = 1, progress: bool = True) -> Resamples:
     """Refit every approach on ``n_resamples`` resamples, over ``workers`` processes."""
     sizes = _chunk_sizes(n_resamples)
-    bar = tqdm(total=n_resamples, desc="bootstrap", unit="fit", file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(total=n_resamples, desc="bootstrap", unit="fit", file=sys.stderr, leave=False,
+               disable=None if progress else True)  # None: on a terminal only
     parts: list[Resamples] = []
     with bar:
         if workers <= 1 or len(sizes) <= 1:

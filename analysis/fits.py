@@ -16,9 +16,10 @@ import numpy as np
 import pandas as pd
 
 from analysis.compare import APPROACHES, PREFERENCE, TITLES, Allocation
+from analysis.forms import CHINCHILLA, FORMS
 from analysis.planner import allocations, load_fit, theta_of
 
-QUANTITIES = ("E", "A", "B", "alpha", "beta", "a", "b")
+ALLOCATION_EXPONENTS = ("a", "b")
 
 
 @dataclass
@@ -39,6 +40,11 @@ class FitEntry:
     @property
     def theta(self) -> np.ndarray:
         return theta_of(self.doc)
+
+    @property
+    def form(self) -> str:
+        """Approach 3's form (a fit.json written before forms existed fitted Chinchilla's)."""
+        return self.doc["approach3"].get("form") or CHINCHILLA.name
 
     @property
     def flops_range(self) -> tuple[float, float]:
@@ -67,12 +73,16 @@ def labels_for(paths: list[Path]) -> list[str]:
 
 
 def parameter_table(entries: list[FitEntry]) -> pd.DataFrame:
-    """Quantities (rows) by fit (columns): runs, approach 3's parameters with intervals, each approach's a, the
-    law planned with and its N_opt at the largest C of all inputs."""
+    """Quantities (rows) by fit (columns): runs, approach 3's form and each fit's own parameters of it with
+    intervals ("not in its form" where a fit's form has no such parameter), each approach's a, the law planned
+    with and its N_opt at the largest C of all inputs."""
     flops = max(e.flops_range[1] for e in entries)
-    rows: dict[str, list[str]] = {"runs": [str(e.doc["data"]["n_runs"]) for e in entries]}
-    for q in QUANTITIES:
+    rows: dict[str, list[str]] = {"runs": [str(e.doc["data"]["n_runs"]) for e in entries],
+                                  "approach 3: form": [e.form for e in entries]}
+    names = dict.fromkeys(q for e in entries for q in (*FORMS[e.form].names, *ALLOCATION_EXPONENTS))
+    for q in names:
         rows[f"approach 3: {q}"] = [_with_ci(e.doc["approach3"].get(q), (e.doc["approach3"].get("ci") or {}).get(q))
+                                    if q in FORMS[e.form].names or q in ALLOCATION_EXPONENTS else "not in its form"
                                     for e in entries]
     for key in APPROACHES[:2]:
         rows[f"{TITLES[key]}: a"] = [_with_ci(e.doc[key].get("a"), (e.doc[key].get("ci") or {}).get("a"))

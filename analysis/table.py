@@ -74,6 +74,7 @@ class RunTable:
     duplicates: list[dict] = field(default_factory=list)  # {"params", "tokens", "run_ids", "loss_spread", ...}
     duplicate_policy: str = "keep"
     dropped: list[dict] = field(default_factory=list)  # {"run_id", "params", "tokens", "loss", "reason"}
+    side_runs: str | None = None  # the one line that says which search or verify rows were left out
 
     @property
     def n(self) -> np.ndarray:
@@ -116,7 +117,7 @@ def parse_column_map(items: list[str] | None) -> dict[str, str]:
 
 def load_runs(path: str | Path, columns: dict[str, str] | None = None,
               params_count: str | None = None, duplicates: str = "keep", exclude: tuple[str, ...] | list[str] = (),
-              drop_highest_loss: int = 0) -> RunTable:
+              drop_highest_loss: int = 0, side_runs: bool = False) -> RunTable:
     """Read, map and validate the runs at ``path``.
 
     ``columns`` maps canonical names to the table's own column names. ``params_count`` picks
@@ -125,6 +126,8 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
     pandas query conditions on the mapped columns (``loss > 4``); the runs they match are dropped,
     then the ``drop_highest_loss`` runs with the highest loss. ``duplicates`` says what to do with
     runs sharing N and D: keep each as its own point ("keep"), average them ("mean") or raise ("refuse").
+    Rows whose ``role`` column marks them as a sweep's search or verify runs are left out (as they are from a
+    sweep folder) unless ``side_runs``; ``RunTable.side_runs`` then says so in one line.
     """
     path = Path(path)
     if params_count is not None and params_count not in PARAMS_COUNTS:
@@ -148,6 +151,10 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
         frame["run_id"] = [f"row {i + 1}" for i in range(len(frame))]
     frame["run_id"] = frame["run_id"].astype(str)
     keep = _completed(frame, warnings)
+    side_note = None
+    if not side_runs:
+        side, side_note = _side_rows(frame)
+        keep = keep & ~side  # not in place: _completed may return a read-only view of the frame
     frame = frame[keep].reset_index(drop=True)
     if run_dirs:
         run_dirs = [d for d, k in zip(run_dirs, keep) if k]
@@ -165,7 +172,8 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
     if loss_sources is not None:
         loss_sources = [s for s, k in zip(loss_sources, kept) if k]
     table = RunTable(runs=runs, source=str(path), params_count=count, notes=notes, warnings=warnings,
-                     flops_derived="flops derived as 6ND" in notes, duplicate_policy=duplicates, dropped=dropped)
+                     flops_derived="flops derived as 6ND" in notes, duplicate_policy=duplicates, dropped=dropped,
+                     side_runs=side_note)
     if loss_sources is not None:
         table.loss_source = "final_eval_loss of summary.json" + (" (final_train_loss where eval was null)"
                                                                   if "train" in loss_sources else "")
@@ -337,6 +345,19 @@ def _completed(frame: pd.DataFrame, warnings: list[tuple[str, str]]) -> np.ndarr
     if skipped:
         warnings.append(("runs_skipped", f"skipped {len(skipped)} run(s) not completed: {_preview(skipped)}"))
     return keep
+
+
+def _side_rows(frame: pd.DataFrame) -> tuple[np.ndarray, str | None]:
+    """Rows a sweep marks (``role`` column) as its search or verify runs, and the line that says they are left out."""
+    if "role" not in frame.columns:
+        return np.zeros(len(frame), bool), None
+    roles = frame["role"].astype(str)
+    side = roles.isin(SWEEP_SIDE_RUNS).to_numpy()
+    if not side.any():
+        return side, None
+    counts = ", ".join(f"{n} {role}" for role, n in roles[side].value_counts().sort_index().items())
+    return side, (f"left out {counts} row(s) (column role): a sweep's search and verify runs are not its grid; "
+                  f"--side-runs fits them too")
 
 
 def _numeric(frame: pd.DataFrame, column: str) -> np.ndarray:

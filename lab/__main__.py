@@ -18,6 +18,7 @@ COMMANDS = {
     "train": ("lab.cli", "run_main", "train one run and write its run directory (under torchrun: one rank)"),
     "sample": ("lab.cli", "sample_main", "sample text from a run's checkpoint"),
     "export": ("lab.cli", "export_main", "export a run's weights as one plain state-dict file"),
+    "plot": ("lab.plot", "main", "a run's curves (loss, eval loss, lr, grad norm, tokens/s), or several overlaid"),
     "plan": ("lab.plan", "main", "training time and memory on paper"),
     "bench": ("lab.bench", "main", "throughput and MFU, or strategies side by side"),
     "equivalence": ("lab.equivalence", "main", "check strategies reproduce single's losses and weights"),

@@ -29,7 +29,7 @@ lab reports; the run ends with a checkpoint), rank 0's own high-water mark after
 (before that checkpoint), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.memory``)
 beside ``peak_bytes_theory``, the median step time of the steps after the first, and the bytes sent
 on the loopback interface while those steps ran (the counter rank 0 reads at the end of every step,
-``loopback_tx_bytes`` in its records: from the end of the first step to the end of the last) beside
+``machine_loopback_tx_bytes`` in its records: from the end of the first step to the end of the last) beside
 the formula (every rank sends ``comm_bytes_per_step_theory``), with the interface's background rate
 measured just before the run.
 """
@@ -398,7 +398,7 @@ def memory_run(strategy: str, nproc: int, run_dir: Path, extra: list[str]) -> di
         last = Path(log.name).read_text().strip().splitlines()[-1:]
         raise RuntimeError(f"{strategy}: the run exited with {proc.returncode} after {len(records)} step(s): {last}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    sent = [r["loopback_tx_bytes"] for r in (records[0], records[-1])]
+    sent = [r["machine_loopback_tx_bytes"] for r in (records[0], records[-1])]
     timed = records[1:]
     loopback = None if None in (before, after, *sent) else {
         "bytes_per_step": (sent[1] - sent[0]) / len(timed), "seconds": sum(r["step_time_s"] for r in timed),

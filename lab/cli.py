@@ -148,7 +148,7 @@ def _world_from_env(device_name: str) -> World:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM ask the loop to stop at the next step boundary; a second SIGINT stops at once."""
+    """SIGINT and SIGTERM ask the loop to stop at the end of the step in progress; a second SIGINT stops at once."""
 
     def __init__(self) -> None:
         self.received = 0
@@ -198,6 +198,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     """``--nproc-per-node N``: check the run for N ranks here, then start them on this machine with torchrun's
     launcher (standalone). Bad input gives one ``error:`` line and exit 2 before any rank starts; afterwards
     the exit code is the first failed rank's (that rank printed why), or 0."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -214,6 +215,8 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     torchrun = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "lab", "train"]
     try:
         run(get_args_parser().parse_args([*torchrun, *argv, "--nproc-per-node", "1"]))
+    except SignalException as e:  # torchrun's launcher passed the signal on to the ranks, which stopped and said where
+        return 128 + e.sigval
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode > 0:
@@ -302,7 +305,8 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
     if summary["status"] == "interrupted":
         if world.is_main:
             print(f"interrupted by {summary['signal']} after step {summary['steps']} of {summary['total_steps']}; "
-                  f"checkpoint saved; resume with the same command plus --run-dir {run_dir} --resume", flush=True)
+                  f"checkpoint saved; resume with the same command plus "
+                  f"{'--resume' if args.run_dir else f'--run-dir {run_dir} --resume'}", flush=True)
         return 128 + signal.Signals[summary["signal"]].value
     if world.is_main:
         entropy = summary["unigram_entropy_nats"]
@@ -339,16 +343,31 @@ def checkpoint_weights(run_dir: Path, folder: str | None, model: torch.nn.Module
     return checkpoint.load_model(path, shapes)
 
 
+def add_run_dir_arguments(p: argparse.ArgumentParser) -> None:
+    """The run directory, as an argument or as --run-dir (the same for every command that reads a run)."""
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory written by python -m lab train")
+    p.add_argument("--run-dir", dest="run_dir_option", metavar="RUN_DIR", help="the same, as an option")
+    p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
+
+
+def chosen_run_dir(args: argparse.Namespace) -> Path:
+    """The run directory given as an argument or as --run-dir; ConfigError for neither or two different ones."""
+    given = {a for a in (args.run_dir, args.run_dir_option) if a is not None}
+    if len(given) != 1:
+        raise ConfigError("give the run directory once, as an argument or as --run-dir" if given else
+                          "which run? give its run directory (as an argument or as --run-dir)")
+    return Path(given.pop())
+
+
 def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -> int:
     """Write one run's weights, from any checkpoint, as a single file loadable with weights_only=True."""
     p = Parser(prog=prog, description="Export a run's weights as one plain state-dict file "
                                                     "(torch.load(path, weights_only=True) reads it).")
-    p.add_argument("run_dir", help="a run directory written by launch/run.py")
-    p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
+    add_run_dir_arguments(p)
     p.add_argument("--out", help="the file to write (default: RUN_DIR/export/model-step-N.pt)")
     args = p.parse_args(argv)
-    run_dir = Path(args.run_dir)
     try:
+        run_dir = chosen_run_dir(args)
         cfg = run_config(run_dir)
         with torch.device("meta"):
             model = GPT(cfg.model)
@@ -369,21 +388,20 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
 def sample_main(argv: list[str] | None = None, prog: str = "launch/sample.py") -> int:
     """Generate text from a run's newest (or a given) checkpoint."""
     p = Parser(prog=prog, description="Sample text from a trained run.")
-    p.add_argument("--run-dir", required=True, help="a run directory written by launch/run.py")
-    p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
+    add_run_dir_arguments(p)
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--num-samples", type=int, default=1, help="how many samples to draw from the same prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest tokens only; 0 for all")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed draws the same samples")
     args = p.parse_args(argv)
-    run_dir = Path(args.run_dir)
-    if args.tokens <= 0 or args.num_samples <= 0 or args.temperature < 0:
-        return _error("--tokens and --num-samples must be positive and --temperature >= 0")
+    if args.tokens <= 0 or args.num_samples <= 0 or args.temperature < 0 or args.top_k < 0:
+        return _error("--tokens and --num-samples must be positive, --temperature and --top-k >= 0")
     if not args.prompt:
         return _error("--prompt must not be empty")
     try:
+        run_dir = chosen_run_dir(args)
         cfg = run_config(run_dir)
         model = GPT(cfg.model)
         model.load_state_dict(checkpoint_weights(run_dir, args.checkpoint, model))

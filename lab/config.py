@@ -266,11 +266,21 @@ def print_error(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, once: not where the help states it already, nor a default of None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action) or ""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with whole option names only and one-line errors (with a suggestion) instead of the usage."""
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        super().__init__(allow_abbrev=False, formatter_class=DefaultsOnce, **kwargs)
         # A value that starts like a negative number (-1e5, -.5, -3) is a value, not an option: the rule
         # argparse itself adopted in Python 3.13 (3.11 takes only -3 and -0.5).
         self._negative_number_matcher = re.compile(r"-\.?\d")
@@ -284,20 +294,23 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser with --config, --run-dir, --resume, --strategy and one --section.field per option."""
+def build_parser(prog: str, description: str, sections: tuple[str, ...] = tuple(SECTIONS)) -> argparse.ArgumentParser:
+    """A parser with --config and one --section.field per option of ``sections``; for a run (every section)
+    also --run-dir, --resume and --strategy."""
     p = Parser(prog=prog, description=description)
-    p.add_argument("--config", help="TOML file with [model], [data], [train], [parallel] tables")
-    p.add_argument("--run-dir", help="output folder (config, metrics, checkpoints); default: a new "
-                                     "runs/<date>-<time> folder")
-    p.add_argument("--resume", nargs="?", const="latest", choices=RESUME_MODES, default=None,
-                   help="latest (the bare flag): continue from the newest checkpoint in --run-dir, which must exist; "
-                        "auto: continue when there is a complete checkpoint, else start afresh; never: refuse a "
-                        "directory that holds a run (default: never, auto when torchrun restarts the group)")
-    p.add_argument("--strategy", dest="parallel.strategy", default=argparse.SUPPRESS,
-                   help="short for --parallel.strategy")
+    p.add_argument("--config", help=f"TOML file with {', '.join(f'[{s}]' for s in sections)} tables")
+    if set(sections) == set(SECTIONS):
+        p.add_argument("--run-dir", help="output folder (config, metrics, checkpoints) (default: a new "
+                                         "runs/<date>-<time> folder)")
+        p.add_argument("--resume", nargs="?", const="latest", choices=RESUME_MODES, default=None,
+                       help="latest (the bare flag): continue from the newest checkpoint in --run-dir, which must "
+                            "exist; auto: continue when there is a complete checkpoint, else start afresh; never: "
+                            "refuse a directory that holds a run (default: never, auto when torchrun restarts the "
+                            "group)")
+        p.add_argument("--strategy", dest="parallel.strategy", default=argparse.SUPPRESS,
+                       help="short for --parallel.strategy")
     defaults = RunConfig()
-    for section in SECTIONS:
+    for section in sections:
         obj = getattr(defaults, section)
         group = p.add_argument_group(f"[{section}]")
         for f in dataclasses.fields(obj):

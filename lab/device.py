@@ -5,8 +5,9 @@
 - ``peak_flops``: the dense data-sheet peak on a GPU (``lab.accounting``), or on a CPU a matmul
   peak measured once per machine, thread count, torch version and dtype, within a time budget and
   with a private random generator (the training RNG is never touched), then cached in
-  ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement
-  (``python -m lab peak --remeasure`` measures again; the best figure is kept);
+  ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement,
+  unless the machine was busy (load above its cores: the figure reads low); ``python -m lab peak
+  --remeasure`` measures again, and so does a run whose MFU exceeds 100 %; the best figure is kept;
 - memory: the peak this process used, and what is available before a run starts.
 """
 
@@ -104,6 +105,7 @@ def synchronize(device: torch.device) -> None:
 class Peak:
     flops: float  # FLOP/s of one device
     source: str  # where the figure comes from, for the summary
+    measured: torch.dtype | None = None  # the dtype of a CPU measurement (None: a data sheet or train.peak_flops)
 
 
 def peak_flops(device: torch.device, precision: Precision, override: float = 0.0) -> Peak:
@@ -138,15 +140,22 @@ def _peak_key(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class PeakRecord:
-    """One CPU matmul peak measurement: its FLOP/s, when it was taken and under what load."""
+    """One CPU matmul peak measurement: its FLOP/s, when it was taken, under what load and on how many threads."""
 
     flops: float
     measured_at: str  # UTC
     load: float | None  # the 1-minute load average just before (other work competing for the cores)
+    threads: int | None = None  # torch's intra-op threads (None: written before they were recorded)
 
     def describe(self) -> str:
         load = "load unknown" if self.load is None else f"load {self.load:.2f} on {os.cpu_count()} cores"
-        return f"{self.measured_at}, {load}"
+        return (f"{self.threads} thread{'s' if self.threads != 1 else ''}, " if self.threads else "") + \
+            f"{self.measured_at}, {load}"
+
+    @property
+    def busy(self) -> bool:
+        """Whether the machine was busy when it was taken (load above its cores): such a figure reads low."""
+        return self.load is not None and self.load > (os.cpu_count() or 1)
 
 
 def _read_cache() -> dict[str, PeakRecord]:
@@ -159,9 +168,10 @@ def _read_cache() -> dict[str, PeakRecord]:
         if isinstance(value, (int, float)):  # written before the time and load were recorded
             value = {"flops": value}
         if isinstance(value, dict) and isinstance(value.get("flops"), (int, float)) and value["flops"] > 0:
-            load = value.get("load")
+            load, threads = value.get("load"), value.get("threads")
             records[key] = PeakRecord(float(value["flops"]), str(value.get("measured_at", "at an unknown time")),
-                                      float(load) if isinstance(load, (int, float)) else None)
+                                      float(load) if isinstance(load, (int, float)) else None,
+                                      threads if isinstance(threads, int) else None)
     return records
 
 
@@ -169,20 +179,35 @@ def cpu_peak_flops(dtype: torch.dtype) -> Peak:
     """This CPU's matmul FLOP/s in ``dtype``: the cached figure, or one measured now (< 2 s) and cached."""
     cached = _read_cache().get(_peak_key(dtype))
     if cached:
-        return Peak(cached.flops, f"measured matmul peak ({cached.describe()}; cached in {_cache_file()})")
-    best = record_cpu_peak(dtype)[1]
-    return Peak(best.flops, f"measured matmul peak ({best.describe()})")
+        return Peak(cached.flops, f"measured matmul peak ({cached.describe()}; cached in {_cache_file()})", dtype)
+    return _measured_peak(dtype, record_cpu_peak(dtype)[1])
+
+
+def _measured_peak(dtype: torch.dtype, record: PeakRecord) -> Peak:
+    busy = "; not cached: measured on a busy machine" if record.busy else ""
+    return Peak(record.flops, f"measured matmul peak ({record.describe()}{busy})", dtype)
+
+
+def remeasure_low_peak(peak: Peak) -> Peak | None:
+    """A CPU peak measured again now, when the figure ``peak`` holds reads lower than this one (a run's MFU above
+    100 % says it does); else None. The best figure is cached, as in ``record_cpu_peak``."""
+    if peak.measured is None:
+        return None
+    best = record_cpu_peak(peak.measured)[1]
+    return _measured_peak(peak.measured, best) if best.flops > peak.flops else None
 
 
 def record_cpu_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> tuple[PeakRecord, PeakRecord]:
-    """Measure again and cache the best figure this machine has shown, with its time and load (a measurement
-    taken while other work competed for the cores reads low; a later, quieter one replaces it).
-    Returns (this measurement, the best one kept)."""
+    """Measure again and cache the best figure this machine has shown, with its time, load and threads (a
+    measurement taken while other work competed for the cores reads low: one taken on a busy machine, load above
+    its cores, is not cached, and a later, quieter one replaces a low one). Returns (this measurement, the best)."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     now = PeakRecord(measure_matmul_peak(dtype, budget_s), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                     load)
+                     load, torch.get_num_threads())
     cache, key = _read_cache(), _peak_key(dtype)
     best = cache[key] if key in cache and cache[key].flops >= now.flops else now
+    if best is now and now.busy:
+        return now, now
     with contextlib.suppress(OSError):  # an unwritable cache only costs a measurement next time
         path = _cache_file()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,8 +237,9 @@ def peak_main(argv: list[str] | None = None, prog: str = "python -m lab peak") -
         name = "fp32" if dtype == torch.float32 else "bf16"
         if args.remeasure:
             now, best = record_cpu_peak(dtype, args.budget)
-            print(f"{name}: {now.flops / 1e9:,.1f} GFLOP/s now ({now.describe()}); "
-                  f"kept {best.flops / 1e9:,.1f} GFLOP/s (measured {best.describe()})")
+            kept = "not cached: the machine is busy" if best is now and now.busy else \
+                f"kept {best.flops / 1e9:,.1f} GFLOP/s (measured {best.describe()})"
+            print(f"{name}: {now.flops / 1e9:,.1f} GFLOP/s now ({now.describe()}); {kept}")
         elif (kept := cache.get(_peak_key(dtype))) is not None:
             print(f"{name}: {kept.flops / 1e9:,.1f} GFLOP/s (measured {kept.describe()})")
         else:

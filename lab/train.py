@@ -26,7 +26,8 @@ from lab import accounting, checkpoint, memory, parallel, schedule
 from lab.config import NONFINITE, ConfigError, RunConfig, did_you_mean
 from lab.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
-from lab.device import Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device, synchronize
+from lab.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak, resolve_precision,
+                        setup_device, synchronize)
 from lab.model import GPT
 from lab.model import validate as validate_model
 from lab.optim import adamw_factory, param_groups
@@ -237,8 +238,12 @@ class StepResult:
 
 
 def train_step(strategy: Strategy, world: World, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-               accum_steps: int, lr: float, max_norm: float, stop_requested: bool = False) -> StepResult:
+               accum_steps: int, lr: float, max_norm: float,
+               stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
     """Forward and backward every micro-batch (gradients synced on the last), clip, then step or skip.
+
+    ``stop_requested`` is asked after the backward, so that a stop asked for during the step ends it: the ranks
+    agree on it in the loss's all-reduce.
 
     A non-finite loss raises TrainingDiverged before the weights change; a non-finite gradient with
     a finite loss leaves the weights as they are (the caller decides whether to go on).
@@ -256,9 +261,10 @@ def train_step(strategy: Strategy, world: World, micro_batches: Iterable[tuple[t
 
 
 def _finish_step(strategy: Strategy, world: World, loss_sum: torch.Tensor, lr: float, max_norm: float,
-                 stop_requested: bool) -> StepResult:
+                 stop_requested: Callable[[], bool]) -> StepResult:
     norm = strategy.clip_grad_norm(max_norm).item()
-    summed = world.sum(torch.stack([loss_sum.float(), torch.tensor(float(stop_requested), device=world.device)]))
+    stop = torch.tensor(float(stop_requested()), device=world.device)
+    summed = world.sum(torch.stack([loss_sum.float(), stop]))
     loss_value = (summed[0] / world.world_size).item()
     if not math.isfinite(loss_value):
         raise TrainingDiverged(f"loss is {loss_value}")
@@ -353,7 +359,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
         finally:
             log.close()
-        summary = summarise(cfg, world, plan, strategy, data, data_dir, peak, outcome,
+        summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
                             start.wall_time_s + time.perf_counter() - started)
         summary |= {"resumed_from_step": start.step, "restarts": restarts}
         if world.is_main:
@@ -384,6 +390,7 @@ class Outcome:
     eval_loss: float | None
     skipped_steps: int
     peak_bytes: dict[str, int]  # per phase and the RSS: the most any step reached
+    peak: Peak  # the MFU denominator at the end (a CPU peak that read low is measured again)
 
 
 def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -414,7 +421,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         batches = (sampler.batch(step, plan.global_sequences, *plan.micro_range(replica, micro))
                    for micro in range(plan.accum_steps))
         try:
-            result = train_step(strategy, world, batches, plan.accum_steps, lr, t.grad_clip, stop_signal() != 0)
+            result = train_step(strategy, world, batches, plan.accum_steps, lr, t.grad_clip,
+                                lambda: stop_signal() != 0)
         except TrainingDiverged as e:
             last = checkpoint.latest(run_dir)
             raise TrainingDiverged(f"{e} at step {step + 1}; stopped "
@@ -440,26 +448,33 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "compute_time_s": max(0.0, step_time - meters.comm_wait_s), "tokens_per_s": tokens_per_s,
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
                    "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks,
-                   "loopback_tx_bytes": sent}
+                   "machine_loopback_tx_bytes": sent}
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
             if rec["mfu"] > 1 and not warned:
                 warned = True
-                log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
-                        f"probably measured while other work ran; measure it again on a quiet machine with "
-                        f"python -m lab peak --remeasure, or set train.peak_flops")
+                remeasured = remeasure_low_peak(peak) if world.is_main else None
+                if remeasured is not None:
+                    log.say(f"MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) read low; measured "
+                            f"again: {remeasured.flops:.3g} FLOP/s ({remeasured.source}), used from here on")
+                    peak = remeasured
+                else:
+                    log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
+                            f"probably measured while other work ran; measure it again on a quiet machine with "
+                            f"python -m lab peak --remeasure, or set train.peak_flops")
         if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
             eval_loss = evaluate(strategy, world, data, cfg)
             log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})
             log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}")
         if result.stop_requested:
             save(done)
-            return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks)
+            return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks,
+                           peak)
         if (every and done % every == 0) or done == end_step:
             save(done)
     status = "completed" if end_step == plan.total_steps else "stopped"
-    return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks)
+    return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks, peak)
 
 
 def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,

@@ -121,7 +121,8 @@ def execute(folder: Path, registry: Registry, names: list[str], executor: Execut
     """Run the named rows that are not done or cancelled; the exit code says whether all are done."""
     rows = [registry.get(n) for n in names]
     todo = [r for r in rows if r.status not in ("done", "cancelled")]
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="runs", unit="run", disable=not progress,
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="runs", unit="run",
+               disable=None if progress else True,  # None: on a terminal only
                file=sys.stderr, dynamic_ncols=True)
     events = Recorder(registry, executor.name, bar)
     # SLURM jobs outlive a driver: follow the ones an earlier driver left running

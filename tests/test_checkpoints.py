@@ -161,7 +161,11 @@ def test_export_and_sample_from_any_strategy(tree, tiny_prepared, tmp_path, stra
     assert all(torch.equal(exported["model"][k], gathered[k]) for k in exported["model"])
     capsys.readouterr()
     assert sample_main(["--run-dir", str(run_dir), "--prompt", "The Union", "--tokens", "5"]) == 0
-    assert capsys.readouterr().out.startswith("The Union")
+    sampled = capsys.readouterr().out
+    assert sampled.startswith("The Union")
+    # the run folder as an argument, as export takes it: the same run, the same seed, the same text
+    assert sample_main([str(run_dir), "--prompt", "The Union", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out == sampled
 
 
 def test_export_refuses_what_is_not_a_run(tmp_path, capsys):

@@ -170,8 +170,9 @@ def test_peak_remeasure_records_time_and_load_and_keeps_the_best(tmp_path, monke
     cache = json.loads((tmp_path / "scaling-lab" / "cpu-peaks.json").read_text())
     assert sorted(r["flops"] for r in cache.values()) == [3e9, 5e9] and {r["load"] for r in cache.values()} == {1.75}
     source = device.cpu_peak_flops(torch.bfloat16).source
-    assert source.startswith("measured matmul peak (20") and "load 1.75 on" in source
-    assert device.peak_main([]) == 0 and "bf16: 5.0 GFLOP/s (measured 20" in capsys.readouterr().out
+    threads = f"{torch.get_num_threads()} thread"
+    assert source.startswith(f"measured matmul peak ({threads}") and ", 20" in source and "load 1.75 on" in source
+    assert device.peak_main([]) == 0 and f"bf16: 5.0 GFLOP/s (measured {threads}" in capsys.readouterr().out
 
 
 def test_the_start_line_names_the_deepspeed_stage_and_the_peak():

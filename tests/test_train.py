@@ -53,7 +53,7 @@ def test_run_directory_contract(tmp_path, args):
     steps = [x for x in records if "loss" in x]
     assert [x["step"] for x in steps] == list(range(1, 9))
     for field in ("step", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
-                  "mem_peak_bytes", "loopback_tx_bytes"):
+                  "mem_peak_bytes", "machine_loopback_tx_bytes"):
         assert all(field in x for x in steps), field
     assert steps[-1]["tokens"] == 2048 and 0 < steps[-1]["mfu"] < 1
     evals = [x for x in records if "eval_loss" in x]

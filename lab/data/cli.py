@@ -11,7 +11,7 @@ from lab.data.shards import DEFAULT_SHARD_TOKENS, prepare, summary
 def prepare_main(argv: list[str] | None = None, prog: str = "launch/prepare.py") -> int:
     """Parse the shared command line, prepare ``[data]``, print a summary; 2 on a bad config."""
     parser = build_parser(prog, "Split a corpus, train its tokenizer and tokenize it into "
-                                        "memory-mapped shards (reused when already prepared).")
+                                        "memory-mapped shards (reused when already prepared).", sections=("data",))
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                         help="most tokens per shard file")
     args = parser.parse_args(argv)

@@ -196,7 +196,7 @@ def _build(cfg: DataConfig, source: Source, scan: _Scan, folder: Path, shard_tok
     if cfg.tokenizer == "bpe":
         train_texts = (d.text for d in iter_documents(source) if d.id not in held)
         tokenizer = BPETokenizer.train(tqdm(train_texts, total=scan.train_docs, desc="training BPE", unit="doc",
-                                            file=sys.stderr, disable=not progress), cfg.vocab_size)
+                                            file=sys.stderr, disable=None if progress else True), cfg.vocab_size)
     else:
         tokenizer = BytesTokenizer()
     tokenizer.save(folder / TOKENIZER_DIR)
@@ -205,7 +205,7 @@ def _build(cfg: DataConfig, source: Source, scan: _Scan, folder: Path, shard_tok
     writers = {split: _ShardWriter(folder, split, dtype, shard_tokens) for split in SPLITS}
     counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
     bar = tqdm(total=scan.chars, unit="char", unit_scale=True, desc="tokenizing", file=sys.stderr,
-               disable=not progress)
+               disable=None if progress else True)
     try:
         for batch in _batches(iter_documents(source)):
             parts: dict[str, list[list[int]]] = {split: [] for split in SPLITS}
@@ -248,7 +248,8 @@ def prepare(cfg: DataConfig, progress: bool = True, shard_tokens: int = DEFAULT_
 
     Idempotent and safe to run concurrently: nothing is written until the config and every
     document have been checked, and the folder appears only when complete. ``progress`` shows
-    bars on stderr; ``shard_tokens`` caps the tokens per shard file (and is part of the fingerprint).
+    bars on stderr when it is a terminal; ``shard_tokens`` caps the tokens per shard file (and is part of the
+    fingerprint).
     """
     if shard_tokens < 1:
         raise ConfigError(f"shard size must be a positive number of tokens, got {shard_tokens}")
