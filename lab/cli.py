@@ -211,7 +211,9 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     except ConfigError as e:
         return _error(str(e))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several processes, without its banner
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the ranks say what failed
+    # the ranks say what failed or where they stopped; torch gives each of its modules' loggers its own level
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     torchrun = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "lab", "train"]
     try:
         run(get_args_parser().parse_args([*torchrun, *argv, "--nproc-per-node", "1"]))
