@@ -106,6 +106,24 @@ def _norm_params(cfg: ModelShape) -> int:
     return cfg.d_model * (2 if cfg.arch == "gpt2" and uses_bias(cfg) else 1)  # RMSNorm has no bias
 
 
+def tensor_parallel_split_problem(cfg: ModelShape, tp: int, sequence_parallel: bool) -> str | None:
+    """Why ``tp`` ranks cannot split ``cfg``'s layers evenly (``lab.parallel.tensor``), or None when they can."""
+    if tp == 1:
+        return None
+    kv = kv_heads(cfg)
+    checks = [(cfg.n_head, "model.n_head"), (ffn_width(cfg), "the MLP width (model.d_ff)")]
+    if kv >= tp:
+        checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
+    elif tp % kv:
+        return f"model.n_kv_head ({kv}) must divide parallel.tp ({tp}) to replicate the key/value heads"
+    if sequence_parallel:
+        checks.append((cfg.block_size, "model.block_size (sequence parallel splits the sequence)"))
+    if cfg.vocab_size is not None:
+        checks.append((padded_vocab(cfg), f"the embedding's rows (set model.pad_vocab_to to a multiple of {tp})"))
+    return next((f"parallel.tp ({tp}) must divide {what}, which is {size}" for size, what in checks if size % tp),
+                None)
+
+
 def tensor_parallel_params(cfg: ModelShape, tp: int) -> int:
     """Parameters each rank of a tensor-parallel group of ``tp`` holds (``lab.parallel.tensor``): the query heads,
     the MLP's hidden units (their rows, biases and down-projection columns), the attention output's columns and

@@ -30,7 +30,7 @@ from lab import checkpoint
 from lab.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
-from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
+from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads, usable_cores
 from lab.files import dumps, probe_writable, save_json
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
@@ -210,7 +210,8 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
         _preflight(args, ranks=args.nproc_per_node)
     except ConfigError as e:
         return _error(str(e))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several processes, without its banner
+    # each rank's share of the cores (torchrun would give each 1 thread, with a banner saying so)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // args.nproc_per_node)))
     # the ranks say what failed or where they stopped; torch gives each of its modules' loggers its own level
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -239,6 +240,7 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
     args = parser.parse_args(argv)
     if args.nproc_per_node != 1:
         return launch_ranks(args, argv)
+    size_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # before the CPU peak, which is per thread count
     try:
         cfg, world, run_dir, mode, estimate = _preflight(args)
     except ConfigError as e:

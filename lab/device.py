@@ -86,6 +86,20 @@ def resolve_precision(dtype: str, device: torch.device) -> Precision:
     return Precision(device.type, dtype == "bf16" or (dtype == "auto" and device.type == "cuda"))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a SLURM or taskset allotment)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def size_threads(processes: int) -> int:
+    """Give this process its share of the usable cores as torch's intra-op threads (``processes`` of one job share
+    this machine), unless OMP_NUM_THREADS says how many; returns the count. More threads than cores make each
+    process's OpenMP threads wait on the others' (measured in benchmarks/threads.md)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, usable_cores() // max(1, processes)))
+    return torch.get_num_threads()
+
+
 def describe(device: torch.device) -> str:
     """The device in words: the GPU's name, or the CPU's model and thread count."""
     if device.type == "cuda":

@@ -195,10 +195,8 @@ def _mesh_shape(args: argparse.Namespace) -> ModelConfig:
 
 def _mesh(args: argparse.Namespace) -> str:
     """Every tp × dp layout and data-parallel stage for the model on ``--n-gpus``: memory per GPU, bytes sent per
-    micro-step by axis and their time; the choice is the layout that fits with the least communication time."""
-    from lab.config import ParallelConfig
-    from lab.parallel.tensor import validate as validate_split
-
+    micro-step by axis and their time; the choice is the least tensor parallelism that fits, and at that tp the
+    stage with the least communication time."""
     cfg = _mesh_shape(args)
     memory = (args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)) * args.usable
     params = accounting.param_counts(cfg).total
@@ -207,10 +205,9 @@ def _mesh(args: argparse.Namespace) -> str:
     rows, candidates, refused = [], [], []
     for tp in (t for t in range(1, min(args.n_gpus, args.gpus_per_node) + 1) if args.n_gpus % t == 0):
         shape = replace(cfg, pad_vocab_to=math.lcm(cfg.pad_vocab_to, tp))
-        try:
-            validate_split(ParallelConfig(tp=tp, sequence_parallel=tp > 1), shape)
-        except ValueError as e:
-            refused.append(f"tp {tp}: {e}")
+        problem = accounting.tensor_parallel_split_problem(shape, tp, sequence_parallel=tp > 1)
+        if problem is not None:
+            refused.append(f"tp {tp}: {problem}")
             continue
         dp = args.n_gpus // tp
         tp_bytes = sum(accounting.tensor_parallel_comm_bytes(shape, args.micro_batch, 1, tp, tp > 1, 2.0).values())
@@ -225,7 +222,7 @@ def _mesh(args: argparse.Namespace) -> str:
                          "yes" if fits else "no", f"{tp_bytes / 1e9:.3f}", f"{dp_bytes / 1e9:.3f}",
                          f"{1e3 * seconds:.1f}"])
             if fits:
-                candidates.append((seconds, tp, accounting.STRATEGIES.index(stage), f"tp {tp} × dp {dp}, {stage}"))
+                candidates.append((tp, seconds, accounting.STRATEGIES.index(stage), f"tp {tp} × dp {dp}, {stage}"))
     lines = [f"{args.preset}: {params / 1e6:,.1f}M params, micro-batch {args.micro_batch} × {cfg.block_size} tokens "
              f"per data-parallel replica, bf16 with fp32 master weights (16 B/param), on {args.n_gpus} × {args.gpu} "
              f"({_gb(memory)} usable each, {args.gpus_per_node} per node); tensor parallelism within a node with "
@@ -237,10 +234,14 @@ def _mesh(args: argparse.Namespace) -> str:
     if not candidates:
         raise PlanError(f"no tp × dp layout of {args.n_gpus} × {args.gpu} holds {args.preset} at micro-batch "
                         f"{args.micro_batch}; lower --micro-batch, add --checkpointing or more GPUs")
-    best = min(candidates)
-    lines.append(f"choice: {best[3]} (--parallel.tp {best[1]} --strategy {accounting.STRATEGIES[best[2]]}): it fits, "
-                 f"and of the {len(candidates)} layouts that fit it spends the least time communicating "
-                 f"({1e3 * best[0]:.1f} ms per step, not overlapped; ties go to the smaller tp, then the lower stage)")
+    tp, seconds, stage, name = min(candidates)
+    why = ("the model fits without tensor parallelism" if tp == 1 else
+           f"the least tensor parallelism with which the model fits (tp {tp}; less does not fit)")
+    lines.append(f"choice: {name} (--parallel.tp {tp} --strategy {accounting.STRATEGIES[stage]}): {why}, and at that "
+                 f"tp the stage that spends the least time communicating ({1e3 * seconds:.1f} ms per step, not "
+                 f"overlapped; ties go to the lower stage). Tensor parallelism is the last resort: it sends "
+                 f"activations in every layer, on the critical path, and cuts each matmul into smaller, slower ones; "
+                 f"data parallelism's gradient traffic overlaps the backward")
     return "\n".join(lines)
 
 
@@ -253,6 +254,13 @@ def _peaks(args: argparse.Namespace) -> str:
 
 
 # ---------------------------------------------------------------- command line
+
+
+# One assumption for every subcommand: the CUDA context, the allocator's fragmentation and NCCL's buffers take
+# about a tenth of a GPU's memory.
+USABLE = 0.9
+USABLE_HELP = (f"fraction of each GPU's memory to plan with (default: {USABLE:g}: the CUDA context, allocator "
+               f"fragmentation and communication buffers take the rest)")
 
 
 def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
@@ -271,7 +279,7 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     m.add_argument("--gpu", type=_gpu, default="H100", help="A100, H100 or H200 (default: H100)")
     m.add_argument("--n-gpus", type=_count, default=1, help="data-parallel GPUs N_d (default: 1)")
     m.add_argument("--memory-gb", type=_positive, help="memory per GPU in GB (default: the GPU's)")
-    m.add_argument("--usable", type=_fraction, default=1.0, help="fraction of memory to plan with (default: 1.0)")
+    m.add_argument("--usable", type=_fraction, default=USABLE, help=USABLE_HELP)
     m.add_argument("--offload", action="store_true", help="optimizer states on the host (ZeRO-Offload)")
     m.add_argument("--micro-batch", type=_count, help="sequences per GPU per micro-step")
     m.add_argument("--seq-len", type=_count, help="tokens per sequence")
@@ -292,7 +300,7 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     g.add_argument("--n-gpus", type=_count, default=8, help="GPUs in all (default: 8)")
     g.add_argument("--gpus-per-node", type=_count, default=8, help="GPUs per node: tp stays within one (default: 8)")
     g.add_argument("--memory-gb", type=_positive, help="memory per GPU in GB (default: the GPU's)")
-    g.add_argument("--usable", type=_fraction, default=0.9, help="fraction of memory to plan with (default: 0.9)")
+    g.add_argument("--usable", type=_fraction, default=USABLE, help=USABLE_HELP)
     g.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
     g.add_argument("--intra-gbps", type=_positive, default=450.0,
                    help="GB/s one GPU sends within a node (default: 450, NVLink 4 one way)")

@@ -373,7 +373,8 @@ def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precisio
     line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding), "
             f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token | strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
-            f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name} | "
+            f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
+            f"{f', {torch.get_num_threads()} threads' if world.device.type == 'cpu' else ''} | "
             f"MFU against {peak.flops:.3g} FLOP/s per device ({peak.source})")
     if estimate is not None:
         remaining = estimate.seconds * (1 - start.step / plan.total_steps)

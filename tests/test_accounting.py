@@ -236,7 +236,7 @@ def test_plan_time(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["memory", "--gpu", "H100", "--n-gpus", "8"]) == 0
+    assert main(["memory", "--gpu", "H100", "--n-gpus", "8", "--usable", "1"]) == 0
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in capsys.readouterr().out.splitlines()}
     # 80e9 / 16, / 5.5, / 3.75, / 2 parameters; a ring on 8 ranks sends 2·7/8 = 1.75Ψ (3·7/8 for zero3)
     assert rows[("ddp", "fp32")] == ["16", "1.75Ψ", "5.00", "B"]
@@ -247,7 +247,7 @@ def test_plan_memory(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_memory_with_shape(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["memory", "--gpu", "H100", "--n-gpus", "8", "--micro-batch", "8", "--seq-len", "2048",
-            "--d-model", "8192", "--n-head", "64", "--vocab", "50257"]
+            "--d-model", "8192", "--n-head", "64", "--vocab", "50257", "--usable", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     # 2048·8·8192·34 = 4.56e9 bytes per layer; 4·8·2048·50257 = 3.29e9 bytes of logits.
@@ -261,21 +261,37 @@ def test_plan_memory_with_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per layer" in capsys.readouterr().out
 
 
-def test_plan_mesh_chooses_the_layout_that_fits_with_the_least_communication(capsys: pytest.CaptureFixture[str]
-                                                                             ) -> None:
+def test_plan_mesh_chooses_the_least_tp_that_fits_then_the_least_communication(capsys: pytest.CaptureFixture[str]
+                                                                               ) -> None:
     assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "16", "--memory-gb", "3"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("tp ")]
     assert len(rows) == 4 * 4  # tp 1, 2, 4, 8 (within a node of 8) × ddp, zero1-3
     # gpt2-350m: 354.8M params; ddp on tp 1 holds 16 B each: 5.68 GB of states, more than 0.9 × 3 GB
     assert rows[0][:4] == ["tp", "1", "×", "dp"] and rows[0][6:8] == ["5.68", "GB"] and rows[0][12] == "no"
-    fitting = [(float(r[-1]), r) for r in rows if r[12] == "yes"]
-    assert fitting and all(float(r[10]) <= 2.7 for _, r in fitting)
-    best = min(fitting, key=lambda f: f[0])[1]
-    assert f"choice: tp {best[1]} × dp {best[4]}, {best[5]}" in out and "it fits" in out
+    fitting = [(int(r[1]), float(r[-1]), r) for r in rows if r[12] == "yes"]
+    assert fitting and all(float(r[10]) <= 2.7 for *_, r in fitting)
+    best = min(fitting, key=lambda f: f[:2])[2]
+    assert f"choice: tp {best[1]} × dp {best[4]}, {best[5]}" in out
     assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "2", "--memory-gb", "0.5"]) == 2
     assert capsys.readouterr().err.startswith("error: no tp × dp layout of 2 × H100 holds gpt2-350m")
     assert main(["mesh", "--preset", "gpt9"]) == 2
+
+
+def test_plan_mesh_keeps_a_model_that_fits_on_one_gpu_free_of_tensor_parallelism_without_torch():
+    # issue 37: 355M parameters on 16 H100s came out as tp 8 × dp 2, after 7.7 s of importing torch
+    code = ("import sys; from lab.plan import main; main(['mesh', '--preset', 'gpt2-350m', '--n-gpus', '16']); "
+            "assert 'torch' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "choice: tp 1 × dp 16, ddp (--parallel.tp 1 --strategy ddp): the model fits without tensor " \
+           "parallelism" in proc.stdout
+    assert "(72.00 GB usable each" in proc.stdout  # 0.9 of 80 GB, as plan memory assumes
+
+
+def test_plan_memory_and_mesh_plan_with_the_same_usable_fraction(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["memory", "--gpu", "H100"]) == 0
+    assert "(80.00 GB each, 90% usable)" in capsys.readouterr().out
 
 
 def test_plan_peaks(capsys: pytest.CaptureFixture[str]) -> None:

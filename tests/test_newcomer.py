@@ -226,3 +226,50 @@ def test_ctrl_c_under_raw_torchrun_on_2_ranks_stops_both_ranks_cleanly(args, tmp
                      f"command plus --resume"]
     # what torchrun itself adds (README, Interrupts): its SignalException traceback and exit code 1
     assert code == 1 and "SignalException" in err and "Traceback" in err
+
+
+# ---------------------------------------------------------------- threads: each process its share of the cores
+
+
+def test_each_process_takes_its_share_of_the_cores_unless_told(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(device, "usable_cores", lambda: 8)
+    before = torch.get_num_threads()
+    try:
+        assert device.size_threads(2) == 4 and torch.get_num_threads() == 4  # 2 ranks on 8 cores
+        assert device.size_threads(3) == 2 and device.size_threads(16) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        assert device.size_threads(2) == 3  # what the user set stands
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_start_line_gives_the_thread_count():
+    from lab.config import RunConfig
+    from lab.device import Peak, Precision
+    from lab.parallel import World
+    from lab.train import Start, start_line, step_plan
+
+    cfg = RunConfig()
+    cfg.model.vocab_size = 512
+    line = start_line(cfg, World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu", False),
+                      Peak(1e11, "x"), Start(), None, "single")
+    assert f"device cpu, fp32, {torch.get_num_threads()} threads | " in line
+
+
+def test_the_local_sweep_executor_never_runs_more_threads_than_cores():
+    from types import SimpleNamespace
+
+    from sweeps.executors.local import LocalExecutor
+
+    def attempt(world_size: int) -> SimpleNamespace:
+        return SimpleNamespace(run=SimpleNamespace(launch=SimpleNamespace(world_size=world_size)))
+
+    shared = LocalExecutor(parallel=2, cores=2)
+    assert shared._threads(attempt(1)) == 1 and shared._fits(attempt(1), busy=1)
+    assert not shared._fits(attempt(2), busy=1)  # a 2-rank run waits for a free pair of cores
+    asked_too_many = LocalExecutor(parallel=3, threads=2, cores=2)  # the sweep file's threads, 3 at once
+    assert asked_too_many._threads(attempt(1)) == 2 and not asked_too_many._fits(attempt(1), busy=2)
+    assert asked_too_many._fits(attempt(1), busy=0)  # one run alone always starts
+    assert LocalExecutor(parallel=1, threads=8, cores=4)._threads(attempt(2)) == 2  # never past the cores

@@ -64,23 +64,11 @@ IMPLEMENTATIONS = ("lab", "torch")
 
 def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
     """Raise ConfigError (one line) when ``parallel.tp`` cannot split ``model``'s layers evenly."""
-    n = cfg.tp
-    if n == 1:
+    if cfg.tp == 1:
         return
-    kv = accounting.kv_heads(model)
-    checks = [(model.n_head, "model.n_head"), (accounting.ffn_width(model), "the MLP width (model.d_ff)")]
-    if kv >= n:
-        checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
-    elif n % kv:
-        raise ConfigError(f"model.n_kv_head ({kv}) must divide parallel.tp ({n}) to replicate the key/value heads")
-    if cfg.sequence_parallel:
-        checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
-    if model.vocab_size is not None:
-        checks.append((accounting.padded_vocab(model), f"the embedding's rows (set model.pad_vocab_to to a "
-                                                       f"multiple of {n})"))
-    for size, what in checks:
-        if size % n:
-            raise ConfigError(f"parallel.tp ({n}) must divide {what}, which is {size}")
+    problem = accounting.tensor_parallel_split_problem(model, cfg.tp, cfg.sequence_parallel)
+    if problem is not None:
+        raise ConfigError(problem)
     if cfg.tp_impl == "torch" and model.vocab_size is not None and accounting.padded_vocab(model) != model.vocab_size:
         raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set model.pad_vocab_to 1")
 

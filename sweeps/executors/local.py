@@ -32,19 +32,32 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def usable_cores() -> int:
+    """The cores the driver (and so its runs) may use: its CPU affinity."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class LocalExecutor:
-    """Up to ``parallel`` runs at once, each process with ``threads`` threads."""
+    """Up to ``parallel`` runs at once, each process with ``threads`` threads (default: its share of the cores),
+    never more threads in all than cores: a run waits until its processes' threads fit beside those running
+    (one run alone may take them all). Oversubscribed OpenMP threads make every run wait on the others'."""
 
     name = "local"
 
-    def __init__(self, parallel: int = 1, threads: int = 0, poll_s: float = 0.2):
+    def __init__(self, parallel: int = 1, threads: int = 0, poll_s: float = 0.2, cores: int | None = None):
         self.parallel = parallel
         self.poll_s = poll_s
         self.threads = threads
+        self.cores = cores or usable_cores()
 
     def _threads(self, attempt: Attempt) -> int:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return self.threads or max(1, cores // (self.parallel * attempt.run.launch.world_size))
+        processes = attempt.run.launch.world_size
+        fair = max(1, self.cores // (self.parallel * processes))
+        return min(self.threads or fair, max(1, self.cores // processes))
+
+    def _fits(self, attempt: Attempt, busy: int) -> bool:
+        """Whether ``attempt``'s threads fit in the cores beside ``busy`` threads already running."""
+        return busy == 0 or busy + attempt.run.launch.world_size * self._threads(attempt) <= self.cores
 
     def run(self, attempts: list[Attempt], events: Events) -> None:
         """Run every attempt, the longest (by the plan's estimate) first, so that runs done side by side end
@@ -53,7 +66,8 @@ class LocalExecutor:
         active: dict[subprocess.Popen, tuple[Attempt, IO[bytes], IO[bytes], float]] = {}
         try:
             while queue or active:
-                while queue and len(active) < self.parallel:
+                while queue and len(active) < self.parallel and self._fits(queue[0], sum(
+                        a.run.launch.world_size * self._threads(a) for a, *_ in active.values())):
                     attempt = queue.popleft()
                     if not events.start(attempt):
                         continue
