@@ -57,7 +57,8 @@ class ModelConfig:
     block_size: int = _f(256, "context length in tokens")
     vocab_size: int | None = _f(None, "vocabulary size (default: the tokenizer's)")
     pad_vocab_to: int = _f(1, "round the embedding table up to a multiple of this (64 helps GPUs)")
-    tie_embeddings: bool = _f(True, "share the token embedding with the output head")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output head (under μP the default is "
+                                    "false: tied, wider models than the base stay on the unigram plateau)")
     bias: bool | None = _f(None, "biases in linear layers and norms (default: True for gpt2, False for modern)")
     dropout: float = _f(0.0, "dropout probability")
     rope_theta: float = _f(10000.0, "RoPE base (modern only)")
@@ -253,6 +254,8 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
                               f"{did_you_mean(preset, PRESETS)}")
         _apply(cfg, {"model": PRESETS[preset]}, source=f"preset {preset}")
     _apply(cfg, tree, source="config")
+    if cfg.model.parametrization == "mup" and "tie_embeddings" not in tree.get("model", {}):
+        cfg.model.tie_embeddings = False  # tied, μP models wider than their base stay on the unigram plateau
     return cfg
 
 

@@ -376,6 +376,8 @@ def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precisio
             f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
             f"{f', {torch.get_num_threads()} threads' if world.device.type == 'cpu' else ''} | "
             f"MFU against {peak.flops:.3g} FLOP/s per device ({peak.source})")
+    if cfg.model.parametrization == "mup" and not cfg.model.tie_embeddings:
+        line += " | μP with an untied head (the default under μP; --model.tie_embeddings true ties it)"
     if estimate is not None:
         remaining = estimate.seconds * (1 - start.step / plan.total_steps)
         line += f" | about {_duration(remaining)} at {ESTIMATE_MFU:.0%} MFU"

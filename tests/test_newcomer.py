@@ -108,6 +108,7 @@ def low_peak_run(args, tmp_path_factory):
         yield run_dir, out.getvalue(), device._cache_file()
 
 
+@pytest.mark.slow  # trains a run: not in the edit loop (make test-fast)
 def test_a_run_whose_mfu_exceeds_100_percent_measures_the_peak_again(low_peak_run):
     run_dir, printed, cache = low_peak_run
     assert "MFU above 100%: the peak (1e+06 FLOP/s" in printed and "measured again" in printed
@@ -122,6 +123,7 @@ def test_a_run_whose_mfu_exceeds_100_percent_measures_the_peak_again(low_peak_ru
 # ---------------------------------------------------------------- lab plot
 
 
+@pytest.mark.slow  # trains a run: not in the edit loop (make test-fast)
 def test_plot_draws_one_run_and_several_overlaid_as_png_and_svg(low_peak_run, tmp_path, capsys):
     from lab.plot import PANELS, figure, read_curves
 
@@ -154,6 +156,7 @@ def test_plot_refuses_what_is_not_a_run(tmp_path, capsys):
 # ---------------------------------------------------------------- Ctrl-C: the end of the step it came in
 
 
+@pytest.mark.slow  # trains a run: not in the edit loop (make test-fast)
 def test_ctrl_c_during_step_k_stops_at_the_end_of_step_k_and_says_how_to_resume(args, tmp_path, monkeypatch, capsys):
     import lab.train
 
@@ -273,3 +276,30 @@ def test_the_local_sweep_executor_never_runs_more_threads_than_cores():
     assert asked_too_many._threads(attempt(1)) == 2 and not asked_too_many._fits(attempt(1), busy=2)
     assert asked_too_many._fits(attempt(1), busy=0)  # one run alone always starts
     assert LocalExecutor(parallel=1, threads=8, cores=4)._threads(attempt(2)) == 2  # never past the cores
+
+
+# ---------------------------------------------------------------- μP: untied by default, so that wide models train
+
+
+def test_mup_unties_the_head_by_default_and_keeps_an_explicit_choice():
+    from lab.config import resolve
+
+    assert resolve({"model": {"parametrization": "mup"}}).model.tie_embeddings is False
+    assert resolve({"model": {"parametrization": "mup", "tie_embeddings": True}}).model.tie_embeddings is True
+    assert resolve({"model": {"preset": "gpt2-124m", "parametrization": "mup"}}).model.tie_embeddings is False
+    assert resolve({}).model.tie_embeddings is True  # standard parametrization: tied, as before
+
+
+# the setting: raw bytes, 2 layers, 150 steps of 512 tokens, μP with base width 32, width 256 (8x)
+MUP_WIDE = ["--data.tokenizer", "bytes", "--model.n_layer", "2", "--model.n_head", "4", "--model.d_model", "256",
+            "--model.block_size", "64", "--model.parametrization", "mup", "--model.mup_base_width", "32",
+            "--train.tokens", "76800", "--train.batch_tokens", "512", "--train.micro_batch", "8", "--train.lr", "4e-3",
+            "--train.log_every", "50", "--train.checkpoint_every", "0", "--train.eval_tokens", "8192"]
+
+
+@pytest.mark.slow
+def test_a_mup_model_at_8x_its_base_width_leaves_the_unigram_plateau(tmp_path, capsys):
+    assert run_main([*MUP_WIDE, "--run-dir", str(tmp_path / "r")]) == 0
+    assert "μP with an untied head (the default under μP" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["final_eval_loss"] < summary["unigram_entropy_nats"] - 0.2, summary["final_eval_loss"]
