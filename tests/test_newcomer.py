@@ -290,10 +290,11 @@ def test_mup_unties_the_head_by_default_and_keeps_an_explicit_choice():
     assert resolve({}).model.tie_embeddings is True  # standard parametrization: tied, as before
 
 
-# the setting: raw bytes, 2 layers, 150 steps of 512 tokens, μP with base width 32, width 256 (8x)
+# the setting (raw bytes, 2 layers, steps of 512 tokens, μP with base width 32, width 256: 8x) in 80 steps, not
+# 150: measured, the untied head reaches 2.49 nats in 150 steps and the tied one stays at 3.02 (the plateau: 3.037)
 MUP_WIDE = ["--data.tokenizer", "bytes", "--model.n_layer", "2", "--model.n_head", "4", "--model.d_model", "256",
             "--model.block_size", "64", "--model.parametrization", "mup", "--model.mup_base_width", "32",
-            "--train.tokens", "76800", "--train.batch_tokens", "512", "--train.micro_batch", "8", "--train.lr", "4e-3",
+            "--train.tokens", "40960", "--train.batch_tokens", "512", "--train.micro_batch", "8", "--train.lr", "4e-3",
             "--train.log_every", "50", "--train.checkpoint_every", "0", "--train.eval_tokens", "8192"]
 
 
