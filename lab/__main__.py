@@ -20,6 +20,7 @@ COMMANDS = {
     "export": ("lab.cli", "export_main", "export a run's weights as one plain state-dict file"),
     "plan": ("lab.plan", "main", "training time and memory on paper"),
     "bench": ("lab.bench", "main", "throughput and MFU, or strategies side by side"),
+    "bench-gpu": ("lab.bench_gpu", "main", "what only a CUDA GPU shows: bf16, compile, NCCL, allocator peaks, MFU"),
     "equivalence": ("lab.equivalence", "main", "check strategies reproduce single's losses and weights"),
     "mup-check": ("lab.mup", "main", "μP's coordinate check: activation scales across widths, as a table and figure"),
     "peak": ("lab.device", "peak_main", "this CPU's matmul peak (the MFU denominator): show, or --remeasure"),

@@ -197,7 +197,7 @@ def _mesh(args: argparse.Namespace) -> str:
     """Every tp × dp layout and data-parallel stage for the model on ``--n-gpus``: memory per GPU, bytes sent per
     micro-step by axis and their time; the choice is the layout that fits with the least communication time."""
     from lab.config import ParallelConfig
-    from lab.parallel.tensor import validate as validate_split
+    from lab.model import validate_split
 
     cfg = _mesh_shape(args)
     memory = (args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)) * args.usable
@@ -208,7 +208,7 @@ def _mesh(args: argparse.Namespace) -> str:
     for tp in (t for t in range(1, min(args.n_gpus, args.gpus_per_node) + 1) if args.n_gpus % t == 0):
         shape = replace(cfg, pad_vocab_to=math.lcm(cfg.pad_vocab_to, tp))
         try:
-            validate_split(ParallelConfig(tp=tp, sequence_parallel=tp > 1), shape)
+            validate_split(shape, ParallelConfig(tp=tp, sequence_parallel=tp > 1))
         except ValueError as e:
             refused.append(f"tp {tp}: {e}")
             continue

@@ -128,7 +128,7 @@ def test_activation_checkpointing_saves_what_it_promises():
     saved, grads = {}, {}
     for mode in ("none", "full", "selective"):
         model, meter = GPT(cfg, seed=0), SavedBytes()
-        apply(model, mode, meter)
+        apply(model, model.parallel_plan(), mode, meter)
         with meter.counting(model):
             loss = model(x, x)
         loss.backward()

@@ -114,7 +114,7 @@ def test_the_parameters_a_rank_holds_under_tp_are_counted_in_theory(model, tp):
             split = GPT(model)
         if tp > 1:
             TensorParallel(World(rank=rank, world_size=tp, local_rank=rank, device=torch.device("cpu")),
-                           False).parallelize(split)
+                           False).parallelize(split, split.parallel_plan())
         assert sum(p.numel() for p in split.parameters()) == accounting.tensor_parallel_params(model, tp), rank
 
 

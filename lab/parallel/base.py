@@ -47,6 +47,7 @@ from lab import accounting
 from lab.checkpoint import CheckpointState, Held
 from lab.config import ConfigError, ParallelConfig
 from lab.device import Precision
+from lab.model.plan import ParallelPlan, plan_of
 from lab.parallel import activations
 from lab.parallel.comm import Comm
 
@@ -137,7 +138,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-ModelFactory = Callable[[], nn.Module]  # builds on the current default device; offers init_weights(), initial_value()
+ModelFactory = Callable[[], nn.Module]  # builds on the current default device (its plan: lab.model.plan)
 ParamGroupRule = Callable[[nn.Module], list[ParamGroup]]
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -232,9 +233,10 @@ class Strategy:
         self.tensor: TensorParallel | None = None  # the tensor-parallel step, when parallel.tp > 1 (create sets it)
         self.saved = activations.SavedBytes()
         self.module: nn.Module | None = None  # the model, under its own parameter names
+        self.plan: ParallelPlan | None = None  # what the model declares of itself (lab.model.plan)
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
         self.optimizer: torch.optim.Optimizer | None = None
-        self._sync = True
+        self.syncing = True  # whether this micro-step's backward synchronises gradients (forward sets it)
         self._measured: accounting.StateBytes | None = None
         self._last = StepMeters(dict.fromkeys(accounting.COLLECTIVES, 0.0), 0.0, 0)
         self._most_saved = 0
@@ -249,9 +251,10 @@ class Strategy:
               optimizer_factory: OptimizerFactory) -> None:
         """Make the model, place it, and build the optimizer over groups decided before any wrapping."""
         module = self.make_module(model_factory)
+        self.plan = plan_of(module, model_factory)
         groups = param_group_rule(module)
         self.world.check_same(layout_digest(module), "the model (parameter names and shapes)")
-        activations.apply(module, self.cfg.activation_checkpointing, self.saved)
+        activations.apply(module, self.plan, self.cfg.activation_checkpointing, self.saved)
         self.module = module
         self.model = self.wrap(module, groups)
         self.optimizer = optimizer_factory(self.optimizer_groups(groups))
@@ -278,7 +281,7 @@ class Strategy:
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """The loss of one micro-batch; ``sync`` says this micro-step's backward synchronises gradients."""
-        self._sync = sync
+        self.syncing = sync
         with self.precision.autocast(), self.saved.counting(self.module):
             return self.model(x, y)
 

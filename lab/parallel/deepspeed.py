@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab import accounting
+from lab import accounting, compat
 from lab.checkpoint import CheckpointState, Held
 from lab.config import ConfigError, ParallelConfig
 from lab.device import Precision
@@ -276,7 +276,7 @@ class DeepSpeed(Strategy):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """The engine's forward (its config carries the precision); ``sync`` marks the accumulation boundary."""
-        self._sync = sync
+        self.syncing = sync
         self.engine.set_gradient_accumulation_boundary(sync)
         with self.saved.counting(self.module):
             return self.engine(x, y)
@@ -375,8 +375,7 @@ class DeepSpeed(Strategy):
                 if size:
                     view, lo_in = masters[group].narrow(0, offset, size), offset
                     moments = moments_of[id(masters[group])]
-            elif p._hp_mapping is not None:
-                mapping = p._hp_mapping
+            elif (mapping := compat.deepspeed_fragment(p)) is not None:
                 lo, lo_in, size = mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, \
                     mapping.hp_fragment_address.numel
                 view, moments = mapping.get_hp_fragment(), moments_of[id(masters[mapping.param_group_index])]
@@ -388,11 +387,8 @@ class DeepSpeed(Strategy):
     def _materialize_states(self) -> None:
         """Adam's states for the master partitions before the first step (zeros), so a checkpoint loads into them."""
         if self.stage == 3:
-            self.optimizer._set_fp32_optimizer_param_groups()
-            try:
+            with compat.deepspeed_fp32_groups(self.optimizer):
                 materialize_adam_state(self.optimizer.optimizer)
-            finally:
-                self.optimizer._clear_fp32_optimizer_param_groups()
         else:
             materialize_adam_state(self.optimizer.optimizer)
 

@@ -54,14 +54,15 @@ class TorchDDP(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        if self._sync:
+        if self.syncing:
             self.comm.add_wait(max(0.0, self._done - self._launched))
 
 
 class FSDP(Strategy):
-    """PyTorch FSDP2: ``fully_shard`` on every block and at the root, the reference for the ZeRO stages.
+    """PyTorch FSDP2: ``fully_shard`` on every unit of the model's plan and at the root, the reference for the
+    ZeRO stages.
 
-    Built on the meta device and materialised shard by shard from the model's ``initial_value``.
+    Built on the meta device and materialised shard by shard from the plan's ``initial_value``.
     ``parallel.reshard_after_forward`` true frees each block's gathered weights after its forward
     (ZeRO-3-like); false keeps them until its backward (ZeRO-2-like traffic, more memory).
     ``parallel.offload optimizer`` applies ``CPUOffloadPolicy``: sharded weights, gradients and
@@ -81,16 +82,17 @@ class FSDP(Strategy):
         mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
         offload = self.cfg.offload == "optimizer"
         policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
-        for block in module.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
+        for name in self.plan.units:
+            fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward,
+                        offload_policy=policy)
         fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
         module.to_empty(device=torch.device("cpu") if offload else self.world.device)
         with torch.no_grad():
             for name, p in module.named_parameters():
-                full = module.initial_value(name).to(mesh.device_type)
+                full = self.plan.initial_value(name).to(mesh.device_type)
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
             for name, b in module.named_buffers():
-                b.copy_(module.initial_value(name))
+                b.copy_(self.plan.initial_value(name))
         return module
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
