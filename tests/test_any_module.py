@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lab.config import TrainConfig
-from lab.device import Precision
-from lab.equivalence import TINY, Setup, batch, compare, loop_settings, reference, train_tiny
+from lab.runtime.config import TrainConfig
+from lab.measure.device import Precision
+from lab.commands.equivalence import TINY, Setup, batch, compare, loop_settings, reference, train_tiny
 from lab.model import GPT
 from lab.model.plan import default_plan, plan_of, segments
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import World, create, parse_spec, register
-from lab.parallel.spawn import run_pooled
+from pool import run_pooled
 
 STRATEGIES = ["ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp", "zero3:activation_checkpointing=full"]
 
@@ -67,7 +67,7 @@ def test_every_data_parallel_strategy_trains_a_module_that_is_not_a_gpt_as_one_p
     results = run_pooled(_train_each, 2)[0]
     assert results.pop("last_loss") < results.pop("first_loss")  # it trains
     for spec, r in results.items():
-        # 2 ranks, one micro-batch each, no clipping: sums of two and exact halving (lab.equivalence)
+        # 2 ranks, one micro-batch each, no clipping: sums of two and exact halving (lab.commands.equivalence)
         assert r.same_losses and r.same_params, (spec, r)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.bench import main, paired_ratio
+from lab.commands.bench import main, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def test_memory_benchmark_reports_the_kernels_rss_peak_bytes_and_loopback_bytes(
 
 
 def test_the_gpu_benchmark_says_in_one_line_that_it_needs_a_gpu(tmp_path, capsys, monkeypatch):
-    from lab import bench_gpu
+    from lab.commands import bench_gpu
 
     monkeypatch.setattr(bench_gpu.torch.cuda, "is_available", lambda: False)  # as on CI, whatever this machine has
     out = tmp_path / "gpu.json"
@@ -111,7 +111,7 @@ def test_the_gpu_benchmark_says_in_one_line_that_it_needs_a_gpu(tmp_path, capsys
 
 
 def test_the_gpu_benchmark_table_names_the_device_and_every_figure():
-    from lab.bench_gpu import markdown
+    from lab.commands.bench_gpu import markdown
 
     row = {"model": "gpt2-124m", "compile": True, "tokens_per_s": 1e5, "mfu": 0.4, "mem_peak_bytes": 2**31}
     run = {"step_time_s": 0.1, "peak_bytes": {"forward": 1}, "peak_bytes_theory": {"forward": 2}}

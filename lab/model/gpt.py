@@ -9,7 +9,7 @@ GPT-2 init with residual projections scaled by 1/√(2·n_layer). The init is a 
 (seed, parameter name): every tensor draws from its own generator, so a strategy that builds the
 model on the meta device and materialises only its shard gets exactly the values a one-process
 run gets. The model knows nothing of devices, ranks or strategies. Parameter and FLOP formulas
-live in ``lab.accounting`` and are tested against ``GPT.param_counts()``.
+live in ``lab.measure.accounting`` and are tested against ``GPT.param_counts()``.
 
 ``parametrization mup`` is μP (Yang et al. 2022, Tensor Programs V) for Adam, with width ratio
 m = d_model / mup_base_width: the hidden matrices (attention and MLP weights) start with the
@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from lab import accounting
-from lab.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
+from lab.measure import accounting
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
 from lab.model.plan import ColumnSplit, ParallelPlan, TensorPlan
 
 ARCHS = ("gpt2", "modern")
@@ -286,7 +286,8 @@ class GPT(nn.Module):
         key/value heads apart, GQA's key/value heads replicated when fewer than the ranks), the attention
         output and the MLP's down projection by rows, the embedding and the head by vocabulary rows."""
         cfg = self.cfg
-        heads, kv, head_dim, ff = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg), accounting.ffn_width(cfg)
+        heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
+        ff = accounting.ffn_width(cfg)
         column, row, norms = {}, [], []
         for i, block in enumerate(self.blocks):
             column[f"blocks.{i}.attn.qkv"] = ColumnSplit((heads * head_dim, kv * head_dim, kv * head_dim),

@@ -13,8 +13,8 @@ The transforms never name a model's attributes. They read a ``ParallelPlan``:
 
 A model declares its plan with a ``parallel_plan()`` method; any other ``nn.Module`` gets
 ``default_plan``: its children that hold parameters are the units (those sharing a parameter with
-another child stay with the root), no head, and initial values read from the module as built (or, built on the meta device, from a copy
-built on the host).
+another child stay with the root), no head, and initial values read from the module as built (or, built
+on the meta device, from a copy built on the host).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class TensorPlan:
     vocab_size: int  # the logits kept (the rest are padding rows)
     logit_divisor: float  # the head's output is divided by it (μP: the width ratio m)
     split_heads: Callable[[int], None]  # tell the model's attention it now holds 1/n of its heads
-    config: Any = None  # the model's configuration, for the communication formulas in ``lab.accounting``
+    config: Any = None  # the model's configuration, for the communication formulas in ``lab.measure.accounting``
 
 
 @dataclass(frozen=True)

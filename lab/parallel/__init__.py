@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lab.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
-from lab import compat
-from lab.device import Precision
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
+from lab.runtime import compat
+from lab.measure.device import Precision
 from lab.model import validate_split
 from lab.parallel import activations, mesh, tensor
 from lab.parallel.base import (
@@ -73,7 +73,7 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
 
 def parse_spec(text: str) -> ParallelConfig:
     """A strategy and its options written ``name[:key=value,...]`` (``zero2:offload=optimizer``), validated."""
-    from lab.config import resolve
+    from lab.runtime.config import resolve
 
     name, _, rest = text.partition(":")
     pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
@@ -107,5 +107,5 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
 
 
 __all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",
-           "World", "create", "data_replica", "join_group_of_one", "parse_spec", "register", "strategy_class", "validate",
-           "validate_model"]
+           "World", "create", "data_replica", "join_group_of_one", "parse_spec", "register", "strategy_class",
+           "validate", "validate_model"]

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lab import compat
+from lab.runtime import compat
 from lab.model.plan import ParallelPlan
 
 MODES = ("none", "full", "selective")

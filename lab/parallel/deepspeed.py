@@ -28,7 +28,7 @@
 - **Meters**: model-state bytes are measured from the engine's tensors (weights, the reduced
   gradients at the step boundary, the master partition and moments); communication is counted by
   DeepSpeed's comms logger, every collective DeepSpeed issues by its message size, converted to
-  bytes sent with the ring convention of ``lab.accounting``; one-element messages (the gradient
+  bytes sent with the ring convention of ``lab.measure.accounting``; one-element messages (the gradient
   norm) are bookkeeping and not counted, as for the other strategies.
 
 On a CPU the accelerator is DeepSpeed's ``cpu`` one over the gloo group the lab starts
@@ -52,10 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab import accounting, compat
-from lab.checkpoint import CheckpointState, Held
-from lab.config import ConfigError, ParallelConfig
-from lab.device import Precision
+from lab.measure import accounting
+
+from lab.runtime import compat
+from lab.runtime.checkpoint import CheckpointState, Held
+from lab.runtime.config import ConfigError, ParallelConfig
+from lab.measure.device import Precision
 from lab.parallel.base import (
     LoopSettings,
     ModelFactory,
@@ -319,10 +321,9 @@ class DeepSpeed(Strategy):
         finally:
             self.engine.train()
 
-    @torch.no_grad()
-    def params_finite(self) -> bool:
-        bad = torch.tensor([float(any(not torch.isfinite(m).all() for m in self._masters))])
-        return self.everyone.sum(bad).item() == 0
+    def held_weights(self) -> list[torch.Tensor]:
+        """The fp32 master partitions (what the engine's weights are copied from)."""
+        return list(self._masters)
 
     # ------------------------------------------------------------ communication, from DeepSpeed's comms logger
 

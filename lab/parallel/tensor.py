@@ -52,9 +52,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lab import accounting, compat
-from lab.checkpoint import CheckpointState, Held, Pieces
-from lab.config import ConfigError, ModelConfig
+from lab.measure import accounting
+
+from lab.runtime import compat
+from lab.runtime.checkpoint import CheckpointState, Held, Pieces
+from lab.runtime.config import ConfigError, ModelConfig
 from lab.model.plan import ParallelPlan, TensorPlan, plan_of
 from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, StepMeters, Strategy, World
 from lab.parallel.comm import Comm
@@ -693,7 +695,8 @@ class WithTensorParallel:
         if self.tp.implementation == "torch":  # torch's collectives are not counted
             return self.strategy.meters()
         return {**self.strategy.meters(), "tp_comm_bytes_per_step": dict(self._tp_bytes),
-                "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.plan.tensor.config, loop.micro_batch,
+                "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.plan.tensor.config,
+                                                                      loop.micro_batch,
                                                                       loop.accum_steps)}
 
 

@@ -20,9 +20,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lab import accounting
-from lab.checkpoint import CheckpointState, Held
-from lab.parallel.base import ParamGroup, Strategy, adam_entries, materialize_adam_state, storage_bytes
+from lab.measure import accounting
+from lab.runtime.checkpoint import CheckpointState, Held
+from lab.parallel.base import ParamGroup, Strategy, adam_entries, materialize_adam_state
 
 
 class TorchDDP(Strategy):
@@ -114,10 +114,8 @@ class FSDP(Strategy):
             torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
         return norm
 
-    @torch.no_grad()
-    def params_finite(self) -> bool:
-        bad = torch.tensor([float(any(not torch.isfinite(p.to_local()).all() for p in self.module.parameters()))])
-        return self.everyone.sum(bad).item() == 0
+    def held_weights(self) -> list[torch.Tensor]:
+        return [p.detach().to_local() for p in self.module.parameters()]
 
     def _start(self, param: nn.Parameter) -> int:
         """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk
@@ -153,13 +151,6 @@ class FSDP(Strategy):
             return {}
         return full if offload else {k: v.detach().cpu().clone() for k, v in full.items()}
 
-    def measure_state_bytes(self) -> accounting.StateBytes:
-        params = list(self.module.parameters())
-        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return accounting.StateBytes(params=storage_bytes(_to_local(params)),
-                                     grads=storage_bytes(_to_local([p.grad for p in params if p.grad is not None])),
-                                     optimizer=storage_bytes(_to_local(states)))
-
     def comm_elements(self) -> int:
         """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of the world size."""
         n = self.world.world_size
@@ -171,7 +162,3 @@ class FSDP(Strategy):
         out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(self.comm_elements(), layout,
                                                                           self.world.world_size)
         return out
-
-
-def _to_local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]

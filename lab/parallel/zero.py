@@ -58,8 +58,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab import accounting, compat, memory
-from lab.checkpoint import CheckpointState, Held
+from lab.measure import accounting, memory
+
+from lab.runtime import compat
+from lab.runtime.checkpoint import CheckpointState, Held
 from lab.model.plan import segments
 from lab.parallel.base import (ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, set_lr,
                                storage_bytes)
@@ -67,7 +69,8 @@ from lab.parallel.comm import Exchange, InOrder, SummedOnWait
 from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
-# elements squared at once for the gradient norm: half of lab.memory's MMAP_THRESHOLD, so the heap reuses the temporary
+# elements squared at once for the gradient norm: half of lab.measure.memory's MMAP_THRESHOLD, so the heap reuses
+# the temporary
 SQUARES_CHUNK = memory.MMAP_THRESHOLD // 8
 
 
@@ -237,8 +240,8 @@ class Zero(Strategy):
         """A buffer for a unit's whole gradient, its padding zeroed (each parameter's slice is written by its first
         gradient, or zeroed at the reduce-scatter if none came): the one the last settled reduce-scatter left if it
         is of this size (stages 2-3), or a new one. Reused, its pages are not faulted in again (a new buffer of 1 MiB
-        or more is a fresh mapping: see ``lab.memory``); it stands in for the one just freed, so the peak does not
-        grow."""
+        or more is a fresh mapping: see ``lab.measure.memory``); it stands in for the one just freed, so the peak
+        does not grow."""
         spare, self._spare = self._spare, None
         if spare is not None and spare.numel() == unit.padded and spare.dtype == dtype:
             buffer = spare
@@ -344,11 +347,10 @@ class Zero(Strategy):
 
     # ------------------------------------------------------------ state and meters
 
-    @torch.no_grad()
-    def params_finite(self) -> bool:
-        local = [u.shard for u in self.units] + [p for p in self.module.parameters() if not p.requires_grad]
-        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in local))])
-        return self.everyone.sum(bad).item() == 0
+    def held_weights(self) -> list[torch.Tensor]:
+        """The units' flat weights (stage 3: this rank's chunks) and the frozen parameters, whole."""
+        weights = [u.flat if u.flat is not None and self.stage < 3 else u.shard for u in self.units]
+        return weights + [p.detach() for p in self.module.parameters() if not p.requires_grad]
 
     def checkpoint_state(self) -> CheckpointState:
         """Each parameter's range in this rank's chunks (the weights from the shard, the moments from the
@@ -407,14 +409,12 @@ class Zero(Strategy):
         return unit.flat
 
     def measure_state_bytes(self) -> accounting.StateBytes:
-        frozen = [p for p in self.module.parameters() if not p.requires_grad]
-        weights = [u.flat if u.flat is not None and self.stage < 3 else u.shard for u in self.units]
         grads = [u.flat_grad if self.stage == 1 else u.grad_shard for u in self.units if u.grad_shard is not None]
         host_grads = [piece.grad for *_, piece in self._pieces if piece.grad is not None and piece.grad.device == HOST
                       and self.offloaded and self.world.device != HOST]
         states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         masters = [u.master for u in self.units if u.master is not None]
-        return accounting.StateBytes(params=storage_bytes(weights + frozen), grads=storage_bytes(grads + host_grads),
+        return accounting.StateBytes(params=storage_bytes(self.held_weights()), grads=storage_bytes(grads + host_grads),
                                      optimizer=storage_bytes(states + masters), offload=self.offloaded)
 
     def param_count(self) -> int:
@@ -454,7 +454,7 @@ class Zero(Strategy):
         return out
 
     def theory_comm_bytes(self) -> dict[str, float]:
-        """Bytes each rank sends per step in theory (``lab.accounting.comm_bytes_per_step``)."""
+        """Bytes each rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
         return accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from lab.config import ConfigError
+from lab.runtime.config import ConfigError
 
 TESTED = {"torch": "2.13", "deepspeed": "0.19"}
 try:

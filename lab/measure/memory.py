@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from lab.compat import TorchDispatchMode, tree_leaves
+from lab.runtime.compat import TorchDispatchMode, tree_leaves
 
 PHASES = ("forward", "backward", "step")
 # glibc: freed blocks at least this large go straight back to the kernel (M_MMAP_THRESHOLD, fixed so that the

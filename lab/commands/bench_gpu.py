@@ -1,6 +1,6 @@
 """What only a CUDA GPU shows, in one command (``make bench-gpu``; under 10 minutes on one H100).
 
-- Throughput and MFU of GPT-2 124M under bf16 autocast, eager and compiled (``lab.bench.bench_case``:
+- Throughput and MFU of GPT-2 124M under bf16 autocast, eager and compiled (``lab.commands.bench.bench_case``:
   synthetic tokens, fused AdamW, the data-sheet dense bf16 peak as the MFU denominator).
 - The lab's own command line under torchrun on the GPU, once per strategy (``ddp``, ``zero3``): NCCL
   collectives, the CUDA allocator's peak bytes per phase (forward, backward, step) beside theory, the
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from lab.bench import bench_case, memory_run
-from lab.config import print_error
-from lab.device import describe, setup_device
-from lab.files import save_json, write_atomic
+from lab.commands.bench import bench_case, memory_run
+from lab.runtime.config import print_error
+from lab.measure.device import describe, setup_device
+from lab.runtime.files import save_json, write_atomic
 
 STRATEGIES = ("ddp", "zero3")
 CUDA_RUN = ["--train.device", "cuda", "--train.dtype", "bf16", "--train.tokens", "2560"]  # 20 steps of issue 19's run
@@ -57,7 +57,8 @@ def markdown(results: dict) -> str:
              "| model | compile | tokens/s | MFU | allocator peak (GiB) |", "|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['compile']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f} % | "
               f"{r['mem_peak_bytes'] / 2**30:.2f} |" for r in results["throughput"]]
-    lines += ["", "| strategy (torchrun, NCCL) | step ms | peak bytes per phase (measured) | theory |", "|---|---|---|---|"]
+    lines += ["", "| strategy (torchrun, NCCL) | step ms | peak bytes per phase (measured) | theory |",
+              "|---|---|---|---|"]
     lines += [f"| {name} | {1e3 * r['step_time_s']:.1f} | {r['peak_bytes']} | {r['peak_bytes_theory']} |"
               for name, r in results["runs"].items()]
     lines += ["", f"zero3 / ddp step time: {results['zero3_over_ddp_step_time']:.3f}x", ""]
