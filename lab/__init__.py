@@ -3,7 +3,8 @@
 import os
 
 # Read by torch's CPU allocator once, before torch is imported: blocks of 2 MiB or more ask for transparent huge
-# pages, so that a tensor that lab.memory has glibc return to the kernel costs few page faults to allocate again.
+# pages, so that a tensor that lab.measure.memory has glibc return to the kernel costs few page faults to allocate
+# again.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # Read by OpenMP once, when torch loads it: threads that wait for work sleep instead of spinning. On a machine
 # whose cores other processes share (two runs side by side, a sweep beside a job), spinning threads take the cores

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import device
-from lab.cli import export_main, run_main, sample_main
+from lab.measure import device
+from lab.commands.cli import export_main, run_main, sample_main
 from lab.data import prepare, prepare_main
-from lab.plot import main as plot_main
+from lab.commands.plot import main as plot_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def test_a_run_whose_mfu_exceeds_100_percent_measures_the_peak_again(low_peak_ru
 
 @pytest.mark.slow  # trains a run: not in the edit loop (make test-fast)
 def test_plot_draws_one_run_and_several_overlaid_as_png_and_svg(low_peak_run, tmp_path, capsys):
-    from lab.plot import PANELS, figure, read_curves
+    from lab.commands.plot import PANELS, figure, read_curves
 
     run_dir = low_peak_run[0]
     assert plot_main([str(run_dir)]) == 0
@@ -158,10 +158,10 @@ def test_plot_refuses_what_is_not_a_run(tmp_path, capsys):
 
 @pytest.mark.slow  # trains a run: not in the edit loop (make test-fast)
 def test_ctrl_c_during_step_k_stops_at_the_end_of_step_k_and_says_how_to_resume(args, tmp_path, monkeypatch, capsys):
-    import lab.train
+    import lab.training.train as loop
 
     now = {"step": -1, "sent": False}
-    step_seed = lab.train.step_seed
+    step_seed = loop.step_seed
 
     def record_step(seed: int, rank: int, step: int) -> int:
         now["step"] = step
@@ -172,7 +172,7 @@ def test_ctrl_c_during_step_k_stops_at_the_end_of_step_k_and_says_how_to_resume(
             now["sent"] = True
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(lab.train, "step_seed", record_step)
+    monkeypatch.setattr(loop, "step_seed", record_step)
     hook = torch.nn.modules.module.register_module_forward_hook(interrupt_in_step_3)
     try:
         assert run_main([*args, "--run-dir", str(tmp_path / "r")]) == 130
@@ -249,10 +249,10 @@ def test_each_process_takes_its_share_of_the_cores_unless_told(monkeypatch):
 
 
 def test_the_start_line_gives_the_thread_count():
-    from lab.config import RunConfig
-    from lab.device import Peak, Precision
+    from lab.runtime.config import RunConfig
+    from lab.measure.device import Peak, Precision
     from lab.parallel import World
-    from lab.train import Start, start_line, step_plan
+    from lab.training.train import Start, start_line, step_plan
 
     cfg = RunConfig()
     cfg.model.vocab_size = 512
@@ -282,7 +282,7 @@ def test_the_local_sweep_executor_never_runs_more_threads_than_cores():
 
 
 def test_mup_unties_the_head_by_default_and_keeps_an_explicit_choice():
-    from lab.config import resolve
+    from lab.runtime.config import resolve
 
     assert resolve({"model": {"parametrization": "mup"}}).model.tie_embeddings is False
     assert resolve({"model": {"parametrization": "mup", "tie_embeddings": True}}).model.tie_embeddings is True

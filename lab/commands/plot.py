@@ -15,8 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from lab.config import ConfigError, Parser, print_error  # noqa: E402
-from lab.files import probe_writable, write_atomic  # noqa: E402
+from lab.runtime.config import ConfigError, Parser, print_error  # noqa: E402
+from lab.runtime.files import probe_writable, write_atomic  # noqa: E402
 
 # (metrics.jsonl key, panel title, log scale)
 PANELS = (("loss", "training loss (nats/token)", False), ("eval_loss", "held-out loss (nats/token)", False),
