@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import accounting as acc
+from lab.measure import accounting as acc
 from lab.runtime.config import ModelConfig
 from lab.commands.plan import main
 
