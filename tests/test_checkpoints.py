@@ -107,7 +107,7 @@ def test_the_same_strategy_and_world_size_resume_bit_for_bit(tree, tiny_prepared
 def _dies_while_saving_step_4(world: World, tree: dict, data_dir: Path, run_dir: Path, point: str) -> int:
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lab import checkpoint as ckpt
+    from lab.runtime import checkpoint as ckpt
 
     def die() -> None:
         os._exit(9)

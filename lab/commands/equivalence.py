@@ -1,6 +1,6 @@
 """Do the strategies train the same model as one process? Train and compare.
 
-    python -m lab.commands.equivalence --strategies single,ddp_naive,ddp,torch_ddp --nproc 2 --steps 8 --accum 1
+    python -m lab equivalence --strategies single,ddp_naive,ddp,torch_ddp --nproc 2 --steps 8 --accum 1
 
 Trains the tiny GPT (dropout 0, fp32, CPU) from one seed under each strategy on ``--nproc`` gloo
 ranks, through the loop's own ``train_step``, on a fixed stream of random token batches (the
@@ -157,7 +157,7 @@ def format_table(results: dict[str, Comparison]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m lab.commands.equivalence") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m lab equivalence") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--strategies", default="single,ddp_naive,ddp,torch_ddp",

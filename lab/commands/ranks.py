@@ -72,7 +72,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "lab.training.train", 
 
 
 def fork_context() -> mp.context.BaseContext:
-    ctx = mp.getfork_context("forkserver")
+    ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
