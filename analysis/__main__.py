@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     k.add_argument("--ci", type=float, default=0.95, help="interval level")
 
+    w = sub.add_parser("watch", help="a run folder (in progress or finished) against a law: expected loss, interval "
+                                     "and deviation at each eval, a warning once it is off track, a plot")
+    w.add_argument("run", help="run folder (config.json, summary.json, metrics.jsonl with eval records)")
+    w.add_argument("--law", required=True, help="curves.json (python -m analysis curves) or fit.json")
+    w.add_argument("--out", default=None, help="folder for watch.png (default: the run folder)")
+
     p = sub.add_parser("plan", help="compute-optimal N, D, loss and time for a budget, from a fit.json")
     p.add_argument("fit_json", help="fit.json written by 'fit'")
     p.add_argument("--gpu", required=True, help="GPU name, e.g. H100")
@@ -416,6 +422,28 @@ def _curves(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch(args: argparse.Namespace) -> int:
+    import io
+
+    from analysis.watch import figure, watch_run
+    from lab.files import write_atomic
+
+    run = Path(args.run)
+    out = Path(args.out) if args.out else run
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a folder")
+    w, lines = watch_run(run, args.law)
+    if not w.history:
+        raise InputError(f"{run}: no eval records after warm-up yet (train.eval_every sets how often a run logs them)")
+    print("\n".join(lines))
+    out.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    figure(w, f"{run.name} against {Path(args.law).name}").savefig(buffer, format="png", dpi=150)
+    write_atomic(out / "watch.png", buffer.getvalue())
+    print(f"wrote watch.png to {out}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     doc, samples = load_fit(args.fit_json)
     result = plan(doc, args.gpu, args.n_gpus, args.mfu, flops=args.flops, gpu_hours=args.gpu_hours,
@@ -456,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
-        return {"fit": _fit, "compare": _compare, "predict": _predict, "curves": _curves,
+        return {"fit": _fit, "compare": _compare, "predict": _predict, "curves": _curves, "watch": _watch,
                 "plan": _plan}[args.command](args)
     except Unidentified as exc:
         print(f"error: {exc}", file=sys.stderr)

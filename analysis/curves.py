@@ -209,7 +209,20 @@ class CurveFit:
         return {"law": "L(N, s) = E + B/N^beta + A*S1(s)^(-alpha) - C*S2(s)", "params": self.params,
                 "ci": self.ci(), "level": self.level, "converged": self.converged,
                 "rmse_log_loss": self.rmse_log_loss, "n_runs": self.n_runs, "n_points": self.n_points,
-                "bootstrap": None if self.thetas is None else len(self.thetas)}
+                "bootstrap": None if self.thetas is None else len(self.thetas), "theta": list(self.theta),
+                "resamples": None if self.thetas is None else self.thetas.tolist()}
+
+
+def load_fit(doc: dict) -> CurveFit:
+    """The CurveFit of a curves.json document (``python -m analysis curves``)."""
+    try:
+        fit = doc["fit"]
+        thetas = None if fit["resamples"] is None else np.array(fit["resamples"], float).reshape(-1, len(NAMES))
+        return CurveFit(theta=np.array(fit["theta"], float), thetas=thetas, converged=bool(fit["converged"]),
+                        rmse_log_loss=float(fit["rmse_log_loss"]), n_runs=int(fit["n_runs"]),
+                        n_points=int(fit["n_points"]), level=float(fit["level"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"not a curves.json written by 'python -m analysis curves': {exc}") from None
 
 
 def fit_curves(curves: list[Curve], n_bootstrap: int = 200, seed: int = 0, level: float = 0.95) -> CurveFit:

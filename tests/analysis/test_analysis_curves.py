@@ -131,3 +131,33 @@ def test_cli_fits_a_sweep_holds_out_wsd_and_predicts(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err, (argv, err)
     assert not (tmp_path / "bad").exists()
+
+
+def test_watch_flags_a_run_that_goes_off_track_once_and_an_on_track_run_never(tmp_path, capsys):
+    """A curves fit of law-made runs; a new run on the law stays quiet, the same run whose loss jumps 5 % at step 600
+    (what a learning rate x10 there does) warns once, three evals after the jump, and is drawn."""
+    from analysis.watch import OFF_TRACK_EVALS, watch_run
+
+    sweep = tmp_path / "sweep"
+    for i, (n, steps) in enumerate(SIZES):
+        for kind in ("cosine", "wsd"):
+            _write_run(sweep / f"{kind}-{i}", _curve(n, kind, steps, noise=0.002, seed=i), kind, steps, _lr(n))
+    assert main(["curves", str(sweep), "--out", str(tmp_path / "law"), "--bootstrap", "20"]) == 0
+    law = tmp_path / "law" / "curves.json"
+    on_track = _curve(5e4, "wsd", 1200, noise=0.002, seed=7, every=50)
+    _write_run(tmp_path / "on", on_track, "wsd", 1200, _lr(5e4))
+    jumped = on_track.loss * np.where(on_track.steps >= 600, 1.05, 1.0)
+    _write_run(tmp_path / "off", Curve("off", 5e4, on_track.lr, on_track.steps, jumped), "wsd", 1200, _lr(5e4))
+    capsys.readouterr()
+    quiet, lines = watch_run(tmp_path / "on", law)
+    assert quiet.warned_at is None and all(e.inside for e in quiet.history), lines
+    assert lines[-1] == "on track: no warning"
+    assert main(["watch", str(tmp_path / "off"), "--law", str(law)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("OFF TRACK") == 1 and f"went off track at step {600 + 50 * (OFF_TRACK_EVALS - 1)}" in printed
+    assert "expected" in printed and "OUTSIDE" in printed
+    assert (tmp_path / "off" / "watch.png").read_bytes()[:4] == b"\x89PNG"
+    # a fit.json law is refused cleanly when it is neither kind
+    (tmp_path / "other.json").write_text("{}")
+    assert main(["watch", str(tmp_path / "off"), "--law", str(tmp_path / "other.json")]) == 2
+    assert "neither a curves.json" in capsys.readouterr().err
