@@ -56,7 +56,7 @@ from analysis.table import (  # noqa: E402
     load_runs,
     parse_column_map,
 )
-from lab.files import process_alive  # noqa: E402
+from lab.runtime.files import process_alive  # noqa: E402
 
 EXIT_USAGE = 2
 FIGURE_FORMATS = ("png", "svg", "pdf")
@@ -387,7 +387,7 @@ def _curves(args: argparse.Namespace) -> int:
     import io
 
     from analysis import curves as law
-    from lab.files import write_atomic
+    from lab.runtime.files import write_atomic
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -426,7 +426,7 @@ def _watch(args: argparse.Namespace) -> int:
     import io
 
     from analysis.watch import figure, watch_run
-    from lab.files import write_atomic
+    from lab.runtime.files import write_atomic
 
     run = Path(args.run)
     out = Path(args.out) if args.out else run

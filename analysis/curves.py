@@ -58,8 +58,8 @@ class Curve:
 def schedule_lr(kind: str, peak: float, total_steps: int, warmup: float = 0.05, decay: float = 0.2,
                 min_lr_ratio: float = 0.1) -> np.ndarray:
     """The lab's schedule (lab.schedule) as an array of every step's rate."""
-    from lab.config import TrainConfig
-    from lab.schedule import learning_rate, validate
+    from lab.runtime.config import TrainConfig
+    from lab.training.schedule import learning_rate, validate
 
     cfg = TrainConfig(lr=peak, schedule=kind, warmup=warmup, decay=decay, min_lr_ratio=min_lr_ratio)
     try:

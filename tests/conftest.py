@@ -14,7 +14,7 @@ import pytest
 # this too): with them, on a loaded machine, a test of a few fits took 100 s instead of 12. Before numpy loads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from lab.config import DataConfig  # noqa: E402
+from lab.runtime.config import DataConfig  # noqa: E402
 from lab.data import prepare  # noqa: E402
 from lab.data.corpora import builtin_folder  # noqa: E402
 

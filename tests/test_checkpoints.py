@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import checkpoint
-from lab.cli import export_main, resolve_vocab, sample_main
-from lab.config import build_parser, config_from_args, resolve
+from lab.runtime import checkpoint
+from lab.commands.cli import export_main, resolve_vocab, sample_main
+from lab.runtime.config import build_parser, config_from_args, resolve
 from lab.data import load_tokenizer, prepare
-from lab.device import Precision
+from lab.measure.device import Precision
 from lab.parallel import World
-from lab.parallel.spawn import RankFailed, free_port, run_pooled, run_ranks
-from lab.train import build_strategy, train
+from lab.commands.ranks import RankFailed, free_port, run_ranks
+from pool import run_pooled
+from lab.training.train import build_strategy, train
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
 
@@ -106,7 +107,7 @@ def test_the_same_strategy_and_world_size_resume_bit_for_bit(tree, tiny_prepared
 def _dies_while_saving_step_4(world: World, tree: dict, data_dir: Path, run_dir: Path, point: str) -> int:
     import torch.distributed.checkpoint.filesystem as fs
 
-    from lab import checkpoint as ckpt
+    from lab.runtime import checkpoint as ckpt
 
     def die() -> None:
         os._exit(9)
@@ -259,7 +260,7 @@ def test_ranks_with_different_configs_fail_at_once(args, tmp_path):
     """As if rank 1 had read another config file: both ranks end at once; the node's first rank names the
     mismatch in one line (the others stay quiet, so the user reads it once)."""
     wrapper = tmp_path / "skewed.py"
-    wrapper.write_text("import os, sys\nfrom lab.cli import run_main\n"
+    wrapper.write_text("import os, sys\nfrom lab.commands.cli import run_main\n"
                        "extra = ['--train.seed', '7'] if os.environ['RANK'] == '1' else []\n"
                        "sys.exit(run_main(sys.argv[1:] + extra))\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

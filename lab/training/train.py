@@ -22,14 +22,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lab import accounting, checkpoint, memory, parallel, schedule
-from lab.config import NONFINITE, ConfigError, RunConfig, did_you_mean
-from lab.files import dumps, save_json
+from lab.measure import accounting, memory
+
+from lab.runtime import checkpoint
+
+from lab import parallel
+
+from lab.training import schedule
+from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
+from lab.runtime.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
-from lab.device import Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device, synchronize
+from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device,
+                                synchronize)
 from lab.model import GPT
 from lab.model import validate as validate_model
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, Strategy, World
 from lab.parallel.comm import loopback_tx_bytes
 
@@ -113,7 +120,7 @@ def loop_settings(cfg: RunConfig, plan: StepPlan) -> LoopSettings:
 
 @dataclass(frozen=True)
 class Estimate:
-    """What the run needs, estimated from ``lab.accounting`` before it starts."""
+    """What the run needs, estimated from ``lab.measure.accounting`` before it starts."""
 
     memory_bytes: float  # model states + activations, per process
     available_bytes: float  # what this process may use

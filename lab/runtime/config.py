@@ -47,7 +47,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class ModelConfig:
-    preset: str | None = _f(None, "named shape to start from (see lab.config.PRESETS); explicit fields override it")
+    preset: str | None = _f(None, "named shape to start from (see lab.runtime.config.PRESETS); explicit fields "
+                                  "override it")
     arch: str = _f("gpt2", "gpt2 (LayerNorm, GELU, learned positions) or modern (RMSNorm, RoPE, SwiGLU, GQA)")
     n_layer: int = _f(4, "transformer blocks")
     n_head: int = _f(4, "query heads")

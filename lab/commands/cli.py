@@ -26,15 +26,15 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from lab import checkpoint
-from lab.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
+from lab.runtime import checkpoint
+from lab.runtime.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
-from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
-from lab.files import dumps, probe_writable, save_json
+from lab.measure.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
+from lab.runtime.files import dumps, probe_writable, save_json
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
-from lab.train import Estimate, TrainingDiverged, check_resources, train, validate
+from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
 # the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).
