@@ -1,5 +1,5 @@
 """Command line: ``python -m analysis fit RESULTS --out DIR``, ``python -m analysis compare FIT_OR_SWEEP ... --out
-DIR`` and ``python -m analysis plan FIT_JSON``.
+DIR``, ``python -m analysis predict FIT_JSON --params N --tokens D`` and ``python -m analysis plan FIT_JSON``.
 
 Exit codes: 0 done; 2 bad input, one line ``error: ...`` on stderr before any work; 3 the data
 identify no law (``fit`` still writes its report, which says why; ``plan`` refuses); 130
@@ -28,7 +28,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pandas as pd  # noqa: E402
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note  # noqa: E402
-from analysis.fit import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig, FitResult, fit_runs  # noqa: E402
+from analysis.fit import (  # noqa: E402
+    ENVELOPE_SOURCES,
+    FORM_CHOICES,
+    FitConfig,
+    FitResult,
+    fit_runs,
+    forms_cells,
+    json_ready,
+)
 from analysis.forms import FORMS  # noqa: E402
 from analysis.laws import LAWS, law_line  # noqa: E402
 from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
@@ -92,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "unique_tokens column) beside approach 3 (default: Chinchilla's form only)")
     f.add_argument("--form", choices=FORM_CHOICES, default="auto",
                    help="approach 3's form of L(N, D): Chinchilla's E + A/N^alpha + B/D^beta, kaplan-e (Kaplan et "
-                        "al.'s with an irreducible E), or auto (default): the one that predicts the hold-out's runs "
-                        "better when refitted without them (Chinchilla's without a hold-out)")
+                        "al.'s with an irreducible E), shared (Gadre et al.'s E + A/N^alpha + B/D^alpha), or auto "
+                        "(default): the one that predicts the hold-out's runs best when refitted without them "
+                        "(Chinchilla's without a hold-out, or shared from five runs); every form is reported")
     f.add_argument("--huber-delta", type=float, default=HUBER_DELTA,
                    help=f"approach 3's Huber threshold on log-loss residuals (default {HUBER_DELTA:g}, as in "
                         "Hoffmann et al.)")
@@ -130,6 +139,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes for the bootstrap")
     c.add_argument("--format", default="png", type=_formats, metavar="FORMATS",
                    help=f"figure formats, comma-separated, of {', '.join(FIGURE_FORMATS)} (the PNG is always written)")
+
+    q = sub.add_parser("predict", help="approach 3's loss at given (N, D) pairs, with bootstrap intervals")
+    q.add_argument("fit_json", help="fit.json written by 'fit' (bootstrap.csv beside it gives the intervals)")
+    q.add_argument("--params", type=float, nargs="+", default=[], metavar="N", help="parameter counts")
+    q.add_argument("--tokens", type=float, nargs="+", default=[], metavar="D", help="token counts, one per N")
+    q.add_argument("--csv", help="a CSV of pairs (columns params, tokens) instead of --params/--tokens")
+    q.add_argument("--json", action="store_true", help="print the predictions as JSON")
+
+    k = sub.add_parser("curves", help="fit the loss-curve law with the learning-rate schedule (Tissue et al. 2024) "
+                                      "to runs' loss curves, and predict curves")
+    k.add_argument("inputs", nargs="+", metavar="SWEEP_OR_RUN", help="sweep folders or run folders")
+    k.add_argument("--out", required=True, help="output folder (created if missing)")
+    k.add_argument("--loss", choices=("eval", "train"), default="eval",
+                   help="the curve's points: held-out loss (default; needs train.eval_every) or the training loss")
+    k.add_argument("--hold-out", default=None, metavar="CONDITION",
+                   help="leave out the runs matching a pandas condition on run_id, params, flops, steps, schedule, "
+                        "lr (e.g. \"flops > 1.5e12\" or \"schedule == 'wsd'\") and predict their curves")
+    k.add_argument("--predict", action="append", default=[], metavar="N,SCHEDULE,STEPS,LR",
+                   help="a curve to predict (repeatable), e.g. 1e5,wsd,4000,8e-3")
+    k.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples of whole runs (0: none)")
+    k.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    k.add_argument("--ci", type=float, default=0.95, help="interval level")
+
+    w = sub.add_parser("watch", help="a run folder (in progress or finished) against a law: expected loss, interval "
+                                     "and deviation at each eval, a warning once it is off track, a plot")
+    w.add_argument("run", help="run folder (config.json, summary.json, metrics.jsonl with eval records)")
+    w.add_argument("--law", required=True, help="curves.json (python -m analysis curves) or fit.json")
+    w.add_argument("--out", default=None, help="folder for watch.png (default: the run folder)")
 
     p = sub.add_parser("plan", help="compute-optimal N, D, loss and time for a budget, from a fit.json")
     p.add_argument("fit_json", help="fit.json written by 'fit'")
@@ -236,6 +273,13 @@ def summary_lines(doc: dict) -> list[str]:
         a = "-" if section["a"] is None else f"{section['a']:.4g}"
         lines.append(f"{TITLES[key]}: a={a}" + (f" [{a_ci[0]:.4g}, {a_ci[1]:.4g}]" if a_ci else "")
                      + f"{extra} ({state})")
+    forms = doc["approach3"]["forms"]
+    if forms:
+        header, cells = forms_cells(forms)
+        skipped = next(row["holdout_skipped"] for row in forms if not row["skipped"])
+        lines.append("every form fitted (* the one used" + (f"; no hold-out errors: {skipped}" if skipped else "")
+                     + "):")
+        lines += ["  " + line for line in pd.DataFrame(cells, columns=header).to_string(index=False).splitlines()]
     if doc["law"]:
         lines.append(law_line(doc["law"]))
     comp = doc["comparison"]
@@ -323,6 +367,88 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict(args: argparse.Namespace) -> int:
+    from analysis.predict import describe as describe_predictions
+    from analysis.predict import load_law, read_pairs
+
+    if args.csv and (args.params or args.tokens):
+        raise InputError("give --csv or --params/--tokens, not both")
+    if not args.csv and not (args.params and args.tokens):
+        raise InputError("give --params N ... --tokens D ... (one D per N) or --csv FILE")
+    if not args.csv and len(args.params) != len(args.tokens):
+        raise InputError(f"{len(args.params)} --params value(s) for {len(args.tokens)} --tokens value(s): give pairs")
+    n, d = read_pairs(args.csv) if args.csv else (args.params, args.tokens)
+    law = load_law(args.fit_json)
+    table = law.predict(n, d)
+    if args.json:
+        print(json.dumps([{k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+                          for row in table.to_dict(orient="records")], indent=2))
+    else:
+        print("\n".join(describe_predictions(law, table)))
+    return 0
+
+
+def _curves(args: argparse.Namespace) -> int:
+    import io
+
+    from analysis import curves as law
+    from lab.runtime.files import write_atomic
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a folder")
+    if args.bootstrap < 0 or not 0 < args.ci < 1:
+        raise InputError("--bootstrap must be >= 0 and --ci in (0, 1)")
+    requests = [law.Request.parse(text) for text in args.predict]
+    curves, facts = law.load_curves(args.inputs, args.loss)
+    held = law.held_out(facts, args.hold_out)
+    fitted = [c for c, h in zip(curves, held) if not h]
+    kept = [c for c, h in zip(curves, held) if h]
+    fit = law.fit_curves(fitted, args.bootstrap, args.seed, args.ci)
+    doc = {"inputs": [str(p) for p in args.inputs], "loss": args.loss, "fit": fit.to_dict(),
+           "runs": facts.assign(held_out=held).to_dict(orient="records"),
+           "holdout": law.holdout(fit, kept) if kept else None, "predictions": []}
+    out.mkdir(parents=True, exist_ok=True)
+    for r in requests:
+        steps, loss, lo, hi = fit.predict(r.params, r.lr_array())
+        stem = f"predicted-{r.params:.3g}-{r.schedule}-{r.steps}-{r.lr:.3g}"
+        frame = pd.DataFrame({"step": steps, "lr": r.lr_array(), "loss": loss, "lo": lo, "hi": hi})
+        write_atomic(out / f"{stem}.csv", frame.to_csv(index=False))
+        doc["predictions"].append({"params": r.params, "schedule": r.schedule, "steps": r.steps, "lr": r.lr,
+                                   "final_loss": float(loss[-1]), "final_ci": [float(lo[-1]), float(hi[-1])],
+                                   "csv": f"{stem}.csv"})
+    buffer = io.BytesIO()
+    law.figure(fit, fitted, kept).savefig(buffer, format="png", dpi=150)
+    write_atomic(out / "curves_fit.png", buffer.getvalue())
+    doc = json_ready(doc)
+    write_atomic(out / "curves.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    print("\n".join(law.describe(doc)))
+    print(f"wrote curves.json, curves_fit.png{''.join(', ' + p['csv'] for p in doc['predictions'])} to {out}")
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    import io
+
+    from analysis.watch import figure, watch_run
+    from lab.runtime.files import write_atomic
+
+    run = Path(args.run)
+    out = Path(args.out) if args.out else run
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a folder")
+    w, lines = watch_run(run, args.law)
+    if not w.history:
+        raise InputError(f"{run}: no eval records after warm-up yet (train.eval_every sets how often a run logs them)")
+    print("\n".join(lines))
+    out.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    figure(w, f"{run.name} against {Path(args.law).name}").savefig(buffer, format="png", dpi=150)
+    write_atomic(out / "watch.png", buffer.getvalue())
+    print(f"wrote watch.png to {out}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     doc, samples = load_fit(args.fit_json)
     result = plan(doc, args.gpu, args.n_gpus, args.mfu, flops=args.flops, gpu_hours=args.gpu_hours,
@@ -363,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
-        return {"fit": _fit, "compare": _compare, "plan": _plan}[args.command](args)
+        return {"fit": _fit, "compare": _compare, "predict": _predict, "curves": _curves, "watch": _watch,
+                "plan": _plan}[args.command](args)
     except Unidentified as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNIDENTIFIED

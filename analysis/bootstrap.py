@@ -76,7 +76,7 @@ class Problem:
 class Resamples:
     """Every approach refitted per resample; rows aligned across approaches."""
 
-    thetas: np.ndarray  # (B, 5)
+    thetas: np.ndarray  # (B, P), P the form's parameter count
     converged: np.ndarray  # (B,)
     isoflop: dict[str, PowerLaws]  # by minimum method; empty when approach 2 is not run
     envelope: PowerLaws | None

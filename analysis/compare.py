@@ -33,7 +33,7 @@ WHY = {"approach3": "it is identified and is the only approach that also predict
 
 
 def parametric_allocation(thetas: np.ndarray, flops_k: float, form: Form = CHINCHILLA) -> PowerLaws:
-    """Approach 3's N_opt = k_N C^a, D_opt = k_D C^b for each theta row (K, 5), along C = flops_k N D."""
+    """Approach 3's N_opt = k_N C^a, D_opt = k_D C^b for each theta row (K, P), along C = flops_k N D."""
     s = named_samples(np.atleast_2d(thetas), flops_k, form)
     return PowerLaws(a=s["a"], k_n=s["k_N"], b=s["b"], k_d=s["k_D"], n_points=np.zeros(len(s["a"]), int))
 

@@ -22,7 +22,7 @@ from analysis.bootstrap import Problem, Resamples, bootstrap, interval
 from analysis.budgets import Budgets, group_budgets
 from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
-from analysis.forms import CHINCHILLA, FORMS, Form
+from analysis.forms import CHINCHILLA, FORMS, SHARED, Form
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
 from analysis.laws import LAWS, fit_data_constrained, fit_kaplan
@@ -146,6 +146,7 @@ class FitResult:
     delta_sensitivity: list[dict] = field(default_factory=list)
     law: dict | None = None  # the --law form fitted beside approach 3 (analysis.laws), when not chinchilla
     form_choice: dict | None = None  # with --form auto: each form's hold-out error and the choice
+    forms: list[dict] = field(default_factory=list)  # every form fitted side by side (``forms_table``)
 
     @property
     def flops_max(self) -> float:
@@ -157,7 +158,7 @@ class FitResult:
 
     def to_dict(self) -> dict:
         """The fit.json document (NaN and infinities become null)."""
-        return _clean({
+        return json_ready({
             "schema_version": SCHEMA_VERSION,
             "source": self.table.source,
             "params_count": self.table.params_count,
@@ -203,6 +204,7 @@ class FitResult:
     def _approach3(self) -> dict:
         p, t, k, form = self.parametric, self.table, self.table.flops_k, self.parametric.form
         out: dict = {"form": form.name, "formula": f"L = {form.formula}", "form_choice": self.form_choice,
+                     "forms": self.forms,
                      **p.params_at(k)}
         predicted = predict_loss(p.theta, t.n, t.d, form)
         out["fit"] = {
@@ -322,12 +324,12 @@ def _status(m: BudgetMinima, g: int) -> str:
     return "ok"
 
 
-def _clean(obj: Any) -> Any:
+def json_ready(obj: Any) -> Any:
     """JSON-ready copy: numpy scalars to Python, non-finite floats to None."""
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_ready(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, np.ndarray)):
-        return [_clean(v) for v in obj]
+        return [json_ready(v) for v in obj]
     if isinstance(obj, (bool, np.bool_)):
         return bool(obj)
     if isinstance(obj, (int, np.integer)):
@@ -383,8 +385,9 @@ def _holdout_skip(table: RunTable, budgets: Budgets, config: FitConfig) -> tuple
     return held, what, None
 
 
-def _holdout_parametric(table: RunTable, held: np.ndarray, config: FitConfig, form: Form) -> tuple[ParametricFit, dict]:
-    """Approach 3 in ``form`` refitted without the ``held`` runs, and its errors on them."""
+def _holdout_parametric(table: RunTable, held: np.ndarray, what: str, config: FitConfig, form: Form
+                        ) -> tuple[ParametricFit, dict]:
+    """Approach 3 in ``form`` refitted without the ``held`` runs (described by ``what``), and its errors on them."""
     n, d, c, loss = table.n, table.d, table.c, table.loss
     train = ~held
     fit = fit_parametric(n[train], d[train], loss[train], n_starts=config.n_starts, delta=config.huber_delta,
@@ -395,7 +398,7 @@ def _holdout_parametric(table: RunTable, held: np.ndarray, config: FitConfig, fo
              "predicted": float(p), "error": float(p - obs), "rel_error": float((p - obs) / obs)}
             for r, nn, dd, cc, obs, p in zip(table.runs["run_id"][held], n[held], d[held], c[held], loss[held],
                                              predicted)]
-    return fit, {"form": form.name, "mean_abs_error": float(np.mean(np.abs(err))),
+    return fit, {"form": form.name, "held_out": what, "mean_abs_error": float(np.mean(np.abs(err))),
                  "mean_rel_error": float(np.mean(np.abs(err) / loss[held])),
                  "max_rel_error": float(np.max(np.abs(err) / loss[held])),
                  "bias": float(np.mean(err / loss[held])),
@@ -403,36 +406,114 @@ def _holdout_parametric(table: RunTable, held: np.ndarray, config: FitConfig, fo
                  "converged": fit.converged, "runs": runs}
 
 
-def choose_form(table: RunTable, budgets: Budgets, config: FitConfig
-                ) -> tuple[Form, dict | None, tuple[ParametricFit, dict] | None]:
-    """Approach 3's form: the one named, or with ``auto`` the one whose refit without the hold-out's runs predicts
-    their losses with the smallest mean relative error (Chinchilla's on a tie, or without a hold-out). Also the
-    chosen form's refit and its errors (``_holdout_parametric``) when it was made, for the hold-out to reuse."""
-    if config.form != "auto":
-        return FORMS[config.form], None, None
+def form_holdouts(table: RunTable, budgets: Budgets, config: FitConfig
+                  ) -> tuple[dict[str, tuple[ParametricFit, dict]], str | None]:
+    """Every form refitted without the hold-out's runs and its errors on them (``_holdout_parametric``), by form
+    name; empty, with the reason, when the hold-out is disabled (``--no-holdout``) or cannot run."""
+    if not config.holdout:
+        return {}, "the hold-out is disabled (--no-holdout)"
     held, what, skip = _holdout_skip(table, budgets, config)
     if skip is not None:
-        return CHINCHILLA, {"chosen": CHINCHILLA.name, "why": f"no hold-out to choose by: {skip}", "holdout": {}}, None
-    refits = {name: _holdout_parametric(table, held, config, form) for name, form in FORMS.items()}
+        return {}, skip
+    train = int((~held).sum())
+    return {name: _holdout_parametric(table, held, what, config, form) for name, form in FORMS.items()
+            if fittable(form, train)}, None
+
+
+def fittable(form: Form, n_runs: int) -> bool:
+    """Whether ``n_runs`` runs can fit ``form``: more runs than its parameters."""
+    return n_runs > form.size
+
+
+def choose_form(table: RunTable, budgets: Budgets, config: FitConfig,
+                refits: dict[str, tuple[ParametricFit, dict]] | None = None, skip: str | None = None
+                ) -> tuple[Form, dict | None]:
+    """Approach 3's form: the one named, or with ``auto`` the one whose refit without the hold-out's runs predicts
+    their losses with the smallest mean relative error (the earlier in FORMS on a tie; Chinchilla's without a
+    hold-out). ``refits`` and ``skip`` are ``form_holdouts``'s, computed here when not given."""
+    if config.form != "auto":
+        form = FORMS[config.form]
+        if not fittable(form, len(table.n)):
+            raise InputError(f"--form {form.name} has {form.size} parameters and needs more runs than that, got "
+                             f"{len(table.n)}; --form auto or shared fits from {SHARED.size + 1}")
+        return form, None
+    if refits is None:
+        refits, skip = form_holdouts(table, budgets, config)
+    if not refits:
+        form = CHINCHILLA if fittable(CHINCHILLA, len(table.n)) else SHARED
+        extra = "" if form is CHINCHILLA else f"; {len(table.n)} runs are too few for Chinchilla's five parameters"
+        return form, {"chosen": form.name, "why": f"no hold-out to choose by: {skip}{extra}", "holdout": {}}
     errors = {name: refit[1] for name, refit in refits.items()}
     best = min(errors, key=lambda name: errors[name]["mean_rel_error"])  # FORMS lists Chinchilla's first
     summary = {name: {k: e[k] for k in ("mean_rel_error", "bias", "too_high", "converged")}
                for name, e in errors.items()}
     shown = ", ".join(f"{name} {e['mean_rel_error']:.2%}" for name, e in errors.items())
+    what = errors[best]["held_out"]
     choice = {"chosen": best, "holdout": summary, "held_out": what,
-              "why": f"the smaller mean relative error on {what}, refitted without it: {shown}"}
-    return FORMS[best], choice, refits[best]
+              "why": f"the smallest mean relative error on {what}, refitted without it: {shown}"}
+    return FORMS[best], choice
+
+
+def forms_table(table: RunTable, chosen: ParametricFit, refits: dict[str, tuple[ParametricFit, dict]],
+                skip: str | None, config: FitConfig) -> list[dict]:
+    """Every form fitted to all runs, side by side: its parameters, allocation exponent a, in-sample RMSE of log
+    loss and hold-out errors (None, with ``skip``, without a hold-out); the chosen one marked. A form with a hold-out
+    refit starts from its optimum, one without from the grid, as approach 3 does."""
+    n, d, loss, k = table.n, table.d, table.loss, table.flops_k
+    rows = []
+    for name, form in FORMS.items():
+        if not fittable(form, len(n)):
+            rows.append({"form": name, "formula": f"L = {form.formula}", "chosen": False, "n_params": form.size,
+                         "skipped": f"needs more than {form.size} runs"})
+            continue
+        if form is chosen.form:
+            theta, converged = chosen.theta, chosen.converged
+        elif name in refits:  # from its hold-out refit's optimum, which lies close: one L-BFGS, no grid
+            thetas, ok = fit_weighted(refits[name][0].theta, n, d, loss, np.ones((1, len(n))), config.huber_delta, form)
+            theta, converged = thetas[0], bool(ok[0])
+        else:
+            fit = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form)
+            theta, converged = fit.theta, fit.converged
+        params = params_from_theta(theta, k, form)
+        rmse = float(np.sqrt(np.mean((np.log(loss) - np.log(predict_loss(theta, n, d, form))) ** 2)))
+        errors = refits[name][1] if name in refits else None
+        rows.append({"form": name, "formula": f"L = {form.formula}", "chosen": form is chosen.form,
+                     "n_params": form.size, "skipped": None, "params": {key: params[key] for key in form.names},
+                     "a": params["a"],
+                     "converged": converged, "rmse_log_loss": rmse,
+                     "holdout": None if errors is None else {key: errors[key] for key in
+                                                             ("mean_rel_error", "max_rel_error", "bias", "converged")},
+                     "holdout_skipped": skip if errors is None else None})
+    return rows
+
+
+def forms_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """``forms_table``'s rows as a header and rows of text, for the terminal and the report (chosen marked *)."""
+    header = ["form", "L", "parameters", "a", "RMSE log loss", "hold-out mean rel. error", "hold-out bias"]
+    cells = []
+    for row in rows:
+        if row["skipped"]:
+            cells.append([row["form"], row["formula"][4:], f"not fitted: {row['skipped']}", "-", "-", "-", "-"])
+            continue
+        held = row["holdout"]
+        params = ", ".join(f"{k}={v:.4g}" for k, v in row["params"].items() if v is not None)
+        cells.append([row["form"] + (" *" if row["chosen"] else ""), row["formula"][4:],
+                      params + ("" if row["converged"] else " (NOT converged)"),
+                      "-" if row["a"] is None else f"{row['a']:.4g}", f"{row['rmse_log_loss']:.3g}",
+                      "-" if held is None else f"{held['mean_rel_error']:.2%}",
+                      "-" if held is None else f"{held['bias']:+.2%}"])
+    return header, cells
 
 
 def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, config: FitConfig,
              form: Form = CHINCHILLA, refit: tuple[ParametricFit, dict] | None = None) -> dict:
-    """Refit without the runs ``_held_out`` names (or take ``refit``, ``choose_form``'s), then predict each of them."""
+    """Refit without the runs ``_held_out`` names (or take ``refit``, ``form_holdouts``'s), then predict each."""
     n, d, c, loss = table.n, table.d, table.c, table.loss
     held, what, skip = _holdout_skip(table, budgets, config)
     if skip is not None:
         return {"skipped": True, "reason": skip}
     train = ~held
-    fit, errors = refit or _holdout_parametric(table, held, config, form)
+    fit, errors = refit or _holdout_parametric(table, held, what, config, form)
     out = {"skipped": False, "held_out": what, "budget_flops": float(np.exp(np.log(c[held]).mean())),
            "n_train": int(train.sum()), "n_holdout": int(held.sum()), "approach3": errors, "isoflop": None}
     method = config.isoflop_minimum
@@ -512,8 +593,10 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     minima = budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n)))) if budgets.count else None
     warnings += _budget_warnings(budgets, minima, len(n))
 
-    form, form_choice, refit = choose_form(table, budgets, config)
+    refits, refits_skip = form_holdouts(table, budgets, config)
+    form, form_choice = choose_form(table, budgets, config, refits, refits_skip)
     parametric = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form)
+    forms = forms_table(table, parametric, refits, refits_skip, config)
     condition = gauss_newton_condition(parametric.theta, n, d, form)
     outliers = find_outliers(table, parametric.theta, form)
     if outliers["runs"]:
@@ -590,7 +673,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
 
     holdout = {"skipped": True, "reason": "disabled"}
     if config.holdout:
-        holdout = _holdout(table, budgets, minima, config, form, refit)
+        holdout = _holdout(table, budgets, minima, config, form, refits.get(form.name))
         if holdout["skipped"]:
             warnings.append(("holdout_skipped", f"hold-out check skipped: {holdout['reason']}"))
         elif (bias := _holdout_bias(holdout)) is not None:
@@ -611,7 +694,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
                      approaches=approaches, preferred=choice, why=why, disagreements=disagree,
                      predictions=predictions, holdout=holdout, warnings=warnings, outliers=outliers,
                      noiseless=noise is not None, delta_sensitivity=sensitivity, law=other,
-                     form_choice=form_choice)
+                     form_choice=form_choice, forms=forms)
 
 
 def _unique_tokens(table: RunTable) -> np.ndarray:

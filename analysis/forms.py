@@ -1,4 +1,4 @@
-"""The forms of L(N, D) that approach 3 can fit, each with five parameters theta.
+"""The forms of L(N, D) that approach 3 can fit, each with its parameters theta (five, or four when shared).
 
 - ``chinchilla`` (Hoffmann et al. 2022): L = E + A/N^alpha + B/D^beta, theta = (log A, log B, log E, alpha,
   beta). Along C = kND: N_opt = G (C/k)^a with a = beta/(alpha+beta), G = (alpha A/(beta B))^(1/(alpha+beta)).
@@ -7,6 +7,9 @@
   log E, alpha_N, alpha_D). Its N and D terms interact, so the loss keeps falling with D for longer than the
   additive form allows. With q = alpha_N/alpha_D: N_opt = G (C/k)^a, a = 1/(1+q) = alpha_D/(alpha_N+alpha_D),
   G = (q N_c^q / D_c)^a.
+- ``shared`` (Gadre et al. 2024's default): Chinchilla's form with one exponent for N and D, L = E + A/N^alpha +
+  B/D^alpha, theta = (log A, log B, log E, alpha). One fewer free parameter, so it can be fitted from five runs;
+  a = 1/2 and G = (A/B)^(1/(2 alpha)).
 
 Each form gives its log loss and the Jacobian with respect to theta in coordinates where log N and log D are
 centred (``shift``: theta[0] moves by shift[0] * mean log N, theta[1] by shift[1] * mean log D), its
@@ -26,7 +29,7 @@ Array = np.ndarray
 
 @dataclass(frozen=True)
 class Form:
-    """One form of L(N, D); the functions take theta rows (K, 5) unless named otherwise."""
+    """One form of L(N, D); the functions take theta rows (K, P), P = len(theta_names), unless named otherwise."""
 
     name: str
     formula: str
@@ -35,14 +38,19 @@ class Form:
     exponents: tuple[str, str]  # the N and D exponents that identification bounds
     grid_axes: tuple[Array, ...]  # starting points of L-BFGS (their product)
     shift: Callable[[Array], tuple[float, float]]  # one theta: multipliers of mean log N, mean log D
-    log_loss_jac: Callable[[Array, Array, Array], tuple[Array, Array]]  # one centred theta -> (runs,), (runs, 5)
-    log_loss: Callable[[Array, Array, Array], Array]  # (K, 5), log N and log D as (R,) or (K, R) -> (K, R)
-    allocation: Callable[[Array], tuple[Array, Array]]  # (K, 5) -> log G (K,), a (K,); NaN where none exists
-    named: Callable[[Array], dict[str, Array]]  # (K, 5) -> each of ``names``
-    theta_of: Callable[[dict], Array]  # named parameters (one dict, or columns of a frame) -> theta (K, 5)
+    log_loss_jac: Callable[[Array, Array, Array], tuple[Array, Array]]  # one centred theta -> (runs,), (runs, P)
+    log_loss: Callable[[Array, Array, Array], Array]  # (K, P), log N and log D as (R,) or (K, R) -> (K, R)
+    allocation: Callable[[Array], tuple[Array, Array]]  # (K, P) -> log G (K,), a (K,); NaN where none exists
+    named: Callable[[Array], dict[str, Array]]  # (K, P) -> each of ``names``
+    theta_of: Callable[[dict], Array]  # named parameters (one dict, or columns of a frame) -> theta (K, P)
+
+    @property
+    def size(self) -> int:
+        """P, the number of free parameters."""
+        return len(self.theta_names)
 
     def grid(self) -> Array:
-        """Every starting point, (G, 5)."""
+        """Every starting point, (G, P)."""
         return np.array(list(itertools.product(*self.grid_axes)), float)
 
 
@@ -114,6 +122,17 @@ def _column(params: dict, key: str) -> Array:
     return np.atleast_1d(np.asarray(params[key], float))
 
 
+def _additive_named(th: Array, beta_column: int) -> dict[str, Array]:
+    """E, A, B, alpha and beta of an additive form's thetas (log A, log B, log E, alpha[, beta])."""
+    return {"E": np.exp(th[:, 2]), "A": np.exp(th[:, 0]), "B": np.exp(th[:, 1]), "alpha": th[:, 3],
+            "beta": th[:, beta_column]}
+
+
+def _additive_theta(params: dict, exponents: tuple[str, ...]) -> Array:
+    return np.column_stack([np.log(_column(params, "A")), np.log(_column(params, "B")), np.log(_column(params, "E")),
+                            *(_column(params, e) for e in exponents)])
+
+
 CHINCHILLA = Form(
     name="chinchilla",
     formula="E + A/N^alpha + B/D^beta",
@@ -127,10 +146,8 @@ CHINCHILLA = Form(
     log_loss_jac=_chinchilla_jac,
     log_loss=_chinchilla_log_loss,
     allocation=_chinchilla_allocation,
-    named=lambda th: {"E": np.exp(th[:, 2]), "A": np.exp(th[:, 0]), "B": np.exp(th[:, 1]), "alpha": th[:, 3],
-                      "beta": th[:, 4]},
-    theta_of=lambda p: np.column_stack([np.log(_column(p, "A")), np.log(_column(p, "B")), np.log(_column(p, "E")),
-                                        _column(p, "alpha"), _column(p, "beta")]),
+    named=lambda th: _additive_named(th, 4),
+    theta_of=lambda p: _additive_theta(p, ("alpha", "beta")),
 )
 
 KAPLAN_E = Form(
@@ -152,4 +169,33 @@ KAPLAN_E = Form(
                                         np.log(_column(p, "E")), _column(p, "alpha_N"), _column(p, "alpha_D")]),
 )
 
-FORMS = {f.name: f for f in (CHINCHILLA, KAPLAN_E)}
+def _shared_jac(theta: Array, x: Array, y: Array) -> tuple[Array, Array]:
+    a, b, e, alpha = theta
+    pred, w1, w2, w3 = _softmax3(a - alpha * x, b - alpha * y, np.full_like(x, e))
+    return pred, np.stack([w1, w2, w3, -w1 * x - w2 * y], axis=1)
+
+
+def _shared_log_loss(th: Array, x: Array, y: Array) -> Array:
+    return _chinchilla_log_loss(np.column_stack([th, th[:, 3]]), x, y)
+
+
+def _shared_allocation(th: Array) -> tuple[Array, Array]:
+    return _chinchilla_allocation(np.column_stack([th, th[:, 3]]))
+
+
+SHARED = Form(
+    name="shared",
+    formula="E + A/N^alpha + B/D^alpha",
+    theta_names=("log A", "log B", "log E", "alpha"),
+    names=("E", "A", "B", "alpha"),
+    exponents=("alpha", "alpha"),
+    grid_axes=CHINCHILLA.grid_axes[:4],
+    shift=lambda theta: (float(theta[3]), float(theta[3])),
+    log_loss_jac=_shared_jac,
+    log_loss=_shared_log_loss,
+    allocation=_shared_allocation,
+    named=lambda th: _additive_named(th, 3),  # beta = alpha too, to read against the other forms' tables
+    theta_of=lambda p: _additive_theta(p, ("alpha",)),
+)
+
+FORMS = {f.name: f for f in (CHINCHILLA, KAPLAN_E, SHARED)}

@@ -1,7 +1,7 @@
 """Approach 3: fit L(N, D) = E + A/N^alpha + B/D^beta as in Hoffmann et al. (2022), appendix D.
 
 Every function takes a ``form`` (``analysis.forms``): Chinchilla's, described here, by default, or
-``kaplan-e``, whose N and D terms interact; both have five parameters and are fitted the same way.
+``kaplan-e``, whose N and D terms interact, or ``shared``, one exponent for both; all are fitted the same way.
 
 With theta = (a, b, e, alpha, beta), A = e^a, B = e^b, E = e^e, the objective is
 
@@ -15,7 +15,7 @@ Internally log N and log D are centred on their means, which leaves the minimise
 makes a and alpha (b and beta) far less correlated, so L-BFGS needs fewer iterations.
 Convergence is reported, with how many starts reached the best objective.
 
-Whether the data pin the five parameters down at all is measured by ``gauss_newton_condition``:
+Whether the data pin the parameters down at all is measured by ``gauss_newton_condition``:
 the condition number of J^T J, J the Jacobian of the predicted log loss with respect to theta
 (centred, columns scaled to unit length). It is about 1e3 for IsoFLOP grids over several
 budgets and above 1e8 when all runs share one budget or too few distinct N or D exist.
@@ -113,12 +113,16 @@ class Centring:
     form: Form = CHINCHILLA
 
     def to_centred(self, theta: np.ndarray) -> np.ndarray:
-        sx, sy = self.form.shift(theta)
-        return np.asarray(theta, float) - np.array([sx * self.x0, sy * self.y0, 0.0, 0.0, 0.0])
+        return np.asarray(theta, float) - self._offset(theta)
 
     def from_centred(self, theta: np.ndarray) -> np.ndarray:
+        return np.asarray(theta, float) + self._offset(theta)
+
+    def _offset(self, theta: np.ndarray) -> np.ndarray:
         sx, sy = self.form.shift(theta)
-        return np.asarray(theta, float) + np.array([sx * self.x0, sy * self.y0, 0.0, 0.0, 0.0])
+        offset = np.zeros(self.form.size)
+        offset[:2] = sx * self.x0, sy * self.y0
+        return offset
 
 
 @dataclass
@@ -156,7 +160,7 @@ def params_from_theta(theta: np.ndarray, flops_k: float = 6.0, form: Form = CHIN
 
 def named_samples(thetas: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHILLA) -> dict[str, np.ndarray]:
     """The form's named parameters and the allocation N_opt = G (C/k)^a, D_opt = (C/k)/N_opt for each row of thetas
-    (K, 5): a, b = 1 - a, G, and k_N, k_D such that N_opt = k_N C^a, D_opt = k_D C^b."""
+    (K, P): a, b = 1 - a, G, and k_N, k_D such that N_opt = k_N C^a, D_opt = k_D C^b."""
     th = np.atleast_2d(np.asarray(thetas, float))
     log_g, a = form.allocation(th)
     with np.errstate(all="ignore"):
@@ -165,7 +169,7 @@ def named_samples(thetas: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHI
 
 
 def predict_loss(thetas: np.ndarray, n: np.ndarray, d: np.ndarray, form: Form = CHINCHILLA) -> np.ndarray:
-    """L(N, D) for each theta row (shape (K, 5) or (5,)) at points n, d; broadcasts to (K, len(n))."""
+    """L(N, D) for each theta row (shape (K, P) or (P,)) at points n, d; broadcasts to (K, len(n))."""
     th = np.atleast_2d(np.asarray(thetas, float))
     x, y = np.log(np.asarray(n, float)), np.log(np.asarray(d, float))
     out = np.exp(form.log_loss(th, np.atleast_1d(x), np.atleast_1d(y)))
@@ -241,14 +245,14 @@ def _preconditioner(theta_c: np.ndarray, xc: np.ndarray, yc: np.ndarray, log_los
     try:
         lower = np.linalg.cholesky(jac.T @ (jac * weights[:, None]))
     except np.linalg.LinAlgError:
-        return np.eye(5)
+        return np.eye(form.size)
     return np.linalg.inv(lower).T
 
 
 def fit_weighted(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray,
                  weights: np.ndarray, delta: float = HUBER_DELTA, form: Form = CHINCHILLA
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Refit for each row of ``weights`` (K, n_runs) from theta0; returns thetas (K, 5), converged (K,).
+    """Refit for each row of ``weights`` (K, n_runs) from theta0; returns thetas (K, P), converged (K,).
 
     L-BFGS runs in coordinates preconditioned at theta0 (``_preconditioner``): resamples' optima lie
     close to it, and there this cuts the objective evaluations per refit two- to three-fold.
@@ -263,11 +267,11 @@ def fit_weighted(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndar
         value, grad = huber_lse_objective(start + scale @ z, *args)
         return value, scale.T @ grad
 
-    thetas = np.empty((len(weights), 5))
+    thetas = np.empty((len(weights), form.size))
     converged = np.empty(len(weights), bool)
     for k, w in enumerate(np.asarray(weights, float)):
         drawn = w > 0  # runs left out of a resample cost nothing
-        res = minimize(objective, np.zeros(5),
+        res = minimize(objective, np.zeros(form.size),
                        args=(xc[drawn], yc[drawn], log_loss[drawn], w[drawn], delta, form),
                        jac=True, method="L-BFGS-B", options=_LBFGS_OPTIONS)
         thetas[k] = centring.from_centred(start + scale @ res.x)

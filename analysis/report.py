@@ -12,6 +12,7 @@ import math
 from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
+from analysis.fit import forms_cells
 from analysis.forms import FORMS
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import CURVES_FIGURE, FIGURES
@@ -89,6 +90,7 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
                      f"J^T J at most {MAX_CONDITION:g}, at least 3 budgets or envelope sizes)."),
                _identification_table(doc)]
     blocks += [("h", 2, "Approach 3: parameters, goodness of fit, covariance")] + _approach3_blocks(a3, level)
+    blocks += [("h", 2, "Every form side by side")] + _forms_blocks(a3)
     blocks += [("h", 2, "Outliers and dropped runs")] + _outlier_blocks(doc)
     blocks += [("h", 2, "Sensitivity to the Huber delta")] + _delta_blocks(doc)
     if doc["law"]:
@@ -333,9 +335,26 @@ _METHOD = (
     "and predicts each run held out. Runs sharing N and D are each their own point by default, as in the "
     "published fits; outliers are flagged from robust (median and MAD) z-scores of the log-loss residuals. "
     "Approach 3 may fit another form, Kaplan et al.'s (2020) with an irreducible E, "
-    "E + ((N_c/N)^(alpha_N/alpha_D) + D_c/D)^alpha_D, in the same way (its own grid of 675 starts); with "
-    "--form auto (the default) both are refitted without the hold-out's runs and the one that predicts them with "
-    "the smaller mean relative error is used for everything that follows.")
+    "E + ((N_c/N)^(alpha_N/alpha_D) + D_c/D)^alpha_D (its own grid of 675 starts), or Gadre et al.'s (2024) "
+    "E + A/N^alpha + B/D^alpha with one exponent (four parameters; 900 starts), in the same way; with "
+    "--form auto (the default) every form is refitted without the hold-out's runs and the one that predicts them "
+    "with the smallest mean relative error is used for everything that follows (Chinchilla's with --no-holdout). "
+    "Every form's fit is reported side by side.")
+
+
+def _forms_blocks(a3: dict) -> list[Block]:
+    forms = a3.get("forms") or []
+    if not forms:
+        return [("p", "Not recorded (a fit.json from before every form was fitted).")]
+    header, cells = forms_cells(forms)
+    skipped = next(row["holdout_skipped"] for row in forms if not row["skipped"])
+    choice = a3.get("form_choice")
+    why = (f"Chosen (*) by --form auto: {choice['why']}." if choice else
+           f"Chosen (*) by --form {a3['form']}.")
+    return [("p", "Each form fitted to all runs in the same way (Huber loss of log residuals, L-BFGS from its own "
+                  "grid of starts); the hold-out columns refit each without the hold-out's runs and predict them"
+                  + (f" (not run: {skipped})" if skipped else "") + ". " + why),
+            ("table", header, cells)]
 
 
 def _holdout_blocks(hold: dict) -> list[Block]:

@@ -28,8 +28,9 @@ import pandas as pd
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
 CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id", "unique_tokens")
 PARAMS_COUNTS = ("total", "non_embedding")
-# L(N, D) has five free parameters, so the parametric fit needs at least six runs.
-MIN_RUNS = 6
+# The smallest form of L(N, D) (one shared exponent) has four free parameters, so a fit needs at least five runs
+# (the five-parameter forms six: analysis.fit leaves them out below that).
+MIN_RUNS = 5
 SUMMARY_KEYS = ("params", "params_non_embedding", "tokens", "flops")
 # Runs sharing N and D: each its own point (the literature's estimators fit every run), averaged, or refused.
 DUPLICATE_POLICIES = ("keep", "mean", "refuse")

@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from lab.runtime.config import DataConfig
-from lab.data import prepare
-from lab.data.corpora import builtin_folder
+# The analysis fits work on short vectors, where OpenBLAS threads only contend for the cores (as the CLI, which sets
+# this too): with them, on a loaded machine, a test of a few fits took 100 s instead of 12. Before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from lab.runtime.config import DataConfig  # noqa: E402
+from lab.data import prepare  # noqa: E402
+from lab.data.corpora import builtin_folder  # noqa: E402
 
 # The suite's own cache folder (CPU peak measurements), shared with the processes tests start.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lab-test-cache-")

@@ -321,3 +321,40 @@ def test_single_runs_write_the_meters_too(two_rank_runs):
     summary = json.loads((two_rank_runs["single"] / "summary.json").read_text())
     assert summary["model_state_bytes"]["total"] == pytest.approx(16 * summary["params"], rel=0.05)
     assert set(summary["comm_bytes_per_step"].values()) == {0.0}
+
+
+@pytest.mark.slow  # five tiny runs of 40 steps
+def test_expect_warns_once_when_a_run_goes_off_track_and_never_when_on_track(tmp_path, args, monkeypatch, capsys):
+    """A curve law fitted on three tiny runs (widths 16, 32, 48); a new seed of the middle one stays on track, the
+    same run with its learning rate x10 from step 20 warns once, in the log, metrics.jsonl and summary.json."""
+    from analysis.curves import fit_curves, load_curves
+    from lab.training import schedule
+
+    long = ("--train.tokens", str(40 * 256), "--train.eval_every", "2", "--train.checkpoint_every", "0")
+    for width in (16, 32, 48):
+        assert run(tmp_path / "law-runs" / f"d{width}", *args, *long, "--model.d_model", str(width)) == 0
+    curves, _ = load_curves([tmp_path / "law-runs"])
+    law = tmp_path / "curves.json"
+    law.write_text(json.dumps({"fit": fit_curves(curves, n_bootstrap=20).to_dict()}))
+    capsys.readouterr()
+    on = tmp_path / "on"
+    assert run(on, *args, *long, "--train.seed", "7", "--train.expect", str(law)) == 0
+    out = capsys.readouterr().out
+    assert "OFF TRACK" not in out and "| expected " in out
+    summary = json.loads((on / "summary.json").read_text())["expect"]
+    assert summary["off_track_at_step"] is None and summary["evals"] == 20
+
+    rate = schedule.learning_rate
+    monkeypatch.setattr(schedule, "learning_rate", lambda step, total, cfg: rate(step, total, cfg) * (
+        10.0 if step >= 20 else 1.0))
+    off = tmp_path / "off"
+    assert run(off, *args, *long, "--train.seed", "7", "--train.expect", str(law)) == 0
+    out = capsys.readouterr().out
+    assert out.count("warning: OFF TRACK") == 1
+    summary = json.loads((off / "summary.json").read_text())["expect"]
+    assert summary["off_track_at_step"] is not None and summary["off_track_at_step"] > 20
+    warned = [r for r in metrics(off) if "warning" in r]
+    assert len(warned) == 1 and warned[0]["step"] == summary["off_track_at_step"]
+    # a law that is not one is refused before any work
+    assert run(tmp_path / "bad", *args, "--train.expect", str(tmp_path / "missing.json")) == 2
+    assert "train.expect: cannot read the law" in capsys.readouterr().err

@@ -41,7 +41,7 @@ from lab.training.train import Estimate, TrainingDiverged, check_resources, trai
 # the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).
 RESUMABLE_CHANGES = {"train.stop_after", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                      "train.eval_every", "train.eval_tokens", "train.micro_batch", "train.device", "train.dtype",
-                     "train.compile", "train.peak_flops", "train.nonfinite", "data.cache_dir"}
+                     "train.compile", "train.peak_flops", "train.nonfinite", "train.expect", "data.cache_dir"}
 
 
 def _error(msg: str) -> int:

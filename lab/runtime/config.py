@@ -103,6 +103,8 @@ class TrainConfig:
     log_every: int = _f(10, "steps between metric records")
     eval_every: int = _f(0, "steps between held-out evaluations (0: only at the end)")
     eval_tokens: int = _f(65_536, "held-out tokens per evaluation")
+    expect: str = _f("", "a law (curves.json of python -m analysis curves, or a fit.json): each eval line shows the "
+                         "expected loss, its interval and the deviation, and the run warns once when off track")
     checkpoint_every: int | None = _f(None, "steps between checkpoints (none: about ten per run, so a killed run "
                                             "loses at most a tenth of its steps; 0: only at the end)")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")

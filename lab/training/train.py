@@ -101,6 +101,14 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
                  "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
+    if cfg.train.expect:  # a law that cannot be read is refused before any work
+        from analysis.table import InputError
+        from analysis.watch import read_law
+
+        try:
+            read_law(cfg.train.expect)
+        except InputError as e:
+            raise ConfigError(f"train.expect: {e}") from None
     return plan
 
 
@@ -400,6 +408,7 @@ class Outcome:
     skipped_steps: int
     peak_bytes: dict[str, int]  # per phase and the RSS: the most any step reached
     peak: Peak  # the MFU denominator at the end (a CPU peak that read low is measured again)
+    expect: dict | None = None  # with train.expect: the run against the law (analysis.watch.Watcher.summary)
 
 
 def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -414,6 +423,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     recent: list[float] = []
     eval_loss, skipped, loop_start, warned = None, 0, time.perf_counter(), False
     most_peaks: dict[str, int] = {}
+    watcher = expectation(cfg, plan.total_steps) if t.expect else None
 
     def save(step: int) -> None:
         if not strategy.params_finite():
@@ -474,16 +484,37 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                             f"python -m lab peak --remeasure, or set train.peak_flops")
         if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
             eval_loss = evaluate(strategy, world, data, cfg)
-            log.record({"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss})
-            log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}")
+            rec, line = {"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss}, ""
+            if watcher is not None:
+                expected, off_track = watcher.observe(done, eval_loss)
+                rec |= {"expected_loss": expected.expected, "expected_interval": [expected.lo, expected.hi],
+                        "deviation": expected.deviation} | ({"warning": off_track} if off_track else {})
+                line = f" | {expected.line()}"
+            log.record(rec)
+            log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}{line}")
+            if watcher is not None and off_track:
+                log.say(f"warning: {off_track}")
         if result.stop_requested:
             save(done)
             return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks,
-                           peak)
+                           peak, None if watcher is None else watcher.summary())
         if (every and done % every == 0) or done == end_step:
             save(done)
     status = "completed" if end_step == plan.total_steps else "stopped"
-    return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks, peak)
+    return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks, peak,
+                   None if watcher is None else watcher.summary())
+
+
+def expectation(cfg: RunConfig, total_steps: int):
+    """train.expect's watcher (analysis.watch): the run's N and its schedule's rate at every step under the law."""
+    from analysis.table import InputError
+    from analysis.watch import watcher
+
+    lr = [schedule.learning_rate(s, total_steps, cfg.train) for s in range(total_steps)]
+    try:
+        return watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr, cfg.train.batch_tokens)
+    except InputError as e:
+        raise ConfigError(f"train.expect: {e}") from None
 
 
 def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -496,6 +527,7 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "total_steps": plan.total_steps, "skipped_steps": outcome.skipped_steps,
         "final_train_loss": sum(outcome.recent_losses) / len(outcome.recent_losses) if outcome.recent_losses else None,
         "final_eval_loss": outcome.eval_loss, "unigram_entropy_nats": data.meta.get("unigram_entropy_nats"),
+        **({"expect": outcome.expect} if outcome.expect else {}),
         "strategy": cfg.parallel.strategy, "world_size": world.world_size, "device": str(world.device),
         "peak_flops": peak.flops * world.world_size, "peak_flops_per_device": peak.flops,
         "peak_flops_source": peak.source, "wall_time_s": wall_time_s, "data_dir": str(data_dir),

@@ -28,7 +28,7 @@ def fit_out(tmp_path_factory) -> Path:
     write_sweep(runs, root / "sweep")
     out = root / "out"
     proc = subprocess.run([sys.executable, "-m", "analysis", "fit", str(root / "sweep"), "--out", str(out),
-                           "--bootstrap", "50", "--predict", "1e21", "1e23", "--workers", "1"],
+                           "--bootstrap", "50", "--predict", "1e21", "1e23", "--workers", "1", "--form", "chinchilla"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1].startswith("wrote ") and "fit.json" in proc.stdout.splitlines()[-1]

@@ -1,0 +1,405 @@
+"""The loss curve with the learning-rate schedule in it: Tissue et al. (2024), extended to model size.
+
+At step s of a run of N parameters whose learning rate at step i is eta_i,
+
+    L(N, s) = E + B / N^beta + A * S1(s)^(-alpha) - C * S2(s)
+
+- S1(s) = sum_{i <= s} eta_i, the forward area: how far the optimiser has moved;
+- S2(s) = sum_{i <= s} m_i, m_i = lambda * m_{i-1} + (eta_{i-1} - eta_i), the annealing area: each drop of the
+  learning rate lowers the loss, taking effect over about 1 / (1 - lambda) steps. As in the paper the drops count
+  from the peak on (the warm-up's rises are no annealing), and lambda is fitted (the paper: about 0.999).
+
+Tissue et al. fit L0 + A S1^-alpha - C S2 per model size. Here L0 = E + B / N^beta, Chinchilla's irreducible loss
+plus its N term, and A, alpha, C and lambda are shared by every size: with a constant learning rate eta,
+S1 = eta s and S2 = 0, so the law's end points are E + B/N^beta + A' / D^alpha with D = s x batch tokens, the
+additive form of approach 3. A size's learning rate enters through S1 (a larger rate moves further per step).
+
+``fit_curves`` is a pure function of the curves (each run's N, its schedule and its (step, loss) points after
+warm-up): the four linear coefficients (E, B, A, C) are solved by non-negative least squares on a grid of
+(beta, alpha, lambda), the best start is refined on log-loss residuals (Huber, scale ``HUBER_SCALE``) by
+``scipy.optimize.least_squares``, and bootstrap resamples of whole runs are refitted from the optimum. ``predict``
+gives the curve of any (N, schedule, steps) with its interval.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import least_squares, nnls
+from scipy.signal import lfilter
+
+from analysis.bootstrap import draw_weights, interval
+from analysis.table import InputError
+
+NAMES = ("E", "B", "beta", "A", "alpha", "C", "lambda")
+HUBER_SCALE = 0.01  # log-loss residuals beyond this count linearly: eval-loss spikes weigh less
+GRID = {"beta": (0.2, 0.4, 0.7), "alpha": (0.2, 0.4, 0.7, 1.0), "lambda": (0.99, 0.995, 0.999)}
+MIN_RUNS = 3
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's loss curve: its size, its learning rate at every step and its (step, loss) points."""
+
+    run_id: str
+    params: float
+    lr: np.ndarray  # (total_steps,): the rate of step i (1-based step i + 1)
+    steps: np.ndarray  # 1-based steps of the points, after warm-up
+    loss: np.ndarray
+    schedule: str = ""
+
+
+def schedule_lr(kind: str, peak: float, total_steps: int, warmup: float = 0.05, decay: float = 0.2,
+                min_lr_ratio: float = 0.1) -> np.ndarray:
+    """The lab's schedule (lab.schedule) as an array of every step's rate."""
+    from lab.runtime.config import TrainConfig
+    from lab.training.schedule import learning_rate, validate
+
+    cfg = TrainConfig(lr=peak, schedule=kind, warmup=warmup, decay=decay, min_lr_ratio=min_lr_ratio)
+    try:
+        validate(cfg)
+    except Exception as exc:
+        raise InputError(str(exc)) from None
+    if total_steps < 1:
+        raise InputError(f"a schedule needs at least one step, got {total_steps}")
+    return np.array([learning_rate(s, total_steps, cfg) for s in range(total_steps)])
+
+
+def _drops(lr: np.ndarray) -> np.ndarray:
+    """eta_{i-1} - eta_i at each step, zero up to the peak."""
+    drops = np.zeros_like(lr)
+    drops[1:] = lr[:-1] - lr[1:]
+    drops[: int(np.argmax(lr)) + 1] = 0.0
+    return drops
+
+
+def areas(lr: np.ndarray, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """S1 and S2 after each step (arrays as long as ``lr``); S2's drops count from the peak on."""
+    return np.cumsum(lr), np.cumsum(lfilter([1.0], [1.0, -lam], _drops(lr)))
+
+
+class _Design:
+    """The curves' points with what does not depend on theta computed once: log N, S1 and the drops."""
+
+    def __init__(self, curves: list[Curve]):
+        self.log_n = np.concatenate([np.full(len(c.steps), math.log(c.params)) for c in curves])
+        self.log_s1 = np.concatenate([np.log(np.cumsum(c.lr)[c.steps - 1]) for c in curves])
+        self.parts = [(_drops(c.lr), c.steps - 1) for c in curves]
+
+    def s2(self, lam: float, derivative: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """S2 at every point and, when asked, dS2/dlambda (m' = lambda m'_prev + m_prev, summed)."""
+        values, slopes = [], []
+        for drops, idx in self.parts:
+            m = lfilter([1.0], [1.0, -lam], drops)
+            values.append(np.cumsum(m)[idx])
+            if derivative:
+                previous = np.concatenate([[0.0], m[:-1]])
+                slopes.append(np.cumsum(lfilter([1.0], [1.0, -lam], previous))[idx])
+        return np.concatenate(values), np.concatenate(slopes) if derivative else None
+
+    def loss_jac(self, theta: np.ndarray, jac: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """The law at every point and its Jacobian with respect to theta (see ``law_loss``)."""
+        log_e, log_b, beta, log_a, alpha, log_c, log_gap = theta
+        gap = math.exp(log_gap)
+        s2, ds2 = self.s2(1.0 - gap, jac)
+        n_term = np.exp(log_b - beta * self.log_n)
+        s_term = np.exp(log_a - alpha * self.log_s1)
+        c = math.exp(log_c)
+        loss = math.exp(log_e) + n_term + s_term - c * s2
+        if not jac:
+            return loss, None
+        columns = [np.full(len(loss), math.exp(log_e)), n_term, -n_term * self.log_n, s_term, -s_term * self.log_s1,
+                   -c * s2, c * gap * ds2]
+        return loss, np.column_stack(columns)
+
+
+def law_loss(theta: np.ndarray, curves: list[Curve]) -> np.ndarray:
+    """The law at every point of ``curves``; theta = (log E, log B, beta, log A, alpha, log C, log(1 - lambda))."""
+    return _Design(curves).loss_jac(np.asarray(theta, float), jac=False)[0]
+
+
+def to_named(theta: np.ndarray) -> dict[str, float]:
+    log_e, log_b, beta, log_a, alpha, log_c, log_gap = (float(v) for v in theta)
+    return {"E": math.exp(log_e), "B": math.exp(log_b), "beta": beta, "A": math.exp(log_a), "alpha": alpha,
+            "C": math.exp(log_c), "lambda": 1.0 - math.exp(log_gap)}
+
+
+def from_named(p: dict[str, float]) -> np.ndarray:
+    return np.array([math.log(p["E"]), math.log(p["B"]), p["beta"], math.log(p["A"]), p["alpha"], math.log(p["C"]),
+                     math.log(1.0 - p["lambda"])])
+
+
+def _start(design: _Design, loss: np.ndarray) -> np.ndarray:
+    """The grid point of (beta, alpha, lambda) whose NNLS fit of (E, B, A, C) has the smallest squared error."""
+    best, best_err = None, np.inf
+    for beta, alpha, lam in itertools.product(GRID["beta"], GRID["alpha"], GRID["lambda"]):
+        features = np.column_stack([np.ones(len(loss)), np.exp(-beta * design.log_n),
+                                    np.exp(-alpha * design.log_s1), -design.s2(lam)[0]])
+        coef, err = nnls(features, loss)
+        if err < best_err:
+            best_err, best = err, (np.log(np.maximum(coef, 1e-8)), beta, alpha, lam)
+    (log_e, log_b, log_a, log_c), beta, alpha, lam = best
+    return np.array([log_e, log_b, beta, log_a, alpha, log_c, math.log(1.0 - lam)])
+
+
+_BOUNDS = (np.array([-10, -10, 0.01, -10, 0.01, -30, math.log(1e-5)]),
+           np.array([5, 30, 2.0, 30, 3.0, 10, math.log(0.5)]))
+
+
+def _refine(theta0: np.ndarray, design: _Design, log_loss: np.ndarray, weights: np.ndarray | None):
+    """Least squares (Huber) of the log-loss residuals, weighted per point, from theta0, with the analytic Jacobian."""
+    w = np.ones(len(log_loss)) if weights is None else weights
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        loss, _ = design.loss_jac(theta, jac=False)
+        return (np.log(np.maximum(loss, 1e-12)) - log_loss) * w
+
+    def jacobian(theta: np.ndarray) -> np.ndarray:
+        loss, jac = design.loss_jac(theta)
+        return jac * (w / np.maximum(loss, 1e-12))[:, None]
+
+    return least_squares(residuals, np.clip(theta0, *_BOUNDS), jac=jacobian, bounds=_BOUNDS, loss="huber",
+                         f_scale=HUBER_SCALE, x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
+
+
+@dataclass
+class CurveFit:
+    """The fitted law, its resamples and how well it fits."""
+
+    theta: np.ndarray
+    thetas: np.ndarray | None  # (B, 7) bootstrap refits over whole runs
+    converged: bool
+    rmse_log_loss: float
+    n_runs: int
+    n_points: int
+    level: float
+
+    @property
+    def params(self) -> dict[str, float]:
+        return to_named(self.theta)
+
+    def ci(self) -> dict[str, list[float] | None] | None:
+        if self.thetas is None:
+            return None
+        named = [to_named(t) for t in self.thetas]
+        return {k: interval(np.array([p[k] for p in named]), self.level) for k in NAMES}
+
+    def predict(self, params: float, lr: np.ndarray, steps: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(steps, loss, lo, hi) of a run of ``params`` with the rate ``lr`` at every step, at ``steps`` (1-based;
+        default every step); lo and hi NaN without resamples."""
+        steps = np.arange(1, len(lr) + 1) if steps is None else np.asarray(steps, int)
+        probe = [Curve("predicted", float(params), np.asarray(lr, float), steps, np.zeros(len(steps)))]
+        design = _Design(probe)
+        loss = design.loss_jac(self.theta, jac=False)[0]
+        lo = hi = np.full(len(steps), np.nan)
+        if self.thetas is not None:
+            samples = np.array([design.loss_jac(t, jac=False)[0] for t in self.thetas])
+            tail = 50.0 * (1.0 - self.level)
+            lo, hi = np.nanpercentile(samples, [tail, 100.0 - tail], axis=0)
+        return steps, loss, lo, hi
+
+    def to_dict(self) -> dict:
+        return {"law": "L(N, s) = E + B/N^beta + A*S1(s)^(-alpha) - C*S2(s)", "params": self.params,
+                "ci": self.ci(), "level": self.level, "converged": self.converged,
+                "rmse_log_loss": self.rmse_log_loss, "n_runs": self.n_runs, "n_points": self.n_points,
+                "bootstrap": None if self.thetas is None else len(self.thetas), "theta": list(self.theta),
+                "resamples": None if self.thetas is None else self.thetas.tolist()}
+
+
+def load_fit(doc: dict) -> CurveFit:
+    """The CurveFit of a curves.json document (``python -m analysis curves``)."""
+    try:
+        fit = doc["fit"]
+        thetas = None if fit["resamples"] is None else np.array(fit["resamples"], float).reshape(-1, len(NAMES))
+        return CurveFit(theta=np.array(fit["theta"], float), thetas=thetas, converged=bool(fit["converged"]),
+                        rmse_log_loss=float(fit["rmse_log_loss"]), n_runs=int(fit["n_runs"]),
+                        n_points=int(fit["n_points"]), level=float(fit["level"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"not a curves.json written by 'python -m analysis curves': {exc}") from None
+
+
+def fit_curves(curves: list[Curve], n_bootstrap: int = 200, seed: int = 0, level: float = 0.95) -> CurveFit:
+    """Fit the law to every point of ``curves`` (see the module docstring); bootstrap over whole runs."""
+    if len(curves) < MIN_RUNS or len({c.params for c in curves}) < 2:
+        raise InputError(f"the curve law needs at least {MIN_RUNS} runs of at least 2 sizes, got {len(curves)} "
+                         f"run(s) of {len({c.params for c in curves})} size(s)")
+    short = [c.run_id for c in curves if len(c.steps) < 3]
+    if short:
+        raise InputError(f"{len(short)} run(s) have fewer than 3 loss points after warm-up ({', '.join(short[:3])}): "
+                         "log the held-out loss more often (train.eval_every)")
+    loss = np.concatenate([c.loss for c in curves])
+    design = _Design(curves)
+    res = _refine(_start(design, loss), design, np.log(loss), None)
+    thetas = None
+    if n_bootstrap > 0:
+        counts = draw_weights(len(curves), n_bootstrap, seed)
+        sizes = np.array([len(c.steps) for c in curves])
+        thetas = np.empty((n_bootstrap, len(NAMES)))
+        for k, w in enumerate(counts):
+            point_w = np.sqrt(np.repeat(w, sizes).astype(float))
+            thetas[k] = _refine(res.x, design, np.log(loss), point_w).x
+    rmse = float(np.sqrt(np.mean((np.log(design.loss_jac(res.x, jac=False)[0]) - np.log(loss)) ** 2)))
+    return CurveFit(theta=res.x, thetas=thetas, converged=bool(res.success), rmse_log_loss=rmse,
+                    n_runs=len(curves), n_points=len(loss), level=level)
+
+
+def relative_errors(fit: CurveFit, curve: Curve) -> np.ndarray:
+    """(predicted - observed) / observed at each point of ``curve``."""
+    _, predicted, _, _ = fit.predict(curve.params, curve.lr, curve.steps)
+    return (predicted - curve.loss) / curve.loss
+
+
+LOSS_KEYS = {"eval": "eval_loss", "train": "loss"}
+
+
+def read_run(run_dir: Path, loss: str = "eval") -> tuple[Curve, dict]:
+    """One run folder's curve (its ``loss`` points after warm-up) and facts for the report: run_id, params, flops,
+    steps, schedule, peak lr. The schedule is rebuilt from config.json as lab.schedule runs it."""
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text())["train"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{run_dir}: not a finished run folder (config.json, summary.json): "
+                         f"{' '.join(str(exc).split())}") from None
+    total = int(summary.get("total_steps") or cfg["tokens"] // cfg["batch_tokens"])
+    lr = schedule_lr(cfg.get("schedule", "cosine"), float(cfg["lr"]), total, cfg.get("warmup", 0.05),
+                     cfg.get("decay", 0.2), cfg.get("min_lr_ratio", 0.1))
+    key, points = LOSS_KEYS[loss], {}
+    metrics = run_dir / "metrics.jsonl"
+    for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        value, step = (rec.get(key), rec.get("step")) if isinstance(rec, dict) else (None, None)
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 and isinstance(step, int):
+            points[step] = float(value)  # a resumed run logs a step again: the last record counts
+    warmup = round(cfg.get("warmup", 0.05) * total)
+    steps = np.array(sorted(s for s in points if warmup < s <= total), int)
+    curve = Curve(run_dir.name, float(summary["params"]), lr, steps, np.array([points[s] for s in steps]),
+                  cfg.get("schedule", "cosine"))
+    facts = {"run_id": run_dir.name, "params": curve.params, "flops": float(summary.get("flops") or 0.0),
+             "steps": total, "schedule": curve.schedule, "lr": float(cfg["lr"]), "points": len(steps)}
+    return curve, facts
+
+
+def load_curves(paths: list[str | Path], loss: str = "eval") -> tuple[list[Curve], pd.DataFrame]:
+    """Every finished run under ``paths`` (run folders, or sweep folders searched for summary.json)."""
+    if loss not in LOSS_KEYS:
+        raise InputError(f"--loss must be one of {', '.join(LOSS_KEYS)}, got '{loss}'")
+    folders: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            raise InputError(f"no such folder: {path}")
+        folders += [path] if (path / "summary.json").is_file() else sorted(p.parent for p in path.rglob("summary.json"))
+    if not folders:
+        raise InputError(f"no run folders (summary.json) in {', '.join(map(str, paths))}")
+    read = [read_run(f, loss) for f in folders]
+    return [c for c, _ in read], pd.DataFrame([facts for _, facts in read])
+
+
+@dataclass(frozen=True)
+class Request:
+    """A curve to predict: a run of ``params`` on ``schedule`` for ``steps`` at peak rate ``lr``."""
+
+    params: float
+    schedule: str
+    steps: int
+    lr: float
+
+    @staticmethod
+    def parse(text: str) -> "Request":
+        """``N,SCHEDULE,STEPS,LR``, e.g. ``1e5,wsd,4000,8e-3``."""
+        parts = text.split(",")
+        try:
+            n, kind, steps, lr = parts
+            request = Request(float(n), kind.strip(), int(float(steps)), float(lr))
+        except ValueError:
+            raise InputError(f"--predict takes N,SCHEDULE,STEPS,LR (e.g. 1e5,wsd,4000,8e-3), got '{text}'") from None
+        if not (request.params > 0 and request.steps >= 1 and request.lr > 0):
+            raise InputError(f"--predict '{text}': N, STEPS and LR must be positive")
+        schedule_lr(request.schedule, request.lr, 1)  # refuses an unknown schedule before any work
+        return request
+
+    def lr_array(self) -> np.ndarray:
+        return schedule_lr(self.schedule, self.lr, self.steps)
+
+
+def held_out(facts: pd.DataFrame, condition: str | None) -> np.ndarray:
+    """Which runs (rows of ``load_curves``'s facts) a pandas condition holds out; none without one."""
+    if not condition:
+        return np.zeros(len(facts), bool)
+    try:
+        held = np.asarray(facts.eval(condition), bool)
+    except Exception as exc:
+        raise InputError(f"--hold-out '{condition}': {' '.join(str(exc).split())}") from None
+    if held.shape != (len(facts),) or held.all() or not held.any():
+        raise InputError(f"--hold-out '{condition}' matches {int(held.sum()) if held.ndim else '?'} of {len(facts)} "
+                         "runs: it must leave some runs to fit and some to predict")
+    return held
+
+
+def describe(doc: dict) -> list[str]:
+    """What ``python -m analysis curves`` prints: the law with intervals, its fit, the held-out runs, predictions."""
+    fit, ci = doc["fit"], doc["fit"]["ci"] or {}
+    params = ", ".join(f"{k}={v:.4g}" + (f" [{ci[k][0]:.4g}, {ci[k][1]:.4g}]" if ci.get(k) else "")
+                       for k, v in fit["params"].items())
+    lines = [f"{fit['law']}: {params}",
+             f"fitted {fit['n_points']} {doc['loss']}-loss points of {fit['n_runs']} runs after warm-up: RMSE of log "
+             f"loss {fit['rmse_log_loss']:.3g}" + ("" if fit["converged"] else " (NOT converged)")
+             + (f"; {fit['level']:.0%} intervals over {fit['bootstrap']} resamples of runs"
+                if fit["bootstrap"] else "")]
+    for h in doc["holdout"] or []:
+        lines.append(f"held out {h['run_id']} (N={h['params']:.3g}, {h['schedule']}): mean relative error "
+                     f"{h['mean_rel_error']:.2%} over {h['points']} points (largest {h['max_rel_error']:.2%}, "
+                     f"bias {h['bias']:+.2%})")
+    for p in doc["predictions"]:
+        lines.append(f"predicted N={p['params']:.3g}, {p['schedule']}, {p['steps']} steps, lr {p['lr']:.3g}: final "
+                     f"loss {p['final_loss']:.4f}" + (f" [{p['final_ci'][0]:.4f}, {p['final_ci'][1]:.4f}]"
+                                                     if p["final_ci"][0] is not None else ""))
+    return lines
+
+
+def holdout(fit: CurveFit, curves: list[Curve]) -> list[dict]:
+    """Each held-out curve predicted: the mean and largest relative error over its points after warm-up."""
+    out = []
+    for c in curves:
+        err = relative_errors(fit, c)
+        out.append({"run_id": c.run_id, "params": c.params, "schedule": c.schedule, "points": len(c.steps),
+                    "mean_rel_error": float(np.mean(np.abs(err))), "max_rel_error": float(np.max(np.abs(err))),
+                    "bias": float(np.mean(err))})
+    return out
+
+
+def figure(fit: CurveFit, fitted: list[Curve], held: list[Curve]):
+    """Observed (dots) against the law (lines) for every run, held-out runs dashed; relative residuals along the
+    steps below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 8), sharex=True, height_ratios=(2, 1))
+    for i, c in enumerate(fitted + held):
+        colour, dashed = f"C{i % 10}", c in held
+        steps, loss, lo, hi = fit.predict(c.params, c.lr, np.arange(max(1, int(c.steps[0])), len(c.lr) + 1))
+        top.plot(steps, loss, color=colour, ls="--" if dashed else "-", lw=1.2,
+                 label=f"{c.run_id} (N={c.params:.3g}, {c.schedule}){' held out' if dashed else ''}")
+        if np.isfinite(lo).any():
+            top.fill_between(steps, lo, hi, color=colour, alpha=0.15, lw=0)
+        top.scatter(c.steps, c.loss, color=colour, s=6)
+        bottom.plot(c.steps, 100 * relative_errors(fit, c), color=colour, ls="--" if dashed else "-", lw=1)
+    top.set(xscale="log", ylabel="loss (nats per token)",
+            title="L(N, s) = E + B/N^beta + A S1^-alpha - C S2 (Tissue et al. 2024)")
+    bottom.axhline(0, color="black", lw=0.6)
+    bottom.set(xscale="log", xlabel="step", ylabel="predicted - observed (%)")
+    top.legend(fontsize=6, ncol=2, loc="upper right")
+    fig.tight_layout()
+    return fig
