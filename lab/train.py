@@ -90,6 +90,9 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     if cfg.train.nonfinite not in NONFINITE:
         raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'"
                           f"{did_you_mean(cfg.train.nonfinite, NONFINITE)}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg.train, name) < 1:
+            raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(cfg.train, name)}")
     for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints", "seed", "grad_clip",
                  "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:

@@ -189,3 +189,42 @@ def test_a_crafted_checkpoint_is_refused_without_running_anything(args, tmp_path
         assert not marker.exists()  # the pickle's payload never ran
         line = one_error_line(capsys.readouterr().err)
         assert "is refused: its .metadata asks for posix.system, which is not a type DCP writes" in line, line
+
+
+# ---------------------------------------------------------------- input that must not crash
+
+
+@pytest.mark.parametrize("content, option, message", [
+    (b"model = 3\n", (), "'model' must be a table ([model]), got 3"),
+    (b"\xff\xfe[train]\n", (), "is not UTF-8 text (byte 0)"),
+    (b"", ("--train.lr", "nan"), "train.lr: expected a finite float, got 'nan'"),
+    (b"", ("--parallel.timeout_s", "inf"), "parallel.timeout_s: expected a finite float, got 'inf'"),
+    (b"[train]\nbeta2 = inf\n", (), "train.beta2: expected a finite float, got inf"),
+    (b"", ("--train.beta1", "1"), "train.beta1 must be in [0, 1), got 1.0"),
+    (b"", ("--train.beta2", "-0.5"), "train.beta2 must be in [0, 1), got -0.5"),
+])
+def test_bad_config_values_get_one_line_and_write_nothing(args, tmp_path, capsys, content, option, message):
+    config, r = tmp_path / "c.toml", tmp_path / "r"
+    config.write_bytes(content)
+    assert run(r, *args, "--config", str(config), *option) == 2
+    assert message in one_error_line(capsys.readouterr().err)
+    assert not r.exists()
+
+
+def test_sweep_names_files_and_slurm_settings_are_checked(tmp_path):
+    from sweeps import spec
+    from sweeps.executors.attempt import Attempt
+    from sweeps.executors.slurm import sbatch_options
+
+    with pytest.raises(spec.SpecError, match="got 'run\\\\n'"):
+        spec.check_name("run\n", "name")  # a full match: '$' would let the newline through
+    binary = tmp_path / "sweep.toml"
+    binary.write_bytes(b"[sweep]\nname = \"\xff\"\n")
+    with pytest.raises(spec.SpecError, match="is not UTF-8 text"):
+        spec.load(binary)
+    for key, value in (("partition", "gpu\n#SBATCH --uid=0"), ("account", "a b"), ("qos", "x;y"),
+                       ("constraint", "h100$(id)")):
+        with pytest.raises(spec.SpecError, match="holds characters SLURM would not read as written"):
+            spec.with_overrides(spec.Sweep.__new__(spec.Sweep), {}, {key: value})
+    attempt = Attempt(run=None, run_dir=tmp_path, log=tmp_path / "logs" / "100%-run" / "attempt-1.log", lock=tmp_path)
+    assert sbatch_options(attempt)[0] == f"--output={tmp_path}/logs/100%%-run/attempt-1.log"
