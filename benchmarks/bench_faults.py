@@ -2,11 +2,12 @@
 
     python benchmarks/bench_faults.py --seed 32 --kills 50 [--root /tmp/faults] [--out benchmarks/faults.json]
 
-Runs the sweep once undisturbed (``ref/``), then again (``chaos/``) while SIGKILL goes to the driver or to
-one of the ranks (a random process running launch/run.py) after a random delay, seeded and so replayable
-(the moments depend on the machine's speed; the choices and delays do not). After each kill the driver is
-started again with the same command (``python -m sweeps run FILE --folder FOLDER``), and once the kills are
-spent it is run until it exits 0. Then it checks that every run is done and was completed exactly once
+Runs the sweep once undisturbed (``ref/``), then again (``chaos-1/``, and ``chaos-2/``... while kills are
+left) while SIGKILL goes to the driver or to one of the ranks (a random process running launch/run.py) a random
+0-4 s after some run's processes are up, seeded and so replayable (the moments depend on the machine's speed;
+the choices and delays do not). After each kill, and whenever it ends with a run unfinished, the driver is
+started again with the same command (``python -m sweeps run FILE --folder FOLDER``) until it exits 0. Then it
+checks for each round that every run is done and was completed exactly once
 (one ``done (completed)`` line over its attempts), that every run's per-step losses and final eval loss
 equal the undisturbed sweep's bit for bit, that the registry passes SQLite's integrity check and the
 registry's own checks, and that no temporary file is left in the sweep folder. The figures go to ``--out``.
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -81,32 +83,34 @@ def kill(pid: int) -> bool:
 
 
 def chaos(file: Path, folder: Path, kills: int, rng: random.Random, log: list[dict]) -> int:
-    """Run the sweep, killing the driver or a rank ``kills`` times; the number of drivers started."""
+    """Run the sweep to the end, killing the driver or a rank (until ``log`` holds ``kills``) a random 0-4 s after
+    some run's processes are up; restart the driver after each kill and whenever it ends unfinished. The number
+    of drivers started."""
     started, proc = 1, driver(file, folder)
-    while kills > len(log):
-        delay = rng.uniform(0.5, 8.0)
-        target = rng.choice(("driver", "rank"))
+    while True:
+        target, delay = rng.choice(("driver", "rank")), rng.uniform(0.0, 4.0)
+        while not ranks(folder) and proc.poll() is None:
+            time.sleep(0.1)
         time.sleep(delay)
-        if proc.poll() is not None:  # the driver ended on its own (a rank failed, or all done): again
+        if proc.poll() is not None:  # ended on its own: all done, or some run failed (a killed rank)
             if proc.returncode == 0:
-                break
+                return started
+            if started > 4 * kills + 20:
+                raise SystemExit(f"the sweep in {folder} does not finish")
             proc, started = driver(file, folder), started + 1
+            continue
+        if len(log) >= kills:
             continue
         candidates = ranks(folder)
         if target == "rank" and candidates:
             pid = rng.choice(candidates)
             if kill(pid):
-                log.append({"target": "rank", "pid": pid, "after_s": round(delay, 2)})
+                log.append({"folder": folder.name, "target": "rank", "pid": pid, "after_s": round(delay, 2)})
             continue
         kill(proc.pid)
         proc.wait()
-        log.append({"target": "driver", "pid": proc.pid, "after_s": round(delay, 2)})
-        proc, started = driver(file, folder), started + 1  # restarted at once, as after a crash
-    while proc.wait() != 0:
-        if started > 4 * kills + 20:
-            raise SystemExit("the sweep does not finish")
-        proc, started = driver(file, folder), started + 1
-    return started
+        log.append({"folder": folder.name, "target": "driver", "pid": proc.pid, "after_s": round(delay, 2)})
+        proc, started = driver(file, folder), started + 1  # at once, as after a crash
 
 
 def losses(run_dir: Path) -> tuple[list[tuple[int, float]], float]:
@@ -133,8 +137,7 @@ def check(ref: Path, folder: Path) -> dict:
             problems.append(f"{name}: losses differ from the undisturbed sweep")
     left = [str(p) for p in folder.rglob("*") if any(t in p.name for t in TEMPORARY)]
     problems += [f"temporary file left: {p}" for p in left]
-    return {"runs": len(rows), "problems": problems,
-            "attempts": sum(row.attempts for row in rows.values())}
+    return {"runs": len(rows), "attempts": sum(row.attempts for row in rows.values()), "problems": problems}
 
 
 def main() -> int:
@@ -149,16 +152,22 @@ def main() -> int:
     file = root / "sweep.toml"
     file.write_text(sweep_text(data, name="faults", budgets=BUDGETS, shapes=SHAPES,
                                train={"checkpoint_every": 2}, local={"parallel": 2}))
-    t0 = time.monotonic()
+    t0, load_start = time.monotonic(), os.getloadavg()
     if driver(file, root / "ref").wait() != 0:  # quick when an earlier call finished it
         raise SystemExit("the undisturbed sweep failed")
     ref_s, t1 = time.monotonic() - t0, time.monotonic()
     log: list[dict] = []
-    drivers = chaos(file, root / "chaos", args.kills, random.Random(args.seed), log)
+    rng, rounds, drivers = random.Random(args.seed), [], 0
+    while len(log) < args.kills:  # the sweep again, in a fresh folder, until every kill is spent
+        folder = root / f"chaos-{len(rounds) + 1}"
+        shutil.rmtree(folder, ignore_errors=True)
+        drivers += chaos(file, folder, args.kills, rng, log)
+        rounds.append({"folder": folder.name, **check(root / "ref", folder)})
     result = {"seed": args.seed, "kills": len(log), "killed_drivers": sum(k["target"] == "driver" for k in log),
               "killed_ranks": sum(k["target"] == "rank" for k in log), "drivers_started": drivers,
               "undisturbed_s": round(ref_s, 1), "disturbed_s": round(time.monotonic() - t1, 1),
-              "load": os.getloadavg(), **check(root / "ref", root / "chaos"), "kill_log": log}
+              "load_start": load_start, "load_end": os.getloadavg(), "problems": [p for r in rounds for p in r["problems"]], "rounds": rounds,
+              "kill_log": log}
     print(json.dumps({k: v for k, v in result.items() if k != "kill_log"}, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

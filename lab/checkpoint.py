@@ -205,27 +205,40 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(world_size)
-    with _quiet():
-        # A large state goes one file per tensor: DCP clones a range (a sharded strategy's view) before writing
-        # it and keeps every clone until its file is closed, which in one file per rank is a second copy of the
-        # rank's whole state. A small one goes in one file: dozens of files (each synced) per save cost more.
-        flat = _to_dcp(state, rank)
-        per_tensor = _tensor_bytes(flat) > ONE_FILE_MAX_BYTES
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not per_tensor),
-                 no_dist=world_size == 1)
-    _barrier(world_size)
-    if rank == 0:
-        save_json(tmp / META, {**meta, "format": FORMAT, "step": step, "world_size": world_size})
-        aside = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-            final.replace(aside)
-        tmp.replace(final)
-        shutil.rmtree(aside, ignore_errors=True)
-        for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
+    try:
+        with _quiet():
+            # A large state goes one file per tensor: DCP clones a range (a sharded strategy's view) before writing
+            # it and keeps every clone until its file is closed, which in one file per rank is a second copy of the
+            # rank's whole state. A small one goes in one file: dozens of files (each synced) per save cost more.
+            flat = _to_dcp(state, rank)
+            per_tensor = _tensor_bytes(flat) > ONE_FILE_MAX_BYTES
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not per_tensor),
+                     no_dist=world_size == 1)
+        _barrier(world_size)
+        if rank == 0:
+            _seal(run_dir, tmp, final, {**meta, "format": FORMAT, "step": step, "world_size": world_size}, keep)
+    except (OSError, dcp.CheckpointException) as e:  # a full disk or quota, on any rank (DCP tells every rank)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest(run_dir)
+        raise CheckpointWriteError(f"checkpoint {final.name} could not be written ({_reason(e)}); the run stopped "
+                                   f"and {previous.name if previous else 'no earlier checkpoint'} is kept: "
+                                   f"free space, then resume") from None
     _barrier(world_size)
     return final
+
+
+def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
+    """Rank 0: write meta.json into the finished folder, move it into place, prune old ones."""
+    save_json(tmp / META, meta)
+    aside = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.replace(aside)
+    tmp.replace(final)
+    shutil.rmtree(aside, ignore_errors=True)
+    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
 
 
 def read_meta(folder: Path) -> dict:
@@ -237,6 +250,10 @@ def read_meta(folder: Path) -> dict:
         return meta
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"checkpoint {folder} is unreadable ({META}: {e})") from None
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk); the message is one line and names the one kept."""
 
 
 class ForeignCheckpoint(ConfigError):

@@ -1,6 +1,7 @@
 """Command-line front ends for training and sampling (``launch/run.py``, ``launch/sample.py``).
 
-Exit codes of a run: 0 done (or stopped by ``train.stop_after``), 1 diverged, 2 bad input (one
+Exit codes of a run: 0 done (or stopped by ``train.stop_after``), 1 diverged or a checkpoint could not be
+written (a full disk: the previous checkpoint is kept), 2 bad input (one
 ``error:`` line, before any work where the check allows), 130 / 143 interrupted by SIGINT /
 SIGTERM (a checkpoint and ``summary.json`` with status ``interrupted`` are written first). Under
 torchrun the first process of each machine prints a bad-input line; with ``--nproc-per-node N`` the
@@ -333,6 +334,10 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
             save_json(run_dir / "summary.json", {"status": "diverged", "error": str(e),
                                                  "strategy": cfg.parallel.strategy, "world_size": world.world_size})
             print(f"error: {e}", file=sys.stderr)  # every rank sees the same loss and norm
+        return 1
+    except checkpoint.CheckpointWriteError as e:
+        if world.is_main:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:
         if world.world_size == 1:

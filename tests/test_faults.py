@@ -228,3 +228,33 @@ def test_sweep_names_files_and_slurm_settings_are_checked(tmp_path):
             spec.with_overrides(spec.Sweep.__new__(spec.Sweep), {}, {key: value})
     attempt = Attempt(run=None, run_dir=tmp_path, log=tmp_path / "logs" / "100%-run" / "attempt-1.log", lock=tmp_path)
     assert sbatch_options(attempt)[0] == f"--output={tmp_path}/logs/100%%-run/attempt-1.log"
+
+
+# ---------------------------------------------------------------- a disk that fills up mid-checkpoint
+
+
+def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(args, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    whole, r = tmp_path / "whole", tmp_path / "r"
+    assert run(whole, *args) == 0
+    write = fs.FileSystemWriter.write_data
+
+    def disk_full_at_step_4(self, plan, planner):
+        if "step-000004" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, plan, planner)
+
+    with monkeypatch.context() as m:
+        m.setattr(fs.FileSystemWriter, "write_data", disk_full_at_step_4)
+        capsys.readouterr()
+        assert run(r, *args, "--train.checkpoint_every", "2") == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "checkpoint step-000004 could not be written (OSError: [Errno 28] No space left on device)" in line, line
+    assert "step-000002 is kept" in line
+    assert [p.name for p in (r / "checkpoints").iterdir()] == ["step-000002"]  # no half-written folder
+    assert run(r, *args, "--train.checkpoint_every", "2", "--resume") == 0  # space is back
+    assert summary(r)["resumed_from_step"] == 2
+    assert summary(r)["final_eval_loss"] == summary(whole)["final_eval_loss"]
