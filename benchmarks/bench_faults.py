@@ -1,10 +1,10 @@
 """Fault injection: a sweep of tiny 2-rank runs killed at random moments, restarted as the README says.
 
-    python benchmarks/bench_faults.py --seed 32 --kills 50 [--root /tmp/faults] [--out benchmarks/faults.json]
+    python benchmarks/bench_faults.py --seed 32 --kills 50 [--minutes M] [--root /tmp/faults] [--out FILE.json]
 
 Runs the sweep once undisturbed (``ref/``), then again (``chaos-1/``, and ``chaos-2/``... while kills are
 left) while SIGKILL goes to the driver or to one of the ranks (a random process running launch/run.py) a random
-0-4 s after some run's processes are up, seeded and so replayable (the moments depend on the machine's speed;
+0-20 s after some run's processes are up, seeded and so replayable (the moments depend on the machine's speed;
 the choices and delays do not). After each kill, and whenever it ends with a run unfinished, the driver is
 started again with the same command (``python -m sweeps run FILE --folder FOLDER``) until it exits 0. Then it
 checks for each round that every run is done and was completed exactly once
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -82,13 +83,13 @@ def kill(pid: int) -> bool:
         return False
 
 
-def chaos(file: Path, folder: Path, kills: int, rng: random.Random, log: list[dict]) -> int:
-    """Run the sweep to the end, killing the driver or a rank (until ``log`` holds ``kills``) a random 0-4 s after
-    some run's processes are up; restart the driver after each kill and whenever it ends unfinished. The number
-    of drivers started."""
+def chaos(file: Path, folder: Path, kills: int, rng: random.Random, log: list[dict], until: float) -> int:
+    """Run the sweep to the end, killing the driver or a rank (until ``log`` holds ``kills``, or the clock passes
+    ``until``) a random 0-20 s after some run's processes are up: while they start, train, checkpoint or write
+    their summary. Restart the driver after each kill and whenever it ends unfinished. The drivers started."""
     started, proc = 1, driver(file, folder)
     while True:
-        target, delay = rng.choice(("driver", "rank")), rng.uniform(0.0, 4.0)
+        target, delay = rng.choice(("driver", "rank")), rng.uniform(0.0, 20.0)
         while not ranks(folder) and proc.poll() is None:
             time.sleep(0.1)
         time.sleep(delay)
@@ -99,7 +100,7 @@ def chaos(file: Path, folder: Path, kills: int, rng: random.Random, log: list[di
                 raise SystemExit(f"the sweep in {folder} does not finish")
             proc, started = driver(file, folder), started + 1
             continue
-        if len(log) >= kills:
+        if len(log) >= kills or time.monotonic() > until:
             continue
         candidates = ranks(folder)
         if target == "rank" and candidates:
@@ -145,6 +146,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=32)
     p.add_argument("--kills", type=int, default=50)
     p.add_argument("--root", default="/tmp/lab-faults")
+    p.add_argument("--minutes", type=float, default=0, help="stop killing after this long (0: no limit)")
     p.add_argument("--out", help="write the figures here (JSON)")
     args = p.parse_args()
     root = Path(args.root)
@@ -158,10 +160,11 @@ def main() -> int:
     ref_s, t1 = time.monotonic() - t0, time.monotonic()
     log: list[dict] = []
     rng, rounds, drivers = random.Random(args.seed), [], 0
-    while len(log) < args.kills:  # the sweep again, in a fresh folder, until every kill is spent
-        folder = root / f"chaos-{len(rounds) + 1}"
+    until = t1 + 60 * args.minutes if args.minutes else math.inf
+    while len(log) < args.kills and time.monotonic() < until:  # the sweep again, in a fresh folder, until the
+        folder = root / f"chaos-{len(rounds) + 1}"                 # kills (or the minutes) are spent
         shutil.rmtree(folder, ignore_errors=True)
-        drivers += chaos(file, folder, args.kills, rng, log)
+        drivers += chaos(file, folder, args.kills, rng, log, until)
         rounds.append({"folder": folder.name, **check(root / "ref", folder)})
     result = {"seed": args.seed, "kills": len(log), "killed_drivers": sum(k["target"] == "driver" for k in log),
               "killed_ranks": sum(k["target"] == "rank" for k in log), "drivers_started": drivers,

@@ -258,3 +258,19 @@ def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(arg
     assert run(r, *args, "--train.checkpoint_every", "2", "--resume") == 0  # space is back
     assert summary(r)["resumed_from_step"] == 2
     assert summary(r)["final_eval_loss"] == summary(whole)["final_eval_loss"]
+
+
+# ---------------------------------------------------------------- collectives time out
+
+
+def _axis_timeouts(world: World) -> list[float]:
+    from lab.parallel import mesh
+
+    axes = mesh.build(world, 2)
+    return [axis.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for axis in (axes.data, axes.tensor)]
+
+
+@pytest.mark.slow
+def test_every_mesh_axis_gets_the_run_timeout():
+    assert run_ranks(_axis_timeouts, 2, timeout_s=17) == [[17.0, 17.0], [17.0, 17.0]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lab.config import ConfigError, ParallelConfig
@@ -48,6 +49,15 @@ class Mesh:
     tensor: World  # the tensor-parallel axis
 
 
+def inherit_timeout(group: dist.ProcessGroup) -> None:
+    """Give a new group the default group's timeout (``parallel.timeout_s``): torch gives each new group its own
+    default (30 min for gloo, 10 for NCCL), so a dead rank on a mesh axis would otherwise hang that long."""
+    world_group = dist.group.WORLD
+    for device in group._device_types:
+        dist.distributed_c10d._set_pg_timeout(world_group._get_backend(device).options._timeout, group)
+        return
+
+
 def build(world: World, tp: int) -> Mesh:
     """The mesh of ``world`` with tensor-parallel degree ``tp`` (collective when ``tp`` > 1: every rank calls it)."""
     if tp == 1:
@@ -57,6 +67,7 @@ def build(world: World, tp: int) -> Mesh:
 
     def axis(name: str) -> World:
         sub = mesh[name]
+        inherit_timeout(sub.get_group())
         return dataclasses.replace(world, rank=sub.get_local_rank(), world_size=sub.size(), group=sub.get_group(),
                                    device_mesh=sub)
 
