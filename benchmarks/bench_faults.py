@@ -8,7 +8,8 @@ left) while SIGKILL goes to the driver or to one of the ranks (a random process 
 the choices and delays do not). After each kill, and whenever it ends with a run unfinished, the driver is
 started again with the same command (``python -m sweeps run FILE --folder FOLDER``) until it exits 0. Then it
 checks for each round that every run is done and was completed exactly once
-(one ``done (completed)`` line over its attempts), that every run's per-step losses and final eval loss
+(its summary says completed and at most one attempt printed ``done (completed)``: a kill
+between the summary and that line loses the line, and the next driver records the run done from its summary), that every run's per-step losses and final eval loss
 equal the undisturbed sweep's bit for bit, that the registry passes SQLite's integrity check and the
 registry's own checks, and that no temporary file is left in the sweep folder. The figures go to ``--out``.
 """
@@ -132,13 +133,20 @@ def check(ref: Path, folder: Path) -> dict:
     for name, row in rows.items():
         logs = sorted((folder / "logs" / name).glob("attempt-*.log"))
         completions = sum(log.read_text(errors="replace").count("done (completed)") for log in logs)
-        if row.status != "done" or completions != 1:
-            problems.append(f"{name}: {row.status}, completed {completions} times")
+        summary = json.loads((row.run_dir / "summary.json").read_text()) if (row.run_dir / "summary.json").exists() \
+            else {}
+        # A completed summary, and at most one attempt that says it completed the run: a kill after the summary
+        # is written but before the line is printed leaves none (the next driver records it done from the summary).
+        if row.status != "done" or summary.get("status") != "completed" or completions > 1:
+            problems.append(f"{name}: {row.status}, summary {summary.get('status')}, completed {completions} times")
         elif losses(row.run_dir) != losses(ref / "runs" / name):
             problems.append(f"{name}: losses differ from the undisturbed sweep")
     left = [str(p) for p in folder.rglob("*") if any(t in p.name for t in TEMPORARY)]
     problems += [f"temporary file left: {p}" for p in left]
-    return {"runs": len(rows), "attempts": sum(row.attempts for row in rows.values()), "problems": problems}
+    return {"runs": len(rows), "attempts": sum(row.attempts for row in rows.values()), "problems": problems,
+            "completion_lines_lost": sum(not any("done (completed)" in log.read_text(errors="replace")
+                                                 for log in (folder / "logs" / name).glob("attempt-*.log"))
+                                         for name in rows)}
 
 
 def main() -> int:
