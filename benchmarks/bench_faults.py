@@ -9,7 +9,8 @@ the choices and delays do not). After each kill, and whenever it ends with a run
 started again with the same command (``python -m sweeps run FILE --folder FOLDER``) until it exits 0. Then it
 checks for each round that every run is done and was completed exactly once
 (its summary says completed and at most one attempt printed ``done (completed)``: a kill
-between the summary and that line loses the line, and the next driver records the run done from its summary), that every run's per-step losses and final eval loss
+between the summary and that line loses the line, and the next driver records the run done from its summary),
+that every run's per-step losses and final eval loss
 equal the undisturbed sweep's bit for bit, that the registry passes SQLite's integrity check and the
 registry's own checks, and that no temporary file is left in the sweep folder. The figures go to ``--out``.
 """
@@ -177,7 +178,8 @@ def main() -> int:
     result = {"seed": args.seed, "kills": len(log), "killed_drivers": sum(k["target"] == "driver" for k in log),
               "killed_ranks": sum(k["target"] == "rank" for k in log), "drivers_started": drivers,
               "undisturbed_s": round(ref_s, 1), "disturbed_s": round(time.monotonic() - t1, 1),
-              "load_start": load_start, "load_end": os.getloadavg(), "problems": [p for r in rounds for p in r["problems"]], "rounds": rounds,
+              "load_start": load_start, "load_end": os.getloadavg(),
+              "problems": [p for r in rounds for p in r["problems"]], "rounds": rounds,
               "kill_log": log}
     print(json.dumps({k: v for k, v in result.items() if k != "kill_log"}, indent=2))
     if args.out:
