@@ -3,15 +3,17 @@ DIR``, ``python -m analysis predict FIT_JSON --params N --tokens D`` and ``pytho
 
 Exit codes: 0 done; 2 bad input, one line ``error: ...`` on stderr before any work; 3 the data
 identify no law (``fit`` still writes its report, which says why; ``plan`` refuses); 130
-interrupted. ``fit`` writes every output into a staging folder ``.fit-staging-<pid>-*`` inside DIR
-and only then renames each file into place (fit.json last), so an earlier fit in DIR is never
-lost or left half-written; SIGINT, SIGTERM and SIGHUP remove the staging folder, and a later
-``fit`` removes any left by a process that no longer exists (killed with SIGKILL).
+interrupted. ``fit`` writes every output into a staging folder ``.DIR.fit-staging-<pid>-*`` beside DIR
+and only then swaps it with DIR in one step (DIR is replaced as a whole), so an earlier fit in DIR is
+never lost, left half-written or mixed with the new one; SIGINT, SIGTERM and SIGHUP remove the staging
+folder, and a later ``fit`` removes any left by a process that no longer exists (killed with SIGKILL).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import re
@@ -205,25 +207,51 @@ def bootstrap_frame(result: FitResult) -> pd.DataFrame:
     return pd.DataFrame(columns)
 
 
+def _staging_prefix(out: Path) -> str:
+    return f".{out.name}{STAGING_PREFIX}"
+
+
 def remove_stale_staging(out: Path) -> None:
-    """Remove staging folders whose process is gone (or that carry no process id)."""
-    for path in out.glob(STAGING_PREFIX + "*"):
-        match = re.match(re.escape(STAGING_PREFIX) + r"(\d+)-", path.name)
+    """Remove staging folders beside ``out`` (and, from earlier versions, inside it) whose process is gone (or that
+    carry no process id)."""
+    for path in [*out.parent.glob(_staging_prefix(out) + "*"), *out.glob(STAGING_PREFIX + "*")]:
+        match = re.match(r".*" + re.escape(STAGING_PREFIX) + r"(\d+)-", path.name)
         if match and process_alive(int(match.group(1))):
             continue
         shutil.rmtree(path, ignore_errors=True)
 
 
+_RENAME_EXCHANGE = 2  # renameat2's flag: swap two paths in one step
+
+
+def swap_folders(new: Path, out: Path) -> None:
+    """Put the folder ``new`` in place of ``out`` in one step (Linux renameat2 RENAME_EXCHANGE); ``new`` then
+    holds the old contents. Elsewhere, or where the filesystem cannot exchange, ``out`` is moved aside first."""
+    if not out.exists():
+        new.rename(out)
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+    renameat2 = getattr(libc, "renameat2", None)
+    at_cwd = -100
+    if renameat2 is not None and renameat2(at_cwd, os.fsencode(new), at_cwd, os.fsencode(out), _RENAME_EXCHANGE) == 0:
+        return
+    aside = new.with_name(new.name + "-old")
+    out.rename(aside)
+    new.rename(out)
+    aside.rename(new)
+
+
 def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, ...] = ("png",)) -> list[str]:
-    """Write all outputs (``doc`` is result.to_dict(); figures in ``formats``) to a staging folder in ``out``,
-    then rename them into place, fit.json last."""
+    """Write all outputs (``doc`` is result.to_dict(); figures in ``formats``) to a staging folder beside ``out``,
+    then swap it with ``out`` in one step: a reader (or a kill) sees the earlier outputs or these, never a mix.
+    ``out`` is replaced as a whole."""
     from analysis.exports import latex, tidy
     from analysis.plots import make_plots  # matplotlib only when there is something to draw
     from analysis.report import build_blocks, render_html, render_markdown
 
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out)
-    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out))
+    staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(out)}{os.getpid()}-", dir=out.parent))
     try:
         (staging / "fit.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         if result.thetas is not None:
@@ -235,20 +263,20 @@ def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, .
         blocks = build_blocks(doc)
         (staging / "report.md").write_text(render_markdown(blocks))
         (staging / "report.html").write_text(render_html(blocks, images))
-        names = sorted((p.name for p in staging.iterdir()), key=lambda name: (name == "fit.json", name))
-        _HOLD.append(True)  # the renames happen all or not at all
+        names = sorted(p.name for p in staging.iterdir())
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the outputs from other users
+        _HOLD.append(True)  # the swap and its record happen together
         try:
             if _SIGNALS:  # a signal whose KeyboardInterrupt was swallowed (see _interrupt): publish nothing
                 raise KeyboardInterrupt(_SIGNALS[0])
-            for name in names:
-                (staging / name).replace(out / name)
+            swap_folders(staging, out)
             _PUBLISHED.append(str(out))
         finally:
             _HOLD.clear()
-        if _SIGNALS:  # one that came during the renames
+        if _SIGNALS:  # one that came during the swap
             raise KeyboardInterrupt(_SIGNALS[0])
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # the earlier outputs, once swapped out
     return names
 
 
@@ -461,7 +489,7 @@ def _plan(args: argparse.Namespace) -> int:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNALS: list[str] = []
 _PUBLISHED: list[str] = []  # output folders this process has finished writing
-# Non-empty while outputs are renamed into place. A signal mask would not do: it is per thread, and with
+# Non-empty while the outputs are swapped into place. A signal mask would not do: it is per thread, and with
 # any other thread alive (a pool's, a library's) the process's signal is taken there and the handler runs.
 _HOLD: list[bool] = []
 
@@ -470,7 +498,7 @@ def _interrupt(signum: int, frame: object) -> None:
     """Stop on SIGINT, SIGTERM or SIGHUP. The KeyboardInterrupt raised here is lost when the signal
     lands in code whose exceptions Python ignores (the at-fork hooks run while a process pool
     starts), so the signal is also recorded and checked before any output is published. During the
-    renames (``_HOLD``) it is only recorded: ``write_outputs`` raises it after the last one."""
+    swap (``_HOLD``) it is only recorded: ``write_outputs`` raises it after the swap."""
     _SIGNALS.append(signal.Signals(signum).name)
     if not _HOLD:
         raise KeyboardInterrupt(_SIGNALS[-1])

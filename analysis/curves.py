@@ -57,7 +57,7 @@ class Curve:
 
 def schedule_lr(kind: str, peak: float, total_steps: int, warmup: float = 0.05, decay: float = 0.2,
                 min_lr_ratio: float = 0.1) -> np.ndarray:
-    """The lab's schedule (lab.schedule) as an array of every step's rate."""
+    """The lab's schedule (lab.training.schedule) as an array of every step's rate."""
     from lab.runtime.config import TrainConfig
     from lab.training.schedule import learning_rate, validate
 
@@ -261,7 +261,7 @@ LOSS_KEYS = {"eval": "eval_loss", "train": "loss"}
 
 def read_run(run_dir: Path, loss: str = "eval") -> tuple[Curve, dict]:
     """One run folder's curve (its ``loss`` points after warm-up) and facts for the report: run_id, params, flops,
-    steps, schedule, peak lr. The schedule is rebuilt from config.json as lab.schedule runs it."""
+    steps, schedule, peak lr. The schedule is rebuilt from config.json as lab.training.schedule runs it."""
     try:
         cfg = json.loads((run_dir / "config.json").read_text())["train"]
         summary = json.loads((run_dir / "summary.json").read_text())

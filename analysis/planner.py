@@ -92,16 +92,37 @@ def load_fit(path: str | Path) -> tuple[dict, pd.DataFrame | None]:
     """fit.json and, if present beside it, its bootstrap resamples (bootstrap.csv)."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise InputError(f"cannot read fit {path}: {' '.join(str(exc).split())}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("approach3"), dict):
         raise InputError(f"{path}: not a fit.json written by 'python -m analysis fit'")
     if doc.get("schema_version") != SCHEMA_VERSION:
         raise InputError(f"{path}: fit.json schema {doc.get('schema_version')} has no identification checks; "
                          f"refit with this version (schema {SCHEMA_VERSION})")
+    check_fit_doc(doc, path)
     boot = path.parent / "bootstrap.csv"
     return doc, (pd.read_csv(boot) if boot.is_file() else None)
+
+
+FIT_SECTIONS = ("config", "data", *APPROACHES, "comparison")  # what planning and comparing read
+FIT_NUMBERS = {*LAW_COLUMNS, *(name for form in FORMS.values() for name in form.names), "G"}
+
+
+def check_fit_doc(doc: dict, path: Path) -> None:
+    """InputError (one line) unless the sections that planning and comparing read are objects and the laws'
+    numbers are finite numbers or null (a hand-edited fit.json: a missing key, a string, an overflow)."""
+    for key in FIT_SECTIONS:
+        if not isinstance(doc.get(key), dict):
+            raise InputError(f"{path}: '{key}' is missing or not an object; refit with 'python -m analysis fit'")
+    for key in (*APPROACHES, "law"):
+        section = doc.get(key) or {}
+        if not isinstance(section, dict):
+            raise InputError(f"{path}: '{key}' is not an object; refit with 'python -m analysis fit'")
+        for name, value in section.items():
+            if name in FIT_NUMBERS and value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not math.isfinite(value) or abs(value) > 1e300):
+                raise InputError(f"{path}: {key}.{name} must be a finite number or null, got {value!r}")
 
 
 def _law_of(section: dict) -> PowerLaws | None:

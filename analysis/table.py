@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis import conditions
+
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
 CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id", "unique_tokens")
 PARAMS_COUNTS = ("total", "non_embedding")
@@ -197,8 +199,8 @@ def _select(runs: pd.DataFrame, exclude: list[str], drop_highest_loss: int) -> t
         hit = ids == item
         if not hit.any():
             try:
-                hit = runs.eval(item, engine="python").to_numpy()
-            except Exception as exc:  # pandas raises many types for a bad expression
+                hit = conditions.evaluate(item, runs)
+            except (conditions.ConditionError, TypeError) as exc:  # TypeError: text compared with numbers
                 raise InputError(f"--exclude '{item}': no run has that id, and it is not a condition on the "
                                  f"columns ({_one_line(exc)})") from exc
             if hit.dtype != bool or hit.shape != keep.shape:

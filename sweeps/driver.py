@@ -10,8 +10,6 @@ refused while the first holds ``.driver.lock``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 import signal
 import sys
 import time
@@ -19,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
+
+from lab.runtime.files import LockHeld, take_lock
 
 from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
 from sweeps.progress import last_step, total_steps
@@ -44,15 +44,11 @@ def attempt_for(folder: Path, row: Row, follow: bool) -> Attempt:
 def driver_lock(folder: Path) -> Iterator[None]:
     """Hold the sweep's driver lock; RegistryError if another driver holds it."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".driver.lock", "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            raise RegistryError(f"another driver is running this sweep (pid {lock.read().strip() or '?'})") from None
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
+    try:
+        lock = take_lock(folder / ".driver.lock")
+    except LockHeld as e:
+        raise RegistryError(f"another driver is running this sweep (pid {e.holder})") from None
+    with lock:
         yield
 
 

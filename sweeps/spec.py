@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.runtime.config import ConfigError, RunConfig, TrainConfig
+from lab.commands.slurm import SETTING_PATTERNS
 
 
 class SpecError(ValueError):
@@ -26,7 +27,7 @@ class SpecError(ValueError):
 PLANNED_FIELDS = {"model": ("n_layer", "d_model", "n_head"), "train": ("tokens", "lr", "batch_tokens"),
                   "parallel": ("strategy",)}
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
-NAME_RE = re.compile(r"^[^/\x00-\x1f\x7f]+$")  # one path component, printable on one line
+NAME_RE = re.compile(r"[^/\x00-\x1f\x7f]+")  # one path component, printable on one line (fullmatch it)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def _numbers(value: Any, where: str) -> tuple[float, ...]:
 
 def check_name(name: Any, where: str) -> str:
     """A run or sweep name: any text that is one path component (no '/', no control characters, no leading '.')."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or name.startswith(".") or len(name) > 120:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith(".") or len(name) > 120:
         raise SpecError(f"{where} must be 1-120 characters with no '/', no control characters and no leading '.', "
                         f"got {name!r}")
     return name
@@ -389,9 +390,11 @@ def _launch_rules(by_size: Any) -> tuple[LaunchRule, ...]:
 
 def _slurm(slurm: dict[str, Any], name: Callable[[str], str] = "[slurm] {}".format) -> dict[str, Any]:
     """Check ``[slurm]`` settings; ``name(key)`` names one in a message."""
-    for key in ("partition", "account", "qos", "constraint"):
+    for key, allowed in SETTING_PATTERNS.items():
         if key in slurm and (not isinstance(slurm[key], str) or not slurm[key]):
             raise SpecError(f"{name(key)} must be a non-empty string")
+        if key in slurm and not allowed.fullmatch(slurm[key]):
+            raise SpecError(f"{name(key)} {slurm[key]!r} holds characters SLURM would not read as written")
     if "array_parallelism" in slurm:
         _integer(slurm["array_parallelism"], name("array_parallelism"))
     if "poll_s" in slurm:
@@ -505,4 +508,10 @@ def load(path: str | Path, folder: str | Path | None = None) -> Sweep:
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"sweep file not found: {p}")
-    return parse(p.read_text(), source=str(p), folder=folder)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{p} is not UTF-8 text (byte {e.start}); a TOML sweep file is expected") from None
+    except OSError as e:
+        raise SpecError(f"{p} is unreadable ({e.strerror or e})") from None
+    return parse(text, source=str(p), folder=folder)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from lab.runtime.config import DataConfig  # noqa: E402
 from lab.data import prepare  # noqa: E402
 from lab.data.corpora import builtin_folder  # noqa: E402
+from lab.model import GPT  # noqa: E402
 
 # The suite's own cache folder (CPU peak measurements), shared with the processes tests start.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lab-test-cache-")
@@ -80,6 +82,26 @@ def args(tiny_corpus: Path, tiny_cache_dir: Path, tiny_prepared: Path) -> tuple[
     """Command-line arguments of a tiny run on the tiny corpus (already prepared)."""
     return (*TINY_RUN, "--data.corpus", str(tiny_corpus), "--data.cache_dir", str(tiny_cache_dir),
             "--data.vocab_size", "512")
+
+
+# ---------------------------------------------------------------- a step with an infinite gradient
+
+
+@pytest.fixture
+def infinite_gradient_at_step_3(monkeypatch):
+    """The loss stays finite but its gradient is infinite in the third step's (two) micro-steps."""
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        out = forward(self, idx, targets)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] in (5, 6):
+                out.register_hook(lambda g: g * math.inf)
+        return out
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
 
 
 # ---------------------------------------------------------------- a SLURM cluster on localhost

@@ -1,6 +1,7 @@
 """Command-line front ends for training and sampling (``launch/run.py``, ``launch/sample.py``).
 
-Exit codes of a run: 0 done (or stopped by ``train.stop_after``), 1 diverged, 2 bad input (one
+Exit codes of a run: 0 done (or stopped by ``train.stop_after``), 1 diverged or a checkpoint could not be
+written (a full disk: the previous checkpoint is kept), 2 bad input (one
 ``error:`` line, before any work where the check allows), 130 / 143 interrupted by SIGINT /
 SIGTERM (a checkpoint and ``summary.json`` with status ``interrupted`` are written first). Under
 torchrun the first process of each machine prints a bad-input line; with ``--nproc-per-node N`` the
@@ -20,8 +21,10 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import IO, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,7 @@ from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
                                 usable_cores)
-from lab.runtime.files import dumps, probe_writable, save_json
+from lab.runtime.files import LockHeld, dumps, probe_writable, save_json, take_lock
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
 from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
@@ -77,7 +80,9 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     ``latest`` needs a complete checkpoint; ``auto`` resumes from one when there is one and otherwise
     starts afresh (a run stopped before its first checkpoint has nothing to lose); ``never`` refuses a
     directory that already holds a run: one that took a step (a checkpoint, metrics or a summary). What a
-    run that failed before its first step left (its config.json and tokenizer) is written again.
+    run that failed before its first step left (its config.json and tokenizer) is written again. A run whose
+    summary says completed is not resumed; one killed after its last checkpoint but before its summary is
+    (resuming at the last step only writes the summary).
     """
     probe_writable(run_dir, "--run-dir")
     has_checkpoint = checkpoint.latest(run_dir) is not None
@@ -87,7 +92,49 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     if mode == "never" and took_a_step:
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it (--resume auto also "
                           f"restarts one stopped before its first checkpoint) or choose another --run-dir")
+    if has_checkpoint and (summary := _read_json(run_dir / "summary.json")).get("status") == "completed":
+        raise ConfigError(f"--resume: the run in {run_dir} is already complete ({summary.get('steps')} steps)")
     return has_checkpoint and mode != "never"
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``; empty when the file is missing, unreadable or holds anything else."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+RUN_LOCK = ".lock"  # in the run directory: held by rank 0 for the whole run
+
+
+def lock_run_dir(run_dir: Path) -> IO[str]:
+    """Hold the run directory's lock (rank 0, for the whole run); ConfigError (one line) while another run holds
+    it. Only the folder and the lock file are created; nothing else is touched."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return take_lock(run_dir / RUN_LOCK)
+    except LockHeld as e:
+        raise ConfigError(f"{run_dir} is in use by another run (pid {e.holder}); wait for it to end or choose "
+                          f"another --run-dir") from None
+
+
+T = TypeVar("T")
+
+
+def decided_on_main(world: World, decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0, its value handed to every rank; a ConfigError there is raised on every rank."""
+    def attempt() -> tuple[bool, object]:
+        try:
+            return True, decide()
+        except ConfigError as e:
+            return False, str(e)
+
+    ok, value = world.broadcast_from_main(attempt)
+    if not ok:
+        raise ConfigError(value)
+    return value
 
 
 def default_run_dir(root: Path = Path("runs")) -> Path:
@@ -262,10 +309,16 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
             return 1
     elif cfg.parallel.strategy != "single" and not dist.is_initialized():
         join_group_of_one(world.device)  # a multi-rank strategy as a world of one (plain python, or torchrun with 1)
+    held: list[IO[str]] = []  # rank 0's lock on the run directory, released when this returns
+
+    def claim() -> bool:
+        held.append(lock_run_dir(run_dir))
+        return check_run_dir(run_dir, mode)
+
     try:
         run_dir = run_dir or world.broadcast_from_main(default_run_dir)
         world.check_same(hashlib.sha256(dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest(), "the config")
-        resume = check_run_dir(run_dir, mode)
+        resume = decided_on_main(world, claim)  # one view of the folder, however each node's cache sees it
         # The first process of each node prepares the data (no disk is assumed shared between nodes);
         # the others find it ready (preparing is atomic and safe to race).
         if world.local_rank == 0:
@@ -290,6 +343,10 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
                                                  "strategy": cfg.parallel.strategy, "world_size": world.world_size})
             print(f"error: {e}", file=sys.stderr)  # every rank sees the same loss and norm
         return 1
+    except checkpoint.CheckpointWriteError as e:
+        if world.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         if world.world_size == 1:
             raise  # one process: a bug, with its traceback
@@ -306,6 +363,8 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        for lock in held:
+            lock.close()
 
     if summary["status"] == "interrupted":
         if world.is_main:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import init_device_mesh
 
+from lab.runtime import compat
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.parallel.base import World
 
@@ -57,6 +58,7 @@ def build(world: World, tp: int) -> Mesh:
 
     def axis(name: str) -> World:
         sub = mesh[name]
+        compat.inherit_timeout(sub.get_group())  # parallel.timeout_s, not torch's 30 min: a dead rank fails fast
         return dataclasses.replace(world, rank=sub.get_local_rank(), world_size=sub.size(), group=sub.get_group(),
                                    device_mesh=sub)
 

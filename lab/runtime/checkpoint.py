@@ -18,10 +18,14 @@ Random state is not stored: the loop derives it from (seed, rank, step).
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
+import pickle
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +45,15 @@ FORMAT = 2
 # (raised when any rank failed) derives from BaseException, not Exception.
 UNREADABLE = (Exception, dcp.CheckpointException)
 _NAME = re.compile(r"step-(\d+)")
+# What DCP pickles into ``.metadata`` for a state of tensors; anything else (a callable, BytesStorageMetadata, whose
+# entries DCP would unpickle without restriction) means a checkpoint this lab did not write.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+}
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,39 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def latest_readable(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose metadata (meta.json and DCP's ``.metadata``) reads; each newer one
+    that does not is passed over with a warning on stderr, and when none reads the newest one's error is raised.
+    A crafted one (ForeignCheckpoint) is refused, never passed over."""
+    passed_over: list[ConfigError] = []
+    for folder in reversed(checkpoint_dirs(run_dir)):
+        try:
+            read_meta(folder)
+            read_dcp_metadata(folder)
+        except ForeignCheckpoint:
+            raise
+        except ConfigError as e:
+            passed_over.append(e)
+            continue
+        for e in passed_over:
+            print(f"warning: {e}; resuming from {folder.name} instead", file=sys.stderr, flush=True)
+        return folder
+    if passed_over:
+        raise passed_over[0]
+    return None
+
+
+def digest(folder: Path) -> str:
+    """A digest of a checkpoint's metadata (meta.json and ``.metadata``): ranks compare it before loading."""
+    h = hashlib.sha256()
+    for name in (META, ".metadata"):
+        try:
+            h.update((folder / name).read_bytes())
+        except OSError as e:
+            h.update(f"unreadable: {e.strerror}".encode())
+    return h.hexdigest()
+
+
 def clean_stale_temporaries(run_dir: Path) -> None:
     """Remove what an interrupted run left half-written: checkpoint folders under construction or
     moved aside, and temporary files beside the run's JSON files."""
@@ -159,27 +205,40 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(world_size)
-    with _quiet():
-        # A large state goes one file per tensor: DCP clones a range (a sharded strategy's view) before writing
-        # it and keeps every clone until its file is closed, which in one file per rank is a second copy of the
-        # rank's whole state. A small one goes in one file: dozens of files (each synced) per save cost more.
-        flat = _to_dcp(state, rank)
-        per_tensor = _tensor_bytes(flat) > ONE_FILE_MAX_BYTES
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not per_tensor),
-                 no_dist=world_size == 1)
-    _barrier(world_size)
-    if rank == 0:
-        save_json(tmp / META, {**meta, "format": FORMAT, "step": step, "world_size": world_size})
-        aside = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-            final.replace(aside)
-        tmp.replace(final)
-        shutil.rmtree(aside, ignore_errors=True)
-        for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
+    try:
+        with _quiet():
+            # A large state goes one file per tensor: DCP clones a range (a sharded strategy's view) before writing
+            # it and keeps every clone until its file is closed, which in one file per rank is a second copy of the
+            # rank's whole state. A small one goes in one file: dozens of files (each synced) per save cost more.
+            flat = _to_dcp(state, rank)
+            per_tensor = _tensor_bytes(flat) > ONE_FILE_MAX_BYTES
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not per_tensor),
+                     no_dist=world_size == 1)
+        _barrier(world_size)
+        if rank == 0:
+            _seal(run_dir, tmp, final, {**meta, "format": FORMAT, "step": step, "world_size": world_size}, keep)
+    except (OSError, dcp.CheckpointException) as e:  # a full disk or quota, on any rank (DCP tells every rank)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest(run_dir)
+        raise CheckpointWriteError(f"checkpoint {final.name} could not be written ({_reason(e)}); the run stopped "
+                                   f"and {previous.name if previous else 'no earlier checkpoint'} is kept: "
+                                   f"free space, then resume") from None
     _barrier(world_size)
     return final
+
+
+def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
+    """Rank 0: write meta.json into the finished folder, move it into place, prune old ones."""
+    save_json(tmp / META, meta)
+    aside = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.replace(aside)
+    tmp.replace(final)
+    shutil.rmtree(aside, ignore_errors=True)
+    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
 
 
 def read_meta(folder: Path) -> dict:
@@ -190,7 +249,53 @@ def read_meta(folder: Path) -> dict:
             raise ValueError(f"not a format-{FORMAT} checkpoint")
         return meta
     except (OSError, ValueError, AttributeError) as e:
-        raise ConfigError(f"checkpoint {folder} is unreadable ({META}: {e}); delete it to use an earlier one") from None
+        raise ConfigError(f"checkpoint {folder} is unreadable ({META}: {e})") from None
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk); the message is one line and names the one kept."""
+
+
+class ForeignCheckpoint(ConfigError):
+    """A checkpoint whose metadata holds what this lab never writes (a crafted folder): refused, never skipped."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and refuses every global outside the types DCP writes (and torch's dtypes)."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise ForeignCheckpoint(f"its .metadata asks for {module}.{name}, which is not a type DCP writes")
+
+
+def read_dcp_metadata(folder: Path) -> object:
+    """DCP's ``.metadata`` of ``folder``, read through the allow-list: ConfigError (one line) when it is missing
+    or unreadable, ForeignCheckpoint when it holds anything else. Nothing in it is executed."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
+    except ForeignCheckpoint as e:
+        raise ForeignCheckpoint(f"checkpoint {folder} is refused: {e}") from None
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
+        raise ConfigError(f"checkpoint {folder} is unreadable (.metadata: {e})") from None
+    if type(metadata).__name__ != "Metadata":
+        raise ForeignCheckpoint(f"checkpoint {folder} is refused: its .metadata holds a {type(metadata).__name__}, "
+                                f"not DCP's Metadata")
+    return metadata
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata read through the allow-list (tensors it loads with weights_only)."""
+
+    def read_metadata(self, *args: object, **kwargs: object) -> object:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _reason(e: BaseException) -> str:
@@ -202,9 +307,10 @@ def _reason(e: BaseException) -> str:
 def load(folder: Path, rank: int, world_size: int, state: CheckpointState) -> dict:
     """Fill ``state``'s views from ``folder`` (collective; any saving world size or strategy); return its meta."""
     meta = read_meta(folder)
+    read_dcp_metadata(folder)  # a crafted or unreadable one is refused in one line, before DCP reads it again
     try:
         with _quiet():
-            dcp.load(_to_dcp(state, rank), checkpoint_id=folder, no_dist=world_size == 1)
+            dcp.load(_to_dcp(state, rank), storage_reader=_SafeReader(folder), no_dist=world_size == 1)
     except UNREADABLE as e:
         raise ConfigError(f"checkpoint {folder} is unreadable ({_reason(e)}); "
                           "delete it to use an earlier one") from None
@@ -214,10 +320,11 @@ def load(folder: Path, rank: int, world_size: int, state: CheckpointState) -> di
 def load_model(folder: Path, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Whole weights of ``shapes`` (name → shape) from any checkpoint, in this process alone, on the CPU."""
     read_meta(folder)
+    read_dcp_metadata(folder)
     flat = {f"model/{name}": torch.empty(math.prod(shape)) for name, shape in shapes.items()}
     try:
         with _quiet():
-            dcp.load(flat, checkpoint_id=folder, no_dist=True)
+            dcp.load(flat, storage_reader=_SafeReader(folder), no_dist=True)
     except UNREADABLE as e:
         raise ConfigError(f"checkpoint {folder} is unreadable ({_reason(e)})") from None
     return {name: flat[f"model/{name}"].view(shape) for name, shape in shapes.items()}
@@ -226,8 +333,8 @@ def load_model(folder: Path, shapes: dict[str, torch.Size]) -> dict[str, torch.T
 def load_everything(folder: Path) -> dict[str, torch.Tensor]:
     """Every entry of a checkpoint, whole and flat as stored (weights, moments, steps), in this process alone."""
     read_meta(folder)
-    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    stored = read_dcp_metadata(folder).state_dict_metadata
     out = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in stored.items() if hasattr(md, "size")}
     with _quiet():
-        dcp.load(out, checkpoint_id=folder, no_dist=True)
+        dcp.load(out, storage_reader=_SafeReader(folder), no_dist=True)
     return out

@@ -15,6 +15,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lab.runtime.config import ConfigError
@@ -45,6 +46,7 @@ def torch_internals() -> dict[str, bool]:
     return {"torch._C._current_graph_task_id": hasattr(torch._C, "_current_graph_task_id"),
             "DeviceMesh._unflatten": hasattr(DeviceMesh, "_unflatten"),
             "DeviceMesh._flatten": hasattr(DeviceMesh, "_flatten"),
+            "torch.distributed.distributed_c10d._set_pg_timeout": hasattr(dist.distributed_c10d, "_set_pg_timeout"),
             "torch.utils._pytree.tree_leaves": tree_leaves is not None,
             "torch.utils._python_dispatch.TorchDispatchMode": TorchDispatchMode is not object}
 
@@ -77,6 +79,14 @@ def unflatten_mesh(mesh: Any, sizes: tuple[int, int], names: tuple[str, str]) ->
     two = mesh._unflatten(0, sizes, names)
     two._flatten()
     return two
+
+
+def inherit_timeout(group: dist.ProcessGroup) -> None:
+    """Give a new group the default group's timeout: torch gives each new group its own default (30 min for gloo,
+    10 for NCCL)."""
+    device = group._device_types[0]
+    timeout = dist.group.WORLD._get_backend(device).options._timeout
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 # ---------------------------------------------------------------- DeepSpeed

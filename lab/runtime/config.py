@@ -212,13 +212,17 @@ def _coerce(value: Any, tp: type, optional: bool, where: str) -> Any:
         if tp is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            x = float(value)
+            if not math.isfinite(x):
+                raise ValueError
+            return x
         if tp is str:
             if not isinstance(value, (str, int, float)):
                 raise ValueError
             return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+        kind = "a finite float" if tp is float else tp.__name__
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
     raise ConfigError(f"{where}: unsupported type {tp}")
 
 
@@ -242,15 +246,24 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        return tomllib.loads(p.read_text())
+        tree = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text (byte {e.start}); a TOML file is expected") from None
+    except OSError as e:
+        raise ConfigError(f"{p} is unreadable ({e.strerror or e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML ({e})") from None
+    for section, values in tree.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{p}: '{section}' must be a table ([{section}]), got {values!r}")
+    return tree
 
 
 def resolve(tree: dict[str, Any]) -> RunConfig:
     """Build a config from a nested dict (TOML and CLI merged), applying the model preset first."""
     cfg = RunConfig()
-    preset = tree.get("model", {}).get("preset")
+    model = tree.get("model", {})
+    preset = model.get("preset") if isinstance(model, dict) else None
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})"

@@ -7,27 +7,67 @@ written as null, never as the ``NaN``/``Infinity`` tokens that other JSON reader
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from lab.runtime.config import ConfigError
 
 
 def write_atomic(path: Path, text: str | bytes) -> None:
-    """Write a text (or binary) file through a uniquely named temporary file in the same folder and a rename."""
+    """Write a text (or binary) file through a uniquely named temporary file in the same folder and a rename,
+    durably: the file's bytes reach the disk before the rename, and the rename before this returns."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_folder(path.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; ``holder`` is the process id it wrote ('?' if none)."""
+
+    def __init__(self, holder: str):
+        super().__init__(holder)
+        self.holder = holder
+
+
+def take_lock(path: Path) -> IO[str]:
+    """Hold an exclusive lock on ``path`` (created if missing) until the returned file is closed, with this
+    process's id written in it; LockHeld if another process holds it. The kernel releases it when the process
+    dies, however it dies."""
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise LockHeld(holder) from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def strict_json(obj: Any) -> Any:

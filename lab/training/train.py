@@ -97,6 +97,9 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     if cfg.train.nonfinite not in NONFINITE:
         raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'"
                           f"{did_you_mean(cfg.train.nonfinite, NONFINITE)}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg.train, name) < 1:
+            raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(cfg.train, name)}")
     for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints", "seed", "grad_clip",
                  "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:
@@ -311,8 +314,13 @@ def evaluate(strategy: Strategy, world: World, data: PreparedData, cfg: RunConfi
 
 @dataclass
 class Start:
+    """Where a run (re)starts: its step, and the figures the steps before it left in their checkpoint."""
+
     step: int = 0
     wall_time_s: float = 0.0
+    recent_losses: list[float] = dataclasses.field(default_factory=list)
+    skipped_steps: int = 0
+    eval_loss: float | None = None
 
 
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
@@ -331,18 +339,23 @@ def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strate
 
 
 def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, plan: StepPlan) -> Start:
-    """Load the newest checkpoint into the strategy, whatever strategy and world size wrote it."""
-    folder = checkpoint.latest(run_dir)
+    """Load the newest readable checkpoint into the strategy, whatever strategy and world size wrote it.
+
+    Rank 0 picks the checkpoint and hands its name to every rank (on a shared filesystem with caching, ranks on
+    other nodes may see another newest one); every rank then checks that it reads the same metadata.
+    """
+    folder = world.broadcast_from_main(lambda: checkpoint.latest_readable(run_dir))
     if folder is None:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+    world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
     meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()
-    if meta["step"] >= plan.total_steps:
-        raise ConfigError(f"--resume: the run in {run_dir} is already complete ({meta['step']} steps)")
-    if cfg.train.stop_after and cfg.train.stop_after <= meta["step"]:
+    complete = meta["step"] >= plan.total_steps  # killed before its summary: resuming only writes it
+    if cfg.train.stop_after and cfg.train.stop_after <= meta["step"] and not complete:
         raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "
                           f"({meta['step']})")
-    return Start(meta["step"], meta["wall_time_s"])
+    return Start(meta["step"], meta["wall_time_s"], list(meta.get("recent_losses", [])),
+                 int(meta.get("skipped_steps", 0)), meta.get("eval_loss"))
 
 
 def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: bool = False,
@@ -417,11 +430,12 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     t = cfg.train
     sampler = BatchSampler(data.train, cfg.model.block_size, t.seed)
     end_step = min(plan.total_steps, t.stop_after) if t.stop_after else plan.total_steps
+    end_step = max(end_step, start.step)  # a complete run resumed at its last step
     every = checkpoint_interval(cfg, plan.total_steps)
     replica, _ = parallel.data_replica(cfg.parallel, world.rank, world.world_size)
     fpt = accounting.flops_per_token(cfg.model)
-    recent: list[float] = []
-    eval_loss, skipped, loop_start, warned = None, 0, time.perf_counter(), False
+    recent: list[float] = start.recent_losses
+    eval_loss, skipped, loop_start, warned = start.eval_loss, start.skipped_steps, time.perf_counter(), False
     most_peaks: dict[str, int] = {}
     watcher = expectation(cfg, plan.total_steps) if t.expect else None
 
@@ -429,7 +443,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         if not strategy.params_finite():
             raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
         meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started}
-        meta |= {"strategy": cfg.parallel.strategy}
+        meta |= {"strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
+                 "eval_loss": eval_loss}
         checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
                         t.keep_checkpoints)
 
@@ -494,7 +509,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}{line}")
             if watcher is not None and off_track:
                 log.say(f"warning: {off_track}")
-        if result.stop_requested:
+        if result.stop_requested and done < end_step:  # at the last step the run simply ends
             save(done)
             return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks,
                            peak, None if watcher is None else watcher.summary())

@@ -59,8 +59,9 @@ def script_command(attempt: Attempt, settings: dict[str, Any], name: str, script
 
 
 def sbatch_options(attempt: Attempt) -> list[str]:
-    """What sbatch adds to the script's own #SBATCH lines (arguments, so no shell parses them)."""
-    return [f"--output={attempt.log}", "--open-mode=append"]
+    """What sbatch adds to the script's own #SBATCH lines (arguments, so no shell parses them; a '%' in the log's
+    path, from a run's or the sweep's name, doubled so that SLURM does not read it as a pattern)."""
+    return [f"--output={str(attempt.log).replace('%', '%%')}", "--open-mode=append"]  # % starts a pattern
 
 
 def array_parameters(launch: Launch, settings: dict[str, Any], name: str) -> dict[str, Any]:

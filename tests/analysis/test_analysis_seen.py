@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import analysis.__main__ as analysis_main
 from analysis.__main__ import main
 from analysis.synthetic import continuous_runs, isoflop_runs, law_optimum, write_sweep
 
@@ -182,19 +183,37 @@ def test_a_signal_while_the_outputs_are_renamed_into_place_publishes_all_of_them
     out = tmp_path / "out"
     out.mkdir()
     (out / "fit.json").write_text("earlier fit")
-    rename = Path.replace
+    swap = analysis_main.swap_folders
 
-    def replace_after_a_signal(self, target):
-        if Path(target).parent == out and not getattr(replace_after_a_signal, "sent", False):
-            replace_after_a_signal.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
-        return rename(self, target)
+    def swap_after_a_signal(new, target):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return swap(new, target)
 
-    monkeypatch.setattr(Path, "replace", replace_after_a_signal)
+    monkeypatch.setattr(analysis_main, "swap_folders", swap_after_a_signal)
     assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress"]) == 130
     assert json.loads((out / "fit.json").read_text())["data"]["n_runs"] > 0  # the new fit, whole
-    assert (out / "report.html").exists() and not list(out.glob(".fit-staging-*"))
+    assert (out / "report.html").exists() and not list(tmp_path.glob(".out.fit-staging-*"))
     assert capsys.readouterr().err.strip().endswith(f"error: interrupted after writing the outputs to {out}")
+
+
+def test_a_fit_replaces_its_outputs_as_a_whole(tmp_path, capsys):
+    """Issue 32: a folder swap, so an earlier fit's files (a figure format not asked for now) never mix with the
+    new fit's, and the swap is one step (the earlier folder is whole until it)."""
+    path = _csv(tmp_path, isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "fit.json").write_text("earlier fit")
+    (out / "isoflop.pdf").write_text("an earlier fit's figure")
+    assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress"]) == 0
+    assert json.loads((out / "fit.json").read_text())["data"]["n_runs"] > 0
+    assert not (out / "isoflop.pdf").exists() and (out / "report.html").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    new, old = tmp_path / "new", tmp_path / "old"
+    for folder, text in ((new, "new"), (old, "old")):
+        folder.mkdir()
+        (folder / "fit.json").write_text(text)
+    analysis_main.swap_folders(new, old)
+    assert (old / "fit.json").read_text() == "new" and (new / "fit.json").read_text() == "old"
 
 
 def test_interrupted_fits_leave_no_staging_folders(tmp_path):
@@ -205,7 +224,7 @@ def test_interrupted_fits_leave_no_staging_folders(tmp_path):
     (out / "fit.json").write_text("earlier fit")
     # A staging folder left by a process that no longer exists (as after SIGKILL) is cleaned up...
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = out / f".fit-staging-{dead.stdout.strip()}-abc123"
+    stale = tmp_path / f".out.fit-staging-{dead.stdout.strip()}-abc123"
     stale.mkdir()
     (stale / "fit.json").write_text("half")
     # ...and SIGTERM while the outputs are being staged removes this run's own folder.
@@ -213,12 +232,12 @@ def test_interrupted_fits_leave_no_staging_folders(tmp_path):
                              "0", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
-    while not [p for p in out.glob(".fit-staging-*") if p != stale]:
+    while not [p for p in tmp_path.glob(".out.fit-staging-*") if p != stale]:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert not list(out.glob(".fit-staging-*"))
+    assert not list(tmp_path.glob(".out.fit-staging-*"))
     assert (out / "fit.json").read_text() == "earlier fit"
     assert proc.returncode == 130 and err.strip() == "error: interrupted; earlier outputs are untouched"
