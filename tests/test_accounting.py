@@ -280,7 +280,8 @@ def test_plan_mesh_chooses_the_least_tp_that_fits_then_the_least_communication(c
 
 def test_plan_mesh_keeps_a_model_that_fits_on_one_gpu_free_of_tensor_parallelism_without_torch():
     # issue 37: 355M parameters on 16 H100s came out as tp 8 × dp 2, after 7.7 s of importing torch
-    code = ("import sys; from lab.commands.plan import main; main(['mesh', '--preset', 'gpt2-350m', '--n-gpus', '16']); "
+    code = ("import sys; from lab.commands.plan import main; "
+            "main(['mesh', '--preset', 'gpt2-350m', '--n-gpus', '16']); "
             "assert 'torch' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

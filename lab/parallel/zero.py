@@ -27,15 +27,17 @@ with the trainable weights, so every rank starts from the same values).
   out), so a gather writes into pages already mapped instead of fresh ones. The pool holds at most
   what is gathered at once: the root unit and the two largest neighbours in the forward order.
   Each piece of a unit of the model's plan is a unit (``lab.model.plan.segments``; in the GPT each
-  half block: the attention with the norm before it, the MLP with its own): gathered (all-gather) just before its forward, while the next unit's
-  all-gather is launched asynchronously (prefetch), freed right after; gathered again when the
-  gradient reaches its output (the unit before it prefetched), its gradients reduce-scattered and
-  its weights freed once they are all in. Half blocks rather than blocks: what is in flight at
-  the backward's peak (the unit at work, the prefetched one, the gradient buffer filling and the
-  one being reduce-scattered) is about half as large (the 85M model's peak resident set: 1,140 ->
-  1,106 MiB). The rest of the model (embeddings, final norm, head), and any weight two pieces share
-  (a tied one), is one root unit, gathered for the forward (a model with no such weight has none). The backward starts where the forward ends: the root unit and the last block unit
-  stay gathered into it (their pool buffers would lie idle meanwhile) instead of being freed and
+  half block: the attention with the norm before it, the MLP with its own): gathered (all-gather)
+  just before its forward, while the next unit's all-gather is launched asynchronously (prefetch),
+  freed right after; gathered again when the gradient reaches its output (the unit before it
+  prefetched), its gradients reduce-scattered and its weights freed once they are all in. Half
+  blocks rather than blocks: what is in flight at the backward's peak (the unit at work, the
+  prefetched one, the gradient buffer filling and the one being reduce-scattered) is about half as
+  large (the 85M model's peak resident set: 1,140 -> 1,106 MiB). The rest of the model (embeddings,
+  final norm, head), and any weight two pieces share (a tied one), is one root unit, gathered for
+  the forward (a model with no such weight has none). The backward starts where the forward ends:
+  the root unit and the last block unit stay gathered into it (their pool buffers would lie idle
+  meanwhile) instead of being freed and
   gathered again. The optimizer updates the shards in place, so no all-gather follows the step.
 
 On the non-final micro-steps of an accumulation nothing is sent: gradients accumulate whole in
