@@ -5,7 +5,8 @@ Run: ``.venv/bin/python benchmarks/bench_threads.py`` from the repository root (
 Each case starts one or two tiny runs (the demo's model, 6 steps of 4,096 tokens, no checkpoints) through
 ``python -m lab train`` at the same time, with the given environment, and reads the median step time of steps
 2-6 from each run's ``metrics.jsonl``; "vs one alone" compares with the first case. The machine's 1-minute load
-average before each case is printed beside it: on a shared machine other work slows every case alike. Prints a Markdown table.
+average before each case is printed beside it: on a shared machine other work slows every case alike.
+Prints a Markdown table.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def test_anything_beyond_the_grammar_is_refused(text, message):
 def test_exclude_refuses_method_calls_that_pandas_eval_ran(tmp_path):
     path = tmp_path / "runs.csv"
     pd.DataFrame({"run_id": list("abcdefgh"), "params": [1e6 * 2**i for i in range(8)],
-                  "tokens": [2e9 * 3**(i % 3) for i in range(8)], "loss": [3.0 - 0.1 * i for i in range(8)]}).to_csv(path, index=False)
+                  "tokens": [2e9 * 3**(i % 3) for i in range(8)],
+                  "loss": [3.0 - 0.1 * i for i in range(8)]}).to_csv(path, index=False)
     assert [d["run_id"] for d in load_runs(path, exclude=["params < 3e6"]).dropped] == ["a", "b"]
     with pytest.raises(InputError, match="it is not a condition on the columns"):
         load_runs(path, exclude=["params.abs() > 0"])
