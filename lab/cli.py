@@ -30,6 +30,7 @@ from lab import checkpoint
 from lab.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
+from lab.extras import require
 from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
 from lab.files import dumps, probe_writable, save_json
 from lab.model import GPT
@@ -340,28 +341,46 @@ def checkpoint_weights(run_dir: Path, folder: str | None, model: torch.nn.Module
 
 
 def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -> int:
-    """Write one run's weights, from any checkpoint, as a single file loadable with weights_only=True."""
+    """Write one run's weights, from any checkpoint, as a single state-dict file (loadable with weights_only=True)
+    or as a Hugging Face folder (``--format hf``: ``lab.hf``)."""
     p = Parser(prog=prog, description="Export a run's weights as one plain state-dict file "
-                                                    "(torch.load(path, weights_only=True) reads it).")
+                                      "(torch.load(path, weights_only=True) reads it), or with --format hf as a "
+                                      "Hugging Face folder (AutoModelForCausalLM and AutoTokenizer load it).")
     p.add_argument("run_dir", help="a run directory written by launch/run.py")
+    p.add_argument("out_folder", nargs="?", metavar="OUT", help="where to write (the same as --out)")
     p.add_argument("--checkpoint", help="a checkpoints/step-N folder (default: the newest)")
-    p.add_argument("--out", help="the file to write (default: RUN_DIR/export/model-step-N.pt)")
-    args = p.parse_args(argv)
+    p.add_argument("--format", choices=("pt", "hf"), default="pt",
+                   help="pt: one torch file; hf: config.json, model.safetensors and the tokenizer (the hf extra)")
+    p.add_argument("--out", help="the file (pt) or folder (hf) to write (default: RUN_DIR/export/model-step-N.pt, "
+                                 "or RUN_DIR/export/hf-step-N)")
+    args = p.parse_intermixed_args(argv)  # RUN --format hf OUT
     run_dir = Path(args.run_dir)
     try:
+        if args.out and args.out_folder:
+            raise ConfigError("give OUT or --out, not both")
+        if args.format == "hf":
+            from lab import hf
+            for module in ("transformers", "safetensors"):
+                require(module, "export --format hf")
         cfg = run_config(run_dir)
+        if args.format == "hf":
+            hf.check_exportable(cfg.model)
         with torch.device("meta"):
             model = GPT(cfg.model)
         weights = checkpoint_weights(run_dir, args.checkpoint, model)
         step = checkpoint.read_meta(Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir))["step"]
-        out = Path(args.out) if args.out else run_dir / "export" / f"model-step-{step:06d}.pt"
+        default = f"model-step-{step:06d}.pt" if args.format == "pt" else f"hf-step-{step:06d}"
+        out = Path(args.out or args.out_folder or run_dir / "export" / default)
         probe_writable(out.parent, "--out")
+        if args.format == "hf":
+            hf.export_hf(cfg, weights, run_dir, out)
     except ConfigError as e:
         return _error(str(e))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
-    tmp.replace(out)
+    if args.format == "pt":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
+        tmp.replace(out)
     print(f"wrote {out}: {sum(w.numel() for w in weights.values()):,} parameters at step {step}")
     return 0
 

@@ -1,0 +1,118 @@
+"""Hugging Face folders out and in: transformers loads the lab's runs (GPT-2 and Llama classes, the tokenizer),
+their logits agree with the lab's, and an imported folder comes back bit for bit and fine-tunes."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab import checkpoint, hf
+from lab.__main__ import main as lab_main
+from lab.cli import run_config, run_main
+from lab.config import ConfigError, ModelConfig
+from lab.data import load_tokenizer
+from lab.model import GPT
+from lab.parallel.spawn import run_pooled
+from test_checkpoints import train_argv
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+# fp32 on the CPU: the two implementations order some sums differently (fused qkv against three matmuls,
+# torch's RMSNorm against Llama's), a few ulps of logits of order 1
+LOGIT_TOLERANCE = 1e-4
+MODERN = ["--model.arch", "modern", "--model.n_kv_head", "1", "--model.tie_embeddings", "false",
+          "--model.pad_vocab_to", "64"]
+
+
+@pytest.fixture(scope="module")
+def runs(args, tmp_path_factory) -> dict[str, Path]:
+    """Finished tiny runs: gpt2 (tied), modern (GQA, untied, padded vocab), and gpt2 under zero3 on 2 ranks."""
+    out = {}
+    for name, extra in (("gpt2", []), ("modern", MODERN)):
+        out[name] = tmp_path_factory.mktemp(name) / "run"
+        assert run_main([*args, *extra, "--train.tokens", "1024", "--run-dir", str(out[name])]) == 0
+    out["zero3"] = tmp_path_factory.mktemp("zero3") / "run"
+    assert run_pooled(train_argv, 2, [*args, "--strategy", "zero3", "--train.tokens", "1024"], out["zero3"]) == \
+        ["completed"] * 2
+    return out
+
+
+def lab_model(run_dir: Path) -> GPT:
+    cfg = run_config(run_dir)
+    model = GPT(cfg.model)
+    model.load_state_dict(checkpoint.load_model(checkpoint.latest(run_dir), dict(
+        (n, p.shape) for n, p in model.named_parameters())))
+    return model.eval()
+
+
+@pytest.mark.parametrize("name, cls", [("gpt2", "GPT2LMHeadModel"), ("modern", "LlamaForCausalLM"),
+                                       ("zero3", "GPT2LMHeadModel")])
+def test_transformers_loads_the_export_and_its_logits_match(runs, tmp_path, name, cls, capsys):
+    run_dir, out = runs[name], tmp_path / "hf"
+    assert lab_main(["export", str(run_dir), "--format", "hf", str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and "wrote" in capsys.readouterr().out
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == cls
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "The state of the union is strong, and"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == load_tokenizer(run_dir / "tokenizer").encode(text)
+    lab = lab_model(run_dir)
+    with torch.no_grad():
+        ours, theirs = lab(ids), model(ids).logits
+    assert theirs.shape == ours.shape  # the padded rows are not exported
+    assert (ours - theirs).abs().max().item() < LOGIT_TOLERANCE
+    assert ours.abs().max().item() > 0.1  # the comparison is of trained logits, not of zeros
+    if name == "modern":
+        assert model.config.num_key_value_heads == 1 and not model.config.tie_word_embeddings
+
+
+def test_lab_to_hf_to_lab_is_bit_exact_and_the_import_fine_tunes_under_zero2(runs, args, tmp_path, capsys):
+    run_dir, out, back = runs["modern"], tmp_path / "hf", tmp_path / "imported"
+    assert lab_main(["export", str(run_dir), "--format", "hf", str(out)]) == 0
+    fine_tuning = [*args[args.index("--data.corpus"):], "--train.tokens", "512", "--train.batch_tokens", "256",
+                   "--train.micro_batch", "4", "--train.eval_tokens", "512", "--train.checkpoint_every", "0"]
+    assert lab_main(["import-hf", str(out), "--run-dir", str(back), *fine_tuning]) == 0
+    assert "--resume" in capsys.readouterr().out
+    original, imported = lab_model(run_dir).state_dict(), lab_model(back).state_dict()
+    vocab = run_config(run_dir).model.vocab_size
+    assert original.keys() == imported.keys()
+    for k in original:  # the padded rows of the original are the only difference
+        rows = slice(0, vocab) if k in ("wte.weight", "lm_head.weight") else slice(None)
+        assert torch.equal(original[k][rows], imported[k]), k
+    # fine-tune: the imported run resumes from its step-0 checkpoint under another strategy on 2 ranks
+    resume = ["--config", str(back / "config.toml"), "--strategy", "zero2", "--resume"]
+    assert run_pooled(train_argv, 2, resume, back) == ["completed"] * 2
+    assert json.loads((back / "summary.json").read_text())["resumed_from_step"] == 0
+    assert checkpoint.read_meta(checkpoint.latest(back))["step"] == 2
+
+
+def test_architectures_the_lab_cannot_express_are_refused_naming_the_field(tmp_path, capsys):
+    base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    for field, value in (("rope_scaling", {"rope_type": "linear", "factor": 2.0}), ("hidden_act", "gelu"),
+                         ("head_dim", 32), ("model_type", "bert")):
+        folder = tmp_path / field
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**base, field: value}))
+        assert lab_main(["import-hf", str(folder), "--run-dir", str(tmp_path / f"out-{field}")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{field} = " in err, err
+        assert not (tmp_path / f"out-{field}").exists()
+    with pytest.raises(ConfigError, match="model.parametrization"):
+        hf.check_exportable(ModelConfig(parametrization="mup", vocab_size=64))
+
+
+def test_a_missing_extra_is_named_in_one_line(runs, tmp_path, capsys, monkeypatch):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else
+                        find_spec(name, *a))
+    assert lab_main(["export", str(runs["gpt2"]), "--format", "hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the hf extra" in err and "pip install" in err
+    assert not (tmp_path / "hf").exists()
