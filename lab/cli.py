@@ -114,7 +114,7 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     new, default = _flatten(cfg.to_dict()), _flatten(RunConfig().to_dict())
     # an option added since the run was written (absent from its config.json) held its default then
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k, default.get(k)) != new.get(k)
-                     and k not in RESUMABLE_CHANGES and not k.startswith("parallel."))
+                     and k not in RESUMABLE_CHANGES and not k.startswith(("parallel.", "log.")))
     if changed:
         raise ConfigError(f"--resume cannot change {', '.join(changed)} (the model, data, tokenizer and schedule "
                           f"of a run are fixed; the strategy, world size, micro-batch and precision may change)")

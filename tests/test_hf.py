@@ -49,6 +49,7 @@ def lab_model(run_dir: Path) -> GPT:
     return model.eval()
 
 
+@pytest.mark.slow  # trains on 2 ranks
 @pytest.mark.parametrize("name, cls", [("gpt2", "GPT2LMHeadModel"), ("modern", "LlamaForCausalLM"),
                                        ("zero3", "GPT2LMHeadModel")])
 def test_transformers_loads_the_export_and_its_logits_match(runs, tmp_path, name, cls, capsys):
@@ -71,6 +72,7 @@ def test_transformers_loads_the_export_and_its_logits_match(runs, tmp_path, name
         assert model.config.num_key_value_heads == 1 and not model.config.tie_word_embeddings
 
 
+@pytest.mark.slow
 def test_lab_to_hf_to_lab_is_bit_exact_and_the_import_fine_tunes_under_zero2(runs, args, tmp_path, capsys):
     run_dir, out, back = runs["modern"], tmp_path / "hf", tmp_path / "imported"
     assert lab_main(["export", str(run_dir), "--format", "hf", str(out)]) == 0
@@ -107,12 +109,24 @@ def test_architectures_the_lab_cannot_express_are_refused_naming_the_field(tmp_p
         hf.check_exportable(ModelConfig(parametrization="mup", vocab_size=64))
 
 
-def test_a_missing_extra_is_named_in_one_line(runs, tmp_path, capsys, monkeypatch):
+def test_a_missing_extra_is_named_in_one_line(tmp_path, capsys, monkeypatch):
     import importlib.util
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else
                         find_spec(name, *a))
-    assert lab_main(["export", str(runs["gpt2"]), "--format", "hf", str(tmp_path / "hf")]) == 2
+    assert lab_main(["export", str(tmp_path / "run"), "--format", "hf", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "the hf extra" in err and "pip install" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_bytes_tokenizer_exports_as_one_autotokenizer_loads(tmp_path):
+    from lab.data.tokenizer import BytesTokenizer
+
+    BytesTokenizer().save(tmp_path / "run")
+    hf.write_tokenizer(tmp_path / "run", tmp_path / "hf", block_size=64)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "naïve café, ünïcode ✓ and\nnewlines"
+    assert tokenizer(text).input_ids == list(text.encode("utf-8"))
+    assert tokenizer.decode(list(text.encode("utf-8"))) == text
+    assert tokenizer.eos_token_id == BytesTokenizer().eot_id
