@@ -19,6 +19,7 @@ COMMANDS = {
     "sample": ("lab.cli", "sample_main", "sample text from a run's checkpoint"),
     "export": ("lab.cli", "export_main", "export a run's weights as one state-dict file, or a Hugging Face folder"),
     "import-hf": ("lab.hf", "import_main", "a Hugging Face GPT-2 or Llama folder as a run directory to fine-tune"),
+    "eval": ("lab.harness", "main", "score a run with lm-evaluation-harness; scores to RUN_DIR/eval.json"),
     "plan": ("lab.plan", "main", "training time and memory on paper"),
     "bench": ("lab.bench", "main", "throughput and MFU, or strategies side by side"),
     "equivalence": ("lab.equivalence", "main", "check strategies reproduce single's losses and weights"),

@@ -340,6 +340,14 @@ def checkpoint_weights(run_dir: Path, folder: str | None, model: torch.nn.Module
     return checkpoint.load_model(path, shapes)
 
 
+def run_weights(run_dir: Path, cfg: RunConfig, folder: str | None) -> tuple[dict[str, torch.Tensor], int]:
+    """A run's whole weights from its newest checkpoint (or ``folder``), and that checkpoint's step."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    weights = checkpoint_weights(run_dir, folder, model)
+    return weights, checkpoint.read_meta(Path(folder) if folder else checkpoint.latest(run_dir))["step"]
+
+
 def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -> int:
     """Write one run's weights, from any checkpoint, as a single state-dict file (loadable with weights_only=True)
     or as a Hugging Face folder (``--format hf``: ``lab.hf``)."""
@@ -365,10 +373,7 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
         cfg = run_config(run_dir)
         if args.format == "hf":
             hf.check_exportable(cfg.model)
-        with torch.device("meta"):
-            model = GPT(cfg.model)
-        weights = checkpoint_weights(run_dir, args.checkpoint, model)
-        step = checkpoint.read_meta(Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir))["step"]
+        weights, step = run_weights(run_dir, cfg, args.checkpoint)
         default = f"model-step-{step:06d}.pt" if args.format == "pt" else f"hf-step-{step:06d}"
         out = Path(args.out or args.out_folder or run_dir / "export" / default)
         probe_writable(out.parent, "--out")

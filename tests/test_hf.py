@@ -130,3 +130,52 @@ def test_the_bytes_tokenizer_exports_as_one_autotokenizer_loads(tmp_path):
     assert tokenizer(text).input_ids == list(text.encode("utf-8"))
     assert tokenizer.decode(list(text.encode("utf-8"))) == text
     assert tokenizer.eos_token_id == BytesTokenizer().eot_id
+
+
+TASK = """task: lab_tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+@pytest.mark.slow
+def test_the_harness_scores_a_run_offline_and_its_scores_sit_beside_the_summary(runs, tmp_path, capsys,
+                                                                                monkeypatch):
+    pytest.importorskip("lm_eval")
+    from lab.harness import task_columns
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = [{"question": "The union is", "choices": [" strong", " purple"], "answer": 0},
+            {"question": "Congress shall", "choices": [" the", " zebra"], "answer": 0},
+            {"question": "We the", "choices": [" people", " xylophone"], "answer": 0}]
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "docs.json").write_text("\n".join(json.dumps(d) for d in docs))
+    (tmp_path / "tasks" / "tiny.yaml").write_text(TASK.format(data=tmp_path / "docs.json"))
+    run_dir = runs["gpt2"]
+    command = ["eval", str(run_dir), "--include-path", str(tmp_path / "tasks"), "--batch-size", "2"]
+    assert lab_main([*command, "--tasks", "lab_tiny_choice"]) == 0
+    scores = json.loads((run_dir / "eval.json").read_text())["tasks"]["lab_tiny_choice"]
+    acc = scores["metrics"]["acc"]
+    assert acc in (0, 1 / 3, 2 / 3, 1) and scores["step"] == 4
+    assert task_columns(run_dir) == {"task_lab_tiny_choice": acc}
+    # the same score by hand: the lab's own log-likelihoods of each choice, the higher one chosen
+    model, tok = lab_model(run_dir), load_tokenizer(run_dir / "tokenizer")
+    right = 0
+    for d in docs:
+        lls = []
+        for choice in d["choices"]:
+            context, full = tok.encode(d["question"]), tok.encode(d["question"] + choice)
+            with torch.no_grad():
+                logp = model(torch.tensor([full[:-1]])).log_softmax(-1)[0]
+            lls.append(sum(logp[i - 1, full[i]].item() for i in range(len(context), len(full))))
+        right += max(range(2), key=lambda i: lls[i]) == d["answer"]
+    assert acc == pytest.approx(right / len(docs))
