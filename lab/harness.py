@@ -3,7 +3,7 @@
 The run's checkpoint is exported on the fly as a Hugging Face folder (``lab.hf``) and scored by the harness's
 ``hf`` model, exactly as ``lm_eval --model hf --model_args pretrained=FOLDER`` would score an exported run.
 The scores go to ``RUN_DIR/eval.json`` beside ``summary.json`` (tasks scored earlier are kept), where
-``sweeps export`` and ``analysis fit`` read them: one column ``task_NAME`` per task, its first metric.
+``sweeps export`` and ``analysis fit`` read them (``lab.scores``): a column ``task_NAME`` per task, its first metric.
 """
 
 from __future__ import annotations
@@ -16,21 +16,7 @@ from lab.cli import _error, run_config, run_weights
 from lab.config import ConfigError, Parser, did_you_mean
 from lab.extras import require
 from lab.files import save_json
-
-SCORES = "eval.json"
-
-
-def task_columns(run_dir: Path) -> dict[str, float]:
-    """``task_NAME``: the first metric of each task scored in ``run_dir`` (none when it has no eval.json)."""
-    path = Path(run_dir) / SCORES
-    if not path.is_file():
-        return {}
-    try:
-        tasks = json.loads(path.read_text())["tasks"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
-    return {f"task_{name}": next(iter(entry["metrics"].values())) for name, entry in tasks.items() if entry["metrics"]}
-
+from lab.scores import SCORES
 
 def _metrics(result: dict) -> dict[str, float]:
     """The harness's ``{"acc,none": 0.5, "acc_stderr,none": ...}`` as ``{"acc": 0.5, "acc_stderr": ...}``,

@@ -151,7 +151,7 @@ metric_list:
 def test_the_harness_scores_a_run_offline_and_its_scores_sit_beside_the_summary(runs, tmp_path, capsys,
                                                                                 monkeypatch):
     pytest.importorskip("lm_eval")
-    from lab.harness import task_columns
+    from lab.scores import task_columns
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     docs = [{"question": "The union is", "choices": [" strong", " purple"], "answer": 0},
