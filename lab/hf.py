@@ -328,6 +328,7 @@ def import_main(argv: list[str] | None = None, prog: str = "python -m lab import
     p.add_argument("path", help="the Hugging Face model folder")
     args = p.parse_args(argv)
     try:
+        require("safetensors", "import-hf")
         given = sorted(k for k in vars(args) if k.startswith("model."))
         if given:
             raise ConfigError(f"--{given[0]}: the model comes from {args.path}/config.json")

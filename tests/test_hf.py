@@ -109,15 +109,20 @@ def test_architectures_the_lab_cannot_express_are_refused_naming_the_field(tmp_p
         hf.check_exportable(ModelConfig(parametrization="mup", vocab_size=64))
 
 
-def test_a_missing_extra_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("command, module, extra", [
+    (["export", "RUN", "--format", "hf", "OUT"], "transformers", "hf"),
+    (["import-hf", "RUN", "--run-dir", "OUT"], "safetensors", "hf"),
+    (["eval", "RUN", "--tasks", "x"], "lm_eval", "eval")])
+def test_a_missing_extra_is_named_in_one_line(tmp_path, capsys, monkeypatch, command, module, extra):
     import importlib.util
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else
                         find_spec(name, *a))
-    assert lab_main(["export", str(tmp_path / "run"), "--format", "hf", str(tmp_path / "hf")]) == 2
+    argv = [str(tmp_path / "run") if a == "RUN" else str(tmp_path / "out") if a == "OUT" else a for a in command]
+    assert lab_main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "the hf extra" in err and "pip install" in err
-    assert not (tmp_path / "hf").exists()
+    assert len(err.splitlines()) == 1 and f"the {extra} extra" in err and "pip install" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_bytes_tokenizer_exports_as_one_autotokenizer_loads(tmp_path):
