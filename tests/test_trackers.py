@@ -2,6 +2,7 @@
 missing or failing tracker costing one warning line, never the run."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -82,5 +83,10 @@ def test_tensorboard_and_offline_wandb_follow_the_run_through_a_resume(tmp_path,
             "train/mem_peak_bytes", "eval/eval_loss"} <= set(events.Tags()["scalars"])
     assert "summary" in str(events.Tags()["tensors"]) and "config" in str(events.Tags()["tensors"])
     # the offline record of the last segment holds the sweep's name as its group, the config and the summary
+    # (W&B's service may still be writing the record after finish() returned: give it a few seconds)
+    keys, deadline = (b"iso-sweep-7", b"d_model", b"train/loss", b"final_eval_loss"), time.monotonic() + 30
+    while not all(k in (segments[-1] / f"run-{run_id}.wandb").read_bytes() for k in keys) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
     record = (segments[-1] / f"run-{run_id}.wandb").read_bytes()
-    assert all(key in record for key in (b"iso-sweep-7", b"d_model", b"train/loss", b"final_eval_loss"))
+    assert all(key in record for key in keys), [k for k in keys if k not in record]
