@@ -14,7 +14,7 @@ CPU_INDEX   := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null || $(PY) -m pip install -q --dry-run --no-index --no-deps \
 	-c constraints-cpu.txt torch >/dev/null 2>&1 || echo $(CPU_INDEX))
 
-.PHONY: setup demo sweep test test-fast bench clean
+.PHONY: setup demo sweep test test-fast bench bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) launch/bench.py
+
+# On a machine with one CUDA GPU (about 10 minutes): the paths no CPU run reaches, in benchmarks/results-gpu.{json,md}.
+bench-gpu: $(STAMP)
+	$(PY) -m lab bench-gpu --out benchmarks/results-gpu.json
 
 clean:
 	rm -rf $(VENV) runs data/prepared

@@ -48,7 +48,7 @@ from analysis.table import (  # noqa: E402
     load_runs,
     parse_column_map,
 )
-from lab.files import process_alive  # noqa: E402
+from lab.runtime.files import process_alive  # noqa: E402
 
 EXIT_USAGE = 2
 FIGURE_FORMATS = ("png", "svg", "pdf")

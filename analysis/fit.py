@@ -39,7 +39,7 @@ from analysis.parametric import (
     predict_loss,
 )
 from analysis.table import MIN_RUNS, InputError, RunTable
-from lab.scores import PREFIX as TASK_PREFIX
+from lab.runtime.scores import PREFIX as TASK_PREFIX
 
 SCHEMA_VERSION = 2
 FORM_CHOICES = ("auto", *FORMS)

@@ -2,7 +2,7 @@
 
 A budget is FLOPs, or GPU-hours on a named GPU at an assumed MFU, converted with
 C = GPU-hours * 3600 * peak * MFU; the wall-clock time is C / (n_gpus * peak * MFU) from
-``lab.accounting``. N and D come from one approach of a fit.json: the one named with
+``lab.measure.accounting``. N and D come from one approach of a fit.json: the one named with
 ``approach``, or by default the first identified one in ``compare.PREFERENCE``. Every approach
 with a law is shown beside it, and when the fit's bootstrap samples (bootstrap.csv beside
 fit.json) are there, every number gets an interval and approaches whose N_opt differ beyond their
@@ -34,7 +34,7 @@ from analysis.forms import CHINCHILLA, FORMS, Form
 from analysis.isoflop import PowerLaws
 from analysis.parametric import compute_optimal
 from analysis.table import InputError
-from lab.accounting import gpu_peak_flops, training_seconds
+from lab.measure.accounting import gpu_peak_flops, training_seconds
 
 SCHEMA_VERSION = 2
 LAW_COLUMNS = ("a", "k_N", "b", "k_D")

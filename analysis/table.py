@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.scores import task_columns
+from lab.runtime.scores import task_columns
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
 CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id", "unique_tokens")

@@ -5,7 +5,7 @@ repository root; about 30 CPU-minutes with the defaults, on one thread).
 
 Trains the GPT at each width over a ×2 grid of peak learning rates, under ``standard`` and ``mup``
 (base width = the smallest width), with several seeds per point, on the built-in corpus as raw
-bytes (``--data.tokenizer bytes``), through the lab's own command line (``lab.cli.run_main``);
+bytes (``--data.tokenizer bytes``), through the lab's own command line (``lab.commands.cli.run_main``);
 everything but the width, the parametrization, the LR and the seed is the same in every run, and
 the MLP is a fixed multiple of the width so that every hidden matrix widens by the same ratio.
 The score of a point is the held-out loss at the end (``summary.json``'s ``final_eval_loss``)
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from lab.cli import run_main
-from lab.device import cpu_name
-from lab.files import save_json, write_atomic
-from lab.mup import corpus_bytes, save_png
+from lab.commands.cli import run_main
+from lab.measure.device import cpu_name
+from lab.runtime.files import save_json, write_atomic
+from lab.commands.mup import corpus_bytes, save_png
 
 PARAMETRIZATIONS = ("standard", "mup")
 PLATEAU_MARGIN = 0.25  # a run has left the unigram plateau once its loss is this far below the unigram entropy

@@ -10,21 +10,26 @@ import argparse
 import importlib
 import sys
 
-from lab.config import Parser, did_you_mean, print_error
+from lab.runtime.config import Parser, did_you_mean, print_error
 
 # name: (module, function, what it does); a command's module is imported only when it runs
 COMMANDS = {
     "prepare": ("lab.data", "prepare_main", "tokenize a corpus into shards (a run does it on first use)"),
-    "train": ("lab.cli", "run_main", "train one run and write its run directory (under torchrun: one rank)"),
-    "sample": ("lab.cli", "sample_main", "sample text from a run's checkpoint"),
-    "export": ("lab.cli", "export_main", "export a run's weights as one state-dict file, or a Hugging Face folder"),
-    "import-hf": ("lab.hf", "import_main", "a Hugging Face GPT-2 or Llama folder as a run directory to fine-tune"),
-    "eval": ("lab.harness", "main", "score a run with lm-evaluation-harness; scores to RUN_DIR/eval.json"),
-    "plan": ("lab.plan", "main", "training time and memory on paper"),
-    "bench": ("lab.bench", "main", "throughput and MFU, or strategies side by side"),
-    "equivalence": ("lab.equivalence", "main", "check strategies reproduce single's losses and weights"),
-    "mup-check": ("lab.mup", "main", "μP's coordinate check: activation scales across widths, as a table and figure"),
-    "peak": ("lab.device", "peak_main", "this CPU's matmul peak (the MFU denominator): show, or --remeasure"),
+    "train": ("lab.commands.cli", "run_main", "train one run and write its run directory (under torchrun: one rank)"),
+    "sample": ("lab.commands.cli", "sample_main", "sample text from a run's checkpoint"),
+    "export": ("lab.commands.cli", "export_main", "export a run's weights as one state-dict file, or a Hugging Face "
+               "folder"),
+    "import-hf": ("lab.commands.hf", "import_main", "a Hugging Face GPT-2 or Llama folder as a run directory to "
+                  "fine-tune"),
+    "eval": ("lab.commands.harness", "main", "score a run with lm-evaluation-harness; scores to RUN_DIR/eval.json"),
+    "plan": ("lab.commands.plan", "main", "training time and memory on paper"),
+    "bench": ("lab.commands.bench", "main", "throughput and MFU, or strategies side by side"),
+    "bench-gpu": ("lab.commands.bench_gpu", "main", "what only a CUDA GPU shows: bf16, compile, NCCL, allocator "
+                  "peaks, MFU"),
+    "equivalence": ("lab.commands.equivalence", "main", "check strategies reproduce single's losses and weights"),
+    "mup-check": ("lab.commands.mup", "main", "μP's coordinate check: activation scales across widths, as a table "
+                  "and figure"),
+    "peak": ("lab.measure.device", "peak_main", "this CPU's matmul peak (the MFU denominator): show, or --remeasure"),
 }
 
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from lab.bench import main
+from lab.commands.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

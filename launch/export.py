@@ -2,7 +2,7 @@
 
 import sys
 
-from lab.cli import export_main
+from lab.commands.cli import export_main
 
 if __name__ == "__main__":
     sys.exit(export_main())

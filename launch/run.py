@@ -2,7 +2,7 @@
 
 import sys
 
-from lab.cli import run_main
+from lab.commands.cli import run_main
 
 if __name__ == "__main__":
     sys.exit(run_main())

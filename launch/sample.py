@@ -2,7 +2,7 @@
 
 import sys
 
-from lab.cli import sample_main
+from lab.commands.cli import sample_main
 
 if __name__ == "__main__":
     sys.exit(sample_main())

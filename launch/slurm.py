@@ -2,7 +2,7 @@
 
 import sys
 
-from lab.slurm import main
+from lab.commands.slurm import main
 
 if __name__ == "__main__":
     sys.exit(main())

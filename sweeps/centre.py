@@ -3,7 +3,7 @@
 Two priors (``[sweep] centre``):
 
 - ``tokens_per_param`` r: C = k N D with D = r N gives N_opt = sqrt(C / (k r)). k is F / N of the
-  family's own shape at that N (F from ``lab.accounting.flops_per_token``, N counted as the sweep's
+  family's own shape at that N (F from ``lab.measure.accounting.flops_per_token``, N counted as the sweep's
   ``count``), not 6: F adds the attention FLOPs and counts only the parameters used in matmuls, so
   k moves with the shape (6.5-6.8 for the default sweep's family at 2.5e11-4e12 FLOPs and 20 tokens
   per parameter). Since k depends on the shape and the shape on N, N_opt is iterated to a fixed
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab import accounting
+from lab.measure import accounting
 
 from sweeps.shapes import count, family_shape, model_config
 from sweeps.spec import SpecError, Sweep

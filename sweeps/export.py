@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab.scores import task_columns
+from lab.runtime.scores import task_columns
 from sweeps.registry import Row
 
 FORMATS = (".csv", ".parquet")

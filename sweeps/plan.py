@@ -1,6 +1,6 @@
 """The planner: budgets × shapes → runs, each with its shape, token count, learning rate, batch and launch.
 
-For a budget C and a shape with F FLOPs per token (``lab.accounting.flops_per_token``), the run's
+For a budget C and a shape with F FLOPs per token (``lab.measure.accounting.flops_per_token``), the run's
 token count is D = C / F rounded to whole batches, so it spends C to within half a batch; its
 schedule spans exactly those tokens. The learning rate and the batch (in tokens) come from the
 sweep's power rules at the shape's N; the batch is rounded to a multiple of what one micro-step of
@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lab import accounting
-from lab.config import RunConfig
+from lab.measure import accounting
+from lab.runtime.config import RunConfig
 
 from sweeps import centre as centring
 from sweeps.shapes import count, family_shape, model_config, vocab_size

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from lab.files import save_json
+from lab.runtime.files import save_json
 
 from sweeps import centre as centring
 from sweeps.driver import EXIT_OK, EXIT_UNFINISHED, execute

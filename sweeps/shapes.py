@@ -1,7 +1,7 @@
 """Model shapes for a sweep: the ``aspect`` family (target N → depth and width) and shape checks.
 
 The family, for a target N counted as the sweep's ``count`` (total or non-embedding parameters,
-exactly as ``lab.accounting.param_counts`` counts them, embeddings included):
+exactly as ``lab.measure.accounting.param_counts`` counts them, embeddings included):
 
 1. width: among the multiples of ``width_multiple``, the one whose model at depth
    ``round(d_model / aspect)`` (at least 1) has N nearest the target (in log N);
@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lab import accounting
-from lab.config import ConfigError, ModelConfig, RunConfig
+from lab.measure import accounting
+from lab.runtime.config import ConfigError, ModelConfig, RunConfig
 
 from sweeps.spec import Family, SpecError
 

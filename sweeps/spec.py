@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.config import ConfigError, RunConfig, TrainConfig
+from lab.runtime.config import ConfigError, RunConfig, TrainConfig
 
 
 class SpecError(ValueError):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.files import save_json, write_atomic
+from lab.runtime.files import save_json, write_atomic
 
 from sweeps import plan as planner
 from sweeps.plan import PlannedRun, Tuned, format_flops

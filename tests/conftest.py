@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.config import DataConfig
+from lab.runtime.config import DataConfig
 from lab.data import prepare
 from lab.data.corpora import builtin_folder
 

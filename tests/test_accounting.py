@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lab import accounting as acc
-from lab.config import ModelConfig
-from lab.plan import main
+from lab.runtime.config import ModelConfig
+from lab.commands.plan import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -309,6 +309,6 @@ def test_launcher_without_torch() -> None:
     code = "import runpy, sys; sys.argv = ['plan', 'peaks']; runpy.run_path('launch/plan.py', run_name='__main__')"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "989" in r.stdout
-    r = subprocess.run([sys.executable, "-c", "import sys, lab.plan; assert 'torch' not in sys.modules"],
+    r = subprocess.run([sys.executable, "-c", "import sys, lab.commands.plan; assert 'torch' not in sys.modules"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.bench import main, paired_ratio
+from lab.commands.bench import main, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,3 +97,26 @@ def test_memory_benchmark_reports_the_kernels_rss_peak_bytes_and_loopback_bytes(
         others = 3 * lo["background_bytes_per_s"] * lo["seconds"] / 4
         assert 0 < lo["formula_bytes_per_step"] <= lo["bytes_per_step"] <= 1.05 * lo["formula_bytes_per_step"] + others
     assert "| zero3 |" in out.with_suffix(".md").read_text()
+
+
+def test_the_gpu_benchmark_says_in_one_line_that_it_needs_a_gpu(tmp_path, capsys, monkeypatch):
+    from lab.commands import bench_gpu
+
+    monkeypatch.setattr(bench_gpu.torch.cuda, "is_available", lambda: False)  # as on CI, whatever this machine has
+    out = tmp_path / "gpu.json"
+    assert bench_gpu.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bench-gpu needs a CUDA GPU") and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_the_gpu_benchmark_table_names_the_device_and_every_figure():
+    from lab.commands.bench_gpu import markdown
+
+    row = {"model": "gpt2-124m", "compile": True, "tokens_per_s": 1e5, "mfu": 0.4, "mem_peak_bytes": 2**31}
+    run = {"step_time_s": 0.1, "peak_bytes": {"forward": 1}, "peak_bytes_theory": {"forward": 2}}
+    text = markdown({"device": "NVIDIA H100", "torch": "2.13.0", "throughput": [row],
+                     "runs": {"ddp": run, "zero3": run}, "zero3_over_ddp_step_time": 1.1})
+    assert text.startswith("# GPU benchmark: NVIDIA H100")
+    assert "| gpt2-124m | True | 100,000 | 40.0 % | 2.00 |" in text and "| zero3 | 100.0 |" in text
+    assert "zero3 / ddp step time: 1.100x" in text

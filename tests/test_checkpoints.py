@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import checkpoint
-from lab.cli import export_main, resolve_vocab, sample_main
-from lab.config import build_parser, config_from_args, resolve
+from lab.runtime import checkpoint
+from lab.commands.cli import export_main, resolve_vocab, sample_main
+from lab.runtime.config import build_parser, config_from_args, resolve
 from lab.data import load_tokenizer, prepare
-from lab.device import Precision
+from lab.measure.device import Precision
 from lab.parallel import World
-from lab.parallel.spawn import RankFailed, free_port, run_pooled, run_ranks
-from lab.train import build_strategy, train
+from lab.commands.ranks import RankFailed, free_port, run_ranks
+from pool import run_pooled
+from lab.training.train import build_strategy, train
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
 
@@ -259,7 +260,7 @@ def test_ranks_with_different_configs_fail_at_once(args, tmp_path):
     """As if rank 1 had read another config file: both ranks end at once; the node's first rank names the
     mismatch in one line (the others stay quiet, so the user reads it once)."""
     wrapper = tmp_path / "skewed.py"
-    wrapper.write_text("import os, sys\nfrom lab.cli import run_main\n"
+    wrapper.write_text("import os, sys\nfrom lab.commands.cli import run_main\n"
                        "extra = ['--train.seed', '7'] if os.environ['RANK'] == '1' else []\n"
                        "sys.exit(run_main(sys.argv[1:] + extra))\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

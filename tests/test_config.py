@@ -2,8 +2,8 @@
 
 import pytest
 
-from lab.cli import run_main
-from lab.config import ConfigError, RunConfig, build_parser, config_from_args, resolve
+from lab.commands.cli import run_main
+from lab.runtime.config import ConfigError, RunConfig, build_parser, config_from_args, resolve
 
 
 def parse(argv):

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lab.config import ConfigError, DataConfig
+from lab.runtime.config import ConfigError, DataConfig
 from lab.data import (
     BatchSampler,
     PreparedData,

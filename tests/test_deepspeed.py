@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import checkpoint
-from lab.cli import export_main, run_main, sample_main
-from lab.config import ConfigError, ParallelConfig, TrainConfig
-from lab.device import Precision
-from lab.equivalence import Setup, batch, equivalence, loop_settings
+from lab.runtime import checkpoint
+from lab.commands.cli import export_main, run_main, sample_main
+from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig
+from lab.measure.device import Precision
+from lab.commands.equivalence import Setup, batch, equivalence, loop_settings
 from lab.model import GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.deepspeed import engine_config
-from lab.parallel.spawn import run_pooled
-from lab.train import train_step
+from pool import run_pooled
+from lab.training.train import train_step
 from test_checkpoints import _train, final_weights, tree  # noqa: F401 (tree: the tiny run's config, a fixture)
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
@@ -114,7 +114,7 @@ def test_bad_deepspeed_input_fails_before_any_work_with_one_line(tmp_path, args,
 
 
 def test_without_deepspeed_installed_choosing_it_fails_at_once_naming_the_extra(tmp_path, args):
-    hide = ("import sys; sys.modules['deepspeed'] = None; from lab.cli import run_main; "
+    hide = ("import sys; sys.modules['deepspeed'] = None; from lab.commands.cli import run_main; "
             "sys.exit(run_main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", hide, *args, "--strategy", "deepspeed", "--run-dir",
                            str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -129,7 +129,7 @@ def test_without_deepspeed_installed_choosing_it_fails_at_once_naming_the_extra(
 
 
 def _equivalences(world: World) -> dict:
-    # one micro-batch per rank, no clipping: sums of two numbers and exact halving (see lab.equivalence)
+    # one micro-batch per rank, no clipping: sums of two numbers and exact halving (see lab.commands.equivalence)
     exact = equivalence(world, [*STAGES, *OFFLOADED], Setup(steps=4, grad_clip=0))
     # accumulation, clipping active (norms near 1 at lr 1e-2), checkpointing: regrouped sums
     regrouped = equivalence(world, [*STAGES, *OFFLOADED, "deepspeed:zero_stage=2,activation_checkpointing=full",

@@ -1,7 +1,7 @@
 """The data-parallel strategies on real gloo ranks (2 and 4 processes, a short collective timeout).
 
 Each process group runs several checks and returns what it saw; the assertions run here. The
-reference is always ``single`` accumulating the same micro-batches in order (lab.equivalence).
+reference is always ``single`` accumulating the same micro-batches in order (lab.commands.equivalence).
 """
 
 import time
@@ -11,14 +11,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.config import ModelConfig, ParallelConfig, TrainConfig
-from lab.device import Precision
-from lab.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
+from lab.runtime.config import ModelConfig, ParallelConfig, TrainConfig
+from lab.measure.device import Precision
+from lab.commands.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
 from lab.model import GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create
-from lab.parallel.spawn import RankFailed, run_pooled, run_ranks
-from lab.train import train_step
+from lab.commands.ranks import RankFailed, run_ranks
+from pool import run_pooled
+from lab.training.train import train_step
 
 FP32 = Precision("cpu", bf16=False)
 LOOP = LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0)  # as the direct train_step calls
@@ -206,8 +207,8 @@ def _first_dropout_mask(world: World, cfg_tree: dict, data_dir, run_dir) -> torc
     """Train two steps with the real loop; return the first dropout mask this rank drew."""
     import torch.nn.functional as F
 
-    from lab.config import resolve
-    from lab.train import train
+    from lab.runtime.config import resolve
+    from lab.training.train import train
 
     masks = []
     dropout = F.dropout

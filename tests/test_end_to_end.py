@@ -5,7 +5,7 @@ import json
 import pytest
 
 from analysis.table import load_runs
-from lab.cli import run_main
+from lab.commands.cli import run_main
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
 

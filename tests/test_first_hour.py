@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.cli import run_main
+from lab.commands.cli import run_main
 from lab.parallel import STRATEGIES
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
@@ -69,13 +69,13 @@ def test_no_restart_warning_when_the_store_is_not_shared_or_nothing_restarts(arg
 
 
 def test_a_run_that_failed_before_its_first_step_is_started_again_by_the_same_command(args, tmp_path, monkeypatch):
-    import lab.train
+    import lab.training.train
 
     def broken(*a, **kw):
         raise RuntimeError("a bug in the first step")
 
     with monkeypatch.context() as m:
-        m.setattr(lab.train, "train_step", broken)
+        m.setattr(lab.training.train, "train_step", broken)
         with pytest.raises(RuntimeError, match="a bug in the first step"):
             run(tmp_path / "r", *args, "--train.tokens", "512")
     assert run(tmp_path / "r", *args, "--train.tokens", "512") == 0
@@ -156,7 +156,7 @@ def test_an_unknown_value_gets_a_suggestion(extra, suggestion, args, tmp_path, c
 
 
 def test_peak_remeasure_records_time_and_load_and_keeps_the_best(tmp_path, monkeypatch, capsys):
-    from lab import device
+    from lab.measure import device
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     figures = iter([2e9, 5e9, 3e9, 4e9])  # fp32 then bf16, twice: bf16 reads lower the second time
@@ -175,10 +175,10 @@ def test_peak_remeasure_records_time_and_load_and_keeps_the_best(tmp_path, monke
 
 
 def test_the_start_line_names_the_deepspeed_stage_and_the_peak():
-    from lab.config import RunConfig
-    from lab.device import Peak, Precision
+    from lab.runtime.config import RunConfig
+    from lab.measure.device import Peak, Precision
     from lab.parallel import World, create
-    from lab.train import Start, loop_settings, start_line, step_plan
+    from lab.training.train import Start, loop_settings, start_line, step_plan
 
     cfg = RunConfig()
     cfg.model.vocab_size, cfg.parallel.strategy, cfg.parallel.zero_stage = 512, "deepspeed", 3

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import checkpoint, hf
+from lab.commands import hf
+from lab.runtime import checkpoint
 from lab.__main__ import main as lab_main
-from lab.cli import run_config, run_main
-from lab.config import ConfigError, ModelConfig
+from lab.commands.cli import run_config, run_main
+from lab.runtime.config import ConfigError, ModelConfig
 from lab.data import load_tokenizer
 from lab.model import GPT
-from lab.parallel.spawn import run_pooled
+from pool import run_pooled
 from test_checkpoints import train_argv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -156,7 +157,7 @@ metric_list:
 def test_the_harness_scores_a_run_offline_and_its_scores_sit_beside_the_summary(runs, tmp_path, capsys,
                                                                                 monkeypatch):
     pytest.importorskip("lm_eval")
-    from lab.scores import task_columns
+    from lab.runtime.scores import task_columns
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     docs = [{"question": "The union is", "choices": [" strong", " purple"], "answer": 0},

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lab import accounting
-from lab.config import ConfigError, ModelConfig, resolve
+from lab.measure import accounting
+from lab.runtime.config import ConfigError, ModelConfig, resolve
 from lab.model import GPT, apply_rope, rope_tables, validate
 
 SHAPES = {

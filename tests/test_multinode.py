@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.parallel.spawn import free_port
-from lab.slurm import MultiNode, main, sbatch_script
+from lab.commands.ranks import free_port
+from lab.commands.slurm import MultiNode, main, sbatch_script
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
 

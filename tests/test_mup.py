@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
-from lab import mup
+from lab.commands import mup
 from lab.__main__ import main as lab_main
-from lab.config import ConfigError, ModelConfig, TrainConfig
-from lab.device import Precision
-from lab.equivalence import TINY, Setup, batch, equivalence
+from lab.runtime.config import ConfigError, ModelConfig, TrainConfig
+from lab.measure.device import Precision
+from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.model import GPT, validate
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
-from lab.parallel.spawn import run_pooled
+from pool import run_pooled
 from test_checkpoints import final_weights, segment, tree  # noqa: F401 (tree: the tiny run's config, a fixture)
 from test_train import assert_states_equal, final_state, run, train_losses
 
@@ -131,7 +131,7 @@ def assert_multipliers(seen: dict[str, float]) -> None:
 
 
 def _mup_equivalence(world: World, specs: list[str]) -> tuple[dict, dict]:
-    # one micro-batch per rank, no clipping: bitwise (see lab.equivalence)
+    # one micro-batch per rank, no clipping: bitwise (see lab.commands.equivalence)
     return (equivalence(world, specs, Setup(steps=4, grad_clip=0, model=MUP_TINY)),
             _first_step_multipliers(world, ["single", *specs]))
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
-from lab.device import Precision
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from lab.measure.device import Precision
 from lab.model import GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import STRATEGIES, LoopSettings, World, create, strategy_class, validate
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -117,7 +117,7 @@ def test_single_meters_measure_sixteen_bytes_per_parameter_and_no_traffic():
 
 
 def test_the_loop_names_no_strategy_and_asks_no_strategy_its_type():
-    source = Path(__file__).resolve().parents[1] / "lab" / "train.py"
+    source = Path(__file__).resolve().parents[1] / "lab" / "training" / "train.py"
     tree = ast.parse(source.read_text())
     strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import checkpoint, device
-from lab.cli import run_main, sample_main
+from lab.runtime import checkpoint
+
+from lab.measure import device
+from lab.commands.cli import run_main, sample_main
 from lab.model import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,21 +347,35 @@ def _lab_imports(path: Path) -> set[str]:
 
 
 def test_accounting_depends_on_nothing_in_lab_and_config_not_on_the_model():
-    assert _lab_imports(ROOT / "lab" / "accounting.py") == set()
-    assert _lab_imports(ROOT / "lab" / "config.py") == set()
+    assert _lab_imports(ROOT / "lab" / "measure" / "accounting.py") == set()
+    assert _lab_imports(ROOT / "lab" / "runtime" / "config.py") == set()
+
+
+# bottom to top: a part may import its own and the parts below it, never one above
+LAYERS = {"runtime": 0, "measure": 1, "model": 2, "data": 2, "parallel": 3, "training": 4, "commands": 5}
+
+
+def test_lab_is_layered_and_no_part_imports_one_above_it():
+    assert {p.name for p in (ROOT / "lab").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
+    assert {p.name for p in (ROOT / "lab").glob("*.py")} == {"__init__.py", "__main__.py"}  # every module in a part
+    for path in (ROOT / "lab").glob("*/*.py"):
+        part = path.parent.name
+        for module in _lab_imports(path):
+            other = module.split(".")[1] if "." in module else None
+            assert other is None or LAYERS[other] <= LAYERS[part], (str(path.relative_to(ROOT)), module)
 
 
 def test_one_place_decides_precision_and_the_peak():
-    for name in ("train.py", "bench.py", "cli.py"):
+    for name in ("training/train.py", "commands/bench.py", "commands/cli.py"):
         source = (ROOT / "lab" / name).read_text()
         for decision in ("torch.autocast", "torch.bfloat16", "get_device_name", "allow_tf32", "gpu_peak_flops",
                          "measure_matmul_peak"):
             assert decision not in source, (name, decision)
-        assert "lab.device" in source, name
+        assert "lab.measure.device" in source, name
 
 
 def test_train_reads_top_to_bottom_in_short_steps():
-    tree = ast.parse((ROOT / "lab" / "train.py").read_text())
+    tree = ast.parse((ROOT / "lab" / "training" / "train.py").read_text())
     functions = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert functions["train"] <= 40, functions["train"]
     assert max(functions.values()) <= 80, max(functions.items(), key=lambda kv: kv[1])

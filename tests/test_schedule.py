@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from lab.config import ConfigError, TrainConfig
-from lab.schedule import learning_rate, validate
+from lab.runtime.config import ConfigError, TrainConfig
+from lab.training.schedule import learning_rate, validate
 
 
 def lrs(total, **kw):

@@ -2,7 +2,7 @@
 
 Every strategy and every option runs at least once on 2 and on 4 gloo ranks; the full matrix is
 one command recorded in benchmarks/ (see the README). The reference is ``single`` accumulating the
-same micro-batches (lab.equivalence).
+same micro-batches (lab.commands.equivalence).
 """
 
 import dataclasses
@@ -12,18 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab import accounting, memory
-from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from lab.device import Precision
-from lab.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
+from lab.measure import accounting, memory
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from lab.measure.device import Precision
+from lab.commands.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
 from lab.model import GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.parallel.activations import SavedBytes, apply
 from lab.parallel.comm import Comm
-from lab.parallel.spawn import run_pooled
+from pool import run_pooled
 from lab.parallel.zero import SQUARES_CHUNK
-from lab.train import train_step
+from lab.training.train import train_step
 from test_distributed import GPTWithSometimesUnusedLayer, frozen_gpt, rank_dependent_gpt
 
 LOOP = LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0)  # as the direct train_step calls
@@ -36,7 +36,7 @@ CHECKPOINTED = ["ddp:activation_checkpointing=full", "torch_ddp:activation_check
 
 
 def test_every_sharded_variant_reproduces_single_bit_for_bit_on_two_ranks():
-    # One micro-batch per rank on 2 ranks: sums of two numbers and exact halving (see lab.equivalence).
+    # One micro-batch per rank on 2 ranks: sums of two numbers and exact halving (see lab.commands.equivalence).
     # Clipping off: the sharded gradient norm is summed shard by shard, so it may differ in the last bits.
     results = run_pooled(equivalence, 2, ["ddp", *SHARDED, *OFFLOADED, *CHECKPOINTED], Setup(steps=4, grad_clip=0))[0]
     for spec, r in results.items():
@@ -128,7 +128,7 @@ def test_activation_checkpointing_saves_what_it_promises():
     saved, grads = {}, {}
     for mode in ("none", "full", "selective"):
         model, meter = GPT(cfg, seed=0), SavedBytes()
-        apply(model, mode, meter)
+        apply(model, model.parallel_plan(), mode, meter)
         with meter.counting(model):
             loss = model(x, x)
         loss.backward()
@@ -150,7 +150,7 @@ WIDE = ModelConfig(n_layer=6, n_head=2, d_model=64, block_size=8, vocab_size=64)
 
 
 def _peak_bytes_by_kind(world: World, spec: str) -> dict:
-    """Tensor storages tracked by allocation (lab.memory) over two steps after the build, by kind."""
+    """Tensor storages tracked by allocation (lab.measure.memory) over two steps after the build, by kind."""
     meter = memory.Meter(world.device)
     with meter.running():
         s = create(parse_spec(spec), world, Precision("cpu", False), LOOP)

@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism (``parallel.tp``, ``parallel.sequence_parallel``) on real gloo ranks.
 
-The reference is ``single`` accumulating the micro-batches of every data-parallel replica (lab.equivalence).
+The reference is ``single`` accumulating the micro-batches of every data-parallel replica (lab.commands.equivalence).
 Tensor parallelism sums partial matmul products over the group (g's all-reduce, the loss's sums over
 vocabulary shards) in another order than one process's matmul, so nothing is bitwise: losses and the
 losses agree to 2.1e-7 relative at most (tested at 1e-6). AdamW, which divides by the root of tiny second
@@ -16,14 +16,16 @@ import math
 import pytest
 import torch
 
-from lab import accounting, checkpoint
-from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from lab.device import Precision
-from lab.equivalence import TINY, Setup, equivalence, loop_settings
+from lab.measure import accounting
+
+from lab.runtime import checkpoint
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from lab.measure.device import Precision
+from lab.commands.equivalence import TINY, Setup, equivalence, loop_settings
 from lab.model import GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate, validate_model
-from lab.parallel.spawn import run_pooled
+from pool import run_pooled
 from lab.parallel.tensor import Split
 
 MODERN = ModelConfig(arch="modern", n_layer=2, n_head=4, n_kv_head=2, d_model=32, block_size=32, vocab_size=96)
@@ -73,7 +75,7 @@ def test_fewer_key_value_heads_than_the_degree_must_divide_it(impl):
 
 
 def test_a_run_with_a_bad_degree_fails_in_one_line_before_any_work(capsys, tmp_path, args):
-    from lab.cli import run_main
+    from lab.commands.cli import run_main
 
     assert run_main(["--parallel.tp", "3", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -114,16 +116,16 @@ def test_the_parameters_a_rank_holds_under_tp_are_counted_in_theory(model, tp):
             split = GPT(model)
         if tp > 1:
             TensorParallel(World(rank=rank, world_size=tp, local_rank=rank, device=torch.device("cpu")),
-                           False).parallelize(split)
+                           False).parallelize(split, split.parallel_plan())
         assert sum(p.numel() for p in split.parameters()) == accounting.tensor_parallel_params(model, tp), rank
 
 
 def test_the_resource_check_divides_what_tp_divides():
     """Per process, tp 2 × dp 2 holds half the split weights (sharded by zero3 over 2 replicas, not 4) and tp's
     share of the activations: a memory budget between the two estimates refuses tp 1 and admits tp 2."""
-    from lab.config import RunConfig
-    from lab.device import Peak
-    from lab.train import check_resources
+    from lab.runtime.config import RunConfig
+    from lab.measure.device import Peak
+    from lab.training.train import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
     precision = Precision("cpu", False)
@@ -226,7 +228,7 @@ def test_sequence_parallel_reproduces_single_on_two_ranks():
 def _compiled_and_eager(world: World, spec: str, setup: Setup) -> tuple:
     """Traces of ``spec`` with the model compiled (as ``train.compile`` does: ``GPT.compile()`` before the split) and
     eager."""
-    from lab.equivalence import train_tiny
+    from lab.commands.equivalence import train_tiny
 
     def compiled() -> GPT:
         model = GPT(setup.model, seed=setup.seed)
@@ -254,8 +256,8 @@ def test_a_compiled_model_under_tp_reproduces_the_eager_losses():
 
 def _tp_meters(world: World, specs: list[str], accum: int, models: dict[str, ModelConfig] = ARCHS) -> dict:
     """The tensor-parallel bytes of one step (measured, theory) under each spec, on each of ``models``."""
-    from lab.equivalence import batch
-    from lab.train import StepPlan, train_step
+    from lab.commands.equivalence import batch
+    from lab.training.train import StepPlan, train_step
 
     out = {}
     for arch, model in models.items():
@@ -309,8 +311,8 @@ ACTIVATIONS = ModelConfig(n_layer=4, n_head=4, d_model=64, block_size=64, vocab_
 
 def _saved_bytes(world: World, specs: list[str]) -> dict:
     """The bytes one micro-step of 2 sequences saved for its backward on this rank, under each spec."""
-    from lab.equivalence import batch
-    from lab.train import train_step
+    from lab.commands.equivalence import batch
+    from lab.training.train import train_step
 
     out, setup = {}, Setup(model=ACTIVATIONS)
     for spec in specs:
@@ -345,8 +347,8 @@ def _built(world: World, spec: str, setup: Setup):
 
 
 def _steps(world: World, strategy, spec: str, setup: Setup, steps: range) -> None:
-    from lab.equivalence import batch
-    from lab.train import StepPlan, train_step
+    from lab.commands.equivalence import batch
+    from lab.training.train import StepPlan, train_step
 
     replica, replicas = data_replica(parse_spec(spec), world.rank, world.world_size)
     plan = StepPlan(8, 1, len(steps), 8 // replicas, replicas)  # one global batch of 8 sequences for every layout
@@ -424,7 +426,7 @@ def _norm_input_tokens(world: World, spec: str) -> dict[str, int]:
 
     for name in [*names, "blocks.0.attn.qkv"]:
         strategy.module.get_submodule(name).register_forward_hook(functools.partial(record, name))
-    from lab.equivalence import batch
+    from lab.commands.equivalence import batch
 
     strategy.forward(*batch(setup, 0, 2), sync=True)
     return seen
@@ -472,8 +474,8 @@ def test_a_tp2_by_dp2_checkpoint_loads_under_tp1_by_dp4_tp2_by_dp2_and_single(tm
 
 
 def _train(world: World, tree: dict, data_dir, run_dir) -> dict:
-    from lab.config import resolve
-    from lab.train import train
+    from lab.runtime.config import resolve
+    from lab.training.train import train
 
     cfg = resolve(tree)
     cfg.model.vocab_size = 512
@@ -486,7 +488,7 @@ def test_the_loop_trains_with_tp2_and_a_single_process_resumes_it(tiny_data_conf
     checkpoint resumes under single in one process, which ends where an uninterrupted single run ends."""
     import json
 
-    from lab.cli import run_main
+    from lab.commands.cli import run_main
 
     tree = {"model": {"n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 32},
             "data": {"corpus": tiny_data_config.corpus, "cache_dir": tiny_data_config.cache_dir, "vocab_size": 512},
@@ -525,10 +527,10 @@ def test_export_and_sample_read_a_tp2_checkpoint_as_a_single_process_one_of_the_
     """``python -m lab export`` and ``sample`` on a checkpoint written by 2 tensor-parallel ranks (vocabulary
     padded, one key/value head replicated) give the gathered weights bit for bit, and what they give on a
     checkpoint that one process wrote of those weights."""
-    from lab.cli import export_main, sample_main
-    from lab.config import RunConfig
+    from lab.commands.cli import export_main, sample_main
+    from lab.runtime.config import RunConfig
     from lab.data.tokenizer import BytesTokenizer
-    from lab.files import save_json
+    from lab.runtime.files import save_json
 
     runs = {layout: tmp_path / layout for layout in ("tp", "single")}
     for run in runs.values():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lab import trackers
-from lab.cli import run_main
+from lab.training import trackers
+from lab.commands.cli import run_main
 
 
 class Failing:

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import accounting, checkpoint
-from lab.cli import run_main, sample_main
-from lab.config import RunConfig, resolve
+from lab.measure import accounting
+
+from lab.runtime import checkpoint
+from lab.commands.cli import run_main, sample_main
+from lab.runtime.config import RunConfig, resolve
 from lab.model import GPT
-from lab.parallel.spawn import run_pooled
-from lab.train import checkpoint_interval
+from pool import run_pooled
+from lab.training.train import checkpoint_interval
 from test_checkpoints import train_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,7 +291,7 @@ def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strateg
         assert summary["model_state_bytes"][kind] == pytest.approx(summary["model_state_bytes_theory"][kind], rel=0.05)
     assert summary["activation_saved_bytes"] > 0
     assert all(r["comm_time_s"] >= 0 and r["compute_time_s"] > 0 for r in got if "loss" in r)
-    # peak bytes per phase, measured by allocation (lab.memory), beside the kernel's peak RSS and the theory
+    # peak bytes per phase, measured by allocation (lab.measure.memory), beside the kernel's peak RSS and the theory
     assert all(set(r["peak_bytes"]) == {"forward", "backward", "step", "rss"} for r in got if "loss" in r)
     assert set(summary["peak_bytes"]) == {"forward", "backward", "step", "rss"}
     assert set(summary["peak_bytes_theory"]) == {"forward", "backward", "step"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from lab.config import ConfigError, build_parser, config_from_args
+from lab.runtime.config import ConfigError, build_parser, config_from_args
 from lab.data.shards import DEFAULT_SHARD_TOKENS, prepare, summary
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lab.config import ConfigError
+from lab.runtime.config import ConfigError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 TXT_CHUNK_CHARS = 10_000

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from lab.config import ConfigError, DataConfig, did_you_mean
+from lab.runtime.config import ConfigError, DataConfig, did_you_mean
 from lab.data.corpora import Document, Source, check_files, id_fraction, is_held_out, iter_documents, resolve_source
 from lab.data.tokenizer import (
     BPE_FILE,
@@ -42,7 +42,7 @@ from lab.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-from lab.files import probe_writable, process_alive, write_atomic
+from lab.runtime.files import probe_writable, process_alive, write_atomic
 
 FORMAT = 1
 META = "meta.json"

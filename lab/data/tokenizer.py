@@ -15,8 +15,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from lab.config import ConfigError
-from lab.files import write_atomic
+from lab.runtime.config import ConfigError
+from lab.runtime.files import write_atomic
 
 EOT = "<|endoftext|>"
 KINDS = ("bpe", "bytes")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from lab.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
-from lab.device import Precision
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
+from lab.runtime import compat
+from lab.measure.device import Precision
+from lab.model import validate_split
 from lab.parallel import activations, mesh, tensor
 from lab.parallel.base import (
     LoopSettings,
@@ -26,6 +28,12 @@ STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, Naive
                                                                    Zero2, Zero3, FSDP, DeepSpeed)}
 
 
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Make ``cls`` a strategy ``--strategy cls.name`` chooses (the built-in ones are in ``STRATEGIES``)."""
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
 def strategy_class(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
         raise ConfigError(f"unknown strategy '{name}' (known: {', '.join(STRATEGIES)}){did_you_mean(name, STRATEGIES)}")
@@ -35,6 +43,7 @@ def strategy_class(name: str) -> type[Strategy]:
 def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[Strategy]:
     """Check the [parallel] section for ``world_size`` processes under the loop's ``loop`` settings (the
     strategy runs over the data-parallel ranks: ``world_size / parallel.tp``); return the strategy's class."""
+    compat.check()
     cls = strategy_class(cfg.strategy)
     replicas = mesh.data_size(cfg, world_size)
     if cfg.tp > 1 and not cls.tensor_parallel:
@@ -64,7 +73,7 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
 
 def parse_spec(text: str) -> ParallelConfig:
     """A strategy and its options written ``name[:key=value,...]`` (``zero2:offload=optimizer``), validated."""
-    from lab.config import resolve
+    from lab.runtime.config import resolve
 
     name, _, rest = text.partition(":")
     pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
@@ -88,7 +97,7 @@ def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSe
 
 def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """Raise ConfigError (one line) when the model's layers cannot be split as ``cfg`` asks."""
-    tensor.validate(cfg, model)
+    validate_split(model, cfg)
 
 
 def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
@@ -98,5 +107,5 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
 
 
 __all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",
-           "World", "create", "data_replica", "join_group_of_one", "parse_spec", "strategy_class", "validate",
-           "validate_model"]
+           "World", "create", "data_replica", "join_group_of_one", "parse_spec", "register", "strategy_class",
+           "validate", "validate_model"]

@@ -3,15 +3,15 @@
 ``parallel.activation_checkpointing``:
 
 - ``none``: autograd keeps what each op saves;
-- ``full``: each transformer block (the model's ``blocks``) keeps only its input and recomputes its
-  forward during the backward (non-reentrant ``torch.utils.checkpoint``), and so does the model's
-  ``output`` (final norm, head and loss: the logits are often the largest activation of all);
-- ``selective``: inside each block the outputs of the expensive ops (matmuls and attention) are
+- ``full``: each of the plan's units (a transformer's blocks) keeps only its input and recomputes its
+  forward during the backward (non-reentrant ``torch.utils.checkpoint``), and so does the plan's
+  head (final norm, head and loss: the logits are often the largest activation of all);
+- ``selective``: inside each unit the outputs of the expensive ops (matmuls and attention) are
   kept and the cheap ones (norms, activations, element-wise ops) recomputed, with torch's
   selective checkpoint policy.
 
-Blocks are wrapped in place (their ``forward`` is replaced), so parameter names and module hooks
-stay as they were: a sharding strategy that gathers a block's weights around its forward sees the
+Units are wrapped in place (their ``forward`` is replaced), so parameter names and module hooks
+stay as they were: a sharding strategy that gathers a unit's weights around its forward sees the
 same module.
 
 ``SavedBytes`` counts, with saved-tensor hooks, the bytes autograd keeps for the backward of one
@@ -31,6 +31,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lab.runtime import compat
+from lab.model.plan import ParallelPlan
+
 MODES = ("none", "full", "selective")
 
 # Kept under selective checkpointing: their recomputation is what costs.
@@ -45,7 +48,7 @@ def _keep_expensive(meter: SavedBytes, ctx: object, op: object, *args: object, *
     if op not in EXPENSIVE:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if not getattr(ctx, "is_recompute", True):  # what the forward keeps
-        for t in torch.utils._pytree.tree_leaves(getattr(ctx, "op_output", ())):
+        for t in compat.tree_leaves(getattr(ctx, "op_output", ())):
             if isinstance(t, torch.Tensor):
                 meter.add(t)
     return CheckpointPolicy.MUST_SAVE
@@ -98,16 +101,17 @@ class SavedBytes:
         return largest
 
 
-def apply(model: nn.Module, mode: str, meter: SavedBytes) -> None:
-    """Wrap each of ``model.blocks`` (and under ``full`` ``model.output``) for ``mode`` (see the module docstring)."""
+def apply(model: nn.Module, plan: ParallelPlan, mode: str, meter: SavedBytes) -> None:
+    """Wrap each of the plan's units (and under ``full`` its head) for ``mode`` (see the module docstring)."""
     if mode == "none":
         return
     context_fn = (functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep_expensive, meter))
                   if mode == "selective" else None)
-    for block in model.blocks:
-        block.forward = functools.partial(_checkpointed, block.forward, meter, context_fn)
-    if mode == "full":
-        model.output = functools.partial(_checkpointed, model.output, meter, None)
+    for name in plan.units:
+        unit = model.get_submodule(name)
+        unit.forward = functools.partial(_checkpointed, unit.forward, meter, context_fn)
+    if mode == "full" and plan.head is not None:
+        setattr(model, plan.head, functools.partial(_checkpointed, getattr(model, plan.head), meter, None))
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor], meter: SavedBytes, context_fn: Callable | None,

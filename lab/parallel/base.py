@@ -24,7 +24,7 @@ and the run directory. The loop's side, in order::
 - A trainable parameter that gets no gradient in a step (unused in the forward) counts as having
   a zero gradient under every strategy, so a flat-sharded optimizer and a per-tensor one apply the
   same update (moments and weight decay go on).
-- ``checkpoint_state`` hands the checkpoint (``lab.checkpoint``) live views of this rank's range of
+- ``checkpoint_state`` hands the checkpoint (``lab.runtime.checkpoint``) live views of this rank's range of
   every flattened weight and AdamW moment, whatever the sharding: saving reads them, loading
   writes them (then ``after_load`` restores what derives from them).
 - ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU,
@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab import accounting
-from lab.checkpoint import CheckpointState, Held
-from lab.config import ConfigError, ParallelConfig
-from lab.device import Precision
+from lab.measure import accounting
+from lab.runtime.checkpoint import CheckpointState, Held
+from lab.runtime.config import ConfigError, ParallelConfig
+from lab.measure.device import Precision
+from lab.model.plan import ParallelPlan, plan_of
 from lab.parallel import activations
 from lab.parallel.comm import Comm
 
@@ -137,7 +138,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-ModelFactory = Callable[[], nn.Module]  # builds on the current default device; offers init_weights(), initial_value()
+ModelFactory = Callable[[], nn.Module]  # builds on the current default device (its plan: lab.model.plan)
 ParamGroupRule = Callable[[nn.Module], list[ParamGroup]]
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -201,8 +202,8 @@ class Strategy:
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
     options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel"})
-    state_layout: ClassVar[str] = "ddp"  # the lab.accounting.model_state_bytes row its model states follow
-    comm_layout: ClassVar[str | None] = "ddp"  # the lab.accounting.comm_bytes_per_step row; None: no traffic
+    state_layout: ClassVar[str] = "ddp"  # the lab.measure.accounting.model_state_bytes row its model states follow
+    comm_layout: ClassVar[str | None] = "ddp"  # the lab.measure.accounting.comm_bytes_per_step row; None: no traffic
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
@@ -232,9 +233,10 @@ class Strategy:
         self.tensor: TensorParallel | None = None  # the tensor-parallel step, when parallel.tp > 1 (create sets it)
         self.saved = activations.SavedBytes()
         self.module: nn.Module | None = None  # the model, under its own parameter names
+        self.plan: ParallelPlan | None = None  # what the model declares of itself (lab.model.plan)
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
         self.optimizer: torch.optim.Optimizer | None = None
-        self._sync = True
+        self.syncing = True  # whether this micro-step's backward synchronises gradients (forward sets it)
         self._measured: accounting.StateBytes | None = None
         self._last = StepMeters(dict.fromkeys(accounting.COLLECTIVES, 0.0), 0.0, 0)
         self._most_saved = 0
@@ -249,9 +251,10 @@ class Strategy:
               optimizer_factory: OptimizerFactory) -> None:
         """Make the model, place it, and build the optimizer over groups decided before any wrapping."""
         module = self.make_module(model_factory)
+        self.plan = plan_of(module, model_factory)
         groups = param_group_rule(module)
         self.world.check_same(layout_digest(module), "the model (parameter names and shapes)")
-        activations.apply(module, self.cfg.activation_checkpointing, self.saved)
+        activations.apply(module, self.plan, self.cfg.activation_checkpointing, self.saved)
         self.module = module
         self.model = self.wrap(module, groups)
         self.optimizer = optimizer_factory(self.optimizer_groups(groups))
@@ -278,7 +281,7 @@ class Strategy:
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """The loss of one micro-batch; ``sync`` says this micro-step's backward synchronises gradients."""
-        self._sync = sync
+        self.syncing = sync
         with self.precision.autocast(), self.saved.counting(self.module):
             return self.model(x, y)
 
@@ -364,10 +367,14 @@ class Strategy:
         finally:
             self.model.train()
 
+    def held_weights(self) -> list[torch.Tensor]:
+        """The weights this rank stores, as plain tensors: whole, or its shards (frozen ones included)."""
+        return [p.detach() for p in self.module.parameters()]
+
     @torch.no_grad()
     def params_finite(self) -> bool:
         """Whether every weight on every rank is finite (checked before a checkpoint is written)."""
-        bad = torch.tensor([float(any(not torch.isfinite(p).all() for p in self.module.parameters()))])
+        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in self.held_weights()))])
         return self.everyone.sum(bad).item() == 0
 
     # ------------------------------------------------------------ state
@@ -397,7 +404,7 @@ class Strategy:
         """Bytes of parameters, gradients and optimizer states this rank holds now (buffers excluded)."""
         params = list(self.module.parameters())
         states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return accounting.StateBytes(params=storage_bytes(params),
+        return accounting.StateBytes(params=storage_bytes(self.held_weights()),
                                      grads=storage_bytes(p.grad for p in params if p.grad is not None),
                                      optimizer=storage_bytes(states))
 
@@ -412,7 +419,8 @@ class Strategy:
         return sum(self.tensor.numel(p) for p in self.module.parameters())
 
     def theory_states(self) -> accounting.StateBytes:
-        """Model-state bytes per rank from the ZeRO formulas, fp32 widths (``lab.accounting.model_state_bytes``)."""
+        """Model-state bytes per rank from the ZeRO formulas, fp32 widths
+        (``lab.measure.accounting.model_state_bytes``)."""
         return accounting.model_state_bytes(self.param_count(), self.state_layout, self.world.world_size, "fp32")
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
@@ -423,7 +431,7 @@ class Strategy:
     def peak_bytes_theory(self, activations: float) -> dict[str, float]:
         """Per phase, the most bytes this rank holds in theory: its weights and optimizer states, the gradients
         held in that phase (buckets in flight included), the gathered weights in flight, and ``activations``
-        (one micro-batch's, from ``lab.accounting.activation_bytes``); the step holds the states and its
+        (one micro-batch's, from ``lab.measure.accounting.activation_bytes``); the step holds the states and its
         temporaries."""
         states = self.theory_states()
         gathered, grads_forward, grads_backward = self.theory_in_flight(states)
@@ -440,7 +448,7 @@ class Strategy:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and
         theory) and the most activation bytes a micro-step saved for its backward.
 
-        Theory: ``lab.accounting`` with fp32 widths (4-byte weights and gradients, two 4-byte
+        Theory: ``lab.measure.accounting`` with fp32 widths (4-byte weights and gradients, two 4-byte
         AdamW moments; the run's bf16, if any, lives only inside autocast).
         """
         world_size = self.world.world_size

@@ -2,7 +2,7 @@
 
 Strategies call these instead of ``torch.distributed`` directly, so every byte they move is
 counted by kind (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``) with the ring
-convention of ``lab.accounting.ring_elements_sent`` (an all-reduce of n elements sends
+convention of ``lab.measure.accounting.ring_elements_sent`` (an all-reduce of n elements sends
 2(N − 1)/N·n per rank). A blocking call counts its whole duration as waiting; an asynchronous one
 counts only the time spent in ``wait``. ``take`` returns the totals since the last call and resets
 them: the loop takes them once per optimizer step.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lab.accounting import COLLECTIVES, ring_elements_sent
+from lab.measure.accounting import COLLECTIVES, ring_elements_sent
 
 # torch 2.13 renamed the flat collectives; older releases (the project supports torch >= 2.6) have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

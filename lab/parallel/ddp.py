@@ -47,7 +47,7 @@ class NaiveDDP(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        if not self._sync:
+        if not self.syncing:
             return
         for p in self.trainable:
             if p.grad is None:
@@ -116,7 +116,7 @@ class BucketedDDP(Strategy):
         if p.grad.data_ptr() != place.data_ptr():  # the step's first gradient: into the bucket
             place.copy_(p.grad)
             p.grad = place
-        if not self._sync:
+        if not self.syncing:
             return
         if self._arrivals is not None:
             self._arrivals.append(p)
@@ -124,7 +124,7 @@ class BucketedDDP(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.world.world_size).backward()  # the all-reduced sum is then the mean
-        if not self._sync:
+        if not self.syncing:
             return
         for work in self._launches.finish():
             self.comm.wait(work)

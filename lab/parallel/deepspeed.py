@@ -28,7 +28,7 @@
 - **Meters**: model-state bytes are measured from the engine's tensors (weights, the reduced
   gradients at the step boundary, the master partition and moments); communication is counted by
   DeepSpeed's comms logger, every collective DeepSpeed issues by its message size, converted to
-  bytes sent with the ring convention of ``lab.accounting``; one-element messages (the gradient
+  bytes sent with the ring convention of ``lab.measure.accounting``; one-element messages (the gradient
   norm) are bookkeeping and not counted, as for the other strategies.
 
 On a CPU the accelerator is DeepSpeed's ``cpu`` one over the gloo group the lab starts
@@ -52,10 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab import accounting
-from lab.checkpoint import CheckpointState, Held
-from lab.config import ConfigError, ParallelConfig
-from lab.device import Precision
+from lab.measure import accounting
+
+from lab.runtime import compat
+from lab.runtime.checkpoint import CheckpointState, Held
+from lab.runtime.config import ConfigError, ParallelConfig
+from lab.measure.device import Precision
 from lab.parallel.base import (
     LoopSettings,
     ModelFactory,
@@ -276,7 +278,7 @@ class DeepSpeed(Strategy):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """The engine's forward (its config carries the precision); ``sync`` marks the accumulation boundary."""
-        self._sync = sync
+        self.syncing = sync
         self.engine.set_gradient_accumulation_boundary(sync)
         with self.saved.counting(self.module):
             return self.engine(x, y)
@@ -319,10 +321,9 @@ class DeepSpeed(Strategy):
         finally:
             self.engine.train()
 
-    @torch.no_grad()
-    def params_finite(self) -> bool:
-        bad = torch.tensor([float(any(not torch.isfinite(m).all() for m in self._masters))])
-        return self.everyone.sum(bad).item() == 0
+    def held_weights(self) -> list[torch.Tensor]:
+        """The fp32 master partitions (what the engine's weights are copied from)."""
+        return list(self._masters)
 
     # ------------------------------------------------------------ communication, from DeepSpeed's comms logger
 
@@ -375,8 +376,7 @@ class DeepSpeed(Strategy):
                 if size:
                     view, lo_in = masters[group].narrow(0, offset, size), offset
                     moments = moments_of[id(masters[group])]
-            elif p._hp_mapping is not None:
-                mapping = p._hp_mapping
+            elif (mapping := compat.deepspeed_fragment(p)) is not None:
                 lo, lo_in, size = mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, \
                     mapping.hp_fragment_address.numel
                 view, moments = mapping.get_hp_fragment(), moments_of[id(masters[mapping.param_group_index])]
@@ -388,11 +388,8 @@ class DeepSpeed(Strategy):
     def _materialize_states(self) -> None:
         """Adam's states for the master partitions before the first step (zeros), so a checkpoint loads into them."""
         if self.stage == 3:
-            self.optimizer._set_fp32_optimizer_param_groups()
-            try:
+            with compat.deepspeed_fp32_groups(self.optimizer):
                 materialize_adam_state(self.optimizer.optimizer)
-            finally:
-                self.optimizer._clear_fp32_optimizer_param_groups()
         else:
             materialize_adam_state(self.optimizer.optimizer)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import init_device_mesh
 
-from lab.config import ConfigError, ParallelConfig
+from lab.runtime.config import ConfigError, ParallelConfig
 from lab.parallel.base import World
 
 

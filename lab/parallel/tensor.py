@@ -52,37 +52,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lab import accounting
-from lab.checkpoint import CheckpointState, Held, Pieces
-from lab.config import ConfigError, ModelConfig, ParallelConfig
+from lab.measure import accounting
+
+from lab.runtime import compat
+from lab.runtime.checkpoint import CheckpointState, Held, Pieces
+from lab.runtime.config import ConfigError, ModelConfig
+from lab.model.plan import ParallelPlan, TensorPlan, plan_of
 from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, StepMeters, Strategy, World
 from lab.parallel.comm import Comm
 
 
 IMPLEMENTATIONS = ("lab", "torch")
-
-
-def validate(cfg: ParallelConfig, model: ModelConfig) -> None:
-    """Raise ConfigError (one line) when ``parallel.tp`` cannot split ``model``'s layers evenly."""
-    n = cfg.tp
-    if n == 1:
-        return
-    kv = accounting.kv_heads(model)
-    checks = [(model.n_head, "model.n_head"), (accounting.ffn_width(model), "the MLP width (model.d_ff)")]
-    if kv >= n:
-        checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
-    elif n % kv:
-        raise ConfigError(f"model.n_kv_head ({kv}) must divide parallel.tp ({n}) to replicate the key/value heads")
-    if cfg.sequence_parallel:
-        checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
-    if model.vocab_size is not None:
-        checks.append((accounting.padded_vocab(model), f"the embedding's rows (set model.pad_vocab_to to a "
-                                                       f"multiple of {n})"))
-    for size, what in checks:
-        if size % n:
-            raise ConfigError(f"parallel.tp ({n}) must divide {what}, which is {size}")
-    if cfg.tp_impl == "torch" and model.vocab_size is not None and accounting.padded_vocab(model) != model.vocab_size:
-        raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set model.pad_vocab_to 1")
 
 
 @dataclass(frozen=True)
@@ -303,32 +283,32 @@ class TensorParallel:
 
     # ------------------------------------------------------------ the rewrite
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Split ``model`` (a ``lab.model.GPT``, on any device, meta included) across the group, in place."""
-        cfg = model.cfg
-        validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
-        heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
-        ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
-        shared = (1, self.n // kv, self.n // kv) if kv < self.n else ()  # GQA: kv heads replicated
-        for i, block in enumerate(model.blocks):
-            self._split(model, f"blocks.{i}.attn.qkv", 0, (heads * head_dim, kv * head_dim, kv * head_dim), shared)
-            self._split(model, f"blocks.{i}.attn.proj", 1, (heads * head_dim,))
-            self._split(model, f"blocks.{i}.mlp.up", 0, (ff, ff) if block.mlp.gated else (ff,))
-            self._split(model, f"blocks.{i}.mlp.down", 1, (ff,))
-            block.attn.n_head, block.attn.n_kv_head = heads // self.n, max(kv // self.n, 1)
-            if self.sequence_parallel:
-                for norm in (block.norm1, block.norm2):
-                    norm.forward = functools.partial(self._norm, norm)
-        self._split(model, "wte", 0, (rows,))
-        model.wte.forward = functools.partial(self._embedding, model.wte, self.rank * rows // self.n)
-        if model.lm_head is not None:
-            self._split(model, "lm_head", 0, (rows,))
+    def parallelize(self, model: nn.Module, plan: ParallelPlan) -> nn.Module:
+        """Split ``model`` (on any device, meta included) across the group, in place, as its plan says."""
+        tensor = plan.tensor
+        for name, column in tensor.column.items():
+            self._split(model, name, 0, column.blocks, column.shared(self.n))
+        for name in tensor.row:
+            self._split(model, name, 1, (model.get_submodule(name).in_features,))
+        tensor.split_heads(self.n)
+        embedding = model.get_submodule(tensor.embedding)
+        rows = embedding.weight.shape[0]
+        self._split(model, tensor.embedding, 0, (rows,))
+        embedding.forward = functools.partial(self._embedding, embedding, self.rank * rows // self.n)
+        head_owner, _, head_attr = tensor.head_weight.rpartition(".")
+        if head_owner != tensor.embedding:
+            self._split(model, head_owner, 0, (rows,))
         if self.sequence_parallel:
-            model.norm_f.forward = functools.partial(self._norm, model.norm_f)
-            if model.wpe is not None:
-                model.wpe.forward = functools.partial(self._positions, model.wpe)
-        model.output = functools.partial(self._output, model, self.rank * rows // self.n)
-        model.initial_value = functools.partial(self._initial_value, model.initial_value)
+            for name in tensor.sequence_norms:
+                norm = model.get_submodule(name)
+                norm.forward = functools.partial(self._norm, norm)
+            if tensor.positions is not None:
+                positions = model.get_submodule(tensor.positions)
+                positions.forward = functools.partial(self._positions, positions)
+        setattr(model, plan.head, functools.partial(self._output, model.get_submodule(tensor.final_norm),
+                                                    model.get_submodule(head_owner), head_attr, tensor,
+                                                    self.rank * rows // self.n))
+        model.initial_value = functools.partial(self._initial_value, plan.initial_value)
         return model
 
     def _split(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...], shared: tuple[int, ...] = ()
@@ -391,22 +371,21 @@ class TensorParallel:
         size = positions.shape[0] // self.n
         return F.embedding(positions.narrow(0, self.rank * size, size), self.on_shards(wpe.weight))
 
-    def _output(self, model: nn.Module, first: int, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _output(self, norm: nn.Module, head: nn.Module, weight: str, plan: TensorPlan, first: int, x: torch.Tensor,
+                targets: torch.Tensor | None) -> torch.Tensor:
         """Final norm and the vocabulary-parallel head: the loss from each rank's logits, or (no targets) the
         logits gathered whole."""
-        x = self.enter(model.norm_f(x))
-        weight = model.wte.weight if model.lm_head is None else model.lm_head.weight
-        logits = F.linear(x, weight)
-        if model.cfg.parametrization == "mup":
-            logits = logits / model.width
-        real = min(max(model.vocab_size - first, 0), logits.shape[-1])  # this rank's rows within the vocabulary
+        logits = F.linear(self.enter(norm(x)), getattr(head, weight))
+        if plan.logit_divisor != 1:
+            logits = logits / plan.logit_divisor
+        real = min(max(plan.vocab_size - first, 0), logits.shape[-1])  # this rank's rows within the vocabulary
         if real < logits.shape[-1]:  # padding rows: never a target, excluded from the softmax
             padding = torch.arange(real, logits.shape[-1], device=logits.device)
             logits = logits.float().index_fill(-1, padding, float("-inf"))
         if targets is None:
             whole = logits.new_empty((self.n, *logits.shape))
             self.comm.all_gather(whole.view(-1), logits.contiguous().view(-1))
-            return torch.cat(whole.unbind(0), dim=-1)[..., :model.vocab_size]
+            return torch.cat(whole.unbind(0), dim=-1)[..., :plan.vocab_size]
         return _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), first, self)
 
     # ------------------------------------------------------------ what follows from the split
@@ -509,56 +488,56 @@ class TorchTensorParallel(TensorParallel):
         super().__init__(world, sequence_parallel)
         self.layouts: dict[nn.Module, dict[str, tuple]] = {}  # module → its weights' DTensor layouts, by name
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    def parallelize(self, model: nn.Module, plan: ParallelPlan) -> nn.Module:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                        SequenceParallel, parallelize_module)
 
-        cfg, mesh = model.cfg, self.world.device_mesh
-        validate(ParallelConfig(tp=self.n, sequence_parallel=self.sequence_parallel, tp_impl=self.implementation), cfg)
-        heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
-        ff, rows = accounting.ffn_width(cfg), model.wte.weight.shape[0]
+        tensor, mesh = plan.tensor, self.world.device_mesh
+        embedding = model.get_submodule(tensor.embedding)
+        rows, width = embedding.weight.shape
         between = Shard(1) if self.sequence_parallel else Replicate()  # the residual stream between the matmuls
-        plan: dict[str, object] = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=between)}
-        qkv = (heads * head_dim, kv * head_dim, kv * head_dim)
-        shared_kv = None
-        if kv < self.n:  # GQA's key/value heads replicated: the group as a (key/value heads × sharers) mesh
-            shared_kv = mesh._unflatten(0, (kv, self.n // kv), ("kv_head", "kv_share"))
-            shared_kv._flatten()  # known flattened, DTensor reduces over both axes in one collective over the group
-        for i, block in enumerate(model.blocks):
-            if shared_kv is None:
-                self._reorder(model, f"blocks.{i}.attn.qkv", qkv)
-                plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(input_layouts=between)
-            else:
-                module = self._shard(model, f"blocks.{i}.attn.qkv", 0, qkv, (1, self.n // kv, self.n // kv))
-                module.forward = functools.partial(self._qkv_shared_kv, module, shared_kv, between,
-                                                   heads * head_dim // self.n)
-            self._reorder(model, f"blocks.{i}.mlp.up", (ff, ff) if block.mlp.gated else (ff,))
-            self.splits[f"blocks.{i}.attn.proj.weight"] = Split((cfg.d_model, heads * head_dim), 1, (heads * head_dim,))
-            self.splits[f"blocks.{i}.mlp.down.weight"] = Split((cfg.d_model, ff), 1, (ff,))
-            plan[f"blocks.{i}.mlp.up"] = ColwiseParallel(input_layouts=between)
-            for name in ("attn.proj", "mlp.down"):
-                plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=between)
-            if self.sequence_parallel:
-                plan |= {f"blocks.{i}.{name}": SequenceParallel(use_local_output=True) for name in ("norm1", "norm2")}
-            block.attn.n_head, block.attn.n_kv_head = heads // self.n, max(kv // self.n, 1)
+        styles: dict[str, object] = {tensor.embedding: RowwiseParallel(input_layouts=Replicate(),
+                                                                       output_layouts=between)}
+        for name, column in tensor.column.items():
+            shared = column.shared(self.n)
+            if not shared:
+                self._reorder(model, name, column.blocks)
+                styles[name] = ColwiseParallel(input_layouts=between)
+                continue
+            replicated = [b for b, k in enumerate(shared) if k > 1]
+            if replicated != list(range(replicated[0], len(shared))) or len({shared[b] for b in replicated}) > 1:
+                raise ConfigError(f"parallel.tp_impl torch replicates only the last blocks of '{name}', each alike")
+            sharers = shared[replicated[0]]  # the group as a (parts × sharers) mesh
+            parts_mesh = compat.unflatten_mesh(mesh, (self.n // sharers, sharers), ("kv_head", "kv_share"))
+            module = self._shard(model, name, 0, column.blocks, shared)
+            module.forward = functools.partial(self._column_shared, module, parts_mesh, between,
+                                               sum(column.blocks[:replicated[0]]) // self.n)
+        for name in tensor.row:
+            module = model.get_submodule(name)
+            self.splits[f"{name}.weight"] = Split(tuple(module.weight.shape), 1, (module.in_features,))
+            styles[name] = RowwiseParallel(output_layouts=between)
+        tensor.split_heads(self.n)
         if self.sequence_parallel:
-            plan["norm_f"] = SequenceParallel(use_local_output=True)
-            if model.wpe is not None:  # the positions [T] arrive whole: each rank looks up its tokens' rows
-                parallelize_module(model.wpe, mesh, PrepareModuleInput(input_layouts=Replicate(),
-                                                                       desired_input_layouts=Replicate()))
-                plan["wpe"] = SequenceParallel(sequence_dim=0, use_local_output=True)
-        self.splits["wte.weight"] = Split((rows, cfg.d_model), 0, (rows,))
+            styles |= {name: SequenceParallel(use_local_output=True) for name in tensor.sequence_norms}
+            if tensor.positions is not None:  # the positions [T] arrive whole: each rank looks up its tokens' rows
+                parallelize_module(model.get_submodule(tensor.positions), mesh,
+                                   PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate()))
+                styles[tensor.positions] = SequenceParallel(sequence_dim=0, use_local_output=True)
+        self.splits[f"{tensor.embedding}.weight"] = Split((rows, width), 0, (rows,))
         # every rank built the same whole weights (or meta ones): each keeps its part, nothing is sent
-        parallelize_module(model, mesh, plan, src_data_rank=None)
-        if model.lm_head is not None:
-            self.splits["lm_head.weight"] = Split((rows, cfg.d_model), 0, (rows,))
-            model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)],
-                                                                  src_data_rank=None))
+        parallelize_module(model, mesh, styles, src_data_rank=None)
+        head_owner, _, head_attr = tensor.head_weight.rpartition(".")
+        head = model.get_submodule(head_owner)
+        if head_owner != tensor.embedding:
+            self.splits[tensor.head_weight] = Split((rows, width), 0, (rows,))
+            setattr(head, head_attr, nn.Parameter(distribute_tensor(getattr(head, head_attr).detach(), mesh,
+                                                                    [Shard(0)], src_data_rank=None)))
         for module in model.modules():
             self._hold_local(module)
-        model.output = functools.partial(self._torch_output, model, between)
-        model.initial_value = functools.partial(self._initial_value, model.initial_value)
+        setattr(model, plan.head, functools.partial(self._torch_output, model.get_submodule(tensor.final_norm), head,
+                                                    head_attr, tensor.logit_divisor, between))
+        model.initial_value = functools.partial(self._initial_value, plan.initial_value)
         return model
 
     def _hold_local(self, module: nn.Module) -> None:
@@ -594,14 +573,15 @@ class TorchTensorParallel(TensorParallel):
                                   stride=stride)
 
     @staticmethod
-    def _qkv_shared_kv(linear: nn.Linear, mesh: object, between: object, queries: int, x: torch.Tensor
+    def _column_shared(linear: nn.Linear, mesh: object, between: object, queries: int, x: torch.Tensor
                        ) -> torch.Tensor:
-        """QKV when there are fewer key/value heads than ranks (``linear`` holds the hand-rolled shard: this rank's
-        ``queries`` query rows, then its key/value head's rows), on the group as a 2-D ``mesh`` (key/value heads ×
-        the ranks sharing one; rank r at (r // sharers, r % sharers), so ``between`` on both axes is rank r's
-        sequence shard): the query rows ``Shard(0)`` on both axes, the key/value rows ``Shard(0)`` on the first and
-        ``Replicate()`` on the second. Each rank's key/value output feeds only its query heads, so its gradient is
-        ``Partial()`` over the sharers: the backward of ``from_local`` sums the key/value weights' gradients over
+        """A column split whose last blocks have fewer parts than ranks (QKV with fewer key/value heads than ranks;
+        ``linear`` holds the hand-rolled shard: this rank's ``queries`` rows of the split blocks, then the rows of
+        its replicated parts), on the group as a 2-D ``mesh`` (parts × the ranks sharing one; rank r at
+        (r // sharers, r % sharers), so ``between`` on both axes is rank r's sequence shard): the split rows
+        ``Shard(0)`` on both axes, the replicated rows ``Shard(0)`` on the first and ``Replicate()`` on the second.
+        Each rank's replicated output feeds only its own share of the rest (its query heads), so its gradient is
+        ``Partial()`` over the sharers: the backward of ``from_local`` sums the replicated weights' gradients over
         them."""
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -627,16 +607,16 @@ class TorchTensorParallel(TensorParallel):
             setattr(module, attr, nn.Parameter(ordered, requires_grad=param.requires_grad))
             self.splits[f"{name}.{attr}"] = split
 
-    def _torch_output(self, model: nn.Module, layout: object, x: torch.Tensor, targets: torch.Tensor | None
-                      ) -> torch.Tensor:
+    def _torch_output(self, norm: nn.Module, head: nn.Module, weight: str, divisor: float, layout: object,
+                      x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor.parallel import loss_parallel
 
         mesh = self.world.device_mesh  # the final norm's output in ``layout``, gathered whole for the head
-        x = DTensor.from_local(model.norm_f(x), mesh, [layout]).redistribute(mesh, [Replicate()])
-        logits = F.linear(x, self.distributed(model.wte if model.lm_head is None else model.lm_head, "weight"))
-        if model.cfg.parametrization == "mup":
-            logits = logits / model.width
+        x = DTensor.from_local(norm(x), mesh, [layout]).redistribute(mesh, [Replicate()])
+        logits = F.linear(x, self.distributed(head, weight))
+        if divisor != 1:
+            logits = logits / divisor
         if targets is None:
             return logits.full_tensor()
         with loss_parallel():  # the local part is a view: cloned, as FSDP2 wants a root's output
@@ -668,7 +648,14 @@ class WithTensorParallel:
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
-        self.strategy.build(lambda: self.tp.parallelize(model_factory()), param_group_rule, optimizer_factory)
+        def split() -> nn.Module:
+            model = model_factory()
+            plan = plan_of(model, model_factory)
+            if plan.tensor is None:
+                raise ConfigError(f"parallel.tp > 1: the model ({type(model).__name__}) declares no tensor plan")
+            return self.tp.parallelize(model, plan)
+
+        self.strategy.build(split, param_group_rule, optimizer_factory)
 
     def take_step_meters(self) -> StepMeters:
         """The strategy's meters, with the tensor-parallel group's wait added (its bytes are kept apart)."""
@@ -708,7 +695,8 @@ class WithTensorParallel:
         if self.tp.implementation == "torch":  # torch's collectives are not counted
             return self.strategy.meters()
         return {**self.strategy.meters(), "tp_comm_bytes_per_step": dict(self._tp_bytes),
-                "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.module.cfg, loop.micro_batch,
+                "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.plan.tensor.config,
+                                                                      loop.micro_batch,
                                                                       loop.accum_steps)}
 
 

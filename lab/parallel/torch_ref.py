@@ -20,9 +20,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lab import accounting
-from lab.checkpoint import CheckpointState, Held
-from lab.parallel.base import ParamGroup, Strategy, adam_entries, materialize_adam_state, storage_bytes
+from lab.measure import accounting
+from lab.runtime.checkpoint import CheckpointState, Held
+from lab.parallel.base import ParamGroup, Strategy, adam_entries, materialize_adam_state
 
 
 class TorchDDP(Strategy):
@@ -54,14 +54,15 @@ class TorchDDP(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        if self._sync:
+        if self.syncing:
             self.comm.add_wait(max(0.0, self._done - self._launched))
 
 
 class FSDP(Strategy):
-    """PyTorch FSDP2: ``fully_shard`` on every block and at the root, the reference for the ZeRO stages.
+    """PyTorch FSDP2: ``fully_shard`` on every unit of the model's plan and at the root, the reference for the
+    ZeRO stages.
 
-    Built on the meta device and materialised shard by shard from the model's ``initial_value``.
+    Built on the meta device and materialised shard by shard from the plan's ``initial_value``.
     ``parallel.reshard_after_forward`` true frees each block's gathered weights after its forward
     (ZeRO-3-like); false keeps them until its backward (ZeRO-2-like traffic, more memory).
     ``parallel.offload optimizer`` applies ``CPUOffloadPolicy``: sharded weights, gradients and
@@ -81,16 +82,17 @@ class FSDP(Strategy):
         mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
         offload = self.cfg.offload == "optimizer"
         policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
-        for block in module.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
+        for name in self.plan.units:
+            fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward,
+                        offload_policy=policy)
         fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
         module.to_empty(device=torch.device("cpu") if offload else self.world.device)
         with torch.no_grad():
             for name, p in module.named_parameters():
-                full = module.initial_value(name).to(mesh.device_type)
+                full = self.plan.initial_value(name).to(mesh.device_type)
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
             for name, b in module.named_buffers():
-                b.copy_(module.initial_value(name))
+                b.copy_(self.plan.initial_value(name))
         return module
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
@@ -112,10 +114,8 @@ class FSDP(Strategy):
             torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
         return norm
 
-    @torch.no_grad()
-    def params_finite(self) -> bool:
-        bad = torch.tensor([float(any(not torch.isfinite(p.to_local()).all() for p in self.module.parameters()))])
-        return self.everyone.sum(bad).item() == 0
+    def held_weights(self) -> list[torch.Tensor]:
+        return [p.detach().to_local() for p in self.module.parameters()]
 
     def _start(self, param: nn.Parameter) -> int:
         """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk
@@ -151,13 +151,6 @@ class FSDP(Strategy):
             return {}
         return full if offload else {k: v.detach().cpu().clone() for k, v in full.items()}
 
-    def measure_state_bytes(self) -> accounting.StateBytes:
-        params = list(self.module.parameters())
-        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return accounting.StateBytes(params=storage_bytes(_to_local(params)),
-                                     grads=storage_bytes(_to_local([p.grad for p in params if p.grad is not None])),
-                                     optimizer=storage_bytes(_to_local(states)))
-
     def comm_elements(self) -> int:
         """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of the world size."""
         n = self.world.world_size
@@ -169,7 +162,3 @@ class FSDP(Strategy):
         out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(self.comm_elements(), layout,
                                                                           self.world.world_size)
         return out
-
-
-def _to_local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]

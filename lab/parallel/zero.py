@@ -51,25 +51,26 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab import accounting, memory
-from lab.checkpoint import CheckpointState, Held
+from lab.measure import accounting, memory
+
+from lab.runtime import compat
+from lab.runtime.checkpoint import CheckpointState, Held
+from lab.model.plan import segments
 from lab.parallel.base import (ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, set_lr,
                                storage_bytes)
 from lab.parallel.comm import Exchange, InOrder, SummedOnWait
 from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
-# zero3 pools gathered units where a storage can take another's memory (a private method of torch's; without it
-# each gather allocates afresh)
-SWAPS_MEMORY = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-# elements squared at once for the gradient norm: half of lab.memory's MMAP_THRESHOLD, so the heap reuses the temporary
+# elements squared at once for the gradient norm: half of lab.measure.memory's MMAP_THRESHOLD, so the heap reuses
+# the temporary
 SQUARES_CHUNK = memory.MMAP_THRESHOLD // 8
 
 
@@ -117,6 +118,16 @@ def make_unit(names: list[str], params: dict[str, nn.Parameter], group_of: dict[
             else:
                 unit.pieces.append((g, a, b))
     return unit
+
+
+def registrations(module: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Each parameter, under its first name, and every (module, attribute) that holds it (a tied weight: several)."""
+    first: dict[int, str] = {}
+    out: dict[str, list[tuple[nn.Module, str]]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owner, _, attr = name.rpartition(".")
+        out.setdefault(first.setdefault(id(p), name), []).append((module.get_submodule(owner), attr))
+    return out
 
 
 class Zero(Strategy):
@@ -221,7 +232,7 @@ class Zero(Strategy):
         self._missing[k] -= 1
         if self._missing[k] == 0:
             self._unit_done(unit)
-        if self._sync:
+        if self.syncing:
             self._launches.arrived(k, eager=self.cfg.overlap)
             self._settle(in_flight=1)
 
@@ -229,8 +240,8 @@ class Zero(Strategy):
         """A buffer for a unit's whole gradient, its padding zeroed (each parameter's slice is written by its first
         gradient, or zeroed at the reduce-scatter if none came): the one the last settled reduce-scatter left if it
         is of this size (stages 2-3), or a new one. Reused, its pages are not faulted in again (a new buffer of 1 MiB
-        or more is a fresh mapping: see ``lab.memory``); it stands in for the one just freed, so the peak does not
-        grow."""
+        or more is a fresh mapping: see ``lab.measure.memory``); it stands in for the one just freed, so the peak
+        does not grow."""
         spare, self._spare = self._spare, None
         if spare is not None and spare.numel() == unit.padded and spare.dtype == dtype:
             buffer = spare
@@ -276,7 +287,7 @@ class Zero(Strategy):
         """The loss is divided by N before its backward (as ddp's), so the reduce-scattered sum is the average without
         a pass over the shards (with N a power of two the same bits as dividing the sum)."""
         (loss / self.world.world_size).backward()
-        if not self._sync:
+        if not self.syncing:
             return
         self._launches.finish()
         self._settle(in_flight=0)
@@ -336,11 +347,10 @@ class Zero(Strategy):
 
     # ------------------------------------------------------------ state and meters
 
-    @torch.no_grad()
-    def params_finite(self) -> bool:
-        local = [u.shard for u in self.units] + [p for p in self.module.parameters() if not p.requires_grad]
-        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in local))])
-        return self.everyone.sum(bad).item() == 0
+    def held_weights(self) -> list[torch.Tensor]:
+        """The units' flat weights (stage 3: this rank's chunks) and the frozen parameters, whole."""
+        weights = [u.flat if u.flat is not None and self.stage < 3 else u.shard for u in self.units]
+        return weights + [p.detach() for p in self.module.parameters() if not p.requires_grad]
 
     def checkpoint_state(self) -> CheckpointState:
         """Each parameter's range in this rank's chunks (the weights from the shard, the moments from the
@@ -388,24 +398,23 @@ class Zero(Strategy):
                     out[name] = flat[offset:offset + math.prod(shape)].view(shape).cpu().clone()
         if not self.world.is_main:
             return {}
-        trained = set(out)
+        first: dict[int, str] = {}  # a tied weight's other names: copies of its first
+        alias = {n: first.setdefault(id(p), n) for n, p in self.module.named_parameters(remove_duplicate=False)}
         for name, value in self.module.state_dict().items():
-            if name not in trained:
-                out[name] = value.detach().cpu().clone()
+            if name not in out:
+                out[name] = out[alias[name]].clone() if alias.get(name) in out else value.detach().cpu().clone()
         return out
 
     def _gathered_copy(self, unit: Unit) -> torch.Tensor:
         return unit.flat
 
     def measure_state_bytes(self) -> accounting.StateBytes:
-        frozen = [p for p in self.module.parameters() if not p.requires_grad]
-        weights = [u.flat if u.flat is not None and self.stage < 3 else u.shard for u in self.units]
         grads = [u.flat_grad if self.stage == 1 else u.grad_shard for u in self.units if u.grad_shard is not None]
         host_grads = [piece.grad for *_, piece in self._pieces if piece.grad is not None and piece.grad.device == HOST
                       and self.offloaded and self.world.device != HOST]
         states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         masters = [u.master for u in self.units if u.master is not None]
-        return accounting.StateBytes(params=storage_bytes(weights + frozen), grads=storage_bytes(grads + host_grads),
+        return accounting.StateBytes(params=storage_bytes(self.held_weights()), grads=storage_bytes(grads + host_grads),
                                      optimizer=storage_bytes(states + masters), offload=self.offloaded)
 
     def param_count(self) -> int:
@@ -445,7 +454,7 @@ class Zero(Strategy):
         return out
 
     def theory_comm_bytes(self) -> dict[str, float]:
-        """Bytes each rank sends per step in theory (``lab.accounting.comm_bytes_per_step``)."""
+        """Bytes each rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
         return accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
 
 
@@ -459,24 +468,6 @@ class Zero2(Zero):
     options = Zero.options | {"overlap"}
 
 
-def segments(module: nn.Module) -> list[list[nn.Module]]:
-    """Each block's children that hold parameters, in the order they run (the order they are registered), cut after
-    every child that holds a matrix: ``[norm1, attn]`` and ``[norm2, mlp]`` in the lab's GPT. Each is a zero3 unit."""
-    out: list[list[nn.Module]] = []
-    for block in module.blocks:
-        current: list[nn.Module] = []
-        for child in block.children():
-            params = list(child.parameters())
-            if params:
-                current.append(child)
-            if any(p.dim() >= 2 for p in params):
-                out.append(current)
-                current = []
-        if current:
-            out.append(current)
-    return out
-
-
 class Zero3(Zero):
     """Stage 3: see the module docstring; units are half blocks and a root unit for the rest."""
 
@@ -485,53 +476,61 @@ class Zero3(Zero):
     compiles = False
 
     def make_module(self, model_factory: ModelFactory) -> nn.Module:
-        """Build on the meta device: nothing is allocated until each rank fills its own chunks. Buffers and
-        frozen parameters are filled whole; a digest of every initial value is checked across ranks in ``wrap``."""
+        """Build on the meta device: nothing is allocated until each rank fills its own chunks (``wrap``)."""
         with torch.device("meta"):
-            module = model_factory()
-        self._initial = hashlib.sha256()
-        for name, _ in list(module.named_buffers()):  # assigned, not .data: a meta tensor's cannot take a real one
-            owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner), attr, self._initial_value(module, name))
-        for name, p in list(module.named_parameters()):
-            if not p.requires_grad:  # frozen: whole on every rank
-                owner, _, attr = name.rpartition(".")
-                setattr(module.get_submodule(owner), attr,
-                        nn.Parameter(self._initial_value(module, name), requires_grad=False))
-        return module
+            return model_factory()
 
-    def _initial_value(self, module: nn.Module, name: str) -> torch.Tensor:
-        """``module.initial_value(name)`` on this rank's device, added to the digest of the initial values."""
-        value = module.initial_value(name).detach().to(self.world.device)
+    def _initial_value(self, name: str) -> torch.Tensor:
+        """The plan's initial value of ``name`` on this rank's device, added to the digest of the initial values."""
+        value = self.plan.initial_value(name).detach().to(self.world.device)
         self._initial.update(name.encode())
         self._initial.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         return value
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
-        """Half blocks, then the root unit, in the order gradients complete (see ``segments``)."""
-        prefix = {m: name for name, m in module.named_modules()}
-        named = [(seg, [f"{prefix[m]}.{n}" for m in seg for n, p in m.named_parameters() if p.requires_grad])
-                 for seg in segments(module)]
-        self._segments = [(seg, names) for seg, names in named if names]  # frozen throughout: no unit
-        in_blocks = {n for _, names in self._segments for n in names}
-        root = [n for n in trainable if n not in in_blocks]
-        return [ns for _, ns in reversed(self._segments)] + ([root] if root else [])
+        """The pieces of the plan's units (``lab.model.plan.segments``), then the root unit (the rest, and any
+        parameter two pieces share, as a tied weight), in the order gradients complete."""
+        canonical = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+        pieces = []
+        for names in segments(module, self.plan):
+            mods = [module.get_submodule(n) for n in names]
+            pieces.append((mods, list(dict.fromkeys(id(p) for m in mods for p in m.parameters() if p.requires_grad))))
+        holders = Counter(i for _, ids in pieces for i in ids)
+        self._segments = [(mods, [canonical[i] for i in ids if holders[i] == 1]) for mods, ids in pieces]
+        self._segments = [(mods, names) for mods, names in self._segments if names]  # frozen throughout: no unit
+        in_pieces = {n for _, names in self._segments for n in names}
+        root = [n for n in trainable if n not in in_pieces]
+        return [names for _, names in reversed(self._segments)] + ([root] if root else [])
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
+        """Fill buffers and frozen parameters whole, then this rank's chunks (``_place``); a digest of every initial
+        value is compared across ranks."""
+        self._initial = hashlib.sha256()
+        for name, _ in list(module.named_buffers()):  # assigned, not .data: a meta tensor's cannot take a real one
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, self._initial_value(name))
+        for name, p in list(module.named_parameters()):
+            if not p.requires_grad:  # frozen: whole on every rank
+                owner, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner), attr, nn.Parameter(self._initial_value(name), requires_grad=False))
         module = super().wrap(module, groups)
-        self.world.check_same(self._initial.hexdigest(), "the initial weights (model.initial_value)")
-        self._root = self.units[-1]
+        self.world.check_same(self._initial.hexdigest(), "the initial weights (the plan's initial_value)")
+        in_pieces = {n for _, names in self._segments for n in names}
+        self._root = self.units[-1] if self.units and self.units[-1].names[0] not in in_pieces else None
         unit_of = {name: unit for unit in self.units for name in unit.names}
         self._forward_order = [unit_of[names[0]] for _, names in self._segments]
         sizes = [u.padded for u in self._forward_order]
-        self._pool_budget = self._root.padded + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+        self._pool_budget = self._root_size() + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
         self._spares: dict[int, list[torch.Tensor]] = {}  # idle pool buffers by their number of elements
         self._pooled = 0  # elements in pool buffers, idle or lent
-        for (first, *_, last), names in self._segments:
+        for modules, names in self._segments:
             unit = unit_of[names[0]]
-            first.register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
-            last.register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
+            modules[0].register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
+            modules[-1].register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
         return module
+
+    def _root_size(self) -> int:
+        return 0 if self._root is None else self._root.padded
 
     def _place(self, unit: Unit) -> None:
         """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
@@ -541,18 +540,19 @@ class Zero3(Zero):
         memory.tag(unit.shard, "params")
         unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
         lo = r * unit.chunk
+        holders = registrations(module)
         for i, (name, offset, shape) in enumerate(zip(unit.names, unit.offsets, unit.shapes, strict=True)):
             size = math.prod(shape)
             a, b = max(offset, lo), min(offset + size, lo + unit.chunk)
-            value = self._initial_value(module, name).flatten()
+            value = self._initial_value(name).flatten()
             if a < b:
                 unit.shard[a - lo:b - lo] = value[a - offset:b - offset]
-            owner, _, attr = name.rpartition(".")
             param = nn.Parameter(torch.empty(0, device=self.world.device))
             # .data keeps the parameter's own version counter: gathering into flat does not look like an
             # in-place change of the weights autograd saved
             param.data = unit.flat[offset:offset + size].view(shape)
-            setattr(module.get_submodule(owner), attr, param)
+            for holder, attr in holders[name]:  # every module it is registered in (a tied weight: several)
+                setattr(holder, attr, param)
             unit.params[i] = param
         unit.flat.untyped_storage().resize_(0)
         memory.tag(unit.flat, "params")
@@ -564,8 +564,10 @@ class Zero3(Zero):
         unit.gathering = self.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
         unit.gathered = True
 
-    def _gather(self, unit: Unit) -> None:
+    def _gather(self, unit: Unit | None) -> None:
         """The unit's weights, now: waits for its prefetch, or gathers them."""
+        if unit is None:
+            return
         if not unit.gathered:
             self._start_gather(unit, async_op=False)
         if unit.gathering is not None:
@@ -577,10 +579,10 @@ class Zero3(Zero):
         if unit is not None and not unit.gathered:
             self._start_gather(unit, async_op=True)
 
-    def _free(self, unit: Unit) -> None:
+    def _free(self, unit: Unit | None) -> None:
         """Release the gathered weights: the storage goes back to the allocator (saved views of it stay valid
         and see the weights again once the unit is gathered for its backward)."""
-        if not unit.gathered:
+        if unit is None or not unit.gathered:
             return
         if unit.gathering is not None:
             self.comm.wait(unit.gathering)
@@ -594,7 +596,7 @@ class Zero3(Zero):
         rid of idle buffers of other sizes, has room for it within ``_pool_budget``, else fresh memory. The storage
         swaps data pointers with the buffer, so the views autograd saved see the weights wherever they lie."""
         spares = self._spares.setdefault(unit.padded, [])
-        if SWAPS_MEMORY and not spares:
+        if compat.SWAPS_STORAGE and not spares:
             for size, idle in self._spares.items():
                 while idle and self._pooled + unit.padded > self._pool_budget:
                     idle.pop()
@@ -605,7 +607,7 @@ class Zero3(Zero):
                 self._pooled += unit.padded
         if spares:
             unit.lent = spares.pop()
-            unit.flat.untyped_storage()._swap_data_ptr_(unit.lent.untyped_storage())
+            compat.swap_storage(unit.flat.untyped_storage(), unit.lent.untyped_storage())
         else:
             unit.flat.untyped_storage().resize_(unit.padded * unit.shard.element_size())
 
@@ -614,7 +616,7 @@ class Zero3(Zero):
         if unit.lent is None:
             unit.flat.untyped_storage().resize_(0)
             return
-        unit.flat.untyped_storage()._swap_data_ptr_(unit.lent.untyped_storage())
+        compat.swap_storage(unit.flat.untyped_storage(), unit.lent.untyped_storage())
         self._spares[unit.padded].append(unit.lent)
         unit.lent = None
 
@@ -625,11 +627,11 @@ class Zero3(Zero):
 
     def _before_forward(self, unit: Unit) -> None:
         self._gather(unit)
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
+        if not compat.in_backward():  # not a recomputation inside the backward
             self._prefetch(self._next(unit, +1))
 
     def _after_forward(self, unit: Unit, out: torch.Tensor) -> None:
-        if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward: keep them
+        if compat.in_backward():  # a recomputation inside the backward: keep them
             return
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(lambda grad: (self._before_backward(unit), grad)[1])
@@ -641,8 +643,8 @@ class Zero3(Zero):
         """The weights are gathered twice in every micro-step, not once a step, less what the backward finds still
         gathered from the forward (the root unit and the last block unit)."""
         theory = super().theory_comm_bytes()
-        kept = self._root.padded + (self._forward_order[-1].padded if self._forward_order else 0)
-        width = self._root.shard.element_size()
+        kept = self._root_size() + (self._forward_order[-1].padded if self._forward_order else 0)
+        width = self.units[0].shard.element_size()
         theory["all_gather"] = self.loop.accum_steps * width * accounting.ring_elements_sent(
             "all_gather", 2 * self.comm_elements() - kept, self.world.world_size)
         return theory
@@ -683,7 +685,7 @@ class Zero3(Zero):
 
     def _pool_bytes(self) -> float:
         """The gather pool once full: the root unit and the two largest neighbours in the forward order."""
-        return self._pool_budget * self._root.shard.element_size()
+        return self._pool_budget * self.units[0].shard.element_size()
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
         """The root unit, the unit at work and the next one (prefetched) gathered at once: the pool full."""

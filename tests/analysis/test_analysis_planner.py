@@ -14,7 +14,7 @@ from analysis.planner import Unidentified, plan
 from analysis.table import InputError
 
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
-H100_PEAK = 989e12  # dense bf16, lab.accounting
+H100_PEAK = 989e12  # dense bf16, lab.measure.accounting
 GOOD = {"identified": True, "reasons": [], "checks": []}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.config import DataConfig
+from lab.runtime.config import DataConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # Two tiny shapes (2 layers, width 32 or 64, context 32): a run of 8 steps takes a few seconds on CPU.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.config import build_parser, config_from_args
+from lab.runtime.config import build_parser, config_from_args
 from lab.model import validate, width_ratio
 from sweeps import plan as planner
 from sweeps import spec

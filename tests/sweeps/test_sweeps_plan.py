@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lab import accounting
-from lab.config import ModelConfig
+from lab.measure import accounting
+from lab.runtime.config import ModelConfig
 from sweeps import plan as planner
 from sweeps import shapes, spec
 

@@ -16,7 +16,7 @@ import pytest
 from analysis.__main__ import EXIT_UNIDENTIFIED
 from analysis.synthetic import law_optimum
 from analysis.table import load_runs
-from lab.config import DataConfig
+from lab.runtime.config import DataConfig
 from sweeps.spec import PowerRule
 
 

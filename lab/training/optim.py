@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from lab.config import TrainConfig
+from lab.runtime.config import TrainConfig
 from lab.parallel import OptimizerFactory, ParamGroup
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)

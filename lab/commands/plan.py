@@ -4,7 +4,7 @@
     python launch/plan.py memory --gpu H100 --n-gpus 8 [--micro-batch 8 --seq-len 2048 --d-model 8192 --n-head 64]
     python launch/plan.py peaks
 
-All arithmetic is ``lab.accounting``; this module parses, checks and prints. Units: GB = 1e9 bytes,
+All arithmetic is ``lab.measure.accounting``; this module parses, checks and prints. Units: GB = 1e9 bytes,
 B = 1e9 parameters, T = 1e12 tokens. Bad input prints one ``error: ...`` line and exits with 2.
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NoReturn
 
-from lab import accounting
-from lab.config import ModelConfig
+from lab.measure import accounting
+from lab.runtime.config import ModelConfig
 
 
 class PlanError(Exception):
@@ -182,7 +182,7 @@ def _memory(args: argparse.Namespace) -> str:
 
 
 def _mesh_shape(args: argparse.Namespace) -> ModelConfig:
-    from lab.config import ConfigError, resolve
+    from lab.runtime.config import ConfigError, resolve
 
     try:
         cfg = resolve({"model": {"preset": args.preset, **({"vocab_size": args.vocab} if args.vocab else {})}}).model
@@ -196,8 +196,8 @@ def _mesh_shape(args: argparse.Namespace) -> ModelConfig:
 def _mesh(args: argparse.Namespace) -> str:
     """Every tp × dp layout and data-parallel stage for the model on ``--n-gpus``: memory per GPU, bytes sent per
     micro-step by axis and their time; the choice is the layout that fits with the least communication time."""
-    from lab.config import ParallelConfig
-    from lab.parallel.tensor import validate as validate_split
+    from lab.runtime.config import ParallelConfig
+    from lab.model import validate_split
 
     cfg = _mesh_shape(args)
     memory = (args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)) * args.usable
@@ -208,7 +208,7 @@ def _mesh(args: argparse.Namespace) -> str:
     for tp in (t for t in range(1, min(args.n_gpus, args.gpus_per_node) + 1) if args.n_gpus % t == 0):
         shape = replace(cfg, pad_vocab_to=math.lcm(cfg.pad_vocab_to, tp))
         try:
-            validate_split(ParallelConfig(tp=tp, sequence_parallel=tp > 1), shape)
+            validate_split(shape, ParallelConfig(tp=tp, sequence_parallel=tp > 1))
         except ValueError as e:
             refused.append(f"tp {tp}: {e}")
             continue
@@ -256,7 +256,7 @@ def _peaks(args: argparse.Namespace) -> str:
 
 
 def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Training time and memory on paper (see lab.accounting).")
+    p = _Parser(prog=prog, description="Training time and memory on paper (see lab.measure.accounting).")
     sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,mesh,peaks}")
 
     t = sub.add_parser("time", help="training FLOPs, GPU-hours and wall-clock days")
@@ -284,7 +284,7 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     m.set_defaults(run=_memory)
 
     g = sub.add_parser("mesh", help="choose tp × dp and the data-parallel stage for a model (and say why)")
-    g.add_argument("--preset", required=True, help="a model preset (lab.config.PRESETS), e.g. gpt2-350m")
+    g.add_argument("--preset", required=True, help="a model preset (lab.runtime.config.PRESETS), e.g. gpt2-350m")
     g.add_argument("--vocab", type=_count, help="vocabulary size (default: the preset's)")
     g.add_argument("--seq-len", type=_count, help="tokens per sequence (default: the preset's block size)")
     g.add_argument("--micro-batch", type=_count, default=8, help="sequences per replica per micro-step (default: 8)")

@@ -1,6 +1,6 @@
 """Do the strategies train the same model as one process? Train and compare.
 
-    python -m lab.equivalence --strategies single,ddp_naive,ddp,torch_ddp --nproc 2 --steps 8 --accum 1
+    python -m lab.commands.equivalence --strategies single,ddp_naive,ddp,torch_ddp --nproc 2 --steps 8 --accum 1
 
 Trains the tiny GPT (dropout 0, fp32, CPU) from one seed under each strategy on ``--nproc`` gloo
 ranks, through the loop's own ``train_step``, on a fixed stream of random token batches (the
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from lab.device import Precision
-from lab.files import write_atomic
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from lab.measure.device import Precision
+from lab.runtime.files import write_atomic
 from lab.model import GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate
-from lab.parallel.spawn import RankFailed, run_ranks
-from lab.train import StepPlan, train_step
+from lab.commands.ranks import RankFailed, run_ranks
+from lab.training.train import StepPlan, train_step
 
 TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32, vocab_size=96)
 
@@ -157,7 +157,7 @@ def format_table(results: dict[str, Comparison]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m lab.equivalence") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m lab.commands.equivalence") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--strategies", default="single,ddp_naive,ddp,torch_ddp",

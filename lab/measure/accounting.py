@@ -1,10 +1,10 @@
 """Pure arithmetic of training: parameters, FLOPs, hardware peaks, time and memory.
 
 No torch and nothing else from ``lab`` here: every function takes a shape (any object with the
-``ModelShape`` attributes, such as ``lab.config.ModelShape``) or plain numbers, so the analysis
+``ModelShape`` attributes, such as ``lab.runtime.config.ModelShape``) or plain numbers, so the analysis
 package, the sweep planner and the run planner can use it without a model.
 ``tests/test_accounting.py`` checks each formula against a hand computation and against the
-parameters of a real ``lab.model.GPT``.
+parameters of a real ``lab.model.gpt.GPT``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Protocol
 
 
 class ModelShape(Protocol):
-    """The fields of a model's shape that the formulas read (``lab.config.ModelShape`` has them all)."""
+    """The fields of a model's shape that the formulas read (``lab.runtime.config.ModelShape`` has them all)."""
 
     arch: str
     n_layer: int
@@ -83,7 +83,7 @@ class ParamCounts:
 
 
 def param_counts(cfg: ModelShape) -> ParamCounts:
-    """Parameter counts of ``lab.model.GPT`` built from ``cfg`` (vocab_size resolved)."""
+    """Parameter counts of ``lab.model.gpt.GPT`` built from ``cfg`` (vocab_size resolved)."""
     d, L, V = cfg.d_model, cfg.n_layer, padded_vocab(cfg)
     hd, kv, ff, b = head_dim(cfg), kv_heads(cfg), ffn_width(cfg), uses_bias(cfg)
     modern, norm = cfg.arch == "modern", _norm_params(cfg)

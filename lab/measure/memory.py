@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lab.runtime.compat import TorchDispatchMode, tree_leaves
 
 PHASES = ("forward", "backward", "step")
 # glibc: freed blocks at least this large go straight back to the kernel (M_MMAP_THRESHOLD, fixed so that the

@@ -16,8 +16,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from lab.config import ConfigError, LogConfig, did_you_mean
-from lab.extras import extra_of, installed
+from lab.runtime.config import ConfigError, LogConfig, did_you_mean
+from lab.runtime.extras import extra_of, installed
 
 RECORD_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_time_s", "compute_time_s", "step_time_s",
                "mem_peak_bytes", "skipped_steps", "tokens", "eval_loss")

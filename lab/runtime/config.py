@@ -47,7 +47,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class ModelConfig:
-    preset: str | None = _f(None, "named shape to start from (see lab.config.PRESETS); explicit fields override it")
+    preset: str | None = _f(None, "named shape to start from (see lab.runtime.config.PRESETS); explicit fields "
+                                  "override it")
     arch: str = _f("gpt2", "gpt2 (LayerNorm, GELU, learned positions) or modern (RMSNorm, RoPE, SwiGLU, GQA)")
     n_layer: int = _f(4, "transformer blocks")
     n_head: int = _f(4, "query heads")
@@ -143,7 +144,7 @@ class ParallelConfig:
 
 @dataclass
 class LogConfig:
-    """Where rank 0 also sends its metrics, config and summary (``lab.trackers``; the tracking extra)."""
+    """Where rank 0 also sends its metrics, config and summary (``lab.training.trackers``; the tracking extra)."""
 
     trackers: str = _f("", "comma-separated: tensorboard (event files in RUN_DIR/tensorboard), wandb (Weights & "
                            "Biases; WANDB_MODE=offline works without a network); a missing package or a failing "

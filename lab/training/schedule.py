@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lab.config import ConfigError, TrainConfig, did_you_mean
+from lab.runtime.config import ConfigError, TrainConfig, did_you_mean
 
 SCHEDULES = ("cosine", "wsd", "constant")
 

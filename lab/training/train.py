@@ -22,14 +22,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lab import accounting, checkpoint, memory, parallel, schedule, trackers
-from lab.config import NONFINITE, ConfigError, RunConfig, did_you_mean
-from lab.files import dumps, save_json
+from lab.measure import accounting, memory
+
+from lab.runtime import checkpoint
+
+from lab import parallel
+
+from lab.training import schedule, trackers
+from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
+from lab.runtime.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
-from lab.device import Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device, synchronize
+from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device,
+                                synchronize)
 from lab.model import GPT
 from lab.model import validate as validate_model
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, Strategy, World
 from lab.parallel.comm import loopback_tx_bytes
 
@@ -106,7 +113,7 @@ def loop_settings(cfg: RunConfig, plan: StepPlan) -> LoopSettings:
 
 @dataclass(frozen=True)
 class Estimate:
-    """What the run needs, estimated from ``lab.accounting`` before it starts."""
+    """What the run needs, estimated from ``lab.measure.accounting`` before it starts."""
 
     memory_bytes: float  # model states + activations, per process
     available_bytes: float  # what this process may use
@@ -176,7 +183,7 @@ def seed_step(seed: int, device: torch.device) -> None:
 
 class RunLog:
     """metrics.jsonl plus one printed line per logged step (rank 0 only), a progress bar on a terminal, and the
-    run's trackers (``lab.trackers``; opened by ``open_trackers``)."""
+    run's trackers (``lab.training.trackers``; opened by ``open_trackers``)."""
 
     def __init__(self, run_dir: Path, enabled: bool, keep_until_step: int, total_steps: int):
         self.path, self.enabled = run_dir / "metrics.jsonl", enabled

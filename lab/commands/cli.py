@@ -26,16 +26,16 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from lab import checkpoint
-from lab.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
+from lab.runtime import checkpoint
+from lab.runtime.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
-from lab.extras import require
-from lab.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
-from lab.files import dumps, probe_writable, save_json
+from lab.measure.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
+from lab.runtime.files import dumps, probe_writable, save_json
+from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
-from lab.train import Estimate, TrainingDiverged, check_resources, train, validate
+from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
 # the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).
@@ -350,7 +350,7 @@ def run_weights(run_dir: Path, cfg: RunConfig, folder: str | None) -> tuple[dict
 
 def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -> int:
     """Write one run's weights, from any checkpoint, as a single state-dict file (loadable with weights_only=True)
-    or as a Hugging Face folder (``--format hf``: ``lab.hf``)."""
+    or as a Hugging Face folder (``--format hf``: ``lab.commands.hf``)."""
     p = Parser(prog=prog, description="Export a run's weights as one plain state-dict file "
                                       "(torch.load(path, weights_only=True) reads it), or with --format hf as a "
                                       "Hugging Face folder (AutoModelForCausalLM and AutoTokenizer load it).")
@@ -367,7 +367,7 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
         if args.out and args.out_folder:
             raise ConfigError("give OUT or --out, not both")
         if args.format == "hf":
-            from lab import hf
+            from lab.commands import hf
             for module in ("transformers", "safetensors"):
                 require(module, "export --format hf")
         cfg = run_config(run_dir)

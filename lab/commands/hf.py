@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
-from lab import accounting, checkpoint
-from lab.config import ConfigError, ModelConfig, RunConfig, build_parser, config_from_args, print_error
+from lab.measure import accounting
+from lab.runtime import checkpoint
+from lab.runtime.config import (ConfigError, ModelConfig, RunConfig, build_parser, config_from_args,
+                                print_error)
 from lab.data.tokenizer import BPE_FILE, BYTES_FILE, EOT
-from lab.extras import require
-from lab.files import probe_writable, save_json, write_atomic
+from lab.runtime.extras import require
+from lab.runtime.files import probe_writable, save_json, write_atomic
 from lab.model import GPT
 
 WEIGHTS = "model.safetensors"

@@ -26,10 +26,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.config import ConfigError, Parser
-from lab.files import probe_writable, write_atomic
+from lab.runtime.config import ConfigError, Parser
+from lab.runtime.files import probe_writable, write_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _PLAIN = re.compile(r"[A-Za-z0-9_.:+-]+")  # what may stand unquoted in an #SBATCH line
 _CONSTRAINT = re.compile(r"[A-Za-z0-9_.:+&|*\[\]()-]+")  # node features joined by & and |, counts, brackets
 _MEMORY = re.compile(r"[0-9]+[KMGT]?")  # sbatch --mem: megabytes, or with a unit

@@ -2,7 +2,7 @@
 
 - ``resolve_device``: cuda (this process's local rank) or cpu;
 - ``Precision``: fp32, or bf16 autocast with fp32 weights (the default on CUDA), and its context;
-- ``peak_flops``: the dense data-sheet peak on a GPU (``lab.accounting``), or on a CPU a matmul
+- ``peak_flops``: the dense data-sheet peak on a GPU (``lab.measure.accounting``), or on a CPU a matmul
   peak measured once per machine, thread count, torch version and dtype, within a time budget and
   with a private random generator (the training RNG is never touched), then cached in
   ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from lab import accounting
-from lab.config import ConfigError, Parser, did_you_mean, print_error
-from lab.files import write_atomic
-from lab.memory import proc_kib_field, return_freed_memory_to_kernel
+from lab.measure import accounting
+from lab.runtime.config import ConfigError, Parser, did_you_mean, print_error
+from lab.runtime.files import write_atomic
+from lab.measure.memory import proc_kib_field, return_freed_memory_to_kernel
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -48,7 +48,7 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
 
 def setup_device(device: torch.device) -> None:
     """Select the CUDA device and allow TF32 matmuls on it; on the CPU, have glibc return freed tensors to the
-    kernel (``lab.memory.return_freed_memory_to_kernel``), so that the resident set follows what is alive."""
+    kernel (``lab.measure.memory.return_freed_memory_to_kernel``), so that the resident set follows what is alive."""
     if device.type == "cpu":
         return_freed_memory_to_kernel()
     if device.type == "cuda":

@@ -9,7 +9,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-from lab.config import ConfigError
+from lab.runtime.config import ConfigError
 
 # extra: the modules it brings (what the import names), as pyproject.toml lists them
 EXTRAS = {"tracking": ("tensorboard", "wandb"), "hf": ("transformers", "safetensors"), "eval": ("lm_eval",)}

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lab.config import ConfigError, ModelConfig, ParallelConfig, Parser, TrainConfig
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, Parser, TrainConfig
 from lab.data.corpora import builtin_folder
-from lab.device import Precision
-from lab.files import write_atomic
+from lab.measure.device import Precision
+from lab.runtime.files import write_atomic
 from lab.model import PARAMETRIZATIONS, GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@
     python launch/bench.py --memory ddp,zero1,zero2,zero3 --nproc 2 --out benchmarks/results-memory
 
 Throughput: forward, backward and fused AdamW on synthetic tokens; the MFU denominator comes from
-``lab.device`` (a measured matmul peak on a CPU, the data-sheet dense peak on a GPU).
+``lab.measure.device`` (a measured matmul peak on a CPU, the data-sheet dense peak on a GPU).
 
 Strategies: every strategy trains the same model on the same random batches on ``--nproc`` gloo
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
@@ -26,7 +26,7 @@ Memory (``--memory``): each strategy trains issue 19's configuration (85M parame
 the lab's own command line under torchrun, one run after the other. Per run: the peak RSS of its
 largest process as the kernel counts it (``wait4``'s ru_maxrss over the torchrun tree, nothing the
 lab reports; the run ends with a checkpoint), rank 0's own high-water mark after the last step
-(before that checkpoint), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.memory``)
+(before that checkpoint), the run's ``peak_bytes`` per phase (measured by allocation, ``lab.measure.memory``)
 beside ``peak_bytes_theory``, the median step time of the steps after the first, and the bytes sent
 on the loopback interface while those steps ran (the counter rank 0 reads at the end of every step,
 ``loopback_tx_bytes`` in its records: from the end of the first step to the end of the last) beside
@@ -54,9 +54,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lab import accounting
-from lab.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from lab.device import (
+from lab.measure import accounting
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from lab.measure.device import (
     Precision,
     cpu_name,
     describe,
@@ -66,14 +66,14 @@ from lab.device import (
     setup_device,
     synchronize,
 )
-from lab.files import save_json, write_atomic
+from lab.runtime.files import save_json, write_atomic
 from lab.model import GPT
-from lab.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec
 from lab.parallel import validate as validate_parallel
 from lab.parallel.comm import loopback_tx_bytes
-from lab.parallel.spawn import RankFailed, run_ranks
-from lab.train import train_step
+from lab.commands.ranks import RankFailed, run_ranks
+from lab.training.train import train_step
 
 # ---------------------------------------------------------------- one process: throughput
 
@@ -367,7 +367,7 @@ MEMORY_RUN = ("--model.n_layer", "12", "--model.d_model", "768", "--model.n_head
               "--data.tokenizer", "bytes", "--train.micro_batch", "1", "--train.batch_tokens", "128",
               "--train.tokens", "640", "--train.log_every", "1", "--train.eval_tokens", "128",
               "--train.checkpoint_every", "0", "--train.memory_meter", "true")
-RUN_SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "run.py"
+RUN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "run.py"
 BACKGROUND_S = 2.0  # the loopback's own traffic (other processes) is read this long before each run
 
 

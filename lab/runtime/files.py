@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lab.config import ConfigError
+from lab.runtime.config import ConfigError
 
 
 def write_atomic(path: Path, text: str | bytes) -> None:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lab.config import ConfigError
-from lab.files import save_json
+from lab.runtime.config import ConfigError
+from lab.runtime.files import save_json
 
 META = "meta.json"
 FORMAT = 2

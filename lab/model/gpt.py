@@ -9,7 +9,7 @@ GPT-2 init with residual projections scaled by 1/√(2·n_layer). The init is a 
 (seed, parameter name): every tensor draws from its own generator, so a strategy that builds the
 model on the meta device and materialises only its shard gets exactly the values a one-process
 run gets. The model knows nothing of devices, ranks or strategies. Parameter and FLOP formulas
-live in ``lab.accounting`` and are tested against ``GPT.param_counts()``.
+live in ``lab.measure.accounting`` and are tested against ``GPT.param_counts()``.
 
 ``parametrization mup`` is μP (Yang et al. 2022, Tensor Programs V) for Adam, with width ratio
 m = d_model / mup_base_width: the hidden matrices (attention and MLP weights) start with the
@@ -29,8 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from lab import accounting
-from lab.config import ConfigError, ModelConfig, did_you_mean
+from lab.measure import accounting
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
+from lab.model.plan import ColumnSplit, ParallelPlan, TensorPlan
 
 ARCHS = ("gpt2", "modern")
 PARAMETRIZATIONS = ("standard", "mup")
@@ -72,6 +73,29 @@ def validate(cfg: ModelConfig) -> None:
                               "(set model.parametrization mup)")
         if cfg.mup_base_width <= 0:
             raise ConfigError(f"model.mup_base_width must be positive, got {cfg.mup_base_width}")
+
+
+def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
+    """Raise ConfigError (one line) when ``parallel.tp`` cannot split the model's layers evenly (its plan)."""
+    n = cfg.tp
+    if n == 1:
+        return
+    kv = accounting.kv_heads(model)
+    checks = [(model.n_head, "model.n_head"), (accounting.ffn_width(model), "the MLP width (model.d_ff)")]
+    if kv >= n:
+        checks.append((kv, "model.n_kv_head (or be a multiple of it: then the key/value heads are replicated)"))
+    elif n % kv:
+        raise ConfigError(f"model.n_kv_head ({kv}) must divide parallel.tp ({n}) to replicate the key/value heads")
+    if cfg.sequence_parallel:
+        checks.append((model.block_size, "model.block_size (sequence parallel splits the sequence)"))
+    if model.vocab_size is not None:
+        checks.append((accounting.padded_vocab(model), f"the embedding's rows (set model.pad_vocab_to to a "
+                                                       f"multiple of {n})"))
+    for size, what in checks:
+        if size % n:
+            raise ConfigError(f"parallel.tp ({n}) must divide {what}, which is {size}")
+    if cfg.tp_impl == "torch" and model.vocab_size is not None and accounting.padded_vocab(model) != model.vocab_size:
+        raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set model.pad_vocab_to 1")
 
 
 # ---------------------------------------------------------------- rotary positions
@@ -255,6 +279,34 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def parallel_plan(self) -> ParallelPlan:
+        """How the parallel transforms may cut this model (``lab.model.plan``): the blocks are the units,
+        ``output`` the head; tensor parallelism splits QKV and the MLP's up projection by columns (query and
+        key/value heads apart, GQA's key/value heads replicated when fewer than the ranks), the attention
+        output and the MLP's down projection by rows, the embedding and the head by vocabulary rows."""
+        cfg = self.cfg
+        heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
+        ff = accounting.ffn_width(cfg)
+        column, row, norms = {}, [], []
+        for i, block in enumerate(self.blocks):
+            column[f"blocks.{i}.attn.qkv"] = ColumnSplit((heads * head_dim, kv * head_dim, kv * head_dim),
+                                                         (heads, kv, kv))
+            column[f"blocks.{i}.mlp.up"] = ColumnSplit((ff, ff) if block.mlp.gated else (ff,))
+            row += [f"blocks.{i}.attn.proj", f"blocks.{i}.mlp.down"]
+            norms += [f"blocks.{i}.norm1", f"blocks.{i}.norm2"]
+        tensor = TensorPlan(column=column, row=row, embedding="wte",
+                            head_weight="wte.weight" if self.lm_head is None else "lm_head.weight",
+                            final_norm="norm_f", sequence_norms=norms + ["norm_f"],
+                            positions=None if self.wpe is None else "wpe", vocab_size=self.vocab_size,
+                            logit_divisor=self.width, split_heads=self._split_heads, config=cfg)
+        return ParallelPlan(units=[f"blocks.{i}" for i in range(len(self.blocks))], initial_value=self.initial_value,
+                            head="output", tensor=tensor)
+
+    def _split_heads(self, n: int) -> None:
+        """Each attention now holds 1/n of the query heads and of the key/value heads (at least one)."""
+        for block in self.blocks:
+            block.attn.n_head, block.attn.n_kv_head = self.cfg.n_head // n, max(accounting.kv_heads(self.cfg) // n, 1)
 
     def param_counts(self) -> accounting.ParamCounts:
         """Counts from the live parameters (tied weights once), to check ``accounting.param_counts``."""

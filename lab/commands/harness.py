@@ -1,9 +1,9 @@
 """``python -m lab eval RUN --tasks ...``: EleutherAI's lm-evaluation-harness on a run (the eval extra).
 
-The run's checkpoint is exported on the fly as a Hugging Face folder (``lab.hf``) and scored by the harness's
-``hf`` model, exactly as ``lm_eval --model hf --model_args pretrained=FOLDER`` would score an exported run.
-The scores go to ``RUN_DIR/eval.json`` beside ``summary.json`` (tasks scored earlier are kept), where
-``sweeps export`` and ``analysis fit`` read them (``lab.scores``): a column ``task_NAME`` per task, its first metric.
+The run's checkpoint is exported on the fly as a Hugging Face folder (``lab.commands.hf``) and scored by the
+harness's ``hf`` model, exactly as ``lm_eval --model hf --model_args pretrained=FOLDER`` scores an exported run.
+The scores go to ``RUN_DIR/eval.json`` beside ``summary.json`` (tasks scored earlier are kept), where ``sweeps
+export`` and ``analysis fit`` read them (``lab.runtime.scores``): a column ``task_NAME`` per task, its first metric.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from lab.cli import _error, run_config, run_weights
-from lab.config import ConfigError, Parser, did_you_mean
-from lab.extras import require
-from lab.files import save_json
-from lab.scores import SCORES
+from lab.commands.cli import _error, run_config, run_weights
+from lab.runtime.config import ConfigError, Parser, did_you_mean
+from lab.runtime.extras import require
+from lab.runtime.files import save_json
+from lab.runtime.scores import SCORES
 
 def _metrics(result: dict) -> dict[str, float]:
     """The harness's ``{"acc,none": 0.5, "acc_stderr,none": ...}`` as ``{"acc": 0.5, "acc_stderr": ...}``,
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab eval") -> int
         lm_eval = require("lm_eval", "eval")
         for module in ("transformers", "safetensors"):
             require(module, "eval")
-        from lab import hf
+        from lab.commands import hf
 
         cfg = run_config(run_dir)
         hf.check_exportable(cfg.model)

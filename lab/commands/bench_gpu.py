@@ -1,0 +1,86 @@
+"""What only a CUDA GPU shows, in one command (``make bench-gpu``; under 10 minutes on one H100).
+
+- Throughput and MFU of GPT-2 124M under bf16 autocast, eager and compiled (``lab.commands.bench.bench_case``:
+  synthetic tokens, fused AdamW, the data-sheet dense bf16 peak as the MFU denominator).
+- The lab's own command line under torchrun on the GPU, once per strategy (``ddp``, ``zero3``): NCCL
+  collectives, the CUDA allocator's peak bytes per phase (forward, backward, step) beside theory, the
+  bytes each collective sent, and the median step time; then zero3's step time over ddp's.
+
+Results go to ``--out`` (a JSON file and a Markdown table beside it), the device named in both. Without
+a CUDA GPU it says so in one line and exits 2: CI never needs one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lab.commands.bench import bench_case, memory_run
+from lab.runtime.config import print_error
+from lab.measure.device import describe, setup_device
+from lab.runtime.files import save_json, write_atomic
+
+STRATEGIES = ("ddp", "zero3")
+CUDA_RUN = ["--train.device", "cuda", "--train.dtype", "bf16", "--train.tokens", "2560"]  # 20 steps of issue 19's run
+
+
+def measure(steps: int, warmup: int) -> dict:
+    """Every figure of the module docstring, on CUDA device 0."""
+    device = torch.device("cuda", 0)
+    setup_device(device)
+    where = describe(device)
+    print(f"device: {where} | torch {torch.__version__}", flush=True)
+    throughput = []
+    for compiled in (False, True):
+        row = bench_case("gpt2-124m", 50304, 16, steps, warmup, device, bf16=True, compile=compiled)
+        print(f"gpt2-124m bf16 compile={compiled}: {row['tokens_per_s']:,.0f} tokens/s, MFU {100 * row['mfu']:.1f} %, "
+              f"allocator peak {row['mem_peak_bytes'] / 2**30:.2f} GiB", flush=True)
+        throughput.append(row)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in STRATEGIES:
+            runs[strategy] = memory_run(strategy, 1, Path(tmp) / strategy, CUDA_RUN)
+            print(f"{strategy} under torchrun (NCCL): {1e3 * runs[strategy]['step_time_s']:.1f} ms/step, peak bytes "
+                  f"{runs[strategy]['peak_bytes']}", flush=True)
+    ratio = runs["zero3"]["step_time_s"] / runs["ddp"]["step_time_s"]
+    print(f"zero3 / ddp step time: {ratio:.3f}x", flush=True)
+    return {"device": where, "torch": torch.__version__, "throughput": throughput, "runs": runs,
+            "zero3_over_ddp_step_time": ratio}
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# GPU benchmark: {results['device']}", "", f"torch {results['torch']}", "",
+             "| model | compile | tokens/s | MFU | allocator peak (GiB) |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['compile']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f} % | "
+              f"{r['mem_peak_bytes'] / 2**30:.2f} |" for r in results["throughput"]]
+    lines += ["", "| strategy (torchrun, NCCL) | step ms | peak bytes per phase (measured) | theory |",
+              "|---|---|---|---|"]
+    lines += [f"| {name} | {1e3 * r['step_time_s']:.1f} | {r['peak_bytes']} | {r['peak_bytes_theory']} |"
+              for name, r in results["runs"].items()]
+    lines += ["", f"zero3 / ddp step time: {results['zero3_over_ddp_step_time']:.3f}x", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m lab bench-gpu") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--out", default="benchmarks/results-gpu.json", help="the JSON file (a .md table beside it)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per throughput case")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print_error("bench-gpu needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False)")
+        return 2
+    results = measure(args.steps, args.warmup)
+    out = Path(args.out)
+    save_json(out, results)
+    write_atomic(out.with_suffix(".md"), markdown(results))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

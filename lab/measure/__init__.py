@@ -1,0 +1,2 @@
+"""Counting and measuring: parameters, FLOPs and bytes on paper (``accounting``), the allocation meter
+(``memory``), devices, precision and their peaks (``device``)."""
