@@ -21,7 +21,7 @@ $(PY):
 
 $(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
 	@index='$(TORCH_INDEX)'; set -x; \
-	$(PY) -m pip install -q -c constraints-cpu.txt $${index:+--extra-index-url "$$index"} -e '.[dev,deepspeed]'
+	$(PY) -m pip install -q -c constraints-cpu.txt $${index:+--extra-index-url "$$index"} -e '.[dev,deepspeed,tracking,hf,eval]'
 	touch $(STAMP)
 
 setup: $(STAMP)

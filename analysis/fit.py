@@ -21,6 +21,7 @@ from analysis import identify
 from analysis.bootstrap import Problem, Resamples, bootstrap, interval
 from analysis.budgets import Budgets, group_budgets
 from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
+from analysis.downstream import fit_task, predict_score
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
 from analysis.forms import CHINCHILLA, FORMS, SHARED, Form
 from analysis.identify import Identification
@@ -38,6 +39,7 @@ from analysis.parametric import (
     predict_loss,
 )
 from analysis.table import MIN_RUNS, InputError, RunTable
+from lab.runtime.scores import PREFIX as TASK_PREFIX
 
 SCHEMA_VERSION = 2
 FORM_CHOICES = ("auto", *FORMS)
@@ -147,6 +149,7 @@ class FitResult:
     law: dict | None = None  # the --law form fitted beside approach 3 (analysis.laws), when not chinchilla
     form_choice: dict | None = None  # with --form auto: each form's hold-out error and the choice
     forms: list[dict] = field(default_factory=list)  # every form fitted side by side (``forms_table``)
+    downstream: list[dict] = field(default_factory=list)  # per task column: the loss -> error link, predictions
 
     @property
     def flops_max(self) -> float:
@@ -179,6 +182,7 @@ class FitResult:
             "noiseless": self.noiseless,
             "delta_sensitivity": self.delta_sensitivity,
             "law": self.law,
+            "downstream": [{k: v for k, v in d.items() if k not in ("theta", "thetas")} for d in self.downstream],
             "warnings": [{"code": c, "message": m} for c, m in self.warnings],
         })
 
@@ -689,12 +693,30 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
                  fit_data_constrained(n, d, unique, loss, start, rmse, config.huber_delta))
         if not other["converged"]:
             warnings.append(("law_convergence", f"the {config.law} law's L-BFGS did not converge"))
+    downstream = downstream_fits(table, predictions, config)
     return FitResult(table=table, config=config, budgets=budgets, parametric=parametric, condition=condition,
                      resamples=resamples, minima=minima, isoflop_laws=isoflop_laws, envelope=envelope,
                      approaches=approaches, preferred=choice, why=why, disagreements=disagree,
                      predictions=predictions, holdout=holdout, warnings=warnings, outliers=outliers,
                      noiseless=noise is not None, delta_sensitivity=sensitivity, law=other,
-                     form_choice=form_choice, forms=forms)
+                     form_choice=form_choice, forms=forms, downstream=downstream)
+
+
+def downstream_fits(table: RunTable, predictions: list[dict], config: FitConfig) -> list[dict]:
+    """For each ``task_NAME`` column, the loss -> task error link (analysis.downstream) and the task's score at
+    each prediction budget's compute-optimal loss (approach 3's)."""
+    out = []
+    for column in [str(c) for c in table.runs.columns if str(c).startswith(TASK_PREFIX)]:
+        scores = pd.to_numeric(table.runs[column], errors="coerce").to_numpy(float)
+        fit = fit_task(table.loss, scores, config.ci_level, min(config.n_bootstrap, 200), config.seed)
+        entry = {"task": column.removeprefix(TASK_PREFIX), **fit, "predictions": []}
+        for p in predictions if not fit["skipped"] else []:
+            a3 = p.get("approach3") or {}
+            if a3.get("loss") is not None:
+                entry["predictions"].append({"flops": p["flops"], **predict_score(
+                    fit, a3["loss"], (a3.get("ci") or {}).get("loss"), config.ci_level)})
+        out.append(entry)
+    return out
 
 
 def _unique_tokens(table: RunTable) -> np.ndarray:

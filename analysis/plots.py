@@ -24,17 +24,20 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 from matplotlib.collections import LineCollection, PathCollection  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
 from analysis.compare import TITLES  # noqa: E402
+from analysis.downstream import task_error  # noqa: E402
 from analysis.fit import FitResult  # noqa: E402
 from analysis.isoflop import PowerLaws  # noqa: E402
 from analysis.parametric import compute_optimal, predict_loss  # noqa: E402
 from analysis.planner import form_of  # noqa: E402
 from analysis.published import LAWS, PublishedLaw, comparable, listed_note  # noqa: E402
 from analysis.synthetic import law_loss, law_optimum  # noqa: E402
+from lab.runtime.scores import PREFIX as TASK_PREFIX  # noqa: E402
 
 # (file stem, caption) of every figure, in report order.
 FIGURES = (
@@ -50,6 +53,8 @@ FIGURES = (
     ("residuals", "Residuals of approach 3 in loss (nats per token): observed minus predicted"),
 )
 # Drawn only for sweep folders, whose runs carry their training curves.
+DOWNSTREAM_FIGURE = ("downstream", "Downstream tasks: score against loss, the fitted link (Gadre et al. 2024) with "
+                                   "its band, and the predicted score at each budget's compute-optimal loss")
 CURVES_FIGURE = ("curves", "Training curves: loss against tokens and against FLOPs, coloured by model size N")
 _DPI = 200  # PNG resolution: sharp when printed or zoomed
 # Fixed margins: a layout engine would measure every tick label once more, doubling the drawing time.
@@ -459,8 +464,32 @@ def save_figure(fig: plt.Figure, out_dir: Path, stem: str, formats: tuple[str, .
     return images["png"]
 
 
+def plot_downstream(result: FitResult) -> plt.Figure:
+    """Each task's score against loss: the runs, the fitted link with its band, and the predicted scores."""
+    tasks = [d for d in result.downstream if not d["skipped"]]
+    fig, axes = _figure("downstream", 1, len(tasks), figsize=(5.0 * len(tasks), 4.0), squeeze=False)
+    level = result.config.ci_level
+    for ax, d in zip(axes[0], tasks):
+        score = pd.to_numeric(result.table.runs[TASK_PREFIX + d["task"]], errors="coerce").to_numpy(float)
+        losses = [result.table.loss, [p["loss"] for p in d["predictions"]]]
+        grid = np.linspace(min(np.nanmin(x) for x in losses if len(x)), max(np.nanmax(x) for x in losses if len(x)),
+                           200)
+        ax.scatter(result.table.loss, score, s=18, color="0.3", label="runs")
+        ax.plot(grid, 1 - task_error(d["theta"], grid), color="C0", label="fit: ε − k·exp(−γL)")
+        lo, hi = _band(1 - task_error(d["thetas"], grid), level)
+        ax.fill_between(grid, lo, hi, color="C0", alpha=0.2, lw=0)
+        for p in d["predictions"]:
+            ax.errorbar(p["loss"], p["score"], yerr=[[p["score"] - p["ci"][0]], [p["ci"][1] - p["score"]]],
+                        fmt="*", color="C3", ms=10)
+        ax.plot([], [], "*", color="C3", label="at the compute-optimal loss")
+        ax.set(xlabel="loss (nats/token)", ylabel=f"{d['task']} score", title=d["task"])
+        ax.invert_xaxis()
+        _legend_below(ax, ncol=1)
+    return fig
+
+
 _MAKERS = {"isoflop": plot_isoflop, "allocation": plot_allocation, "frontier": plot_frontier,
-           "contours": plot_contours, "residuals": plot_residuals, "curves": plot_curves}
+           "contours": plot_contours, "residuals": plot_residuals, "curves": plot_curves, "downstream": plot_downstream}
 
 
 def render(result: FitResult, stem: str, formats: tuple[str, ...] = ("png",)) -> dict[str, bytes]:
@@ -487,7 +516,8 @@ def make_plots(result: FitResult, out_dir: Path, workers: int = 1, formats: tupl
     """Write every figure as ``<stem>.<format>`` into out_dir for each of ``formats`` (PNG always, for the
     reports), drawing over ``workers`` processes; returns the PNG bytes by stem."""
     formats = _with_png(formats)
-    stems = [stem for stem, _ in FIGURES] + (["curves"] if result.table.curves else [])
+    stems = [stem for stem, _ in FIGURES] + (["curves"] if result.table.curves else []) + \
+        (["downstream"] if any(not d["skipped"] for d in result.downstream) else [])
     if workers > 1:
         with ProcessPoolExecutor(max_workers=min(workers, len(stems)), initializer=_init_worker,
                                  initargs=(result, formats)) as pool:

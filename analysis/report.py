@@ -15,7 +15,7 @@ from analysis.compare import APPROACHES, TITLES, disagreement_note
 from analysis.fit import forms_cells
 from analysis.forms import FORMS
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
-from analysis.plots import CURVES_FIGURE, FIGURES
+from analysis.plots import CURVES_FIGURE, DOWNSTREAM_FIGURE, FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, MUENNIGHOFF, TABLE3, comparable, listed_note
 from analysis.synthetic import law_optimum
 
@@ -96,9 +96,12 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
     if doc["law"]:
         blocks += [("h", 2, f"Another form: the {doc['law']['form']} law")] + _law_blocks(doc["law"])
     blocks += [("h", 2, "Approaches compared: predictions")] + _predictions_blocks(doc)
+    if doc.get("downstream"):
+        blocks += [("h", 2, "Downstream tasks")] + _downstream_blocks(doc["downstream"])
     blocks += [("h", 2, "Data")] + _data_blocks(doc)
     blocks += [("h", 2, "Hold-out check")] + _holdout_blocks(doc["holdout"])
-    figures = FIGURES + ((CURVES_FIGURE,) if data["n_curves"] else ())
+    figures = FIGURES + ((CURVES_FIGURE,) if data["n_curves"] else ()) + \
+        ((DOWNSTREAM_FIGURE,) if any(not d["skipped"] for d in doc.get("downstream") or []) else ())
     blocks += [("h", 2, "Figures")] + [("img", stem, caption) for stem, caption in figures]
     warnings = doc["warnings"]
     blocks += [("h", 2, "Warnings"),
@@ -279,6 +282,31 @@ def _predictions_blocks(doc: dict) -> list[Block]:
              "Identified approaches DISAGREE: " + " ".join(x["message"] + "." for x in comp["disagreements"]))
     return [("table", ["C (FLOPs)", "C / data max", "approach", "identified", "N_opt", "D_opt", "D/N",
                        "loss (nats)"], rows), ("p", note + " " + agree)]
+
+
+def _downstream_blocks(tasks: list[dict]) -> list[Block]:
+    rows, skipped = [], []
+    for d in tasks:
+        if d["skipped"]:
+            skipped.append(f"{d['task']}: {d['reason']}")
+            continue
+        ci = d["ci"]
+        link = (f"{_with_ci(d['eps'], ci['eps'], 3)} − {_with_ci(d['k'], ci['k'], 3)}·exp(−"
+                f"{_with_ci(d['gamma'], ci['gamma'], 3)}·L)")
+        for p in d["predictions"]:
+            rows.append([d["task"], str(d["runs"]), link, fmt(d["rmse"], 3), fmt(p["flops"]), fmt(p["loss"]),
+                         _with_ci(p["score"], p["ci"], 3)])
+    blocks: list[Block] = [
+        ("p", "Each task's top-1 error against the run's loss, error = eps − k·exp(−gamma·L) (Gadre et al. 2024, "
+              "Language models scale reliably with over-training and on downstream tasks), fitted on the runs "
+              "scored by `python -m lab eval`; the score (1 − error) is predicted at approach 3's compute-optimal "
+              "loss of each prediction budget. Its interval spans the resampled links at that loss and at both ends "
+              "of the loss's own interval.")]
+    if rows:
+        blocks.append(("table", ["task", "runs", "error(L)", "RMSE", "C (FLOPs)", "loss at C", "score at C"], rows))
+    if skipped:
+        blocks.append(("ul", skipped))
+    return blocks
 
 
 def _data_blocks(doc: dict) -> list[Block]:

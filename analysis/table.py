@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import conditions
+from lab.runtime.scores import task_columns
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
 CANONICAL = ("params", "params_non_embedding", "tokens", "flops", "loss", "run_id", "unique_tokens")
@@ -310,6 +311,7 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
         row.update({k: summary.get(k) for k in SUMMARY_KEYS})
         row.update(loss=loss, dataset=summary.get("dataset"), strategy=summary.get("strategy"),
                    world_size=summary.get("world_size"), wall_time_s=summary.get("wall_time_s"))
+        row.update(task_columns(summary_path.parent))
         rows.append(row)
         dirs.append(summary_path.parent)
         sources.append(source)

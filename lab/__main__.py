@@ -17,9 +17,13 @@ COMMANDS = {
     "prepare": ("lab.data", "prepare_main", "tokenize a corpus into shards (a run does it on first use)"),
     "train": ("lab.commands.cli", "run_main", "train one run and write its run directory (under torchrun: one rank)"),
     "sample": ("lab.commands.cli", "sample_main", "sample text from a run's checkpoint"),
-    "export": ("lab.commands.cli", "export_main", "export a run's weights as one plain state-dict file"),
+    "export": ("lab.commands.cli", "export_main", "export a run's weights as one state-dict file, or a Hugging Face "
+               "folder"),
     "plot": ("lab.commands.plot", "main", "a run's curves (loss, eval loss, lr, grad norm, tokens/s), or several "
              "overlaid"),
+    "import-hf": ("lab.commands.hf", "import_main", "a Hugging Face GPT-2 or Llama folder as a run directory to "
+                  "fine-tune"),
+    "eval": ("lab.commands.harness", "main", "score a run with lm-evaluation-harness; scores to RUN_DIR/eval.json"),
     "plan": ("lab.commands.plan", "main", "training time and memory on paper"),
     "bench": ("lab.commands.bench", "main", "throughput and MFU, or strategies side by side"),
     "bench-gpu": ("lab.commands.bench_gpu", "main", "what only a CUDA GPU shows: bf16, compile, NCCL, allocator "

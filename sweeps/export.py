@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lab.runtime.scores import task_columns
 from sweeps.registry import Row
 
 FORMATS = (".csv", ".parquet")
@@ -31,7 +32,8 @@ def experiment_hash(row: Row) -> str:
 def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFrame:
     """Finished experiments of the given roles (the sweep's own; ``search`` and ``verify`` runs on request) as a
     table: ``params``, ``params_non_embedding``, ``tokens``, ``flops``, ``loss`` (the final eval loss, else the
-    final train loss), the run's other figures, its ``role`` and its strategy ``twins``."""
+    final train loss), the run's other figures, its ``role`` and its strategy ``twins``, and a ``task_NAME`` column per
+    downstream task scored by ``python -m lab eval``."""
     records = []
     by_experiment: dict[str, dict] = {}
     for row in rows:
@@ -51,7 +53,7 @@ def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFram
             "d_model": p.shape["d_model"], "n_head": p.shape["n_head"], "lr": p.lr, "batch_tokens": p.batch_tokens,
             "strategy": s.get("strategy"), "world_size": s.get("world_size"), "wall_time_s": s.get("wall_time_s"),
             "steps": s.get("steps"), "config_hash": row.config_hash, "run_dir": str(row.run_dir), "role": p.role,
-            "twins": "",
+            "twins": "", **task_columns(row.run_dir),
         })
         by_experiment[experiment_hash(row)] = records[-1]
     return pd.DataFrame.from_records(records)

@@ -164,7 +164,7 @@ _TABLES = {
     "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "ffn_ratio", "list"},
     "rules": {"lr", "batch_tokens", "mup_base_width"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
-    "base": {"model", "data", "train", "parallel"},
+    "base": {"model", "data", "train", "parallel", "log"},
     "estimate": {"flops_per_s", "step_s", "overhead_s"},
     "local": {"parallel", "threads"},
     "slurm": {"partition", "account", "qos", "constraint", "array_parallelism", "setup", "poll_s"},

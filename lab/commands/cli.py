@@ -36,6 +36,7 @@ from lab.data.tokenizer import BytesTokenizer
 from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
                                 usable_cores)
 from lab.runtime.files import LockHeld, dumps, probe_writable, save_json, take_lock
+from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
 from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
@@ -161,7 +162,7 @@ def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     new, default = _flatten(cfg.to_dict()), _flatten(RunConfig().to_dict())
     # an option added since the run was written (absent from its config.json) held its default then
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k, default.get(k)) != new.get(k)
-                     and k not in RESUMABLE_CHANGES and not k.startswith("parallel."))
+                     and k not in RESUMABLE_CHANGES and not k.startswith(("parallel.", "log.")))
     if changed:
         raise ConfigError(f"--resume cannot change {', '.join(changed)} (the model, data, tokenizer and schedule "
                           f"of a run are fixed; the strategy, world size, micro-batch and precision may change)")
@@ -423,28 +424,53 @@ def chosen_run_dir(args: argparse.Namespace) -> Path:
     return Path(given.pop())
 
 
+def run_weights(run_dir: Path, cfg: RunConfig, folder: str | None) -> tuple[dict[str, torch.Tensor], int]:
+    """A run's whole weights from its newest checkpoint (or ``folder``), and that checkpoint's step."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    weights = checkpoint_weights(run_dir, folder, model)
+    return weights, checkpoint.read_meta(Path(folder) if folder else checkpoint.latest(run_dir))["step"]
+
+
 def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -> int:
-    """Write one run's weights, from any checkpoint, as a single file loadable with weights_only=True."""
+    """Write one run's weights, from any checkpoint, as a single state-dict file (loadable with weights_only=True)
+    or as a Hugging Face folder (``--format hf``: ``lab.commands.hf``)."""
     p = Parser(prog=prog, description="Export a run's weights as one plain state-dict file "
-                                                    "(torch.load(path, weights_only=True) reads it).")
+                                      "(torch.load(path, weights_only=True) reads it), or with --format hf as a "
+                                      "Hugging Face folder (AutoModelForCausalLM and AutoTokenizer load it).")
     add_run_dir_arguments(p)
-    p.add_argument("--out", help="the file to write (default: RUN_DIR/export/model-step-N.pt)")
-    args = p.parse_args(argv)
+    p.add_argument("out_folder", nargs="?", metavar="OUT", help="where to write (the same as --out)")
+    p.add_argument("--format", choices=("pt", "hf"), default="pt",
+                   help="pt: one torch file; hf: config.json, model.safetensors and the tokenizer (the hf extra)")
+    p.add_argument("--out", help="the file (pt) or folder (hf) to write (default: RUN_DIR/export/model-step-N.pt, "
+                                 "or RUN_DIR/export/hf-step-N)")
+    args = p.parse_intermixed_args(argv)  # RUN --format hf OUT
+    if args.run_dir_option is not None and args.out_folder is None:  # --run-dir RUN OUT: the argument is OUT
+        args.out_folder, args.run_dir = args.run_dir, None
     try:
         run_dir = chosen_run_dir(args)
+        if args.out and args.out_folder:
+            raise ConfigError("give OUT or --out, not both")
+        if args.format == "hf":
+            from lab.commands import hf
+            for module in ("transformers", "safetensors"):
+                require(module, "export --format hf")
         cfg = run_config(run_dir)
-        with torch.device("meta"):
-            model = GPT(cfg.model)
-        weights = checkpoint_weights(run_dir, args.checkpoint, model)
-        step = checkpoint.read_meta(Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir))["step"]
-        out = Path(args.out) if args.out else run_dir / "export" / f"model-step-{step:06d}.pt"
+        if args.format == "hf":
+            hf.check_exportable(cfg.model)
+        weights, step = run_weights(run_dir, cfg, args.checkpoint)
+        default = f"model-step-{step:06d}.pt" if args.format == "pt" else f"hf-step-{step:06d}"
+        out = Path(args.out or args.out_folder or run_dir / "export" / default)
         probe_writable(out.parent, "--out")
+        if args.format == "hf":
+            hf.export_hf(cfg, weights, run_dir, out)
     except ConfigError as e:
         return _error(str(e))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
-    tmp.replace(out)
+    if args.format == "pt":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
+        tmp.replace(out)
     print(f"wrote {out}: {sum(w.numel() for w in weights.values()):,} parameters at step {step}")
     return 0
 

@@ -146,11 +146,25 @@ class ParallelConfig:
 
 
 @dataclass
+class LogConfig:
+    """Where rank 0 also sends its metrics, config and summary (``lab.training.trackers``; the tracking extra)."""
+
+    trackers: str = _f("", "comma-separated: tensorboard (event files in RUN_DIR/tensorboard), wandb (Weights & "
+                           "Biases; WANDB_MODE=offline works without a network); a missing package or a failing "
+                           "tracker costs one warning line, never the run")
+    wandb_project: str = _f("scaling-lab", "W&B project")
+    wandb_entity: str | None = _f(None, "W&B entity (default: the account's)")
+    wandb_group: str | None = _f(None, "W&B group (default: the sweep's name for a sweep's run)")
+    wandb_name: str | None = _f(None, "W&B run name (default: the run directory's name: a sweep run's shape)")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

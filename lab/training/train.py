@@ -28,7 +28,7 @@ from lab.runtime import checkpoint
 
 from lab import parallel
 
-from lab.training import schedule
+from lab.training import schedule, trackers
 from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
 from lab.runtime.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
@@ -91,6 +91,7 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     plan = step_plan(cfg, world_size)
     parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
     parallel.validate_model(cfg.parallel, cfg.model)
+    trackers.validate(cfg.log)
     if cfg.train.memory_meter and cfg.train.compile:
         raise ConfigError("train.memory_meter cannot run with train.compile (dynamo does not trace the meter's "
                           "dispatch mode); set one of them false")
@@ -192,10 +193,12 @@ def seed_step(seed: int, device: torch.device) -> None:
 
 
 class RunLog:
-    """metrics.jsonl plus one printed line per logged step (rank 0 only), and a progress bar on a terminal."""
+    """metrics.jsonl plus one printed line per logged step (rank 0 only), a progress bar on a terminal, and the
+    run's trackers (``lab.training.trackers``; opened by ``open_trackers``)."""
 
     def __init__(self, run_dir: Path, enabled: bool, keep_until_step: int, total_steps: int):
         self.path, self.enabled = run_dir / "metrics.jsonl", enabled
+        self.trackers: trackers.Trackers | None = None
         if enabled and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if (rec := _parse_record(line)) is not None and rec["step"] <= keep_until_step]
@@ -205,10 +208,20 @@ class RunLog:
         self.bar = tqdm(total=total_steps, initial=keep_until_step, unit="step", dynamic_ncols=True, leave=False,
                         disable=not (enabled and sys.stderr.isatty()))
 
+    def open_trackers(self, cfg: RunConfig, run_dir: Path, resumed_at: int) -> None:
+        if self.enabled and trackers.names(cfg.log):
+            self.trackers = trackers.Trackers(cfg.log, run_dir, cfg.to_dict(), resumed_at)
+
     def record(self, rec: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(dumps(rec) + "\n")
+            if self.trackers:
+                self.trackers.record(rec)
+
+    def summary(self, summary: dict) -> None:
+        if self.trackers:
+            self.trackers.summary(summary)
 
     def say(self, text: str) -> None:
         if self.enabled:
@@ -216,6 +229,8 @@ class RunLog:
 
     def close(self) -> None:
         self.bar.close()
+        if self.trackers:
+            self.trackers.close()
 
 
 def _parse_record(line: str) -> dict | None:
@@ -382,16 +397,18 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             save_json(run_dir / "config.json", cfg.to_dict())
             data.tokenizer.save(run_dir / "tokenizer")
             log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
+            log.open_trackers(cfg, run_dir, resumed_at=start.step)
         try:
             outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
+            summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
+                                start.wall_time_s + time.perf_counter() - started)
+            summary |= {"resumed_from_step": start.step, "restarts": restarts}
+            if world.is_main:
+                save_json(run_dir / "summary.json", summary)
+                log.summary(summary)
+            return summary
         finally:
             log.close()
-        summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
-                            start.wall_time_s + time.perf_counter() - started)
-        summary |= {"resumed_from_step": start.step, "restarts": restarts}
-        if world.is_main:
-            save_json(run_dir / "summary.json", summary)
-        return summary
 
 
 def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, peak: Peak, start: Start,

@@ -208,3 +208,14 @@ def test_sweep_folder_errors(tmp_path, runs):
     (dirs[3] / "summary.json").write_text("{broken")
     with pytest.raises(InputError, match="run0003/summary.json: cannot read"):
         load_runs(tmp_path)
+
+
+def test_task_scores_beside_the_summaries_become_a_column_per_task(tmp_path, runs):
+    dirs = write_sweep(runs.head(6), tmp_path)
+    for i, d in enumerate(dirs[:5]):  # the sixth run was never scored
+        (d / "eval.json").write_text(json.dumps({"tasks": {"tiny": {"step": 8, "metrics": {
+            "acc": 0.1 * i, "acc_stderr": 0.01}}}}))
+    table = load_runs(tmp_path)
+    scores = dict(zip(table.runs["run_id"], table.runs["task_tiny"]))
+    assert [scores[f"run{i:04d}"] for i in range(5)] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert np.isnan(scores["run0005"])

@@ -31,3 +31,16 @@ def test_strategy_twins_are_one_row_naming_the_others():
     assert list(table["run_id"]) == ["small", "wide"]
     assert list(table["twins"]) == ["small-ddp2;small-zero2", ""]
     assert list(table["loss"]) == [3.0, 2.5]  # the first finished twin's own figures, not a blend
+
+
+def test_task_scores_beside_a_run_are_a_column_per_task(tmp_path):
+    import dataclasses
+    import json
+
+    rows = [dataclasses.replace(_row(name, "single", 1, d, 3.0), run_dir=tmp_path / name)
+            for name, d in (("small", 32), ("wide", 64))]
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "eval.json").write_text(json.dumps({"tasks": {"tiny": {"step": 4, "metrics": {
+        "acc": 0.75, "acc_stderr": 0.1}}}}))
+    table = results(rows)
+    assert table["task_tiny"].iloc[0] == 0.75 and table["task_tiny"].isna().iloc[1]

@@ -385,3 +385,13 @@ def test_seeds_repeat_the_runs_of_the_budgets_below_seeds_below():
     assert not any(r.name.endswith("-s7") for r in result.runs if r.budget == 1e14)
     everywhere = planner.plan(parse(FAMILY.replace("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [3]")))
     assert [r.name for r in everywhere.runs] == [r.name + "-s3" for r in once.runs]
+
+
+def test_a_sweep_file_sends_trackers_to_every_run():
+    def with_log(table: str) -> str:
+        return FAMILY.replace("train = { micro_batch = 8 }", f"train = {{ micro_batch = 8 }}\nlog = {table}")
+
+    runs = planner.plan(parse(with_log('{ trackers = "tensorboard" }'))).runs
+    assert runs and all(("--log.trackers", "tensorboard") in zip(r.args[::2], r.args[1::2]) for r in runs)
+    with pytest.raises(spec.SpecError, match="log.wandb_projekt"):
+        parse(with_log('{ wandb_projekt = "x" }'))
