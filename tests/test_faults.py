@@ -20,7 +20,7 @@ from lab.data import load_tokenizer, prepare
 from lab.measure.device import resolve_precision
 from lab.runtime.files import save_json, take_lock
 from lab.parallel import World
-from lab.parallel.spawn import run_ranks
+from lab.commands.ranks import run_ranks
 from lab.training.train import build_strategy, restore, step_plan, train
 
 
