@@ -74,7 +74,8 @@ def labels_for(paths: list[Path]) -> list[str]:
 
 def parameter_table(entries: list[FitEntry]) -> pd.DataFrame:
     """Quantities (rows) by fit (columns): runs, approach 3's form and each fit's own parameters of it with
-    intervals ("not in its form" where a fit's form has no such parameter), each approach's a, the law planned
+    intervals ("not in its form" where a fit's form reports no such parameter; the shared form's beta is its
+    alpha), each approach's a, the law planned
     with and its N_opt at the largest C of all inputs."""
     flops = max(e.flops_range[1] for e in entries)
     rows: dict[str, list[str]] = {"runs": [str(e.doc["data"]["n_runs"]) for e in entries],
@@ -82,7 +83,7 @@ def parameter_table(entries: list[FitEntry]) -> pd.DataFrame:
     names = dict.fromkeys(q for e in entries for q in (*FORMS[e.form].names, *ALLOCATION_EXPONENTS))
     for q in names:
         rows[f"approach 3: {q}"] = [_with_ci(e.doc["approach3"].get(q), (e.doc["approach3"].get("ci") or {}).get(q))
-                                    if q in FORMS[e.form].names or q in ALLOCATION_EXPONENTS else "not in its form"
+                                    if q in e.doc["approach3"] or q in ALLOCATION_EXPONENTS else "not in its form"
                                     for e in entries]
     for key in APPROACHES[:2]:
         rows[f"{TITLES[key]}: a"] = [_with_ci(e.doc[key].get("a"), (e.doc[key].get("ci") or {}).get("a"))

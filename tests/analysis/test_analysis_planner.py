@@ -37,7 +37,9 @@ def _fit(a3_ok: bool = True, iso_ok: bool = True, iso_scale: float = 1.0, k: flo
                           "identification": GOOD if a3_ok else bad},
             "isoflop": {"a": a, "b": 1 - a, "k_N": k_n, "k_D": 1 / (k * k_n),
                         "identification": GOOD if iso_ok else {**bad, "reasons": ["2 budgets (need 3)"]}},
-            "envelope": {"skipped": True, "reason": "no training curves"}}
+            "envelope": {"skipped": True, "reason": "no training curves"},
+            "comparison": {"preferred": "approach3" if a3_ok else "isoflop" if iso_ok else None, "why": "",
+                           "disagreements": []}}
 
 
 def _samples(fit: dict, spread: float = 0.02, count: int = 200) -> pd.DataFrame:
