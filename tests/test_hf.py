@@ -159,6 +159,11 @@ def test_the_harness_scores_a_run_offline_and_its_scores_sit_beside_the_summary(
     pytest.importorskip("lm_eval")
     from lab.runtime.scores import task_columns
 
+    # a DeepSpeed test earlier in this process leaves RANK/LOCAL_RANK/WORLD_SIZE set (its engine wants them), which
+    # would make accelerate, under lm-eval's hf model, start a process group: `lab eval` is a process of its own
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     docs = [{"question": "The union is", "choices": [" strong", " purple"], "answer": 0},
             {"question": "Congress shall", "choices": [" the", " zebra"], "answer": 0},

@@ -82,8 +82,8 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     starts afresh (a run stopped before its first checkpoint has nothing to lose); ``never`` refuses a
     directory that already holds a run: one that took a step (a checkpoint, metrics or a summary). What a
     run that failed before its first step left (its config.json and tokenizer) is written again. A run whose
-    summary says completed is not resumed; one killed after its last checkpoint but before its summary is
-    (resuming at the last step only writes the summary).
+    summary says completed is not resumed (``refuse_completed``); one killed after its last checkpoint but
+    before its summary is (resuming at the last step only writes the summary).
     """
     probe_writable(run_dir, "--run-dir")
     has_checkpoint = checkpoint.latest(run_dir) is not None
@@ -93,9 +93,13 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     if mode == "never" and took_a_step:
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it (--resume auto also "
                           f"restarts one stopped before its first checkpoint) or choose another --run-dir")
-    if has_checkpoint and (summary := _read_json(run_dir / "summary.json")).get("status") == "completed":
-        raise ConfigError(f"--resume: the run in {run_dir} is already complete ({summary.get('steps')} steps)")
     return has_checkpoint and mode != "never"
+
+
+def refuse_completed(run_dir: Path) -> None:
+    """ConfigError when ``run_dir``'s summary says the run completed (one killed before its summary is resumed)."""
+    if (summary := _read_json(run_dir / "summary.json")).get("status") == "completed":
+        raise ConfigError(f"--resume: the run in {run_dir} is already complete ({summary.get('steps')} steps)")
 
 
 def _read_json(path: Path) -> dict:
@@ -232,8 +236,8 @@ def _preflight(args: argparse.Namespace,
     check_source(cfg.data)
     run_dir = Path(args.run_dir) if args.run_dir else None
     mode = resume_mode(args.resume)
-    if run_dir is not None:
-        check_run_dir(run_dir, mode)
+    if run_dir is not None and check_run_dir(run_dir, mode) and ranks is not None:
+        refuse_completed(run_dir)  # before the launcher starts ranks; a rank refuses it after the config check
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
     precision = resolve_precision(cfg.train.dtype, world.device)
@@ -331,6 +335,7 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
         resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
         if resume:
             check_resume_config(run_dir, cfg)
+            refuse_completed(run_dir)
         if world.is_main and not args.run_dir:
             print(f"run directory: {run_dir}", flush=True)
         with StopSignals() as stop:
@@ -445,8 +450,6 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
     p.add_argument("--out", help="the file (pt) or folder (hf) to write (default: RUN_DIR/export/model-step-N.pt, "
                                  "or RUN_DIR/export/hf-step-N)")
     args = p.parse_intermixed_args(argv)  # RUN --format hf OUT
-    if args.run_dir_option is not None and args.out_folder is None:  # --run-dir RUN OUT: the argument is OUT
-        args.out_folder, args.run_dir = args.run_dir, None
     try:
         run_dir = chosen_run_dir(args)
         if args.out and args.out_folder:

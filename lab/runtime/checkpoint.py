@@ -252,7 +252,7 @@ def read_meta(folder: Path) -> dict:
         raise ConfigError(f"checkpoint {folder} is unreadable ({META}: {e})") from None
 
 
-class CheckpointWriteError(Exception):
+class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk); the message is one line and names the one kept."""
 
 

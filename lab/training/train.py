@@ -504,28 +504,10 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
             if rec["mfu"] > 1 and not warned:
-                warned = True
-                remeasured = remeasure_low_peak(peak) if world.is_main else None
-                if remeasured is not None:
-                    log.say(f"MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) read low; measured "
-                            f"again: {remeasured.flops:.3g} FLOP/s ({remeasured.source}), used from here on")
-                    peak = remeasured
-                else:
-                    log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
-                            f"probably measured while other work ran; measure it again on a quiet machine with "
-                            f"python -m lab peak --remeasure, or set train.peak_flops")
+                warned, peak = True, checked_peak(peak, world, log)
         if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
             eval_loss = evaluate(strategy, world, data, cfg)
-            rec, line = {"step": done, "tokens": done * t.batch_tokens, "eval_loss": eval_loss}, ""
-            if watcher is not None:
-                expected, off_track = watcher.observe(done, eval_loss)
-                rec |= {"expected_loss": expected.expected, "expected_interval": [expected.lo, expected.hi],
-                        "deviation": expected.deviation} | ({"warning": off_track} if off_track else {})
-                line = f" | {expected.line()}"
-            log.record(rec)
-            log.say(f"step {done:>5}/{plan.total_steps} | eval loss {eval_loss:.4f}{line}")
-            if watcher is not None and off_track:
-                log.say(f"warning: {off_track}")
+            log_eval(log, done, plan.total_steps, t.batch_tokens, eval_loss, watcher)
         if result.stop_requested and done < end_step:  # at the last step the run simply ends
             save(done)
             return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks,
@@ -535,6 +517,34 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     status = "completed" if end_step == plan.total_steps else "stopped"
     return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks, peak,
                    None if watcher is None else watcher.summary())
+
+
+def checked_peak(peak: Peak, world: World, log: RunLog) -> Peak:
+    """The peak to go on with once a step's MFU passed 100 %: measured again where it may be (rank 0 with a
+    measured CPU peak), else the same one, with a warning."""
+    remeasured = remeasure_low_peak(peak) if world.is_main else None
+    if remeasured is not None:
+        log.say(f"MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) read low; measured "
+                f"again: {remeasured.flops:.3g} FLOP/s ({remeasured.source}), used from here on")
+        return remeasured
+    log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
+            f"probably measured while other work ran; measure it again on a quiet machine with "
+            f"python -m lab peak --remeasure, or set train.peak_flops")
+    return peak
+
+
+def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_loss: float, watcher) -> None:
+    """The eval record and line; with train.expect, the law's expected loss beside it (and its one warning)."""
+    rec, line, off_track = {"step": step, "tokens": step * batch_tokens, "eval_loss": eval_loss}, "", None
+    if watcher is not None:
+        expected, off_track = watcher.observe(step, eval_loss)
+        rec |= {"expected_loss": expected.expected, "expected_interval": [expected.lo, expected.hi],
+                "deviation": expected.deviation} | ({"warning": off_track} if off_track else {})
+        line = f" | {expected.line()}"
+    log.record(rec)
+    log.say(f"step {step:>5}/{total_steps} | eval loss {eval_loss:.4f}{line}")
+    if off_track:
+        log.say(f"warning: {off_track}")
 
 
 def expectation(cfg: RunConfig, total_steps: int):
