@@ -202,10 +202,11 @@ def planned_run(sweep: Sweep, budget: float, shape_name: str, target: float | No
     lr = float(f"{lr:.4g}")
     args = run_args(sweep.base, {
         "model": {**shape, "vocab_size": vocab_size(sweep.base), **sweep.mup_model_fields()},
-        "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch} | ({} if seed == train.seed else {"seed": seed}),
+        "train": {"tokens": tokens, "lr": lr, "batch_tokens": batch} | ({} if seed == train.seed else {"seed": seed})
+                 | ({"eval_every": max(1, tokens // batch // sweep.evals)} if sweep.evals else {}),
         "parallel": {"strategy": launch.strategy},
     })
-    eval_flops = fpt / 3 * train.eval_tokens  # forward only
+    eval_flops = fpt / 3 * train.eval_tokens * max(1, min(sweep.evals, tokens // batch))  # forward only
     est = (sweep.overhead_s + tokens // batch * sweep.step_s
            + (fpt * tokens + eval_flops) / (sweep.flops_per_s * launch.world_size))
     name = (name or f"C{format_flops(budget)}-{shape_name}") + ("" if seed == train.seed else f"-s{seed}")

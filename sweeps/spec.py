@@ -150,6 +150,7 @@ class Sweep:
     mup_base_width: int | None = None  # [rules] mup_base_width: every run under μP, at one tuned learning rate
     seeds: tuple[int, ...] = ()  # [sweep] seeds: each run once per seed (empty: once, at [base.train]'s seed)
     seeds_below: float | None = None  # [sweep] seeds_below: repeat only the budgets below this C (short, noisy runs)
+    evals: int = 0  # [sweep] evals: held-out evaluations per run, evenly spaced in steps (0: at the end only)
 
     def mup_model_fields(self) -> dict[str, Any]:
         """The [model] options μP adds to every run's command line (none without ``mup_base_width``)."""
@@ -160,7 +161,7 @@ class Sweep:
 
 _TABLES = {
     "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget", "seeds",
-              "seeds_below"},
+              "seeds_below", "evals"},
     "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "ffn_ratio", "list"},
     "rules": {"lr", "batch_tokens", "mup_base_width"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
@@ -469,6 +470,7 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         threads=_integer(local.get("threads", 0), "[local] threads", minimum=0),
         slurm=slurm, source=text, centre=centre, decades_each_side=decades, per_budget=per_budget,
         search=_search(_table(doc, "search"), family), mup_base_width=mup_base_width, **_seeds(sweep),
+        evals=_integer(sweep.get("evals", 0), "[sweep] evals", minimum=0),
     )
 
 

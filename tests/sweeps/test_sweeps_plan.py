@@ -88,6 +88,18 @@ def test_rules_set_lr_batch_and_launch_per_model():
     assert {r.launch.strategy for r in runs} == {"single", "ddp"}
 
 
+def test_evals_spread_held_out_evaluations_evenly_over_each_run():
+    plain, spread = (planner.plan(parse(FAMILY.replace("budgets = [1e13, 1e14]", f"budgets = [1e13, 1e14]{extra}")))
+                     for extra in ("", "\nevals = 16"))
+    for run, again in zip(plain.runs, spread.runs):
+        assert "--train.eval_every" not in run.args  # the default: one evaluation, at the end
+        args = dict(zip(again.args[::2], again.args[1::2]))
+        steps = run.tokens // run.batch_tokens
+        every = int(args["--train.eval_every"])
+        assert every == max(1, steps // 16) and min(steps, 16) <= steps // every < 32  # 16 or all (short runs)
+        assert again.est_seconds > run.est_seconds  # the evaluations are in the time estimate
+
+
 def test_run_names_and_config_hashes_are_unique_and_stable():
     a, b = planner.plan(parse(FAMILY)).runs, planner.plan(parse(FAMILY)).runs
     assert [r.config_hash for r in a] == [r.config_hash for r in b]
@@ -169,6 +181,7 @@ def test_family_sizes_that_round_to_one_shape_are_refused():
     (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = []"), "[sweep] seeds must be a non-empty list"),
     (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [-1]"), "[sweep] seeds[0] must be an integer >= 0"),
     (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds_below = 1e14"), "seeds_below needs 'seeds'"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nevals = 2.5"), "[sweep] evals must be an integer >= 0"),
 ])
 def test_bad_sweep_files_fail_with_one_line(edit, message):
     with pytest.raises(spec.SpecError) as info:
