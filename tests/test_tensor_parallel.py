@@ -87,20 +87,28 @@ def test_a_run_with_a_bad_degree_fails_in_one_line_before_any_work(capsys, tmp_p
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("shape, dim, blocks", [((12, 4), 0, (4, 4, 4)), ((3, 8), 1, (8,)), ((8,), 0, (4, 4))])
+@pytest.mark.parametrize("shape, dim, blocks", [((12, 4), 0, (4, 4, 4)), ((16, 8), 1, (8,)), ((8,), 0, (4, 4))])
 def test_a_split_takes_assembles_and_places_every_element_once(shape, dim, blocks):
+    """Every element of the whole weight is handed over once, from two ranges of each shard; a column shard as at
+    most three rectangles per range (not one range per row: DCP's cost grows with the pieces)."""
     whole = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
     split = Split(shape, dim, blocks)
     shards = [split.take(whole, r, 2) for r in range(2)]
     assert torch.equal(split.assemble(shards), whole)
-    placed = torch.full((whole.numel(),), -1.0)
+    placed = torch.full(shape, -1.0)
     for r, shard in enumerate(shards):
         flat = shard.reshape(-1)
         for lo, hi in ((0, 3), (3, flat.numel())):  # two ranges of the shard, as a ZeRO chunk boundary cuts it
-            for start, view in split.flat_pieces(r, 2, lo, flat[lo:hi]):
-                assert (placed[start:start + view.numel()] == -1).all()
-                placed[start:start + view.numel()] = view
-    assert torch.equal(placed, whole.reshape(-1))
+            held = split.checkpoint_pieces(r, 2, lo, flat[lo:hi])
+            if dim == 1:
+                assert held.shape == shape and len(held.blocks) <= 3
+                spots = [(placed[row:row + v.shape[0], col:col + v.shape[1]], v) for row, col, v in held.blocks]
+            else:
+                spots = [(placed.view(-1)[start:start + v.numel()], v) for start, v in held.pieces]
+            for spot, view in spots:
+                assert (spot == -1).all()
+                spot.copy_(view)
+    assert torch.equal(placed, whole)
 
 
 @pytest.mark.parametrize("model", [
@@ -460,14 +468,38 @@ def test_replicated_key_value_heads_under_fsdp_on_tp2_by_dp2_save_and_load_acros
             assert loaded == 0.0 and stepped <= 1e-5, (saved, spec)
 
 
+def _pieces_of_row_parallel_weights(folder, model: ModelConfig) -> dict[str, int]:
+    """How many pieces DCP stored of each row-parallel weight (split along its columns) and its moments."""
+    rows = GPT(model).parallel_plan().tensor.row
+    stored = checkpoint.read_dcp_metadata(folder).state_dict_metadata
+    out = {key: len(md.chunks) for key, md in stored.items()
+           if key.split("/")[1].removesuffix(".weight") in rows and not key.endswith("/step")}
+    assert len(out) == 3 * len(rows) and all(len(stored[key].size) == 2 for key in out)  # weight, exp_avg, exp_avg_sq
+    return out
+
+
 @pytest.mark.slow
 def test_a_tp2_by_dp2_checkpoint_loads_under_tp1_by_dp4_tp2_by_dp2_and_single(tmp_path):
+    """zero3 over the data axis holds a range of each shard: a column shard is saved as at most three rectangles per
+    rank (it was one range per row, 32 per rank here)."""
     loaders = ["ddp", "zero2", "ddp:tp=2", "zero1:tp=2,sequence_parallel=true"]
     out = run_pooled(_reshard, 4, tmp_path, "zero3:tp=2", loaders, deadline_s=120)[0]
+    assert max(_pieces_of_row_parallel_weights(checkpoint.latest(tmp_path), MODERN).values()) <= 3 * 4
     assert set(out) == {"ddp", "zero2", "ddp:tp=2", "zero1:tp=2,sequence_parallel=true", "single"}
     for spec, (loaded, stepped) in out.items():
         assert loaded == 0.0, spec  # the weights come back bit for bit
         assert stepped <= 1e-5, spec  # and so do the moments: zeros would move a weight by about lr (1e-2)
+
+
+def test_a_flat_checkpoint_loads_under_tp_as_one_written_before_blocks(tmp_path):
+    """A checkpoint that stores every weight flat (zero2 without tp; every tp checkpoint before column shards were
+    stored as 2-D blocks did too) loads under tp 2, a column shard read row by row, bit for bit."""
+    out = run_pooled(_reshard, 2, tmp_path, "zero2", ["zero2:tp=2"], MODERN, deadline_s=120)[0]
+    stored = checkpoint.read_dcp_metadata(checkpoint.latest(tmp_path)).state_dict_metadata
+    assert all(len(md.size) <= 1 for md in stored.values())
+    assert set(out) == {"zero2:tp=2", "single"}
+    for spec, (loaded, stepped) in out.items():
+        assert loaded == 0.0 and stepped <= 1e-5, spec
 
 
 # ---------------------------------------------------------------- the loop
@@ -538,6 +570,8 @@ def test_export_and_sample_read_a_tp2_checkpoint_as_a_single_process_one_of_the_
         save_json(run / "config.json", RunConfig(model=BYTES_MODEL).to_dict())
         BytesTokenizer().save(run / "tokenizer")
     weights = run_pooled(_tp_checkpoint, 2, runs["tp"], BYTES_MODEL)[0]
+    pieces = _pieces_of_row_parallel_weights(checkpoint.latest(runs["tp"]), BYTES_MODEL)
+    assert set(pieces.values()) == {2}  # one rectangle per rank (one range per row: 2 × 32)
     single = _built(World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), "single",
                     Setup(model=BYTES_MODEL))
     with torch.no_grad():

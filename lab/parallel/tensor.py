@@ -30,8 +30,9 @@ Every weight not split is whole on every rank and gets the same gradient there (
 after f's sum); the global gradient norm counts it once (on the group's first rank) and adds the
 split ones over the group. Weights and their initial values: ``initial_value(name)`` returns this
 rank's shard of the whole model's initial value, so a strategy that builds on the meta device fills
-exactly the shard that slicing ``single``'s weights gives. Checkpoints store whole logical tensors
-(``Pieces``: a column shard is one range per row), so any layout loads them.
+exactly the shard that slicing ``single``'s weights gives. Checkpoints store whole logical tensors (a row
+shard as ranges of the flattened weight, ``Pieces``; a column shard as a rectangle of the 2-D weight,
+``Blocks``), so any layout loads them.
 
 Sums over the group add the ranks' partial products in another order than one process's matmul, so
 losses match ``single`` to about 1e-6 relative, not bit for bit. Dropout draws the data-parallel
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from lab.measure import accounting
 
 from lab.runtime import compat
-from lab.runtime.checkpoint import CheckpointState, Held, Pieces
+from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces, row_blocks
 from lab.runtime.config import ConfigError, ModelConfig
 from lab.model.plan import ParallelPlan, TensorPlan, plan_of
 from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, StepMeters, Strategy, World
@@ -108,24 +109,26 @@ class Split:
                  for r in range(0, n, self.sharing(b)) for local, _, size in [self.segments(r, n)[b]]]
         return torch.cat(parts, dim=self.dim)
 
-    def flat_pieces(self, rank: int, n: int, lo: int, view: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """Where elements [lo, lo + len(view)) of the flattened shard sit in the flattened whole weight: (start in
-        the whole, the part of ``view``) for each range that is contiguous in both and that this rank hands over."""
-        hi = lo + view.numel()
+    def checkpoint_pieces(self, rank: int, n: int, lo: int, view: torch.Tensor) -> Pieces | Blocks:
+        """Where elements [lo, lo + len(view)) of the flattened shard sit in the whole weight, counting only what this
+        rank hands over: cut along rows, ranges of the flattened whole weight (one per block); cut along columns,
+        rectangles of the 2-D whole weight (one per row range of the shard, at most three), where its flattened
+        rows would be one range per row and DCP's cost grows with the pieces."""
         segments = [s for b, s in enumerate(self.segments(rank, n)) if rank % self.sharing(b) == 0]
-        if self.dim == 0:
-            inner = math.prod(self.shape[1:])
-            runs = [(local * inner, start * inner, size * inner) for local, start, size in segments]
-        else:  # a 2-D weight cut along its columns: one run per row and block
-            width, whole_width = sum(self.blocks) // n, self.shape[1]
-            rows = range(lo // width, -(-hi // width)) if hi > lo else range(0)
-            runs = [(i * width + local, i * whole_width + start, size) for i in rows for local, start, size in segments]
-        out = []
-        for local, start, size in runs:
-            a, b = max(local, lo), min(local + size, hi)
+        if self.dim == 1:
+            blocks = []
+            for row, column, rect in row_blocks(sum(size for _, _, size in self.segments(rank, n)), lo, view):
+                for local, start, size in segments:
+                    a, b = max(local, column), min(local + size, column + rect.shape[1])
+                    if a < b:
+                        blocks.append((row, start + a - local, rect[:, a - column:b - column]))
+            return Blocks(self.shape, blocks)
+        hi, inner, out = lo + view.numel(), math.prod(self.shape[1:]), []
+        for local, start, size in segments:
+            a, b = max(local * inner, lo), min((local + size) * inner, hi)
             if a < b:
-                out.append((start + a - local, view[a - lo:b - lo]))
-        return out
+                out.append((start * inner + a - local * inner, view[a - lo:b - lo]))
+        return Pieces(math.prod(self.shape), out)
 
 
 # ---------------------------------------------------------------- the conjugate operators
@@ -438,7 +441,7 @@ class TensorParallel:
                     after_load.append(functools.partial(self.sum_replicas, split, lo, view, everyone=False))
                 if not isinstance(value, Held) and not data.is_main:
                     view = value.new_empty(0)
-                out[key] = Pieces(math.prod(split.shape), split.flat_pieces(self.rank, self.n, lo, view))
+                out[key] = split.checkpoint_pieces(self.rank, self.n, lo, view)
         return out, after_load
 
     def full_state_dict(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
