@@ -13,11 +13,12 @@ tensor for a replicated strategy, its slice of a flat ZeRO unit, its rows under 
 asks for the ranges the loading strategy holds: DCP reads whichever saved pieces overlap them. A weight
 that tensor parallelism cuts along its columns is stored in its own 2-D shape instead (``Blocks``): a
 rank's shard is then one rectangle, where in the flattened tensor it is one range per row, and DCP's cost
-grows with the pieces (the same bytes took 0.33 s to save as 24 ranges and 214 s as 18,432). Loading
-meets each entry in the shape it was stored in, so a flat range reads from a 2-D entry (as at most three
-rectangles) and a rectangle from a flat one (checkpoints written before, one range per row). So a
-run saved by zero3 on 2 ranks resumes under zero2 on 4, under ddp, or under single on one process,
-and ``load_model`` rebuilds whole weights in a process with no group at all (export, sampling).
+grows with the pieces (tp 2 on 2 ranks, the demo's model: 6,475 pieces took 10.7-17.3 s a save, 379 take
+1.0-1.8 s; benchmarks/checkpoint.md). Loading meets each entry in the shape it was stored in, so a flat
+range reads from a 2-D entry (as at most three rectangles) and a rectangle from a flat one (checkpoints
+written before, one range per row). So a run saved by zero3 on 2 ranks resumes under zero2 on 4, under
+ddp, or under single on one process, and ``load_model`` rebuilds whole weights in a process with no group
+at all (export, sampling).
 Random state is not stored: the loop derives it from (seed, rank, step).
 """
 
@@ -93,7 +94,8 @@ class Blocks:
     blocks: list[tuple[int, int, torch.Tensor]]
 
 
-CheckpointState = dict[str, "Held | Pieces | Blocks | torch.Tensor"]  # what a strategy hands over; plain tensors are whole
+# what a strategy hands over; plain tensors are whole
+CheckpointState = dict[str, "Held | Pieces | Blocks | torch.Tensor"]
 
 
 def row_blocks(width: int, lo: int, view: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
@@ -158,7 +160,8 @@ def _placed(value: Held | Pieces | Blocks, shape: tuple[int, ...] | None
                        for i, line in enumerate(view)]
     ranges = value.pieces if isinstance(value, Pieces) else [(value.lo, value.view)]
     if shape is not None and len(shape) == 2:  # ranges of a tensor stored in its 2-D shape
-        return shape, [((row, column), view) for lo, flat in ranges for row, column, view in row_blocks(shape[1], lo, flat)]
+        return shape, [((row, column), view) for lo, flat in ranges
+                       for row, column, view in row_blocks(shape[1], lo, flat)]
     return (value.numel,), [((lo,), view) for lo, view in ranges]
 
 
