@@ -46,6 +46,7 @@ def one_error_line(err: str) -> str:
 # ---------------------------------------------------------------- 1. a second run without --run-dir
 
 
+@pytest.mark.slow
 def test_runs_without_run_dir_each_get_their_own_folder(args, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert run_main([*args, "--train.tokens", "512"]) == 0
@@ -243,6 +244,7 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_files_strict(args, t
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_can_stop_the_run_instead(args, tmp_path, capsys, infinite_gradient_at_step_3):
     r = tmp_path / "r"
     assert run(r, *args, "--train.checkpoint_every", "2", "--train.nonfinite", "stop") == 1
@@ -279,6 +281,7 @@ def test_replacing_a_checkpoint_keeps_the_old_one_until_the_new_one_is_in_place(
 # ---------------------------------------------------------------- 12. progress, ETA, leftovers
 
 
+@pytest.mark.slow
 def test_training_prints_an_estimate_and_an_eta(args, tmp_path, capsys):
     assert run(tmp_path / "r", *args) == 0
     out = capsys.readouterr().out
@@ -288,6 +291,7 @@ def test_training_prints_an_estimate_and_an_eta(args, tmp_path, capsys):
     assert len(steps) == 8 and all("| eta " in line for line in steps)
 
 
+@pytest.mark.slow
 def test_leftovers_of_an_interrupted_run_are_cleaned_up(args, tmp_path):
     r = tmp_path / "r"
     assert run(r, *args, "--train.stop_after", "4") == 0

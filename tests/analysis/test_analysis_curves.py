@@ -96,6 +96,7 @@ def _write_run(folder, curve: Curve, kind: str, steps: int, lr: float, evals: bo
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_cli_fits_a_sweep_holds_out_wsd_and_predicts(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     for i, (n, steps) in enumerate(SIZES):
@@ -133,6 +134,7 @@ def test_cli_fits_a_sweep_holds_out_wsd_and_predicts(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_watch_flags_a_run_that_goes_off_track_once_and_an_on_track_run_never(tmp_path, capsys):
     """A curves fit of law-made runs; a new run on the law stays quiet, the same run whose loss jumps 5 % at step 600
     (what a learning rate x10 there does) warns once, three evals after the jump, and is drawn."""

@@ -23,6 +23,7 @@ def fitted(tmp_path_factory):
     return out / "fit.json"
 
 
+@pytest.mark.slow
 def test_predict_from_python_matches_the_law_with_intervals_and_flags(fitted):
     law = load_law(fitted)
     doc = json.loads(fitted.read_text())
