@@ -5,6 +5,8 @@ README's worked example, run as written."""
 
 from pathlib import Path
 
+import pytest
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
