@@ -6,7 +6,6 @@ README's worked example, run as written."""
 from pathlib import Path
 
 import pytest
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
