@@ -108,7 +108,7 @@ def off_track(folder: Path) -> tuple[str, ...]:
 
 
 def test_an_off_track_warning_reaches_tensorboard_once_with_the_expected_loss(tmp_path, args, capsys):
-    """A run outside the law's interval at every eval warns at its third (analysis.watch.OFF_TRACK_EVALS), and
+    """A run outside the law's interval at every eval warns at its third (lab.training.expect.OFF_TRACK_EVALS), and
     TensorBoard holds that warning once, at that step, beside the expected loss and the deviation of every eval."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -28,7 +28,7 @@ from lab.runtime import checkpoint
 
 from lab import parallel
 
-from lab.training import schedule, trackers
+from lab.training import expect, schedule, trackers
 from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
 from lab.runtime.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
@@ -106,12 +106,9 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
         if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
     if cfg.train.expect:  # a law that cannot be read is refused before any work
-        from analysis.table import InputError
-        from analysis.watch import read_law
-
         try:
-            read_law(cfg.train.expect)
-        except InputError as e:
+            expect.read_law(cfg.train.expect)
+        except expect.LawError as e:
             raise ConfigError(f"train.expect: {e}") from None
     return plan
 
@@ -438,7 +435,7 @@ class Outcome:
     skipped_steps: int
     peak_bytes: dict[str, int]  # per phase and the RSS: the most any step reached
     peak: Peak  # the MFU denominator at the end (a CPU peak that read low is measured again)
-    expect: dict | None = None  # with train.expect: the run against the law (analysis.watch.Watcher.summary)
+    expect: dict | None = None  # with train.expect: the run against the law (lab.training.expect.Watcher.summary)
 
 
 def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -533,7 +530,8 @@ def checked_peak(peak: Peak, world: World, log: RunLog) -> Peak:
     return peak
 
 
-def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_loss: float, watcher) -> None:
+def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_loss: float,
+             watcher: expect.Watcher | None) -> None:
     """The eval record and line; with train.expect, the law's expected loss beside it (and its one warning)."""
     rec, line, off_track = {"step": step, "tokens": step * batch_tokens, "eval_loss": eval_loss}, "", None
     if watcher is not None:
@@ -547,15 +545,12 @@ def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_l
         log.say(f"warning: {off_track}")
 
 
-def expectation(cfg: RunConfig, total_steps: int):
-    """train.expect's watcher (analysis.watch): the run's N and its schedule's rate at every step under the law."""
-    from analysis.table import InputError
-    from analysis.watch import watcher
-
+def expectation(cfg: RunConfig, total_steps: int) -> expect.Watcher:
+    """train.expect's watcher: the run's N and its schedule's rate at every step under the law."""
     lr = [schedule.learning_rate(s, total_steps, cfg.train) for s in range(total_steps)]
     try:
-        return watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr, cfg.train.batch_tokens)
-    except InputError as e:
+        return expect.watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr, cfg.train.batch_tokens)
+    except expect.LawError as e:
         raise ConfigError(f"train.expect: {e}") from None
 
 
