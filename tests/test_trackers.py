@@ -131,5 +131,24 @@ def test_an_off_track_warning_reaches_tensorboard_once_with_the_expected_loss(tm
         assert [e.value for e in got] == pytest.approx([r[key] for r in records], rel=1e-6)
 
 
+def test_a_resumed_run_remembers_its_evals_and_its_warning(tmp_path, args, capsys):
+    """Stopped after its warning at step 3 and resumed: the run does not warn again, and summary.json and
+    TensorBoard count every eval of both segments and the one warning."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, options = tmp_path / "r", ("--log.trackers", "tensorboard", *off_track(tmp_path))
+    assert run(run_dir, args, *options, "--train.stop_after", "3") == 0
+    assert capsys.readouterr().out.count("warning: OFF TRACK") == 1
+    assert run(run_dir, args, *options, "--resume") == 0
+    assert "OFF TRACK" not in capsys.readouterr().out
+    summary = json.loads((run_dir / "summary.json").read_text())["expect"]
+    assert (summary["evals"], summary["off_track_at_step"], summary["outside"]) == (4, 3, 4)
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("warnings/text_summary")] == [3]
+    assert [e.step for e in events.Scalars("eval/expected_loss")] == [1, 2, 3, 4]
+
+
 def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

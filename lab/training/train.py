@@ -220,6 +220,13 @@ class RunLog:
         if self.trackers:
             self.trackers.summary(summary)
 
+    def evals(self) -> list[dict]:
+        """The eval records in metrics.jsonl (rank 0): a resumed run's, those its earlier segments kept."""
+        if not (self.enabled and self.path.exists()):
+            return []
+        return [rec for line in self.path.read_text().splitlines()
+                if (rec := _parse_record(line)) is not None and "eval_loss" in rec]
+
     def say(self, text: str) -> None:
         if self.enabled:
             self.bar.write(text) if not self.bar.disable else print(text, flush=True)
@@ -451,7 +458,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     recent: list[float] = start.recent_losses
     eval_loss, skipped, loop_start, warned = start.eval_loss, start.skipped_steps, time.perf_counter(), False
     most_peaks: dict[str, int] = {}
-    watcher = expectation(cfg, plan.total_steps) if t.expect else None
+    watcher = expectation(cfg, plan.total_steps, log.evals()) if t.expect else None
 
     def save(step: int) -> None:
         if not strategy.params_finite():
@@ -545,13 +552,18 @@ def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_l
         log.say(f"warning: {off_track}")
 
 
-def expectation(cfg: RunConfig, total_steps: int) -> expect.Watcher:
-    """train.expect's watcher: the run's N and its schedule's rate at every step under the law."""
+def expectation(cfg: RunConfig, total_steps: int, earlier: list[dict]) -> expect.Watcher:
+    """train.expect's watcher: the run's N and its schedule's rate at every step under the law; a resumed run's
+    watcher has seen its ``earlier`` eval records, so it warns once over the whole run."""
     lr = [schedule.learning_rate(s, total_steps, cfg.train) for s in range(total_steps)]
     try:
-        return expect.watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr, cfg.train.batch_tokens)
+        watcher = expect.watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr,
+                                 cfg.train.batch_tokens)
     except expect.LawError as e:
         raise ConfigError(f"train.expect: {e}") from None
+    for rec in earlier:
+        watcher.observe(rec["step"], rec["eval_loss"])  # a warning among them was given when its segment ran
+    return watcher
 
 
 def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
