@@ -107,33 +107,10 @@ def off_track(folder: Path) -> tuple[str, ...]:
     return "--train.eval_every", "1", "--train.checkpoint_every", "0", "--train.expect", str(folder / "curves.json")
 
 
-def test_an_off_track_warning_reaches_tensorboard_once_with_the_expected_loss(tmp_path, args, capsys):
-    """A run outside the law's interval at every eval warns at its third (lab.training.expect.OFF_TRACK_EVALS), and
-    TensorBoard holds that warning once, at that step, beside the expected loss and the deviation of every eval."""
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    run_dir = tmp_path / "r"
-    assert run(run_dir, args, "--log.trackers", "tensorboard", *off_track(tmp_path)) == 0
-    assert capsys.readouterr().out.count("warning: OFF TRACK") == 1
-    warned = json.loads((run_dir / "summary.json").read_text())["expect"]["off_track_at_step"]
-    assert warned == 3
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
-    events.Reload()
-    alerts = events.Tensors("warnings/text_summary")
-    assert [e.step for e in alerts] == [warned]
-    assert alerts[0].tensor_proto.string_val[0].decode().startswith("OFF TRACK: the eval loss has been outside")
-    records = [r for r in metrics_of(run_dir) if "expected_loss" in r]
-    assert len(records) == 4
-    for key in ("expected_loss", "deviation"):
-        got = events.Scalars(f"eval/{key}")
-        assert [e.step for e in got] == [r["step"] for r in records]
-        assert [e.value for e in got] == pytest.approx([r[key] for r in records], rel=1e-6)
-
-
-def test_a_resumed_run_remembers_its_evals_and_its_warning(tmp_path, args, capsys):
-    """Stopped after its warning at step 3 and resumed: the run does not warn again, and summary.json and
-    TensorBoard count every eval of both segments and the one warning."""
+def test_an_off_track_warning_reaches_tensorboard_once_even_across_a_resume(tmp_path, args, capsys):
+    """A run outside the law's interval at every eval warns at its third (lab.training.expect.OFF_TRACK_EVALS).
+    Stopped there and resumed, it does not warn again: summary.json counts both segments' evals and the one warning,
+    and TensorBoard holds that warning once, at its step, beside every eval's expected loss and deviation."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -146,9 +123,15 @@ def test_a_resumed_run_remembers_its_evals_and_its_warning(tmp_path, args, capsy
     assert (summary["evals"], summary["off_track_at_step"], summary["outside"]) == (4, 3, 4)
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
-    assert [e.step for e in events.Tensors("warnings/text_summary")] == [3]
-    assert [e.step for e in events.Scalars("eval/expected_loss")] == [1, 2, 3, 4]
-
+    alerts = events.Tensors("warnings/text_summary")
+    assert [e.step for e in alerts] == [3]
+    assert alerts[0].tensor_proto.string_val[0].decode().startswith("OFF TRACK: the eval loss has been outside")
+    records = [r for r in metrics_of(run_dir) if "expected_loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("expected_loss", "deviation"):
+        got = events.Scalars(f"eval/{key}")
+        assert [e.step for e in got] == [r["step"] for r in records]
+        assert [e.value for e in got] == pytest.approx([r[key] for r in records], rel=1e-6)
 
 def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
