@@ -15,7 +15,7 @@ import torch
 
 from lab.runtime import checkpoint
 from lab.commands.cli import export_main, resolve_vocab, run_main, sample_main
-from lab.runtime.config import ConfigError, build_parser, config_from_args
+from lab.runtime.config import ConfigError, ParallelConfig, build_parser, config_from_args
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import resolve_precision
 from lab.runtime.files import save_json, take_lock
@@ -266,9 +266,9 @@ def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(arg
 def _axis_timeouts(world: World) -> list[float]:
     from lab.parallel import mesh
 
-    axes = mesh.build(world, 2)
+    axes = mesh.build(world, ParallelConfig(tp=2))
     return [axis.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for axis in (axes.data, axes.tensor)]
+            for axis in (axes.dp, axes.tp)]
 
 
 @pytest.mark.slow
