@@ -321,15 +321,25 @@ def test_abandoned_data_preparation_folders_are_removed(tiny_data_config, tmp_pa
 # ---------------------------------------------------------------- 13. layering
 
 
-def _lab_imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside a function."""
     names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lab"):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
         elif isinstance(node, ast.Import):
-            names |= {a.name for a in node.names if a.name.startswith("lab")}
+            names |= {a.name for a in node.names}
     return names
+
+
+def _lab_imports(path: Path) -> set[str]:
+    return {m for m in _imports(path) if m.split(".")[0] == "lab"}
+
+
+def test_lab_imports_nothing_of_the_analysis_or_the_sweeps_built_on_it():
+    for path in (ROOT / "lab").rglob("*.py"):
+        above = {m for m in _imports(path) if m.split(".")[0] in ("analysis", "sweeps")}
+        assert not above, (str(path.relative_to(ROOT)), above)
 
 
 def test_accounting_depends_on_nothing_in_lab_and_config_not_on_the_model():
