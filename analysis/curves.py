@@ -36,6 +36,7 @@ from scipy.signal import lfilter
 
 from analysis.bootstrap import draw_weights, interval
 from analysis.table import InputError
+from lab.training.expect import drops
 
 NAMES = ("E", "B", "beta", "A", "alpha", "C", "lambda")
 HUBER_SCALE = 0.01  # log-loss residuals beyond this count linearly: eval-loss spikes weigh less
@@ -71,32 +72,19 @@ def schedule_lr(kind: str, peak: float, total_steps: int, warmup: float = 0.05, 
     return np.array([learning_rate(s, total_steps, cfg) for s in range(total_steps)])
 
 
-def _drops(lr: np.ndarray) -> np.ndarray:
-    """eta_{i-1} - eta_i at each step, zero up to the peak."""
-    drops = np.zeros_like(lr)
-    drops[1:] = lr[:-1] - lr[1:]
-    drops[: int(np.argmax(lr)) + 1] = 0.0
-    return drops
-
-
-def areas(lr: np.ndarray, lam: float) -> tuple[np.ndarray, np.ndarray]:
-    """S1 and S2 after each step (arrays as long as ``lr``); S2's drops count from the peak on."""
-    return np.cumsum(lr), np.cumsum(lfilter([1.0], [1.0, -lam], _drops(lr)))
-
-
 class _Design:
     """The curves' points with what does not depend on theta computed once: log N, S1 and the drops."""
 
     def __init__(self, curves: list[Curve]):
         self.log_n = np.concatenate([np.full(len(c.steps), math.log(c.params)) for c in curves])
         self.log_s1 = np.concatenate([np.log(np.cumsum(c.lr)[c.steps - 1]) for c in curves])
-        self.parts = [(_drops(c.lr), c.steps - 1) for c in curves]
+        self.parts = [(drops(c.lr), c.steps - 1) for c in curves]
 
     def s2(self, lam: float, derivative: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         """S2 at every point and, when asked, dS2/dlambda (m' = lambda m'_prev + m_prev, summed)."""
         values, slopes = [], []
-        for drops, idx in self.parts:
-            m = lfilter([1.0], [1.0, -lam], drops)
+        for dropped, idx in self.parts:
+            m = lfilter([1.0], [1.0, -lam], dropped)
             values.append(np.cumsum(m)[idx])
             if derivative:
                 previous = np.concatenate([[0.0], m[:-1]])

@@ -5,6 +5,7 @@ README's worked example, run as written."""
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,6 +64,7 @@ def _train_each(world: World) -> dict:
                                                                           "last_loss": ref.losses[-1]}
 
 
+@pytest.mark.slow
 def test_every_data_parallel_strategy_trains_a_module_that_is_not_a_gpt_as_one_process_does():
     results = run_pooled(_train_each, 2)[0]
     assert results.pop("last_loss") < results.pop("first_loss")  # it trains

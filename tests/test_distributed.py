@@ -130,6 +130,7 @@ def ddp_cases():
     return run_pooled(_ddp_cases, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", ["one bucket", "several", "one per parameter", "no overlap"])
 def test_bucket_layouts_and_overlap_reproduce_single_bit_for_bit(ddp_cases, label):
     assert ddp_cases[0][label].bitwise

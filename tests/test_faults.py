@@ -15,7 +15,7 @@ import torch
 
 from lab.runtime import checkpoint
 from lab.commands.cli import export_main, resolve_vocab, run_main, sample_main
-from lab.runtime.config import ConfigError, build_parser, config_from_args
+from lab.runtime.config import ConfigError, ParallelConfig, build_parser, config_from_args
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import resolve_precision
 from lab.runtime.files import save_json, take_lock
@@ -62,6 +62,7 @@ def test_a_stop_signal_during_the_last_step_completes_the_run(args, tmp_path):
     assert summary(r)["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_a_run_killed_between_its_last_checkpoint_and_its_summary_completes_on_resume(args, tmp_path, capsys):
     r, whole = tmp_path / "r", tmp_path / "whole"
     assert run(whole, *args, "--train.stop_after", "3") == 0  # skipped_steps and losses carried from step 3 on
@@ -77,6 +78,7 @@ def test_a_run_killed_between_its_last_checkpoint_and_its_summary_completes_on_r
         assert got[key] == expected[key], key
 
 
+@pytest.mark.slow
 def test_skipped_steps_count_across_resumes(args, tmp_path, infinite_gradient_at_step_3):
     r = tmp_path / "r"
     assert run(r, *args, "--train.stop_after", "4") == 0
@@ -128,6 +130,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_second_launch_on_a_folder_in_use_refuses_and_touches_nothing(args, tmp_path, capsys):
     r = tmp_path / "r"
     assert run(r, *args, "--train.stop_after", "4") == 0
@@ -152,6 +155,7 @@ def test_write_atomic_syncs_the_file_and_its_folder(tmp_path, monkeypatch):
     assert synced == [(tmp_path / "x.json").stat().st_ino, tmp_path.stat().st_ino]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_unreadable_metadata_falls_back_to_the_previous_one(args, tmp_path, capsys):
     whole, r = tmp_path / "whole", tmp_path / "r"
     assert run(whole, *args) == 0
@@ -178,6 +182,7 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.slow
 def test_a_crafted_checkpoint_is_refused_without_running_anything(args, tmp_path, capsys):
     r, marker = tmp_path / "r", tmp_path / "pwned"
     assert run(r, *args, "--train.stop_after", "4") == 0
@@ -233,6 +238,7 @@ def test_sweep_names_files_and_slurm_settings_are_checked(tmp_path):
 # ---------------------------------------------------------------- a disk that fills up mid-checkpoint
 
 
+@pytest.mark.slow
 def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(args, tmp_path, monkeypatch, capsys):
     import errno
 
@@ -266,9 +272,9 @@ def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(arg
 def _axis_timeouts(world: World) -> list[float]:
     from lab.parallel import mesh
 
-    axes = mesh.build(world, 2)
+    axes = mesh.build(world, ParallelConfig(tp=2))
     return [axis.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for axis in (axes.data, axes.tensor)]
+            for axis in (axes.dp, axes.tp)]
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ CHECKPOINTED = ["ddp:activation_checkpointing=full", "torch_ddp:activation_check
                 "zero2:activation_checkpointing=selective", "fsdp:activation_checkpointing=selective"]
 
 
+@pytest.mark.slow
 def test_every_sharded_variant_reproduces_single_bit_for_bit_on_two_ranks():
     # One micro-batch per rank on 2 ranks: sums of two numbers and exact halving (see lab.commands.equivalence).
     # Clipping off: the sharded gradient norm is summed shard by shard, so it may differ in the last bits.

@@ -213,6 +213,7 @@ def _gqa(world: World, specs: list[str], setup: Setup, models: dict[str, ModelCo
     # two key/value heads on four ranks: the reference's mesh of (key/value heads × sharers) is 2 × 2
     pytest.param(4, ["ddp:tp=4,tp_impl=torch", "zero2:tp=4,tp_impl=torch,sequence_parallel=true"],
                  {"modern": MODERN}, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_single(ranks, specs, models):
     """Each rank holds the key/value head its query heads use; the replicas' gradients are summed over the ranks
     holding them and counted once in the clipped norm, so the losses, norms and weights are single's. The same under
@@ -224,6 +225,7 @@ def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_sing
             assert _close(r), (name, spec, r)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_reproduces_single_on_two_ranks():
     specs = ["ddp:tp=2,sequence_parallel=true", "zero3:tp=2,sequence_parallel=true",
              "single:tp=2,tp_impl=torch,sequence_parallel=true"]
@@ -394,6 +396,7 @@ def _reshard(world: World, run_dir, saved: str, loaders: list[str], model: Model
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved, loaders, model", [
     ("single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"], MODERN),
     ("zero2:tp=2,tp_impl=torch,sequence_parallel=true", ["single:tp=2,sequence_parallel=true"], MODERN),
@@ -447,6 +450,7 @@ def test_the_torch_reference_runs_norms_on_sequence_shards():
     assert len(seen) == 2 * TINY.n_layer + 1 and set(seen.values()) == {TINY.block_size // 2}
 
 
+@pytest.mark.slow
 def test_replicated_key_value_heads_are_saved_once_and_reach_every_holder_on_load(tmp_path):
     """tp 2 with one key/value head: the first holder saves the replicated rows; a load under tp 2 (ddp, zero2)
     gives them to both holders (a rank left at its initial rows would move away from single at the next step)."""

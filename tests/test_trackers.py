@@ -66,7 +66,7 @@ def test_tensorboard_and_offline_wandb_follow_the_run_through_a_resume(tmp_path,
     (tmp_path / "sweep" / "sweep.toml").parent.mkdir(parents=True)
     (tmp_path / "sweep" / "sweep.toml").write_text('[sweep]\nname = "iso-sweep-7"\n')
     options = ("--log.trackers", "tensorboard,wandb")
-    assert run(run_dir, args, *options, "--train.stop_after", "2") == 0
+    assert run(run_dir, args, *options, "--train.stop_after", "3", *off_track(tmp_path)) == 0  # warns at step 3
     run_id = (run_dir / "wandb-id").read_text().strip()
     assert run(run_dir, args, *options, "--resume") == 0
     assert (run_dir / "wandb-id").read_text().strip() == run_id
@@ -90,3 +90,48 @@ def test_tensorboard_and_offline_wandb_follow_the_run_through_a_resume(tmp_path,
         time.sleep(0.5)
     record = (segments[-1] / f"run-{run_id}.wandb").read_bytes()
     assert all(key in record for key in keys), [k for k in keys if k not in record]
+    # the first segment's record holds its off-track warning: the alert, and the summary's warning field
+    first = (segments[0] / f"run-{run_id}.wandb").read_bytes()
+    assert b"n1-d32: OFF TRACK" in first and b"step 3: OFF TRACK: the eval loss" in first and b"warning_step" in first
+
+
+def off_track(folder: Path) -> tuple[str, ...]:
+    """Options that make a tiny run go off track at its third eval (step 3): evals at every step against a curves law
+    (folder/curves.json) that expects about 1.1 nats where the run's loss sits near 6."""
+    from analysis.curves import CurveFit, from_named
+
+    law = CurveFit(theta=from_named({"E": 1.0, "B": 1.0, "beta": 0.5, "A": 0.1, "alpha": 0.5, "C": 1e-9,
+                                     "lambda": 0.5}), thetas=None, converged=True, rmse_log_loss=0.0, n_runs=1,
+                   n_points=1, level=0.95)
+    (folder / "curves.json").write_text(json.dumps({"fit": law.to_dict()}))
+    return "--train.eval_every", "1", "--train.checkpoint_every", "0", "--train.expect", str(folder / "curves.json")
+
+
+def test_an_off_track_warning_reaches_tensorboard_once_even_across_a_resume(tmp_path, args, capsys):
+    """A run outside the law's interval at every eval warns at its third (lab.training.expect.OFF_TRACK_EVALS).
+    Stopped there and resumed, it does not warn again: summary.json counts both segments' evals and the one warning,
+    and TensorBoard holds that warning once, at its step, beside every eval's expected loss and deviation."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, options = tmp_path / "r", ("--log.trackers", "tensorboard", *off_track(tmp_path))
+    assert run(run_dir, args, *options, "--train.stop_after", "3") == 0
+    assert capsys.readouterr().out.count("warning: OFF TRACK") == 1
+    assert run(run_dir, args, *options, "--resume") == 0
+    assert "OFF TRACK" not in capsys.readouterr().out
+    summary = json.loads((run_dir / "summary.json").read_text())["expect"]
+    assert (summary["evals"], summary["off_track_at_step"], summary["outside"]) == (4, 3, 4)
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    alerts = events.Tensors("warnings/text_summary")
+    assert [e.step for e in alerts] == [3]
+    assert alerts[0].tensor_proto.string_val[0].decode().startswith("OFF TRACK: the eval loss has been outside")
+    records = [r for r in metrics_of(run_dir) if "expected_loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("expected_loss", "deviation"):
+        got = events.Scalars(f"eval/{key}")
+        assert [e.step for e in got] == [r["step"] for r in records]
+        assert [e.value for e in got] == pytest.approx([r[key] for r in records], rel=1e-6)
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -102,6 +102,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, args):
     assert a == pytest.approx(b, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_wsd_schedule_and_modern_arch_train(tmp_path, args):
     assert run(tmp_path / "m", *args, "--model.arch", "modern", "--model.n_kv_head", "1",
                "--train.schedule", "wsd") == 0
@@ -169,6 +170,7 @@ def test_existing_runs_are_never_overwritten_and_resume_checks_the_config(tmp_pa
     assert (r / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_sample_continues_a_prompt(tmp_path, args, capsys):
     r = tmp_path / "r"
     assert run(r, *args) == 0

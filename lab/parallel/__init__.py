@@ -83,16 +83,11 @@ def parse_spec(text: str) -> ParallelConfig:
 
 
 def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
-    """The strategy ``cfg`` names, validated and constructed (not yet built); with ``parallel.tp`` > 1 it runs
-    over the data axis of the mesh (collective: every rank calls it) and the tensor-parallel step comes first."""
+    """The strategy ``cfg`` names, validated and constructed (not yet built) on the world's mesh (collective when
+    ``parallel.tp`` > 1: every rank calls it): it runs over the data axis, its tensor-parallel transform over the
+    tensor axis."""
     cls = validate(cfg, world.world_size, loop)
-    if cfg.tp == 1:
-        return cls(world, cfg, precision, loop)
-    axes = mesh.build(world, cfg.tp)
-    strategy = cls(axes.data, cfg, precision, loop)
-    implementation = tensor.TorchTensorParallel if cfg.tp_impl == "torch" else tensor.TensorParallel
-    strategy.everyone, strategy.tensor = world, implementation(axes.tensor, cfg.sequence_parallel)
-    return tensor.WithTensorParallel(strategy, strategy.tensor)
+    return cls(mesh.build(world, cfg), cfg, precision, loop)
 
 
 def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:

@@ -37,7 +37,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -48,59 +48,9 @@ from lab.runtime.checkpoint import CheckpointState, Held
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.measure.device import Precision
 from lab.model.plan import ParallelPlan, plan_of
-from lab.parallel import activations
+from lab.parallel import activations, tensor
 from lab.parallel.comm import Comm
-
-if TYPE_CHECKING:
-    from lab.parallel.tensor import TensorParallel
-
-
-@dataclass(frozen=True)
-class World:
-    """Where this process sits: rank, world size and device; on one axis of a mesh (``lab.parallel.mesh``),
-    its rank and size on that axis and the axis's process group (None: the default group, every rank)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    group: dist.ProcessGroup | None = None
-    device_mesh: Any = None  # the axis as a one-dimensional torch DeviceMesh (FSDP2 takes one), when on a mesh
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def global_rank(self, rank: int) -> int:
-        """The global rank of this world's rank ``rank`` (what torch.distributed's ``src`` arguments take)."""
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum a small tensor of the loop's own figures over ranks (bookkeeping, not counted as strategy traffic)."""
-        if self.world_size == 1:
-            return values
-        values = values.detach().clone()
-        dist.all_reduce(values, group=self.group)
-        return values
-
-    def broadcast_from_main(self, make: Callable[[], Any]) -> Any:
-        """``make()`` evaluated on rank 0 and handed to every rank (a picklable value)."""
-        if self.world_size == 1:
-            return make()
-        box = [make() if self.is_main else None]
-        dist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
-        return box[0]
-
-    def check_same(self, value: str, what: str) -> None:
-        """Raise ConfigError on every rank when ranks disagree on ``value`` (a digest of ``what``)."""
-        if self.world_size == 1:
-            return
-        values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, value, group=self.group)
-        differ = [r for r, v in enumerate(values) if v != values[0]]
-        if differ:
-            raise ConfigError(f"{what} differs between ranks: rank {differ[0]} has {values[differ[0]][:12]}, "
-                              f"rank 0 has {values[0][:12]}")
+from lab.parallel.mesh import Mesh, World
 
 
 def join_group_of_one(device: torch.device) -> None:
@@ -225,12 +175,13 @@ class Strategy:
             raise ConfigError(f"train.compile is not supported under strategy '{cls.name}' (dynamo cannot trace "
                               f"parameters sharded at rest); set train.compile false or choose another strategy")
 
-    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
-        self.validate(cfg, world.world_size, loop)
-        self.world, self.cfg, self.precision, self.loop = world, cfg, precision, loop
-        self.comm = Comm(world.world_size, world.group)
-        self.everyone = world  # every rank of the run; on a mesh, create() sets it beside the data-parallel world
-        self.tensor: TensorParallel | None = None  # the tensor-parallel step, when parallel.tp > 1 (create sets it)
+    def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
+        self.validate(cfg, mesh.dp.world_size, loop)
+        self.world, self.cfg, self.precision, self.loop = mesh.dp, cfg, precision, loop  # the strategy's axis: dp
+        self.everyone = mesh.world  # every rank of the run
+        self.tensor = tensor.on_axis(mesh.tp, cfg)  # the tensor-parallel transform, applied to the model it builds
+        self.comm = Comm(self.world.world_size, self.world.group)
+        self._after_load: list[Callable[[], None]] = []  # what the tensor-parallel group does after a load
         self.saved = activations.SavedBytes()
         self.module: nn.Module | None = None  # the model, under its own parameter names
         self.plan: ParallelPlan | None = None  # what the model declares of itself (lab.model.plan)
@@ -242,14 +193,16 @@ class Strategy:
         self._most_saved = 0
 
     def describe(self) -> str:
-        """The strategy as the run's start line names it."""
-        return self.name
+        """The strategy as the run's start line names it (with its tensor-parallel layout)."""
+        return self.tensor.describe(self.name, self.world.world_size)
 
     # ------------------------------------------------------------ building
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
-        """Make the model, place it, and build the optimizer over groups decided before any wrapping."""
+        """Make the model (split by the tensor-parallel transform), place it, and build the optimizer over groups
+        decided before any wrapping."""
+        model_factory = self.tensor.splitting(model_factory)
         module = self.make_module(model_factory)
         self.plan = plan_of(module, model_factory)
         groups = param_group_rule(module)
@@ -286,21 +239,17 @@ class Strategy:
             return self.model(x, y)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        """Gradients of ``loss``; a data-parallel strategy syncs them here (its autograd pass: ``tensor.backward``)."""
+        self.tensor.backward(loss)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
 
         Replicated strategies hold the full, already averaged gradient on every rank, so the local
         norm is the global one and no communication is needed; under tensor parallelism each rank's
-        shards are added over the tensor-parallel group (``tensor_norm_squares``).
+        shards are added over the tensor-parallel group (``tensor.total_norm``).
         """
-        if self.tensor is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.trainable if p.grad is not None])
-            if max_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
-            return norm
-        norm = self.tensor_norm_squares(self.local_norm_squares()).sqrt()
+        norm = self.tensor.total_norm(self.trainable, self.local_norm_squares)
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
         return norm
@@ -326,11 +275,7 @@ class Strategy:
         """The ranges of this rank's ``numel`` elements of parameter ``name`` (flattened) that it adds to the global
         norm: all, except under tensor parallelism a weight every rank of the group holds whole (only the first
         counts it) or a replicated part of a split one (only its first holder counts it)."""
-        return [(0, numel)] if self.tensor is None else self.tensor.norm_ranges(name, numel)
-
-    def tensor_norm_squares(self, squares: torch.Tensor) -> torch.Tensor:
-        """Squared norms summed over the tensor-parallel group (unchanged without one)."""
-        return squares if self.tensor is None else self.tensor.world.sum(squares)
+        return self.tensor.norm_ranges(name, numel)
 
     def step(self, lr: float) -> None:
         """Apply the optimizer at learning rate ``lr`` and clear the gradients."""
@@ -351,9 +296,10 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
 
     def take_step_meters(self) -> StepMeters:
-        """Bytes sent, seconds waited and activation bytes saved since the last call (once per step)."""
+        """Bytes sent over the data axis, seconds waited (on both axes) and activation bytes saved since the last
+        call (once per step); the tensor-parallel group's bytes are kept apart (``meters``)."""
         comm = self.comm.take()
-        self._last = StepMeters(comm.bytes, comm.wait_s, self.saved.take())
+        self._last = StepMeters(comm.bytes, comm.wait_s + self.tensor.take_wait_s(), self.saved.take())
         self._most_saved = max(self._most_saved, self._last.activation_saved_bytes)
         return self._last
 
@@ -362,7 +308,7 @@ class Strategy:
         """The loss of a held-out batch, in eval mode, without gradients (every rank must call it alike)."""
         self.model.eval()
         try:
-            with self.precision.autocast(), self.comm.paused():
+            with self.precision.autocast(), self.comm.paused(), self.tensor.comm.paused():
                 return self.model(x, y)
         finally:
             self.model.train()
@@ -380,6 +326,21 @@ class Strategy:
     # ------------------------------------------------------------ state
 
     def checkpoint_state(self) -> CheckpointState:
+        """Every weight and AdamW moment as ranges of the whole flattened tensors (``held_state`` through the
+        tensor-parallel transform)."""
+        state, self._after_load = self.tensor.checkpoint_state(self.held_state(), self.world)
+        return state
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """What one rank loaded for others goes to them first (not a training step's traffic); then what derives
+        from the loaded weights (``restore_derived``)."""
+        with self.tensor.comm.paused():
+            for step in self._after_load:
+                step()
+        self.restore_derived()
+
+    def held_state(self) -> CheckpointState:
         """Every weight and AdamW moment, flattened, as this rank holds it (replicated: whole)."""
         materialize_adam_state(self.optimizer)
         state: CheckpointState = {}
@@ -389,11 +350,16 @@ class Strategy:
                 adam_entries(state, name, self.optimizer.state[p], p.numel(), 0, 0, p.numel(), sharded=False)
         return state
 
-    def after_load(self) -> None:
+    def restore_derived(self) -> None:
         """Restore what derives from the loaded weights (nothing when the strategy holds them whole)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on the CPU, on rank 0 (empty elsewhere)."""
+        """The whole model's weights on the CPU under the model's names, on global rank 0 (empty elsewhere)."""
+        shards = self.gathered_state_dict()
+        return self.tensor.full_state_dict(shards) if self.world.is_main else {}
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights as this tensor-parallel rank holds them, on the CPU, on the data axis's first rank."""
         if not self.world.is_main:
             return {}
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
@@ -414,8 +380,6 @@ class Strategy:
 
     def param_count(self) -> int:
         """Ψ: the model's parameters (a tied weight once); under tensor parallelism this rank's shards."""
-        if self.tensor is None:
-            return sum(p.numel() for p in self.module.parameters())
         return sum(self.tensor.numel(p) for p in self.module.parameters())
 
     def theory_states(self) -> accounting.StateBytes:
@@ -461,6 +425,7 @@ class Strategy:
             "comm_bytes_per_step": dict(self._last.comm_bytes),
             "comm_bytes_per_step_theory": theory_comm,
             "activation_saved_bytes": self._most_saved,
+            **self.tensor.meters(self.plan, self.loop.micro_batch, self.loop.accum_steps),
         }
 
 

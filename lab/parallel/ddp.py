@@ -46,7 +46,7 @@ class NaiveDDP(Strategy):
         return module
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.tensor.backward(loss)
         if not self.syncing:
             return
         for p in self.trainable:
@@ -123,7 +123,7 @@ class BucketedDDP(Strategy):
         self._launches.arrived(self._bucket_of[p], eager=self.cfg.overlap)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.world.world_size).backward()  # the all-reduced sum is then the mean
+        self.tensor.backward(loss / self.world.world_size)  # the all-reduced sum is then the mean
         if not self.syncing:
             return
         for work in self._launches.finish():

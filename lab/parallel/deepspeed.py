@@ -65,13 +65,13 @@ from lab.parallel.base import (
     ParamGroupRule,
     StepMeters,
     Strategy,
-    World,
     adam_entries,
     join_group_of_one,
     materialize_adam_state,
     set_lr,
     storage_bytes,
 )
+from lab.parallel.mesh import Mesh
 
 EXTRA = "pip install '.[deepspeed]'"
 ZERO_STAGES = (1, 2, 3)
@@ -242,8 +242,9 @@ class DeepSpeed(Strategy):
         engine_config(cfg, world_size, loop)
         import_deepspeed()
 
-    def __init__(self, world: World, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
-        super().__init__(world, cfg, precision, loop)
+    def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
+        super().__init__(mesh, cfg, precision, loop)
+        world = self.world
         self.stage = cfg.zero_stage
         self.config = engine_config(cfg, world.world_size, loop, precision.bf16)
         self.ds = import_deepspeed()
@@ -361,7 +362,7 @@ class DeepSpeed(Strategy):
 
     # ------------------------------------------------------------ state
 
-    def checkpoint_state(self) -> CheckpointState:
+    def held_state(self) -> CheckpointState:
         """Each parameter's range in this rank's fp32 master partition, and its Adam moments, as live views."""
         self._materialize_states()
         opt, masters, state = self.optimizer, self._masters, {}
@@ -394,7 +395,7 @@ class DeepSpeed(Strategy):
             materialize_adam_state(self.optimizer.optimizer)
 
     @torch.no_grad()
-    def after_load(self) -> None:
+    def restore_derived(self) -> None:
         """The weights the model computes with follow the loaded masters (stages 1-2: gathered again)."""
         with self._uncounted():
             if self.stage == 3:
@@ -404,7 +405,7 @@ class DeepSpeed(Strategy):
                 self.optimizer.update_lp_params()
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight (the fp32 masters, gathered by DeepSpeed) under the model's names, on rank 0."""
         from deepspeed.utils import safe_get_full_fp32_param
 

@@ -1,22 +1,76 @@
-"""The device mesh: a world of ``dp × tp`` ranks as two axes.
+"""The device mesh: the world's ranks on named axes, built once; each transform takes its axis.
 
-Tensor-parallel groups are ``tp`` consecutive ranks (on a cluster they share a node: the heaviest
-traffic); the data-parallel groups run across them. Rank ``r`` sits at data coordinate ``r // tp``
-and tensor coordinate ``r % tp``. Each axis is a ``World`` of its own (its rank, size and process
-group), so a data-parallel strategy written for the whole world runs unchanged over its axis.
-With ``tp`` 1 the data axis is the world itself: no group is created and nothing changes.
+A world of ``dp × tp`` ranks. Tensor-parallel groups are ``tp`` consecutive ranks (on a cluster they
+share a node: the heaviest traffic); the data-parallel groups run across them. Rank ``r`` sits at data
+coordinate ``r // tp`` and tensor coordinate ``r % tp``. Each axis is a ``World`` of its own (its rank,
+size and process group), so a data-parallel strategy written for the whole world runs unchanged over
+its axis. With ``tp`` 1 the data axis is the world itself and the tensor axis a world of one: no group
+is created. A pipeline, context or expert axis joins ``AXES`` in its place in the order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lab.runtime import compat
 from lab.runtime.config import ConfigError, ParallelConfig
-from lab.parallel.base import World
+
+AXES = ("dp", "tp")  # outermost first: the data axis spans nodes, the tensor axis stays inside one
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits: rank, world size and device; on one axis of a mesh (``lab.parallel.mesh``),
+    its rank and size on that axis and the axis's process group (None: the default group, every rank)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+    device_mesh: Any = None  # the axis as a one-dimensional torch DeviceMesh (FSDP2 takes one), when on a mesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this world's rank ``rank`` (what torch.distributed's ``src`` arguments take)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor of the loop's own figures over ranks (bookkeeping, not counted as strategy traffic)."""
+        if self.world_size == 1:
+            return values
+        values = values.detach().clone()
+        dist.all_reduce(values, group=self.group)
+        return values
+
+    def broadcast_from_main(self, make: Callable[[], Any]) -> Any:
+        """``make()`` evaluated on rank 0 and handed to every rank (a picklable value)."""
+        if self.world_size == 1:
+            return make()
+        box = [make() if self.is_main else None]
+        dist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
+        return box[0]
+
+    def check_same(self, value: str, what: str) -> None:
+        """Raise ConfigError on every rank when ranks disagree on ``value`` (a digest of ``what``)."""
+        if self.world_size == 1:
+            return
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            raise ConfigError(f"{what} differs between ranks: rank {differ[0]} has {values[differ[0]][:12]}, "
+                              f"rank 0 has {values[0][:12]}")
 
 
 def check_degree(cfg: ParallelConfig, world_size: int) -> None:
@@ -42,24 +96,38 @@ def data_rank(cfg: ParallelConfig, rank: int) -> int:
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place on both axes, and the world they split."""
+    """The world and this rank's place on each named axis (``AXES``)."""
 
     world: World
-    data: World  # the data-parallel axis: the strategy's world
-    tensor: World  # the tensor-parallel axis
+    axes: dict[str, World]
+
+    def axis(self, name: str) -> World:
+        return self.axes[name]
+
+    @property
+    def dp(self) -> World:
+        """The data-parallel axis: the data-parallel strategy's world."""
+        return self.axes["dp"]
+
+    @property
+    def tp(self) -> World:
+        """The tensor-parallel axis (a world of one without tensor parallelism)."""
+        return self.axes["tp"]
 
 
-def build(world: World, tp: int) -> Mesh:
-    """The mesh of ``world`` with tensor-parallel degree ``tp`` (collective when ``tp`` > 1: every rank calls it)."""
-    if tp == 1:
+def build(world: World, cfg: ParallelConfig) -> Mesh:
+    """The mesh of ``world`` for ``cfg``'s degrees (collective when an axis besides dp is split: every rank calls
+    it). Every axis's group gets ``parallel.timeout_s``, not torch's 30 minutes: a dead rank fails fast."""
+    if cfg.tp == 1:
         alone = World(rank=0, world_size=1, local_rank=world.local_rank, device=world.device)
-        return Mesh(world, world, alone)
-    mesh = init_device_mesh(world.device.type, (world.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        return Mesh(world, {"dp": world, "tp": alone})
+    sizes = {"dp": world.world_size // cfg.tp, "tp": cfg.tp}
+    mesh = init_device_mesh(world.device.type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
 
     def axis(name: str) -> World:
         sub = mesh[name]
-        compat.inherit_timeout(sub.get_group())  # parallel.timeout_s, not torch's 30 min: a dead rank fails fast
+        compat.inherit_timeout(sub.get_group())
         return dataclasses.replace(world, rank=sub.get_local_rank(), world_size=sub.size(), group=sub.get_group(),
                                    device_mesh=sub)
 
-    return Mesh(world, axis("dp"), axis("tp"))
+    return Mesh(world, {name: axis(name) for name in AXES})

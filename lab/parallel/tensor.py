@@ -30,9 +30,9 @@ Every weight not split is whole on every rank and gets the same gradient there (
 after f's sum); the global gradient norm counts it once (on the group's first rank) and adds the
 split ones over the group. Weights and their initial values: ``initial_value(name)`` returns this
 rank's shard of the whole model's initial value, so a strategy that builds on the meta device fills
-exactly the shard that slicing ``single``'s weights gives. Checkpoints store whole logical tensors (a row
-shard as ranges of the flattened weight, ``Pieces``; a column shard as a rectangle of the 2-D weight,
-``Blocks``), so any layout loads them.
+exactly the shard that slicing ``single``'s weights gives. Checkpoints store whole logical tensors (a shard
+cut along the rows as ranges of the flattened weight, ``Pieces``; one cut along the columns, a row-parallel
+layer's, as a rectangle of the 2-D weight, ``Blocks``), so any layout loads them.
 
 Sums over the group add the ranks' partial products in another order than one process's matmul, so
 losses match ``single`` to about 1e-6 relative, not bit for bit. Dropout draws the data-parallel
@@ -57,10 +57,10 @@ from lab.measure import accounting
 
 from lab.runtime import compat
 from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces, row_blocks
-from lab.runtime.config import ConfigError, ModelConfig
+from lab.runtime.config import ConfigError, ParallelConfig
 from lab.model.plan import ParallelPlan, TensorPlan, plan_of
-from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, StepMeters, Strategy, World
 from lab.parallel.comm import Comm
+from lab.parallel.mesh import World
 
 
 IMPLEMENTATIONS = ("lab", "torch")
@@ -212,16 +212,104 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------- the step
 
 
-class TensorParallel:
+def on_axis(axis: World, cfg: ParallelConfig) -> Unsplit:
+    """The tensor-parallel transform of ``cfg`` on ``axis`` (the mesh's tp axis): the identity on an axis of one."""
+    if axis.world_size == 1:
+        return Unsplit(axis)
+    return (TorchTensorParallel if cfg.tp_impl == "torch" else TensorParallel)(axis, cfg.sequence_parallel)
+
+
+class Unsplit:
+    """The tensor-parallel transform on an axis of one: every weight whole on every rank. What the data-parallel
+    strategies ask of the transform they are built with (``TensorParallel`` answers for a split model)."""
+
+    implementation = "none"
+    sequence_parallel = False
+
+    def __init__(self, world: World):
+        self.world, self.n, self.rank = world, world.world_size, world.rank
+        self.comm = Comm(world.world_size, world.group)
+        self.splits: dict[str, Split] = {}  # parameter name → how it is cut
+        self._last_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
+
+    def describe(self, data: str, replicas: int) -> str:
+        """The start line's name of the layout: the data-parallel strategy ``data`` over ``replicas`` ranks."""
+        return data
+
+    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        """``model_factory`` followed by this transform's rewrite of the model (its plan read from the model)."""
+        return model_factory
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The autograd pass of ``loss`` (in the context a split loss needs)."""
+        loss.backward()
+
+    def total_norm(self, params: list[nn.Parameter], local_squares: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The global gradient norm of ``params``: torch's, of the whole gradients every rank holds (a split model's:
+        ``local_squares()``, this rank's counted squares over the data axis, added over the group)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+    def numel(self, param: torch.Tensor) -> int:
+        """Elements of ``param`` a data-parallel strategy over this rank's shards sees (a DTensor that a strategy
+        shards further counts whole)."""
+        return param.numel()
+
+    def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
+        """The ranges of this rank's ``numel`` elements of ``name`` (flattened) that it adds to the global gradient
+        norm: all of them."""
+        return [(0, numel)]
+
+    def counted_in_chunk(self, names: list[str], offsets: list[int], sizes: list[int], start: int, chunk: int
+                         ) -> list[tuple[int, int]]:
+        """Ranges of the chunk [start, start + chunk) of parameters ``names`` laid end to end (at ``offsets``, of
+        ``sizes`` elements) that this rank counts in the norm: the whole chunk (its padding is zero)."""
+        return [(0, chunk)]
+
+    def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
+        """Squared norms summed over the group."""
+        return self.world.sum(squares)
+
+    def checkpoint_state(self, state: CheckpointState, data: World
+                         ) -> tuple[CheckpointState, list[Callable[[], None]]]:
+        """The data-parallel strategy's ``state`` as the checkpoint stores it, and what to do after a load."""
+        return state, []
+
+    def full_state_dict(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole weights from the group's ``shards`` on its first rank."""
+        return shards
+
+    def take_wait_s(self) -> float:
+        """Seconds this step waited on the group's collectives; keeps the step's bytes for ``meters``."""
+        taken = self.comm.take()
+        self._last_bytes = taken.bytes
+        return taken.wait_s
+
+    def meters(self, plan: ParallelPlan, micro_batch: int, accum_steps: int) -> dict[str, dict[str, float]]:
+        """The group's bytes of the last step beside their theory (none without a group)."""
+        return {}
+
+
+class TensorParallel(Unsplit):
     """The tensor-parallel group of this rank, the rewrite of the model, and what follows from it."""
 
     implementation = "lab"
 
     def __init__(self, world: World, sequence_parallel: bool):
-        self.world, self.n, self.rank = world, world.world_size, world.rank
+        super().__init__(world)
         self.sequence_parallel = sequence_parallel
-        self.comm = Comm(world.world_size, world.group)
-        self.splits: dict[str, Split] = {}  # parameter name → how it is cut
+
+    def describe(self, data: str, replicas: int) -> str:
+        sequence = ", sequence parallel" if self.sequence_parallel else ""
+        return f"{data} (tp {self.n}{sequence} × dp {replicas})"
+
+    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def split() -> nn.Module:
+            model = model_factory()
+            plan = plan_of(model, model_factory)
+            if plan.tensor is None:
+                raise ConfigError(f"parallel.tp > 1: the model ({type(model).__name__}) declares no tensor plan")
+            return self.parallelize(model, plan)
+        return split
 
     # ------------------------------------------------------------ collectives (counted on the group's Comm)
     # Under torch.compile they run eagerly (dynamo breaks the graph there instead of tracing the bookkeeping
@@ -393,14 +481,8 @@ class TensorParallel:
 
     # ------------------------------------------------------------ what follows from the split
 
-    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
-        """Run the strategy's ``backward`` of ``loss`` (in the context the loss needs)."""
-        backward(loss)
-
-    def numel(self, param: torch.Tensor) -> int:
-        """Elements of ``param`` a data-parallel strategy over this rank's shards sees (a DTensor that a strategy
-        shards further counts whole)."""
-        return param.numel()
+    def total_norm(self, params: list[nn.Parameter], local_squares: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return self.sum_squares(local_squares()).sqrt()
 
     def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
         """The ranges of this rank's ``numel`` elements of ``name`` (flattened) that it adds to the global gradient
@@ -416,6 +498,17 @@ class TensorParallel:
                 at = start + length
         out.append((at, numel))
         return [(a, b) for a, b in out if a < b]
+
+    def counted_in_chunk(self, names: list[str], offsets: list[int], sizes: list[int], start: int, chunk: int
+                         ) -> list[tuple[int, int]]:
+        """The parts of the chunk that belong to the ranges of each parameter this rank counts (``norm_ranges``)."""
+        out = []
+        for name, offset, size in zip(names, offsets, sizes, strict=True):
+            for lo, hi in self.norm_ranges(name, size):
+                a, b = max(offset + lo, start) - start, min(offset + hi, start + chunk) - start
+                if a < b:
+                    out.append((a, b))
+        return out
 
     def checkpoint_state(self, state: CheckpointState, data: World
                          ) -> tuple[CheckpointState, list[Callable[[], None]]]:
@@ -457,9 +550,12 @@ class TensorParallel:
             out[name] = split.assemble(gathered)
         return out if self.world.is_main else {}
 
-    def theory_bytes(self, model: ModelConfig, micro_batch: int, accum_steps: int) -> dict[str, float]:
-        """Bytes this rank sends per optimizer step over the group, by collective, in theory (ring convention)."""
-        return accounting.tensor_parallel_comm_bytes(model, micro_batch, accum_steps, self.n, self.sequence_parallel)
+    def meters(self, plan: ParallelPlan, micro_batch: int, accum_steps: int) -> dict[str, dict[str, float]]:
+        """The group's bytes of the last step, and the bytes this rank sends per optimizer step over the group, by
+        collective, in theory (ring convention)."""
+        theory = accounting.tensor_parallel_comm_bytes(plan.tensor.config, micro_batch, accum_steps, self.n,
+                                                       self.sequence_parallel)
+        return {"tp_comm_bytes_per_step": dict(self._last_bytes), "tp_comm_bytes_per_step_theory": theory}
 
 
 class TorchTensorParallel(TensorParallel):
@@ -625,82 +721,14 @@ class TorchTensorParallel(TensorParallel):
         with loss_parallel():  # the local part is a view: cloned, as FSDP2 wants a root's output
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local().clone()
 
-    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None]) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         from torch.distributed.tensor.parallel import loss_parallel
 
         with loss_parallel():
-            backward(loss)
+            loss.backward()
 
-
-class WithTensorParallel:
-    """A data-parallel strategy on the mesh's data axis, with the tensor-parallel step applied to the model it
-    builds (before its activation checkpointing and its sharding). The loop sees the strategy's interface;
-    everything but what the split changes (building, checkpoints, export, meters) goes to the strategy."""
-
-    def __init__(self, strategy: Strategy, tp: TensorParallel):
-        self.strategy, self.tp = strategy, tp
-        self._after_load: list[Callable[[], None]] = []  # filled by checkpoint_state, run by after_load
-        self._tp_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.strategy, name)
-
-    def describe(self) -> str:
-        sequence = ", sequence parallel" if self.tp.sequence_parallel else ""
-        return f"{self.strategy.describe()} (tp {self.tp.n}{sequence} × dp {self.strategy.world.world_size})"
-
-    def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
-              optimizer_factory: OptimizerFactory) -> None:
-        def split() -> nn.Module:
-            model = model_factory()
-            plan = plan_of(model, model_factory)
-            if plan.tensor is None:
-                raise ConfigError(f"parallel.tp > 1: the model ({type(model).__name__}) declares no tensor plan")
-            return self.tp.parallelize(model, plan)
-
-        self.strategy.build(split, param_group_rule, optimizer_factory)
-
-    def take_step_meters(self) -> StepMeters:
-        """The strategy's meters, with the tensor-parallel group's wait added (its bytes are kept apart)."""
-        meters, tp = self.strategy.take_step_meters(), self.tp.comm.take()
-        self._tp_bytes = tp.bytes
-        return dataclasses.replace(meters, comm_wait_s=meters.comm_wait_s + tp.wait_s)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.tp.backward(loss, self.strategy.backward)
-
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.tp.comm.paused():
-            return self.strategy.eval_loss(x, y)
-
-    def checkpoint_state(self) -> CheckpointState:
-        state, self._after_load = self.tp.checkpoint_state(self.strategy.checkpoint_state(), self.strategy.world)
-        return state
-
-    @torch.no_grad()
-    def after_load(self) -> None:
-        """What one rank loaded for others goes to them first (not a training step's traffic); then the strategy's
-        own."""
-        with self.tp.comm.paused():
-            for step in self._after_load:
-                step()
-        self.strategy.after_load()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model on global rank 0: the data axis's first ranks (one tensor-parallel group) gather it."""
-        shards = self.strategy.full_state_dict()
-        return self.tp.full_state_dict(shards) if self.strategy.world.is_main else {}
-
-    def meters(self) -> dict[str, object]:
-        """The strategy's meters (over the data axis, model states of this rank's shards) and the tensor-parallel
-        group's bytes of the last step beside their theory."""
-        loop = self.strategy.loop
-        if self.tp.implementation == "torch":  # torch's collectives are not counted
-            return self.strategy.meters()
-        return {**self.strategy.meters(), "tp_comm_bytes_per_step": dict(self._tp_bytes),
-                "tp_comm_bytes_per_step_theory": self.tp.theory_bytes(self.strategy.plan.tensor.config,
-                                                                      loop.micro_batch,
-                                                                      loop.accum_steps)}
+    def meters(self, plan: ParallelPlan, micro_batch: int, accum_steps: int) -> dict[str, dict[str, float]]:
+        return {}  # torch's collectives are not counted
 
 
 def _broadcast(tensor: torch.Tensor, axis: World) -> None:

@@ -53,7 +53,7 @@ class TorchDDP(Strategy):
         return super().forward(x, y, sync=sync)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.tensor.backward(loss)
         if self.syncing:
             self.comm.add_wait(max(0.0, self._done - self._launched))
 
@@ -102,14 +102,12 @@ class FSDP(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         with self.comm.counting_torch():
-            loss.backward()
+            self.tensor.backward(loss)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        if self.tensor is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.trainable if p.grad is not None])
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        else:  # each rank's shards of the parameters it counts, over both axes
-            norm = self.tensor_norm_squares(self.world.sum(self.local_norm_squares())).sqrt()
+        # split by tensor parallelism: each rank's shards of the parameters it counts, over both axes
+        norm = self.tensor.total_norm(self.trainable, lambda: self.world.sum(self.local_norm_squares()))
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
         return norm
@@ -126,7 +124,7 @@ class FSDP(Strategy):
     def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int]:
         return param.grad.to_local().reshape(-1), self._start(param)
 
-    def checkpoint_state(self) -> CheckpointState:
+    def held_state(self) -> CheckpointState:
         """Each parameter's rows on this rank, weights and moments."""
         materialize_adam_state(self.optimizer)
         state: CheckpointState = {}
@@ -140,10 +138,11 @@ class FSDP(Strategy):
             adam_entries(state, name, moments, p.numel(), lo, 0, local.numel(), sharded=True)
         return state
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        # gathered on the host of global rank 0 alone; under tensor parallelism the data axis's first rank of every
-        # tensor-parallel rank needs its shards, so there everyone gathers them and the first moves them to the host
-        offload = self.tensor is None
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        # gathered on the host of global rank 0 alone when the data axis is the world; on a mesh the data axis's first
+        # rank of every tensor-parallel rank needs its shards, so there everyone gathers them and the first moves them
+        # to the host
+        offload = self.world.world_size == self.everyone.world_size
         with self.comm.paused():
             full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
                                                                               cpu_offload=offload))

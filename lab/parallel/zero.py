@@ -288,7 +288,7 @@ class Zero(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         """The loss is divided by N before its backward (as ddp's), so the reduce-scattered sum is the average without
         a pass over the shards (with N a power of two the same bits as dividing the sum)."""
-        (loss / self.world.world_size).backward()
+        self.tensor.backward(loss / self.world.world_size)
         if not self.syncing:
             return
         self._launches.finish()
@@ -303,25 +303,17 @@ class Zero(Strategy):
         ``SQUARES_CHUNK`` elements at a time: a temporary the size of a shard would be a fresh mapping every time."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for unit in self.units:
-            for lo, hi in [(0, unit.chunk)] if self.tensor is None else self._counted_ranges(unit):
+            start = self.world.rank * unit.chunk
+            for lo, hi in self.tensor.counted_in_chunk(unit.names, unit.offsets, [math.prod(s) for s in unit.shapes],
+                                                       start, unit.chunk):
                 for part in unit.grad_shard[lo:hi].split(SQUARES_CHUNK):
                     squares += part.float().pow(2).sum()
-        norm = self.tensor_norm_squares(self.world.sum(squares)).sqrt()
+        norm = self.tensor.sum_squares(self.world.sum(squares)).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for _, _, _, piece in self._pieces:
                 piece.grad.mul_(scale.to(piece.grad.device))
         return norm
-
-    def _counted_ranges(self, unit: Unit) -> list[tuple[int, int]]:
-        """Ranges of this rank's chunk of ``unit`` that belong to parameters it counts in the norm."""
-        start, out = self.world.rank * unit.chunk, []
-        for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
-            for lo, hi in self.norm_ranges(name, math.prod(shape)):
-                a, b = max(offset + lo, start) - start, min(offset + hi, start + unit.chunk) - start
-                if a < b:
-                    out.append((a, b))
-        return out
 
     # ------------------------------------------------------------ the step
 
@@ -354,7 +346,7 @@ class Zero(Strategy):
         weights = [u.flat if u.flat is not None and self.stage < 3 else u.shard for u in self.units]
         return weights + [p.detach() for p in self.module.parameters() if not p.requires_grad]
 
-    def checkpoint_state(self) -> CheckpointState:
+    def held_state(self) -> CheckpointState:
         """Each parameter's range in this rank's chunks (the weights from the shard, the moments from the
         optimizer's piece that holds it); frozen parameters whole."""
         materialize_adam_state(self.optimizer)
@@ -379,7 +371,7 @@ class Zero(Strategy):
         return state
 
     @torch.no_grad()
-    def after_load(self) -> None:
+    def restore_derived(self) -> None:
         """The host master copy and (stages 1-2) the whole weights follow the loaded shards."""
         for unit in self.units:
             if unit.master is not None:
@@ -389,7 +381,7 @@ class Zero(Strategy):
                     self.comm.all_gather(unit.flat, unit.shard)
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight under the model's names on rank 0 (stage 3 gathers unit by unit)."""
         out = {}
         for unit in self.units:

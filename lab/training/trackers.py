@@ -1,7 +1,9 @@
 """Trackers: rank 0's metrics, config and summary also go to TensorBoard and Weights & Biases (``--log.trackers``).
 
 Every step record's numbers (loss, lr, grad norm, tokens/s, MFU, comm and step time, peak memory) and every eval
-loss go to each tracker at their step; the resolved config at the start, the summary's numbers at the end.
+loss (with ``--train.expect`` the law's expected loss and the deviation from it) go to each tracker at their step; the
+resolved config at the start, the summary's numbers at the end. A record's warning (a run gone off track) becomes a
+text event under ``warnings`` in TensorBoard and a W&B alert (with the run summary's ``warning``).
 TensorBoard writes event files into ``RUN_DIR/tensorboard`` (a sweep folder then opens as one TensorBoard);
 W&B keeps its files in ``RUN_DIR/wandb`` and its run id in ``RUN_DIR/wandb-id``, so a resumed run continues the
 same W&B run. A tracker is a convenience, never a reason to lose a run: a missing package or a tracker that
@@ -20,7 +22,8 @@ from lab.runtime.config import ConfigError, LogConfig, did_you_mean
 from lab.runtime.extras import extra_of, installed
 
 RECORD_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_time_s", "compute_time_s", "step_time_s",
-               "mem_peak_bytes", "skipped_steps", "tokens", "eval_loss")
+               "mem_peak_bytes", "skipped_steps", "tokens", "eval_loss", "expected_loss", "deviation")
+EVAL_KEYS = ("eval_loss", "expected_loss", "deviation")  # under eval/, the others under train/
 
 
 def names(cfg: LogConfig) -> list[str]:
@@ -32,6 +35,10 @@ def validate(cfg: LogConfig) -> None:
         if name not in BACKENDS:
             raise ConfigError(f"log.trackers: unknown tracker '{name}'{did_you_mean(name, BACKENDS)} "
                               f"(known: {', '.join(BACKENDS)})")
+
+
+def tag(key: str) -> str:
+    return f"{'eval' if key in EVAL_KEYS else 'train'}/{key}"
 
 
 def numbers(record: dict[str, Any], keys: tuple[str, ...] | None = None) -> dict[str, float]:
@@ -54,7 +61,10 @@ class TensorBoard:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
-            self.writer.add_scalar(f"{'eval' if key == 'eval_loss' else 'train'}/{key}", value, step)
+            self.writer.add_scalar(tag(key), value, step)
+
+    def alert(self, step: int, text: str) -> None:
+        self.writer.add_text("warnings", text, step)
 
     def summary(self, values: dict[str, float]) -> None:
         self.writer.add_text("summary", "\n".join(f"    {k} = {v:.6g}" for k, v in values.items()), 0)
@@ -88,7 +98,12 @@ class WandB:
                               dir=str(run_dir), config=config, reinit="create_new")
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log({f"{'eval' if k == 'eval_loss' else 'train'}/{k}": v for k, v in values.items()}, step=step)
+        self.run.log({tag(k): v for k, v in values.items()}, step=step)
+
+    def alert(self, step: int, text: str) -> None:
+        self.run.alert(title=f"{self.run.name}: {text.split(':', 1)[0]}"[:63], text=f"step {step}: {text}",
+                       level="WARN")
+        self.run.summary.update({"warning": text, "warning_step": step})
 
     def summary(self, values: dict[str, float]) -> None:
         self.run.summary.update(values)
@@ -131,6 +146,8 @@ class Trackers:
         values = numbers(rec, RECORD_KEYS)
         if values:
             self._each("log", rec["step"], values)
+        if isinstance(rec.get("warning"), str):
+            self._each("alert", rec["step"], rec["warning"])
 
     def summary(self, summary: dict[str, Any]) -> None:
         self._each("summary", numbers(summary))

@@ -28,7 +28,7 @@ from lab.runtime import checkpoint
 
 from lab import parallel
 
-from lab.training import schedule, trackers
+from lab.training import expect, schedule, trackers
 from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
 from lab.runtime.files import dumps, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
@@ -106,12 +106,9 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
         if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
     if cfg.train.expect:  # a law that cannot be read is refused before any work
-        from analysis.table import InputError
-        from analysis.watch import read_law
-
         try:
-            read_law(cfg.train.expect)
-        except InputError as e:
+            expect.read_law(cfg.train.expect)
+        except expect.LawError as e:
             raise ConfigError(f"train.expect: {e}") from None
     return plan
 
@@ -222,6 +219,13 @@ class RunLog:
     def summary(self, summary: dict) -> None:
         if self.trackers:
             self.trackers.summary(summary)
+
+    def evals(self) -> list[dict]:
+        """The eval records in metrics.jsonl (rank 0): a resumed run's, those its earlier segments kept."""
+        if not (self.enabled and self.path.exists()):
+            return []
+        return [rec for line in self.path.read_text().splitlines()
+                if (rec := _parse_record(line)) is not None and "eval_loss" in rec]
 
     def say(self, text: str) -> None:
         if self.enabled:
@@ -438,7 +442,7 @@ class Outcome:
     skipped_steps: int
     peak_bytes: dict[str, int]  # per phase and the RSS: the most any step reached
     peak: Peak  # the MFU denominator at the end (a CPU peak that read low is measured again)
-    expect: dict | None = None  # with train.expect: the run against the law (analysis.watch.Watcher.summary)
+    expect: dict | None = None  # with train.expect: the run against the law (lab.training.expect.Watcher.summary)
 
 
 def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -454,7 +458,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     recent: list[float] = start.recent_losses
     eval_loss, skipped, loop_start, warned = start.eval_loss, start.skipped_steps, time.perf_counter(), False
     most_peaks: dict[str, int] = {}
-    watcher = expectation(cfg, plan.total_steps) if t.expect else None
+    watcher = expectation(cfg, plan.total_steps, log.evals()) if t.expect else None
 
     def save(step: int) -> None:
         if not strategy.params_finite():
@@ -533,7 +537,8 @@ def checked_peak(peak: Peak, world: World, log: RunLog) -> Peak:
     return peak
 
 
-def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_loss: float, watcher) -> None:
+def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_loss: float,
+             watcher: expect.Watcher | None) -> None:
     """The eval record and line; with train.expect, the law's expected loss beside it (and its one warning)."""
     rec, line, off_track = {"step": step, "tokens": step * batch_tokens, "eval_loss": eval_loss}, "", None
     if watcher is not None:
@@ -547,16 +552,18 @@ def log_eval(log: RunLog, step: int, total_steps: int, batch_tokens: int, eval_l
         log.say(f"warning: {off_track}")
 
 
-def expectation(cfg: RunConfig, total_steps: int):
-    """train.expect's watcher (analysis.watch): the run's N and its schedule's rate at every step under the law."""
-    from analysis.table import InputError
-    from analysis.watch import watcher
-
+def expectation(cfg: RunConfig, total_steps: int, earlier: list[dict]) -> expect.Watcher:
+    """train.expect's watcher: the run's N and its schedule's rate at every step under the law; a resumed run's
+    watcher has seen its ``earlier`` eval records, so it warns once over the whole run."""
     lr = [schedule.learning_rate(s, total_steps, cfg.train) for s in range(total_steps)]
     try:
-        return watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr, cfg.train.batch_tokens)
-    except InputError as e:
+        watcher = expect.watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr,
+                                 cfg.train.batch_tokens)
+    except expect.LawError as e:
         raise ConfigError(f"train.expect: {e}") from None
+    for rec in earlier:
+        watcher.observe(rec["step"], rec["eval_loss"])  # a warning among them was given when its segment ran
+    return watcher
 
 
 def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,

@@ -67,6 +67,7 @@ def test_fit_json_has_the_documented_keys(fit_out):
     assert 0 < good["rmse_loss"] < 0.1 and good["huber_objective"] == doc["approach3"]["fit"]["objective"]
 
 
+@pytest.mark.slow
 def test_every_plot_is_written_as_png(fit_out):
     for stem, _ in FIGURES:
         assert (fit_out / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
@@ -120,6 +121,7 @@ def test_html_report_is_one_self_contained_file(fit_out):
         assert base64.b64decode(data) == (fit_out / f"{stem}.png").read_bytes()
 
 
+@pytest.mark.slow
 def test_plan_reads_the_fit_and_its_bootstrap(fit_out):
     proc = subprocess.run([sys.executable, "-m", "analysis", "plan", str(fit_out / "fit.json"), "--gpu", "H100",
                            "--n-gpus", "64", "--mfu", "0.4", "--flops", "1e21", "--json"],
@@ -139,6 +141,7 @@ def _artifacts_dir() -> Path:
     return Path(os.environ.get("SCALING_LAB_ARTIFACTS") or REPO / "build" / "test-artifacts")
 
 
+@pytest.mark.slow
 def test_report_opens_in_headless_chromium(fit_out, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from analysis.__main__ import main
-from analysis.curves import Curve, areas, fit_curves, from_named, law_loss, relative_errors, schedule_lr
+from analysis.curves import Curve, fit_curves, from_named, law_loss, load_fit, relative_errors, schedule_lr
+from lab.training.expect import areas
 
 TRUTH = {"E": 1.3, "B": 40.0, "beta": 0.45, "A": 0.9, "alpha": 0.5, "C": 0.02, "lambda": 0.995}
 SIZES = ((1e4, 2000), (3e4, 1500), (1e5, 1000))  # (N, steps)
@@ -96,6 +97,7 @@ def _write_run(folder, curve: Curve, kind: str, steps: int, lr: float, evals: bo
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_cli_fits_a_sweep_holds_out_wsd_and_predicts(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     for i, (n, steps) in enumerate(SIZES):
@@ -133,10 +135,12 @@ def test_cli_fits_a_sweep_holds_out_wsd_and_predicts(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_watch_flags_a_run_that_goes_off_track_once_and_an_on_track_run_never(tmp_path, capsys):
     """A curves fit of law-made runs; a new run on the law stays quiet, the same run whose loss jumps 5 % at step 600
     (what a learning rate x10 there does) warns once, three evals after the jump, and is drawn."""
-    from analysis.watch import OFF_TRACK_EVALS, watch_run
+    from analysis.watch import watch_run
+    from lab.training.expect import OFF_TRACK_EVALS
 
     sweep = tmp_path / "sweep"
     for i, (n, steps) in enumerate(SIZES):
@@ -152,6 +156,11 @@ def test_watch_flags_a_run_that_goes_off_track_once_and_an_on_track_run_never(tm
     quiet, lines = watch_run(tmp_path / "on", law)
     assert quiet.warned_at is None and all(e.inside for e in quiet.history), lines
     assert lines[-1] == "on track: no warning"
+    # the watcher (lab.training.expect, the training loop's) evaluates the law as analysis.curves predicts it
+    fit = load_fit(json.loads(law.read_text()))
+    for step in (100, 600, 1200):
+        _, loss, lo, hi = fit.predict(5e4, on_track.lr, np.array([step]))
+        assert quiet.law(step) == pytest.approx((loss[0], lo[0], hi[0]), rel=1e-9)
     assert main(["watch", str(tmp_path / "off"), "--law", str(law)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("OFF TRACK") == 1 and f"went off track at step {600 + 50 * (OFF_TRACK_EVALS - 1)}" in printed

@@ -66,6 +66,7 @@ def test_process_pool_gives_the_same_refits_as_one_process(table):
     assert not np.allclose(serial.thetas[0], serial.thetas[1])  # the resamples really differ
 
 
+@pytest.mark.slow
 def test_intervals_contain_the_truth(fitted):
     doc = fitted.to_dict()
     ci = doc["approach3"]["ci"]

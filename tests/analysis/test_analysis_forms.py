@@ -94,6 +94,7 @@ def test_kaplan_e_fit_recovers_its_parameters():
     assert params["a"] == pytest.approx(0.55, abs=0.03)
 
 
+@pytest.mark.slow
 def test_auto_chooses_the_form_that_generated_the_data(tmp_path):
     kaplan = _table(_kaplan_runs(noise=0.003), tmp_path)
     config = FitConfig(form="auto", n_bootstrap=0, progress=False, delta_sensitivity=False)
@@ -108,6 +109,7 @@ def test_auto_chooses_the_form_that_generated_the_data(tmp_path):
     assert choose_form(chinchilla, result.budgets, FitConfig(form="kaplan-e"))[1] is None
 
 
+@pytest.mark.slow
 def test_cli_fit_in_kaplan_form_plans_from_its_fit_json_and_bootstrap(tmp_path, capsys):
     path = tmp_path / "runs.csv"
     _kaplan_runs(noise=0.003).to_csv(path, index=False)
@@ -189,6 +191,7 @@ def test_shared_form_recovers_its_parameters_and_allocates_along_the_minimum():
     assert thetas.shape == (2, 4) and ok.all() and np.allclose(thetas, SHARED_TRUTH, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_auto_chooses_the_shared_form_when_it_generated_the_data(tmp_path):
     """Few, noisy runs from the shared form: Chinchilla's extra exponent fits the noise and extrapolates worse."""
     table = _table(_shared_runs(noise=0.01, budgets=BUDGETS[:4], per_budget=5), tmp_path)
@@ -212,6 +215,7 @@ def test_five_runs_fit_the_shared_form_only(tmp_path):
         fit_runs(table, FitConfig(form="chinchilla", n_bootstrap=0, progress=False))
 
 
+@pytest.mark.slow
 def test_every_form_side_by_side_in_fit_json_terminal_and_report(tmp_path, capsys):
     path = tmp_path / "runs.csv"
     _kaplan_runs(noise=0.003).to_csv(path, index=False)

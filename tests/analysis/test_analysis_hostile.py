@@ -40,6 +40,7 @@ def _edited(doc: dict, edit: str) -> dict | bytes:
     ("a string", "approach3.a must be a finite number or null, got 'abc'"),
     ("a huge exponent", "approach3.k_N must be a finite number or null, got 1e+308"),
 ])
+@pytest.mark.slow
 def test_a_hand_edited_fit_json_gets_one_line(fit_doc, tmp_path, capsys, edit, message):
     bad = tmp_path / "bad" / "fit.json"
     bad.parent.mkdir()

@@ -123,6 +123,7 @@ def test_duplicates_are_averaged_on_request_with_their_curves_kept_or_refused(tm
         load_runs(tmp_path / "sweep", duplicates="refuse")
 
 
+@pytest.mark.slow
 def test_single_budget_holdout_and_envelope_on_continuous_data(tmp_path):
     from analysis.synthetic import continuous_runs
 

@@ -37,6 +37,7 @@ def _with_repeats(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([runs, again], ignore_index=True)
 
 
+@pytest.mark.slow
 def test_repeats_are_each_their_own_point_by_default_and_warned_with_their_spread(tmp_path):
     path = _csv(tmp_path, _with_repeats(_runs()))
     kept = load_runs(path)
@@ -57,6 +58,7 @@ def test_repeats_are_each_their_own_point_by_default_and_warned_with_their_sprea
     assert not np.allclose(theta_kept, fit_runs(averaged, QUICK).parametric.theta, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_an_outlier_is_flagged_in_the_terminal_and_the_report_and_dropped_on_request(tmp_path, capsys):
     runs = _runs()
     runs.loc[10, "loss"] += 1.0  # one run 1 nat above the law, as a point misread off a figure
@@ -139,6 +141,7 @@ def test_published_rows_give_e_a_b_alpha_beta_of_each_paper(tmp_path):
         assert f"| {law.name} | {law.dataset} | {law.E:.4g} | {law.A:.4g} | {law.B:.4g} | {law.alpha:.4g} |" in report
 
 
+@pytest.mark.slow
 def test_huber_delta_is_used_and_the_report_has_a_delta_sensitivity_table(tmp_path, capsys):
     runs = _runs()
     runs.loc[10, "loss"] += 1.0
@@ -161,6 +164,7 @@ def test_huber_delta_is_used_and_the_report_has_a_delta_sensitivity_table(tmp_pa
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_holdout_budgets_and_above_predict_each_held_out_run(tmp_path):
     table = load_runs(_csv(tmp_path, _runs()))
     base = {"n_bootstrap": 0, "progress": False, "delta_sensitivity": False}
@@ -183,6 +187,7 @@ def _png_width(data: bytes) -> int:
     return int.from_bytes(data[16:20], "big")  # IHDR: width, then height
 
 
+@pytest.mark.slow
 def test_figures_in_every_format_at_200_dpi_and_tables_as_csv_and_latex(tmp_path, capsys):
     from analysis.synthetic import write_sweep
 
@@ -213,6 +218,7 @@ def test_figures_in_every_format_at_200_dpi_and_tables_as_csv_and_latex(tmp_path
     assert capsys.readouterr().err.startswith("error: argument --format: unknown figure format(s) gif")
 
 
+@pytest.mark.slow
 def test_figures_stay_readable_at_20000_runs(tmp_path):
     import dataclasses
 
@@ -286,6 +292,7 @@ def test_training_curves_figure_colours_each_run_by_its_size(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_compare_overlays_a_fit_and_a_sweep_with_a_side_by_side_table(tmp_path, capsys):
     from analysis.published import LAWS as PUBLISHED
     from analysis.synthetic import write_sweep
@@ -350,6 +357,7 @@ def test_kaplan_form_is_fitted_beside_approach_3_on_request(tmp_path):
     assert fit_runs(load_runs(path), QUICK).law is None  # Chinchilla's form only by default
 
 
+@pytest.mark.slow
 def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constants(tmp_path, capsys):
     from analysis.laws import data_constrained_log_loss
 

@@ -23,6 +23,7 @@ def fitted(tmp_path_factory):
     return out / "fit.json"
 
 
+@pytest.mark.slow
 def test_predict_from_python_matches_the_law_with_intervals_and_flags(fitted):
     law = load_law(fitted)
     doc = json.loads(fitted.read_text())
@@ -68,3 +69,24 @@ def test_predict_cli_pairs_csv_json_and_bad_input(fitted, tmp_path, capsys):
     bad.write_text("n,tokens\n1,2\n")
     assert main(["predict", str(fitted), "--csv", str(bad)]) == 2
     assert "no column(s) params" in capsys.readouterr().err
+
+
+def test_the_training_loop_evaluates_every_form_and_a_fit_as_the_analysis_does(fitted):
+    """lab.training.expect (what --train.expect runs, without the analysis) against analysis.parametric and
+    analysis.predict: each form's loss from its named parameters, and a fit.json's loss and bootstrap interval."""
+    from analysis.forms import FORMS
+    from lab.training.expect import POINT_FORMS, point_loss, watcher
+
+    assert POINT_FORMS == {name: form.names for name, form in FORMS.items()}  # a new form must be added there too
+    n, d = np.geomspace(1e6, 1e10, 5), np.geomspace(1e8, 1e13, 5)
+    named = {"chinchilla": {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28},
+             "shared": {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.31},
+             "kaplan-e": {"E": 1.5, "N_c": 8.8e13, "D_c": 5.4e13, "alpha_N": 0.076, "alpha_D": 0.095}}
+    for name, form in FORMS.items():
+        theta = form.theta_of(named[name])[0]
+        assert point_loss(name, named[name], n, d) == pytest.approx(predict_loss(theta, n, d, form), rel=1e-12)
+    law, batch_tokens = load_law(fitted), 2 ** 20
+    w = watcher(fitted, 3e8, np.full(100, 1e-3), batch_tokens)
+    for step in (10, 100):
+        expected = law.predict([3e8], [step * batch_tokens]).iloc[0]
+        assert w.law(step) == pytest.approx((expected["loss"], expected["lo"], expected["hi"]), rel=1e-12)

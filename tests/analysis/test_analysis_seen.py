@@ -76,6 +76,7 @@ def test_a_single_compute_budget_is_refused_for_approaches_1_and_2(tmp_path, cap
     assert ident["identified"] is False and any("one compute budget" in r for r in ident["reasons"])
 
 
+@pytest.mark.slow
 def test_lopsided_isoflop_profiles_give_the_optimum_and_flag_one_sided_ones(tmp_path, capsys):
     # Sizes from 0.5x to 50x each budget's optimum (many more above it), on the Epoch AI law whose
     # alpha and beta are nearly equal; before, the parabola vertex was 0.058 decades off in every budget.
@@ -108,6 +109,7 @@ def test_duplicate_rows_are_reported_and_do_not_narrow_the_intervals(tmp_path, c
     assert rc == 2 and err.startswith("error: duplicate runs: 126 runs share N and D")
 
 
+@pytest.mark.slow
 def test_flops_far_from_k_n_d_are_flagged(tmp_path, capsys):
     runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0)
     runs.loc[[5, 40], "flops"] *= 10.0
@@ -145,6 +147,7 @@ def test_continuous_budgets_make_no_fake_groups_and_a_legible_plot(tmp_path, cap
     assert legend is None or len(legend.get_texts()) <= 4
 
 
+@pytest.mark.slow
 def test_the_start_grid_warning_is_quiet_on_clean_data(tmp_path, capsys):
     runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0)
     rc, doc, _, _ = _fit(capsys, _csv(tmp_path, runs), tmp_path / "out", "--bootstrap", "0")
@@ -177,6 +180,7 @@ def test_plan_shows_every_approach_and_warns_when_they_disagree(tmp_path, capsys
     assert set(x["approaches"]) == {"envelope", "approach3"} and x["ratio"] > 1.5 and x["ci"][0] > 1.0
 
 
+@pytest.mark.slow
 def test_a_signal_while_the_outputs_are_renamed_into_place_publishes_all_of_them(tmp_path, monkeypatch, capsys):
     """The renames are all or nothing: SIGTERM arriving during them is handled after the last one."""
     path = _csv(tmp_path, isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0))
@@ -196,6 +200,7 @@ def test_a_signal_while_the_outputs_are_renamed_into_place_publishes_all_of_them
     assert capsys.readouterr().err.strip().endswith(f"error: interrupted after writing the outputs to {out}")
 
 
+@pytest.mark.slow
 def test_a_fit_replaces_its_outputs_as_a_whole(tmp_path, capsys):
     """Issue 32: a folder swap, so an earlier fit's files (a figure format not asked for now) never mix with the
     new fit's, and the swap is one step (the earlier folder is whole until it)."""
@@ -216,6 +221,7 @@ def test_a_fit_replaces_its_outputs_as_a_whole(tmp_path, capsys):
     assert (old / "fit.json").read_text() == "new" and (new / "fit.json").read_text() == "old"
 
 
+@pytest.mark.slow
 def test_interrupted_fits_leave_no_staging_folders(tmp_path):
     runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0)
     path = _csv(tmp_path, runs)

@@ -213,6 +213,7 @@ def test_plan_command_prints_the_table_and_refuses_with_one_line_each(tmp_path, 
         f"error: sweep file not found: {tmp_path / 'missing.toml'}"]
 
 
+@pytest.mark.slow
 def test_the_default_sweep_brackets_five_budgets_over_thirty_fold_within_its_time():
     from sweeps import search
 
@@ -230,6 +231,7 @@ def test_the_default_sweep_brackets_five_budgets_over_thirty_fold_within_its_tim
     assert sum(r.est_seconds for r in result.runs + searched) / sweep.parallel < 25 * 60
 
 
+@pytest.mark.slow
 def test_the_gpu_example_sweep_plans_with_its_resources_per_size(tmp_path, capsys):
     from sweeps.cli import main
 
@@ -280,6 +282,7 @@ def _fpt_per_param(sweep: spec.Sweep, params: float) -> float:
     return accounting.flops_per_token(cfg) / accounting.param_counts(cfg).total
 
 
+@pytest.mark.slow
 def test_centred_sizes_are_symmetric_in_log_n_about_the_tokens_per_param_prior():
     sweep = parse(CENTRED)
     result = planner.plan(sweep)
@@ -328,6 +331,7 @@ def test_centred_sizes_follow_a_previous_fits_law(tmp_path):
         planner.plan(parse(named))
 
 
+@pytest.mark.slow
 def test_budgets_the_family_cannot_bracket_are_warned_about_and_repeats_planned_once():
     # At 1e11 FLOPs and 20 tokens per parameter N_opt is about 2e4, below the smallest width-64 model
     # (3.3e5 parameters with this vocabulary): every target collapses onto it.
@@ -342,6 +346,7 @@ def test_budgets_the_family_cannot_bracket_are_warned_about_and_repeats_planned_
     assert all("\n" not in w for w in result.warnings)
 
 
+@pytest.mark.slow
 def test_plan_command_prints_centres_and_warnings(tmp_path, capsys):
     from sweeps.cli import main
 
@@ -381,6 +386,7 @@ def test_a_centre_is_refused_with_an_explicit_shape_list():
                                               'tokens_per_param = 20 }'))
 
 
+@pytest.mark.slow
 def test_seeds_repeat_the_runs_of_the_budgets_below_seeds_below():
     once = planner.plan(parse(FAMILY))
     text = FAMILY.replace("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [1337, 7]\nseeds_below = 5e13")

@@ -62,6 +62,7 @@ def test_a_search_needs_the_family():
         parse(text)
 
 
+@pytest.mark.slow
 def test_the_search_plans_every_rate_per_size_and_every_batch_per_budget_at_its_prior():
     sweep = parse()
     lr_runs, refused = search.lr_runs(sweep)
@@ -181,6 +182,7 @@ def test_the_verdict_compares_achieved_with_predicted():
     assert "NOT verified" in text and "not located" in text
 
 
+@pytest.mark.slow
 def test_the_family_sets_the_mlp_width_from_ffn_ratio():
     sweep = parse(SWEEP.replace("max_layers = 1\n", "max_layers = 1\nffn_ratio = 2.6667\n")
                   .replace("model = { block_size = 128 }", 'model = { arch = "modern", block_size = 128 }'))
