@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -59,12 +58,12 @@ def test_runs_without_run_dir_each_get_their_own_folder(args, tmp_path, monkeypa
 # ---------------------------------------------------------------- 2. the CPU peak: fast, cached, no RNG
 
 
-def test_the_cpu_peak_is_measured_quickly_once_and_cached(tmp_path, monkeypatch):
+def test_the_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    """(Its time budget is the next test's: a wall-clock bound here would fail on a busy machine.)"""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(device.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine: its figure is cached
-    start = time.perf_counter()
     first = device.cpu_peak_flops(torch.bfloat16)
-    assert time.perf_counter() - start < 2.0 and first.flops > 0
+    assert first.flops > 0
     assert (tmp_path / "scaling-lab" / "cpu-peaks.json").is_file()
     monkeypatch.setattr(device, "measure_matmul_peak", lambda *a: pytest.fail("measured again"))
     assert device.cpu_peak_flops(torch.bfloat16) == device.Peak(first.flops, first.source.replace(
