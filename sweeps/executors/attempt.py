@@ -29,13 +29,15 @@ RUN_PY = REPO / "launch" / "run.py"
 
 @dataclass(frozen=True)
 class Attempt:
-    """One try at a run. ``job`` is set when following a job an earlier driver submitted."""
+    """One try at a run. ``job`` is set when following a job an earlier driver submitted; ``submitting`` when an
+    earlier driver recorded a SLURM submission (by its job name) and stopped before it recorded the job id."""
 
     run: PlannedRun
     run_dir: Path
     log: Path
     lock: Path
     job: str | None = None
+    submitting: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class Events(Protocol):
 
     def start(self, attempt: Attempt) -> bool:
         """Whether to start ``attempt`` now (False: it was cancelled or finished meanwhile)."""
+
+    def submitting(self, attempt: Attempt, marker: str) -> None:
+        """``attempt`` is about to be submitted to SLURM under ``marker`` (recorded before ``sbatch``)."""
 
     def started(self, attempt: Attempt, job: str) -> None:
         """``attempt`` is running as ``job`` (a process id or a SLURM job id)."""

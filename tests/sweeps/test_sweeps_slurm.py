@@ -153,6 +153,49 @@ def test_a_driver_killed_mid_sweep_follows_its_jobs_when_restarted(cluster, tmp_
     assert set(sacct_states(array).values()) == {"COMPLETED"}
 
 
+def test_a_submission_is_recorded_before_sbatch_so_a_stopped_driver_never_submits_a_run_twice(
+        cluster, tmp_path, write_sweep, registry_rows, completions, monkeypatch):
+    """Two runs with different resources (two submissions). Driver 1 dies right after sbatch accepted the
+    first, before the job id was recorded; driver 2 dies after recording the second submission, before its
+    sbatch; driver 3 finishes: each run is submitted once, runs once and counts one attempt."""
+    import submitit.slurm.slurm as submitit_slurm
+
+    from sweeps.cli import main
+    from sweeps.driver import SUBMITTING, Recorder
+    from sweeps.executors.slurm import job_name
+
+    sweep_name = f"once-{os.getpid()}-{tmp_path.name}"
+    shapes = [SHAPES[0], {**SHAPES[1], "launch": {"time_min": 7}}]
+    file = write_sweep(tmp_path / "s.toml", name=sweep_name, budgets=[6e8], shapes=shapes, extra=SLURM)
+    folder = tmp_path / "sweep"
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 120))
+    monkeypatch.chdir(REPO)
+    argv = ["run", str(file), "--folder", str(folder), "--executor", "slurm", "--no-progress"]
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt  # what the driver's SIGTERM handler raises; SIGKILL stops it at the same place
+
+    with monkeypatch.context() as m:
+        m.setattr(Recorder, "started", die)  # after the first sbatch returned
+        assert main(argv) == 130
+    first = {n: r for n, r in registry_rows(folder).items() if r["status"] == "running"}
+    assert len(first) == 1 and next(iter(first.values()))["job"].startswith(SUBMITTING)
+    with monkeypatch.context() as m:
+        m.setattr(submitit_slurm.SlurmExecutor, "_internal_process_submissions", die)  # before the second sbatch
+        assert main(argv) == 130
+    rows = registry_rows(folder)
+    assert [r["job"].startswith("slurm:") for r in rows.values()].count(True) == 1  # the first one found
+    assert [r["job"].startswith(SUBMITTING) for r in rows.values()].count(True) == 1  # the second one recorded
+    assert main(argv) == 0
+    rows = registry_rows(folder)
+    assert all(r["status"] == "done" and r["attempts"] == 1 for r in rows.values()), rows
+    assert all(completions(folder, name) == 1 for name in rows)
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", since, "-o", "JobID,JobName"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    submitted = sorted(line.split("|")[0] for line in out if line.split("|")[1].startswith(job_name(sweep_name)))
+    assert submitted == sorted(job_id(r) for r in rows.values())  # one job per run, the one recorded
+
+
 NASTY = "it's a \"run\"; touch PWNED-$(id -u) `touch PWNED2` && rm -rf nothing"
 
 
@@ -191,6 +234,9 @@ class _Events:
 
     def start(self, attempt):
         return True
+
+    def submitting(self, attempt, marker):
+        pass
 
     def started(self, attempt, job):
         self.jobs.append(job)
