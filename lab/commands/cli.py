@@ -36,6 +36,7 @@ from lab.data.tokenizer import BytesTokenizer
 from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
                                 usable_cores)
 from lab.runtime.files import LockHeld, dumps, probe_writable, save_json, take_lock
+from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
@@ -269,6 +270,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     torchrun = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "lab", "train"]
+    listen_on_loopback()  # the launcher's stores answer this machine alone
     try:
         run(get_args_parser().parse_args([*torchrun, *argv, "--nproc-per-node", "1"]))
     except SignalException as e:  # torchrun's launcher passed the signal on to the ranks, which stopped and said where
@@ -305,6 +307,8 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
         print(warning, file=sys.stderr, flush=True)
 
     if world.world_size > 1:
+        if os.environ.get("MASTER_ADDR") in LOOPBACK_HOSTS:
+            listen_on_loopback()  # rank 0 hosts the store when torchrun does not share its own
         try:
             dist.init_process_group(backend="nccl" if world.device.type == "cuda" else "gloo",
                                     timeout=timedelta(seconds=cfg.parallel.timeout_s))

@@ -1,7 +1,8 @@
 """What every executor shares: one attempt of a run, its command line, its lock and its outcome.
 
 A run is started as ``python launch/run.py OPTIONS --run-dir DIR --resume auto`` (one process) or
-under ``torchrun --standalone --nproc_per_node=K`` (several): a first attempt starts afresh, a later
+under ``torchrun --standalone --nproc_per_node=K`` (several; through ``lab.runtime.loopback``, so its stores
+listen on 127.0.0.1 only): a first attempt starts afresh, a later
 one continues from the run's newest checkpoint. Each attempt writes
 its output to ``SWEEP/logs/NAME/attempt-K.log``. While a single-node attempt is alive it holds an
 exclusive lock on ``SWEEP/logs/NAME/run.lock``, so a restarted driver never starts a second copy
@@ -81,7 +82,7 @@ def run_command(attempt: Attempt) -> list[str]:
     """A single-node command: the run itself for one process (no launcher to start and wait on), else
     torchrun with a private rendezvous and the run's process count."""
     nproc = attempt.run.launch.nproc
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    launcher = ["-m", "lab.runtime.loopback", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     return [sys.executable, *launcher, str(RUN_PY), *attempt.run.args, "--run-dir", str(attempt.run_dir),
             "--resume", "auto"]
 

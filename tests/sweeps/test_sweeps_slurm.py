@@ -306,11 +306,26 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     argv = (tmp_path / "args").read_text().split("\0")[:-1]
+    # a port free on the head node when the job starts (not one derived from the job id, which another job
+    # on that node may hold)
+    port = next(a for a in argv if a.startswith("--rdzv_endpoint=")).rpartition(":")[2]
+    assert "import socket" in text and "SLURM_JOB_ID %" not in text and 1024 <= int(port) <= 65535
     assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", "--rdzv_id=4242",
-            f"--rdzv_endpoint=node-a:{20000 + 4242}"} <= set(argv)
+            f"--rdzv_endpoint=node-a:{port}"} <= set(argv)
     # the run's path and options arrive character for character
     assert argv[argv.index("launch/run.py"):] == ["launch/run.py", "--run-dir", str(attempt.run_dir), "--resume",
                                                   "auto", *attempt.run.args]
+    # each task runs torchrun through bash -c: the first task (on the head node) hosts the store, by name
+    argv = argv[argv.index("bash"):]
+    assert argv[:2] == ["bash", "-c"] and argv[3] == sys.executable
+    (bin_dir / "python").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$ARGS_OUT"\n')
+    (bin_dir / "python").chmod(0o755)
+    for task, host in (("0", "1"), ("1", "0")):
+        subprocess.run([argv[0], argv[1], argv[2], str(bin_dir / "python"), *argv[4:]], check=True,
+                       env={**env, "SLURM_PROCID": task})
+        agent = (tmp_path / "args").read_text().split("\0")[:-1]
+        assert agent[:3] == ["-m", "torch.distributed.run", f"--rdzv_conf=is_host={host}"]
+        assert agent[3:] == argv[4:]
     assert NASTY in attempt.run_dir.name
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
