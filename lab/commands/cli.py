@@ -40,6 +40,7 @@ from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
+from lab.parallel.comm import AxisFailed
 from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
@@ -363,6 +364,12 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
         log = run_dir / "logs" / f"rank-{world.rank}-error.txt"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(traceback.format_exc())
+        failed = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, AxisFailed)), None)
+        if failed:
+            print(f"error: rank {world.rank}: a rank on the {failed.axis} axis died or did not answer within "
+                  f"parallel.timeout_s ({cfg.parallel.timeout_s:g} s) ({_first_line(failed.__cause__ or failed)}); "
+                  f"the last checkpoint is kept; traceback in {log}", file=sys.stderr)
+            return 1
         print(f"error: rank {world.rank}: a collective failed or timed out after parallel.timeout_s "
               f"({cfg.parallel.timeout_s:g} s), a rank died or the ranks diverged ({_first_line(e)}); the last "
               f"checkpoint is kept; traceback in {log}", file=sys.stderr)

@@ -217,7 +217,7 @@ class TensorParallel:
     def __init__(self, world: World, sequence_parallel: bool):
         self.world, self.n, self.rank = world, world.world_size, world.rank
         self.sequence_parallel = sequence_parallel
-        self.comm = Comm(world.world_size, world.group)
+        self.comm = Comm(world.world_size, world.group, axis="tp")
         self.splits: dict[str, Split] = {}  # parameter name → how it is cut
 
     # ------------------------------------------------------------ collectives (counted on the group's Comm)
