@@ -11,7 +11,6 @@ watch``.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis.table import InputError
+from lab.runtime.files import read_json
 
 OFF_TRACK_EVALS = 3
 WIDEN = 2.0
@@ -102,7 +102,7 @@ def read_law(law_path: str | Path) -> tuple[str, dict]:
     """("curves", curves.json) or ("fit", fit.json) at ``law_path``; InputError for anything else."""
     path = Path(law_path)
     try:
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read the law {path}: {' '.join(str(exc).split())}") from None
     if isinstance(doc, dict) and isinstance(doc.get("fit"), dict) and "law" in doc["fit"]:
@@ -134,7 +134,7 @@ def watch_run(run_dir: Path, law_path: str | Path) -> tuple[Watcher, list[str]]:
     from analysis.curves import read_run
 
     curve, facts = read_run(Path(run_dir), "eval")
-    cfg = json.loads((Path(run_dir) / "config.json").read_text())["train"]
+    cfg = read_json(Path(run_dir) / "config.json")["train"]
     w = watcher(law_path, curve.params, curve.lr, int(cfg["batch_tokens"]))
     lines = [f"run {facts['run_id']} (N={curve.params:.4g}, {curve.schedule}, {facts['steps']} steps) against "
              f"{w.kind} law {w.law_path}"]

@@ -35,7 +35,7 @@ from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
                                 usable_cores)
-from lab.runtime.files import LockHeld, dumps, probe_writable, save_json, take_lock
+from lab.runtime.files import LockHeld, dumps, probe_writable, read_json, save_json, take_lock
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.runtime.extras import require
 from lab.model import GPT
@@ -162,7 +162,7 @@ def default_run_dir(root: Path = Path("runs")) -> Path:
 
 def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     try:
-        old = _flatten(json.loads((run_dir / "config.json").read_text()))
+        old = _flatten(read_json(run_dir / "config.json"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {run_dir / 'config.json'} is unreadable ({e})") from None
     new, default = _flatten(cfg.to_dict()), _flatten(RunConfig().to_dict())
@@ -408,7 +408,7 @@ def run_config(run_dir: Path) -> RunConfig:
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
     try:
-        return RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+        return RunConfig.from_dict(read_json(run_dir / "config.json"))
     except ValueError as e:
         raise ConfigError(f"{run_dir / 'config.json'} is unreadable ({e})") from None
 

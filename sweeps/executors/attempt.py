@@ -15,12 +15,13 @@ anything else is a failure, explained by the last ``error: ...`` line of the att
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
+
+from lab.runtime.files import read_json
 
 from sweeps.plan import PlannedRun
 
@@ -108,8 +109,8 @@ def try_lock(lock: IO[bytes]) -> bool:
 
 def read_summary(run_dir: Path) -> dict | None:
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        summary = read_json(run_dir / "summary.json")
+    except (OSError, ValueError):  # not written yet, torn by a kill, or not a summary at all
         return None
     return summary if isinstance(summary, dict) else None
 
