@@ -58,7 +58,7 @@ from analysis.table import (  # noqa: E402
     load_runs,
     parse_column_map,
 )
-from lab.runtime.files import process_alive  # noqa: E402
+from lab.runtime.files import UnreadableFile, process_alive  # noqa: E402
 
 EXIT_USAGE = 2
 FIGURE_FORMATS = ("png", "svg", "pdf")
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     except Unidentified as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNIDENTIFIED
-    except InputError as exc:
+    except (InputError, UnreadableFile) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -36,6 +36,7 @@ from scipy.signal import lfilter
 
 from analysis.bootstrap import draw_weights, interval
 from analysis.table import InputError
+from lab.runtime.files import read_json, read_lines
 from lab.training.expect import drops
 
 NAMES = ("E", "B", "beta", "A", "alpha", "C", "lambda")
@@ -251,8 +252,8 @@ def read_run(run_dir: Path, loss: str = "eval") -> tuple[Curve, dict]:
     """One run folder's curve (its ``loss`` points after warm-up) and facts for the report: run_id, params, flops,
     steps, schedule, peak lr. The schedule is rebuilt from config.json as lab.training.schedule runs it."""
     try:
-        cfg = json.loads((run_dir / "config.json").read_text())["train"]
-        summary = json.loads((run_dir / "summary.json").read_text())
+        cfg = read_json(run_dir / "config.json")["train"]
+        summary = read_json(run_dir / "summary.json")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{run_dir}: not a finished run folder (config.json, summary.json): "
                          f"{' '.join(str(exc).split())}") from None
@@ -261,7 +262,7 @@ def read_run(run_dir: Path, loss: str = "eval") -> tuple[Curve, dict]:
                      cfg.get("decay", 0.2), cfg.get("min_lr_ratio", 0.1))
     key, points = LOSS_KEYS[loss], {}
     metrics = run_dir / "metrics.jsonl"
-    for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
+    for line in (read_lines(metrics) if metrics.is_file() else []):
         try:
             rec = json.loads(line)
         except ValueError:

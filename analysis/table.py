@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import conditions
+from lab.runtime.files import read_json, read_lines
 from lab.runtime.scores import task_columns
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
@@ -237,7 +238,7 @@ def _read_file(path: Path) -> pd.DataFrame:
         if suffix == ".jsonl":
             return pd.DataFrame(_read_jsonl_records(path))
         if suffix == ".json":
-            data = json.loads(path.read_text())
+            data = read_json(path)
             if isinstance(data, dict) and isinstance(data.get("runs"), list):
                 data = data["runs"]
             if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
@@ -256,7 +257,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _read_jsonl_records(path: Path) -> list[dict]:
     records = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(read_lines(path), 1):
         if not line.strip():
             continue
         try:
@@ -291,8 +292,8 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
     rows, dirs, sources, unusable = [], [], [], []
     for summary_path in summaries:
         try:
-            summary = json.loads(summary_path.read_text())
-        except (json.JSONDecodeError, OSError) as exc:
+            summary = read_json(summary_path)
+        except (ValueError, OSError) as exc:
             raise InputError(f"{summary_path}: cannot read ({_one_line(exc)})") from exc
         if not isinstance(summary, dict):
             raise InputError(f"{summary_path}: expected a JSON object")
@@ -518,7 +519,7 @@ def _attach_curves(table: RunTable, run_dirs: list[Path | None]) -> None:
         if metrics is None or not metrics.is_file():
             continue
         train, evals = [], []
-        for line in metrics.read_text().splitlines():
+        for line in read_lines(metrics):
             if not line.strip():
                 continue
             try:

@@ -6,12 +6,12 @@ is ``lab.training.expect``, the same code the training loop runs with ``--train.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from analysis.table import InputError
+from lab.runtime.files import read_json
 from lab.training.expect import LawError, Watcher, watcher
 
 
@@ -20,7 +20,7 @@ def watch_run(run_dir: Path, law_path: str | Path) -> tuple[Watcher, list[str]]:
     from analysis.curves import read_run
 
     curve, facts = read_run(Path(run_dir), "eval")
-    cfg = json.loads((Path(run_dir) / "config.json").read_text())["train"]
+    cfg = read_json(Path(run_dir) / "config.json")["train"]
     try:
         w = watcher(law_path, curve.params, curve.lr, int(cfg["batch_tokens"]))
     except LawError as exc:

@@ -17,13 +17,13 @@ log-spaced; the family turns them into shapes (``sweeps.shapes``).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from lab.measure import accounting
+from lab.runtime.files import read_json
 
 from sweeps.shapes import count, family_shape, model_config
 from sweeps.spec import SpecError, Sweep
@@ -46,8 +46,8 @@ def fit_law(sweep: Sweep) -> tuple[float, float, str]:
     centre = sweep.centre
     where = f"[sweep] centre: {centre.path}"
     try:
-        doc = json.loads(centre.path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        doc = read_json(centre.path)
+    except (OSError, ValueError) as e:
         raise SpecError(f"{where}: cannot read ({' '.join(str(e).split())})") from None
     if not isinstance(doc, dict) or doc.get("schema_version") != FIT_SCHEMA:
         raise SpecError(f"{where}: not a fit.json of schema {FIT_SCHEMA} written by 'python -m analysis fit'")

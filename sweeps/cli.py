@@ -291,8 +291,12 @@ def _cancel(args: argparse.Namespace) -> int:
             continue
         registry.set_status(row.name, "cancelled", error="cancelled")
         kind, _, job = (row.job or "").partition(":")
+        if row.status == "running" and kind == "slurm-submitting":  # a submission the driver did not see end
+            from sweeps.executors.slurm import find_submitted
+
+            kind, job = "slurm", find_submitted(job)
         stopped = ""
-        if row.status == "running" and kind == "slurm":
+        if row.status == "running" and kind == "slurm" and job:
             from sweeps.executors.slurm import cancel
 
             cancel(folder / "slurm", job)

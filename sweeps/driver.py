@@ -25,6 +25,7 @@ from sweeps.progress import last_step, total_steps
 from sweeps.registry import Registry, RegistryError, Row
 
 EXIT_OK, EXIT_UNFINISHED, EXIT_INTERRUPTED = 0, 1, 130
+SUBMITTING = "slurm-submitting:"  # a row's job while its SLURM submission is under way (job name, no id yet)
 
 
 def run_dir(folder: Path, name: str) -> Path:
@@ -32,12 +33,14 @@ def run_dir(folder: Path, name: str) -> Path:
 
 
 def attempt_for(folder: Path, row: Row, follow: bool) -> Attempt:
-    """The next attempt of ``row``, or with ``follow`` the one its recorded job is running."""
+    """The next attempt of ``row``, or with ``follow`` the one its recorded job is running (or the recorded
+    submission an earlier driver may have made)."""
     logs = folder / "logs" / row.name
     number = max(1, row.attempts) if follow else row.attempts + 1
     job = row.job.partition(":")[2] if follow and row.job else None
+    submitting = job if job and row.job.startswith(SUBMITTING) else None
     return Attempt(run=row.plan, run_dir=row.run_dir, log=logs / f"attempt-{number}.log", lock=logs / "run.lock",
-                   job=job)
+                   job=None if submitting else job, submitting=submitting)
 
 
 @contextlib.contextmanager
@@ -63,6 +66,7 @@ class Recorder:
     def __init__(self, registry: Registry, executor_name: str, bar: tqdm, refresh_s: float = 1.0):
         self.registry, self.kind, self.bar = registry, executor_name, bar
         self.running: dict[str, Attempt] = {}
+        self.counted: set[str] = set()  # runs whose attempt was counted when its submission was recorded
         self.refresh_s, self.shown_at = refresh_s, 0.0
 
     def in_flight(self) -> str:
@@ -86,8 +90,15 @@ class Recorder:
             return False
         return True
 
+    def submitting(self, attempt: Attempt, marker: str) -> None:
+        """Count the attempt and record its submission's marker, in one transaction, before anything is submitted."""
+        self.registry.set_status(attempt.run.name, "running", job=SUBMITTING + marker,
+                                 new_attempt=attempt.submitting is None, unless=("cancelled", "done"))
+        self.counted.add(attempt.run.name)
+
     def started(self, attempt: Attempt, job: str) -> None:
-        self.registry.set_status(attempt.run.name, "running", job=f"{self.kind}:{job}", new_attempt=True,
+        counted = attempt.run.name in self.counted or attempt.submitting is not None
+        self.registry.set_status(attempt.run.name, "running", job=f"{self.kind}:{job}", new_attempt=not counted,
                                  unless=("cancelled", "done"))
         self.running[attempt.run.name] = attempt
         self.shown_at = 0.0  # show it now
@@ -123,7 +134,7 @@ def execute(folder: Path, registry: Registry, names: list[str], executor: Execut
     events = Recorder(registry, executor.name, bar)
     # SLURM jobs outlive a driver: follow the ones an earlier driver left running
     attempts = [attempt_for(folder, r, follow=executor.name == "slurm" and r.status == "running"
-                            and (r.job or "").startswith("slurm:")) for r in todo]
+                            and (r.job or "").startswith(("slurm:", SUBMITTING))) for r in todo]
     for attempt in attempts:
         attempt.log.parent.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -221,6 +221,11 @@ def _upgrade(conn: sqlite3.Connection) -> None:
 
 def _row(r: tuple) -> Row:
     d = dict(zip(_COLUMNS, r))
-    return Row(name=d["name"], config_hash=d["config_hash"], status=d["status"], run_dir=Path(d["run_dir"]),
-               plan=PlannedRun.from_dict(json.loads(d["plan"])), attempts=d["attempts"], job=d["job"],
-               error=d["error"], summary=json.loads(d["summary"]) if d["summary"] else None)
+    try:
+        plan, summary = json.loads(d["plan"]), json.loads(d["summary"]) if d["summary"] else None
+        return Row(name=d["name"], config_hash=d["config_hash"], status=d["status"], run_dir=Path(d["run_dir"]),
+                   plan=PlannedRun.from_dict(plan), attempts=d["attempts"], job=d["job"], error=d["error"],
+                   summary=summary)
+    except (TypeError, ValueError, KeyError) as e:
+        raise RegistryError(f"the registry's row for run {d['name']!r} is damaged ({' '.join(str(e).split())[:200]}); "
+                            f"it was left as it is") from None

@@ -387,7 +387,7 @@ def memory_run(strategy: str, nproc: int, run_dir: Path, extra: list[str]) -> di
     before = loopback_tx_bytes()
     time.sleep(BACKGROUND_S)
     after = loopback_tx_bytes()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    argv = [sys.executable, "-m", "lab.runtime.loopback", "--standalone", f"--nproc_per_node={nproc}",
             str(RUN_SCRIPT), "--strategy", strategy, *MEMORY_RUN, *extra, "--run-dir", str(run_dir)]
     with open(run_dir.with_name(run_dir.name + ".log"), "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

@@ -35,10 +35,12 @@ from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
                                 usable_cores)
-from lab.runtime.files import LockHeld, dumps, probe_writable, save_json, take_lock
+from lab.runtime.files import LockHeld, dumps, probe_writable, read_json, save_json, take_lock
+from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, join_group_of_one, validate_model
+from lab.parallel.comm import AxisFailed
 from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
@@ -160,7 +162,7 @@ def default_run_dir(root: Path = Path("runs")) -> Path:
 
 def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     try:
-        old = _flatten(json.loads((run_dir / "config.json").read_text()))
+        old = _flatten(read_json(run_dir / "config.json"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {run_dir / 'config.json'} is unreadable ({e})") from None
     new, default = _flatten(cfg.to_dict()), _flatten(RunConfig().to_dict())
@@ -269,6 +271,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     torchrun = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "lab", "train"]
+    listen_on_loopback()  # the launcher's stores answer this machine alone
     try:
         run(get_args_parser().parse_args([*torchrun, *argv, "--nproc-per-node", "1"]))
     except SignalException as e:  # torchrun's launcher passed the signal on to the ranks, which stopped and said where
@@ -305,6 +308,8 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
         print(warning, file=sys.stderr, flush=True)
 
     if world.world_size > 1:
+        if os.environ.get("MASTER_ADDR") in LOOPBACK_HOSTS:
+            listen_on_loopback()  # rank 0 hosts the store when torchrun does not share its own
         try:
             dist.init_process_group(backend="nccl" if world.device.type == "cuda" else "gloo",
                                     timeout=timedelta(seconds=cfg.parallel.timeout_s))
@@ -359,6 +364,12 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
         log = run_dir / "logs" / f"rank-{world.rank}-error.txt"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(traceback.format_exc())
+        failed = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, AxisFailed)), None)
+        if failed:
+            print(f"error: rank {world.rank}: a rank on the {failed.axis} axis died or did not answer within "
+                  f"parallel.timeout_s ({cfg.parallel.timeout_s:g} s) ({_first_line(failed.__cause__ or failed)}); "
+                  f"the last checkpoint is kept; traceback in {log}", file=sys.stderr)
+            return 1
         print(f"error: rank {world.rank}: a collective failed or timed out after parallel.timeout_s "
               f"({cfg.parallel.timeout_s:g} s), a rank died or the ranks diverged ({_first_line(e)}); the last "
               f"checkpoint is kept; traceback in {log}", file=sys.stderr)
@@ -397,7 +408,7 @@ def run_config(run_dir: Path) -> RunConfig:
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
     try:
-        return RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+        return RunConfig.from_dict(read_json(run_dir / "config.json"))
     except ValueError as e:
         raise ConfigError(f"{run_dir / 'config.json'} is unreadable ({e})") from None
 

@@ -1,4 +1,4 @@
-"""Run a function on N real ranks on this machine: processes joined in a gloo group on a free localhost port.
+"""Run a function on N real ranks on this machine: processes joined in a gloo group on a free port of 127.0.0.1.
 
 ``run_ranks(fn, n, *args)`` starts ``n`` fresh processes (forked from a fork server that imported
 torch and the lab once, so later groups start in a fraction of a second), each with one thread (as
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lab.parallel.base import World
+from lab.runtime.loopback import listen_on_loopback
 
 
 class RankFailed(RuntimeError):
@@ -43,6 +44,7 @@ def join_world(rank: int, world_size: int, port: int, timeout_s: float) -> World
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    listen_on_loopback()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     return World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
 

@@ -6,10 +6,13 @@
 The script asks SLURM for ``nodes`` × ``tasks_per_node`` tasks (one per node normally); ``srun``
 starts one torchrun agent per task, and the agents meet by c10d rendezvous on the first node of
 the allocation (``--nnodes`` is the number of tasks, so one node with two tasks stands in for two
-nodes in a test). torchrun restarts a failed group up to ``max_restarts`` times and the run
-resumes from its newest complete checkpoint (``--resume auto``), which also covers a job that
-SLURM requeues after a preemption. The run directory must be on a filesystem every node sees
-(checkpoints are written by every rank into it); each node prepares its own copy of the data.
+nodes in a test). The rendezvous port is one free on that node when the job starts (or ``--port``),
+and its first task is the store's host by name (``is_host``): a port taken meanwhile fails the job
+instead of joining whatever store listens there. torchrun restarts a failed group up to
+``max_restarts`` times and the run resumes from its newest complete checkpoint (``--resume auto``),
+which also covers a job that SLURM requeues after a preemption. The run directory must be on a
+filesystem every node sees (checkpoints are written by every rank into it); each node prepares its
+own copy of the data.
 
 Every value that reaches the shell is quoted; values that reach ``#SBATCH`` lines are reduced to
 characters SLURM reads the same way on every version (a job name) or refused (a partition, account,
@@ -35,6 +38,7 @@ _CONSTRAINT = re.compile(r"[A-Za-z0-9_.:+&|*\[\]()-]+")  # node features joined 
 _MEMORY = re.compile(r"[0-9]+[KMGT]?")  # sbatch --mem: megabytes, or with a unit
 # What each resource setting may hold (the sweep driver checks its single-node jobs' settings the same way).
 SETTING_PATTERNS = {"partition": _PLAIN, "account": _PLAIN, "qos": _PLAIN, "constraint": _CONSTRAINT}
+FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class MultiNode:
     constraint: str | None = None  # node features, e.g. h100 or "h100&ib"
     mem: str | None = None  # per node, as sbatch reads it: 64G, 500000 (MB); 0 is all of it
     max_restarts: int = 1
-    port: int | None = None  # rendezvous port on the first node (default: derived from the job id)
+    port: int | None = None  # rendezvous port on the first node (default: one free there when the job starts)
     python: str = sys.executable
 
     def validate(self) -> None:
@@ -87,11 +91,15 @@ def sbatch_script(job: MultiNode) -> str:
         directives.append(f"--gpus-per-node={job.gpus_per_node}")
     directives += [f"--{key}={getattr(job, key)}" for key in ("partition", "account", "qos", "constraint", "mem")
                    if getattr(job, key)]
-    port = str(job.port) if job.port else "$((20000 + SLURM_JOB_ID % 20000))"
-    torchrun = [q(job.python), "-m", "torch.distributed.run", '--nnodes="$SLURM_NTASKS"',
+    # the batch script runs on the head node: a port free there now, unless one is given
+    free_port = f"$({q(job.python)} -c {q(FREE_PORT)})"
+    # task 0 (on the head node) hosts the store and fails on a taken port; the others only connect to it
+    agent = 'exec "$0" -m torch.distributed.run --rdzv_conf="is_host=$((SLURM_PROCID == 0))" "$@"'
+    torchrun = ["bash", "-c", q(agent), q(job.python), '--nnodes="$SLURM_NTASKS"',
                 f"--nproc_per_node={job.procs_per_task}", "--rdzv_backend=c10d", '--rdzv_id="$SLURM_JOB_ID"',
-                '--rdzv_endpoint="$head:$port"', f"--max-restarts={job.max_restarts}", "launch/run.py",
-                '--run-dir "$run_dir"', "--resume auto", *map(q, job.run_args)]
+                '--rdzv_endpoint="$head:$port"',
+                f"--max-restarts={job.max_restarts}", "launch/run.py", '--run-dir "$run_dir"', "--resume auto",
+                *map(q, job.run_args)]
     return "\n".join([
         "#!/bin/bash",
         f"# One run on {job.nodes} node(s), written by launch/slurm.py. Submit with: sbatch THIS_FILE",
@@ -102,7 +110,7 @@ def sbatch_script(job: MultiNode) -> str:
         f"logs={q(str(job.run_dir / 'logs').replace('%', '%%'))}  # srun reads % in a file name as a pattern",
         'mkdir -p "$run_dir/logs"',
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"port={port}",
+        f"port={job.port or free_port}",
         "",
         "# Settings clusters commonly need; adjust to yours:",
         "# export NCCL_SOCKET_IFNAME=ib0          # the network interface between nodes (see `ip addr`)",
@@ -139,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--constraint", help="node features, e.g. h100 or 'h100&ib' (default: any node)")
     p.add_argument("--max-restarts", type=int, default=1,
                    help="torchrun restarts of a failed group (default: %(default)s)")
-    p.add_argument("--port", type=int, help="rendezvous port on the first node (default: from the job id)")
+    p.add_argument("--port", type=int, help="rendezvous port on the first node (default: one free there when the job "
+                                            "starts)")
     p.add_argument("--out", help="where to write the script (default: RUN_DIR/run.sbatch)")
     p.add_argument("--submit", action="store_true", help="submit it with sbatch")
     own, rest = list(argv if argv is not None else sys.argv[1:]), []

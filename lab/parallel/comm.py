@@ -26,6 +26,7 @@ done, so a finished reduce-scatter's buffers are freed early.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,27 @@ def loopback_tx_bytes() -> int | None:
         return None
 
 
+class AxisFailed(RuntimeError):
+    """A collective on a named axis failed: a rank of that axis died or did not answer within the group's timeout."""
+
+    def __init__(self, axis: str, cause: BaseException):
+        super().__init__(f"a rank on the {axis} axis died or did not answer ({str(cause).strip().splitlines()[0]})")
+        self.axis = axis
+
+
+def _names_axis(collective: Callable) -> Callable:
+    """A Comm method whose failure says which axis it ran on (when the Comm has a name)."""
+    @functools.wraps(collective)
+    def call(self: "Comm", *args, **kwargs):
+        try:
+            return collective(self, *args, **kwargs)
+        except RuntimeError as e:
+            if self.axis is None or isinstance(e, AxisFailed):
+                raise
+            raise AxisFailed(self.axis, e) from e
+    return call
+
+
 @dataclass
 class CommTotals:
     """Bytes sent by kind, and seconds spent waiting on communication."""
@@ -61,8 +83,8 @@ class CommTotals:
 
 
 class Comm:
-    def __init__(self, world_size: int, group: dist.ProcessGroup | None = None):
-        self.world_size, self.group = world_size, group
+    def __init__(self, world_size: int, group: dist.ProcessGroup | None = None, axis: str | None = None):
+        self.world_size, self.group, self.axis = world_size, group, axis  # axis: named in a failure (AxisFailed)
         self._totals = CommTotals()
         self._paused = False
 
@@ -126,6 +148,7 @@ class Comm:
         if not self._paused:
             self._totals.bytes[kind] += nbytes
 
+    @_names_axis
     def wait(self, work: dist.Work) -> None:
         with self.waiting():
             work.wait()
@@ -144,6 +167,7 @@ class Comm:
 
     # ------------------------------------------------------------ collectives
 
+    @_names_axis
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False,
                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
         """Reduce ``tensor`` over ranks (a sum unless ``op`` says otherwise), in place."""
@@ -155,6 +179,7 @@ class Comm:
         docstring)."""
         return self.world_size > 1 and dist.get_backend(self.group) == "gloo"
 
+    @_names_axis
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                        ) -> dist.Work | SummedOnWait | None:
         """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``
@@ -183,6 +208,7 @@ class Comm:
             work.wait()
         return None
 
+    @_names_axis
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                    ) -> dist.Work | Exchange | None:
         """Concatenate every rank's ``input`` into ``output`` (1-D), in rank order; ``input`` may be a view into it."""
@@ -201,6 +227,7 @@ class Comm:
             exchange.wait()
         return None
 
+    @_names_axis
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> dist.Work | None:
         """Copy rank ``src``'s ``tensor`` (``src`` within this group) to every rank, in place."""
         self._count("broadcast", tensor)

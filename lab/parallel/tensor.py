@@ -228,7 +228,7 @@ class Unsplit:
 
     def __init__(self, world: World):
         self.world, self.n, self.rank = world, world.world_size, world.rank
-        self.comm = Comm(world.world_size, world.group)
+        self.comm = Comm(world.world_size, world.group, axis="tp")  # a failure names the axis
         self.splits: dict[str, Split] = {}  # parameter name → how it is cut
         self._last_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 import pickle
 import re
@@ -43,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from lab.runtime.config import ConfigError
-from lab.runtime.files import save_json
+from lab.runtime.files import read_json, save_json
 
 META = "meta.json"
 FORMAT = 2
@@ -301,7 +300,7 @@ def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
 def read_meta(folder: Path) -> dict:
     """A checkpoint's meta.json; ConfigError (one line) when it is missing, unreadable or of another format."""
     try:
-        meta = json.loads((folder / META).read_text())
+        meta = read_json(folder / META)
         if not isinstance(meta.get("step"), int) or meta.get("format") != FORMAT:
             raise ValueError(f"not a format-{FORMAT} checkpoint")
         return meta

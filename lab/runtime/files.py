@@ -91,6 +91,27 @@ def save_json(path: str | Path, obj: Any) -> None:
     write_atomic(Path(path), dumps(obj, indent=2) + "\n")
 
 
+class UnreadableFile(ValueError):
+    """A file that is not what it should hold (not UTF-8 text, not JSON); the message is one line naming it."""
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path``; UnreadableFile (one line) when it is not UTF-8 text or not JSON (OSError passes)."""
+    data = Path(path).read_bytes()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UnreadableFile(f"{path}: not UTF-8 text (byte {e.start} of {len(data)})") from None
+    except json.JSONDecodeError as e:
+        raise UnreadableFile(f"{path}: not JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
+
+
+def read_lines(path: Path) -> list[str]:
+    """The lines of a text file of records (metrics.jsonl): a byte that is not UTF-8 spoils its own line only, which
+    the reader then skips or reports like any line that is not JSON."""
+    return Path(path).read_bytes().decode("utf-8", errors="replace").splitlines()
+
+
 def probe_writable(path: Path, what: str) -> None:
     """ConfigError (one line) unless ``path`` is, or could be created as, a folder this process can write.
 

@@ -12,7 +12,6 @@ the training loop (``--train.expect``) needs nothing of ``analysis``; ``python -
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 from scipy.signal import lfilter
+
+from lab.runtime.files import read_json
 
 OFF_TRACK_EVALS = 3
 WIDEN = 2.0
@@ -144,8 +145,8 @@ def read_law(law_path: str | Path) -> tuple[str, dict]:
     """("curves", curves.json) or ("fit", fit.json) at ``law_path``; LawError for anything else."""
     path = Path(law_path)
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        doc = read_json(path)
+    except (OSError, ValueError) as exc:  # UnreadableFile is a ValueError
         raise LawError(f"cannot read the law {path}: {' '.join(str(exc).split())}") from None
     if isinstance(doc, dict) and isinstance(doc.get("fit"), dict) and "law" in doc["fit"]:
         return "curves", doc

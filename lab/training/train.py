@@ -30,7 +30,7 @@ from lab import parallel
 
 from lab.training import expect, schedule, trackers
 from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
-from lab.runtime.files import dumps, save_json
+from lab.runtime.files import dumps, read_lines, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak,
                                 resolve_precision, setup_device, synchronize)
@@ -197,7 +197,7 @@ class RunLog:
         self.path, self.enabled = run_dir / "metrics.jsonl", enabled
         self.trackers: trackers.Trackers | None = None
         if enabled and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
+            kept = [line for line in read_lines(self.path)
                     if (rec := _parse_record(line)) is not None and rec["step"] <= keep_until_step]
             tmp = self.path.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))

@@ -1,7 +1,8 @@
 """What every executor shares: one attempt of a run, its command line, its lock and its outcome.
 
 A run is started as ``python launch/run.py OPTIONS --run-dir DIR --resume auto`` (one process) or
-under ``torchrun --standalone --nproc_per_node=K`` (several): a first attempt starts afresh, a later
+under ``torchrun --standalone --nproc_per_node=K`` (several; through ``lab.runtime.loopback``, so its stores
+listen on 127.0.0.1 only): a first attempt starts afresh, a later
 one continues from the run's newest checkpoint. Each attempt writes
 its output to ``SWEEP/logs/NAME/attempt-K.log``. While a single-node attempt is alive it holds an
 exclusive lock on ``SWEEP/logs/NAME/run.lock``, so a restarted driver never starts a second copy
@@ -14,12 +15,13 @@ anything else is a failure, explained by the last ``error: ...`` line of the att
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
+
+from lab.runtime.files import read_json
 
 from sweeps.plan import PlannedRun
 
@@ -29,13 +31,15 @@ RUN_PY = REPO / "launch" / "run.py"
 
 @dataclass(frozen=True)
 class Attempt:
-    """One try at a run. ``job`` is set when following a job an earlier driver submitted."""
+    """One try at a run. ``job`` is set when following a job an earlier driver submitted; ``submitting`` when an
+    earlier driver recorded a SLURM submission (by its job name) and stopped before it recorded the job id."""
 
     run: PlannedRun
     run_dir: Path
     log: Path
     lock: Path
     job: str | None = None
+    submitting: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class Events(Protocol):
 
     def start(self, attempt: Attempt) -> bool:
         """Whether to start ``attempt`` now (False: it was cancelled or finished meanwhile)."""
+
+    def submitting(self, attempt: Attempt, marker: str) -> None:
+        """``attempt`` is about to be submitted to SLURM under ``marker`` (recorded before ``sbatch``)."""
 
     def started(self, attempt: Attempt, job: str) -> None:
         """``attempt`` is running as ``job`` (a process id or a SLURM job id)."""
@@ -76,7 +83,7 @@ def run_command(attempt: Attempt) -> list[str]:
     """A single-node command: the run itself for one process (no launcher to start and wait on), else
     torchrun with a private rendezvous and the run's process count."""
     nproc = attempt.run.launch.nproc
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    launcher = ["-m", "lab.runtime.loopback", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     return [sys.executable, *launcher, str(RUN_PY), *attempt.run.args, "--run-dir", str(attempt.run_dir),
             "--resume", "auto"]
 
@@ -102,8 +109,8 @@ def try_lock(lock: IO[bytes]) -> bool:
 
 def read_summary(run_dir: Path) -> dict | None:
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        summary = read_json(run_dir / "summary.json")
+    except (OSError, ValueError):  # not written yet, torn by a kill, or not a summary at all
         return None
     return summary if isinstance(summary, dict) else None
 

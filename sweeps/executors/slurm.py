@@ -3,7 +3,10 @@ multi-node runs as sbatch scripts written by the lab's ``launch/slurm.py`` (torc
 c10d rendezvous on the first), reached through its command line like every run.
 
 Jobs live on the cluster, not in the driver: a driver that stops (Ctrl-C, SIGKILL) leaves them
-running, and the next ``run`` follows them again by their job ids from the registry. States come
+running, and the next ``run`` follows them again by their job ids from the registry. Each submission
+gets a job name of its own, recorded with the attempt before ``sbatch`` runs; a driver stopped between
+the two leaves a row with that name and no job id, and the next ``run`` asks SLURM (``squeue``,
+``sacct --name``) for it: found, it is followed; not found, it was never submitted and is submitted now. States come
 from ``sacct`` (through submitit's watcher), so the cluster needs accounting (slurmdbd) for failed
 and cancelled jobs to be seen.
 """
@@ -11,6 +14,7 @@ and cancelled jobs to be seen.
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -41,6 +45,30 @@ def _one_line(text: str) -> str:
 def job_name(sweep_name: str) -> str:
     """A job name SLURM tools show as is: the sweep's name with anything unusual replaced."""
     return "sweep-" + re.sub(r"[^A-Za-z0-9_.-]", "_", sweep_name)[:60]
+
+
+def submission_marker(name: str, index: int | None, at: float) -> str:
+    """What the registry records before a submission: the job's unique name, its task in the array (None: not an
+    array) and when (sacct searches from a day before)."""
+    return f"{name}#{'' if index is None else index}@{int(at)}"
+
+
+def find_submitted(marker: str) -> str | None:
+    """The job id (``ID`` or ``ID_TASK``) a recorded submission got on the cluster, None if SLURM never saw it."""
+    name, _, rest = marker.rpartition("#")
+    index, _, at = rest.partition("@")
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(int(at) - 86400))
+    ids = set()
+    for command in (["squeue", "--noheader", "--states=all", "--name", name, "--format=%F"],
+                    ["sacct", "-X", "-n", "-P", "--name", name, "-S", since, "-o", "JobID"]):
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SlurmError(f"{command[0]} failed while looking for job {name}: {_one_line(proc.stderr)}")
+        ids |= {line.split("_")[0] for line in proc.stdout.split()}
+    if not ids:
+        return None
+    main = min(ids, key=int)  # one submission per name: several ids would mean SLURM requeued it under a new one
+    return f"{main}_{index}" if index else main
 
 
 def script_command(attempt: Attempt, settings: dict[str, Any], name: str, script: Path) -> list[str]:
@@ -91,18 +119,21 @@ class SlurmExecutor:
             raise RuntimeError(f"{', '.join(missing)} not found on PATH")
         self.submitit = submitit
         self.folder, self.settings, self.cwd = folder, settings, cwd
-        self.job_name = job_name(sweep_name)
+        self.job_name = job_name(sweep_name)  # each submission's name adds a token of its own
         self.poll_s = float(settings.get("poll_s", 5.0))
 
     # ------------------------------------------------------------ submission
 
     def _submit_array(self, attempts: list[Attempt], events: Events) -> list[tuple[Attempt, Any]]:
         """One submitit batch (a SLURM array when it holds several runs) for attempts with equal resources."""
-        executor = self.submitit.SlurmExecutor(folder=self.folder)
-        executor.update_parameters(**array_parameters(attempts[0].run.launch, self.settings, self.job_name))
         chosen = [a for a in attempts if events.start(a)]
         if not chosen:
             return []
+        name, at = self._submission_name(), time.time()
+        for index, a in enumerate(chosen):  # submitit makes an array of several, a plain job of one
+            events.submitting(a, submission_marker(name, index if len(chosen) > 1 else None, at))
+        executor = self.submitit.SlurmExecutor(folder=self.folder)
+        executor.update_parameters(**array_parameters(attempts[0].run.launch, self.settings, name))
         jobs = []
         try:
             with executor.batch():
@@ -121,7 +152,9 @@ class SlurmExecutor:
         if not events.start(attempt):
             return None
         script = attempt.log.with_suffix(".sbatch")
-        written = subprocess.run(script_command(attempt, self.settings, self.job_name, script), capture_output=True,
+        name = self._submission_name()
+        events.submitting(attempt, submission_marker(name, None, time.time()))
+        written = subprocess.run(script_command(attempt, self.settings, name, script), capture_output=True,
                                  text=True, cwd=self.cwd)
         if written.returncode != 0:
             raise SlurmError(f"launch/slurm.py failed: {_one_line(written.stderr)}")
@@ -133,6 +166,9 @@ class SlurmExecutor:
         events.started(attempt, job_id)
         return attempt, self.submitit.SlurmJob(folder=self.folder, job_id=job_id)
 
+    def _submission_name(self) -> str:
+        return f"{self.job_name}-{secrets.token_hex(4)}"
+
     # ------------------------------------------------------------ the loop
 
     def run(self, attempts: list[Attempt], events: Events) -> None:
@@ -141,6 +177,11 @@ class SlurmExecutor:
         groups: dict[Launch, list[Attempt]] = defaultdict(list)
         for a in attempts:
             if a.job:
+                continue
+            found = find_submitted(a.submitting) if a.submitting else None
+            if found:  # submitted by a driver that stopped before it recorded the job id
+                events.started(a, found)
+                watched.append((a, self.submitit.SlurmJob(folder=self.folder, job_id=found)))
                 continue
             if a.run.launch.nodes > 1:
                 submitted = self.submit_script(a, events)

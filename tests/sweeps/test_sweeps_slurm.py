@@ -153,6 +153,49 @@ def test_a_driver_killed_mid_sweep_follows_its_jobs_when_restarted(cluster, tmp_
     assert set(sacct_states(array).values()) == {"COMPLETED"}
 
 
+def test_a_submission_is_recorded_before_sbatch_so_a_stopped_driver_never_submits_a_run_twice(
+        cluster, tmp_path, write_sweep, registry_rows, completions, monkeypatch):
+    """Two runs with different resources (two submissions). Driver 1 dies right after sbatch accepted the
+    first, before the job id was recorded; driver 2 dies after recording the second submission, before its
+    sbatch; driver 3 finishes: each run is submitted once, runs once and counts one attempt."""
+    import submitit.slurm.slurm as submitit_slurm
+
+    from sweeps.cli import main
+    from sweeps.driver import SUBMITTING, Recorder
+    from sweeps.executors.slurm import job_name
+
+    sweep_name = f"once-{os.getpid()}-{tmp_path.name}"
+    shapes = [SHAPES[0], {**SHAPES[1], "launch": {"time_min": 7}}]
+    file = write_sweep(tmp_path / "s.toml", name=sweep_name, budgets=[6e8], shapes=shapes, extra=SLURM)
+    folder = tmp_path / "sweep"
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 120))
+    monkeypatch.chdir(REPO)
+    argv = ["run", str(file), "--folder", str(folder), "--executor", "slurm", "--no-progress"]
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt  # what the driver's SIGTERM handler raises; SIGKILL stops it at the same place
+
+    with monkeypatch.context() as m:
+        m.setattr(Recorder, "started", die)  # after the first sbatch returned
+        assert main(argv) == 130
+    first = {n: r for n, r in registry_rows(folder).items() if r["status"] == "running"}
+    assert len(first) == 1 and next(iter(first.values()))["job"].startswith(SUBMITTING)
+    with monkeypatch.context() as m:
+        m.setattr(submitit_slurm.SlurmExecutor, "_internal_process_submissions", die)  # before the second sbatch
+        assert main(argv) == 130
+    rows = registry_rows(folder)
+    assert [r["job"].startswith("slurm:") for r in rows.values()].count(True) == 1  # the first one found
+    assert [r["job"].startswith(SUBMITTING) for r in rows.values()].count(True) == 1  # the second one recorded
+    assert main(argv) == 0
+    rows = registry_rows(folder)
+    assert all(r["status"] == "done" and r["attempts"] == 1 for r in rows.values()), rows
+    assert all(completions(folder, name) == 1 for name in rows)
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", since, "-o", "JobID,JobName"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    submitted = sorted(line.split("|")[0] for line in out if line.split("|")[1].startswith(job_name(sweep_name)))
+    assert submitted == sorted(job_id(r) for r in rows.values())  # one job per run, the one recorded
+
+
 NASTY = "it's a \"run\"; touch PWNED-$(id -u) `touch PWNED2` && rm -rf nothing"
 
 
@@ -191,6 +234,9 @@ class _Events:
 
     def start(self, attempt):
         return True
+
+    def submitting(self, attempt, marker):
+        pass
 
     def started(self, attempt, job):
         self.jobs.append(job)
@@ -260,11 +306,26 @@ def test_a_two_node_script_passes_every_value_through_unchanged(tmp_path, write_
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     argv = (tmp_path / "args").read_text().split("\0")[:-1]
+    # a port free on the head node when the job starts (not one derived from the job id, which another job
+    # on that node may hold)
+    port = next(a for a in argv if a.startswith("--rdzv_endpoint=")).rpartition(":")[2]
+    assert "import socket" in text and "SLURM_JOB_ID %" not in text and 1024 <= int(port) <= 65535
     assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d", "--rdzv_id=4242",
-            f"--rdzv_endpoint=node-a:{20000 + 4242}"} <= set(argv)
+            f"--rdzv_endpoint=node-a:{port}"} <= set(argv)
     # the run's path and options arrive character for character
     assert argv[argv.index("launch/run.py"):] == ["launch/run.py", "--run-dir", str(attempt.run_dir), "--resume",
                                                   "auto", *attempt.run.args]
+    # each task runs torchrun through bash -c: the first task (on the head node) hosts the store, by name
+    argv = argv[argv.index("bash"):]
+    assert argv[:2] == ["bash", "-c"] and argv[3] == sys.executable
+    (bin_dir / "python").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$ARGS_OUT"\n')
+    (bin_dir / "python").chmod(0o755)
+    for task, host in (("0", "1"), ("1", "0")):
+        subprocess.run([argv[0], argv[1], argv[2], str(bin_dir / "python"), *argv[4:]], check=True,
+                       env={**env, "SLURM_PROCID": task})
+        agent = (tmp_path / "args").read_text().split("\0")[:-1]
+        assert agent[:3] == ["-m", "torch.distributed.run", f"--rdzv_conf=is_host={host}"]
+        assert agent[3:] == argv[4:]
     assert NASTY in attempt.run_dir.name
     for place in (REPO, tmp_path, sweep.folder):
         assert not [p for p in place.iterdir() if p.name.startswith("PWNED")], place
