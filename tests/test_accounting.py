@@ -322,6 +322,7 @@ def test_plan_bad_input(argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_launcher_without_torch() -> None:
     code = "import runpy, sys; sys.argv = ['plan', 'peaks']; runpy.run_path('launch/plan.py', run_name='__main__')"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

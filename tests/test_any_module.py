@@ -97,6 +97,7 @@ def _train_readme_strategy(world: World, code: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_the_readmes_new_strategy_is_one_file_and_a_registry_line_and_trains_as_single():
     r = run_pooled(_train_readme_strategy, 2, readme_strategy())[0]
     # with accumulation the sums are regrouped (last bits, carried by AdamW): test_distributed's tolerances

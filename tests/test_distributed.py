@@ -136,6 +136,7 @@ def test_bucket_layouts_and_overlap_reproduce_single_bit_for_bit(ddp_cases, labe
     assert ddp_cases[0][label].bitwise
 
 
+@pytest.mark.slow
 def test_bucket_sizes_give_one_several_or_one_per_parameter(ddp_cases):
     one, several, each = (ddp_cases[0][f"buckets at {mb}"] for mb in (1000.0, 0.02, 1e-9))
     assert one[0] == 1 and 1 < several[0] < several[1] and each[0] == each[1]
@@ -186,6 +187,7 @@ def _skipped_collective(world: World) -> None:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins
 
 
+@pytest.mark.slow
 def test_a_rank_with_another_model_fails_at_once_with_a_clear_error():
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"ConfigError: the model \(parameter names and shapes\) differs between "
@@ -194,6 +196,7 @@ def test_a_rank_with_another_model_fails_at_once_with_a_clear_error():
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.slow
 def test_a_collective_no_other_rank_joins_fails_within_the_timeout():
     start = time.monotonic()
     with pytest.raises(RankFailed, match="rank 0"):
@@ -227,6 +230,7 @@ def _first_dropout_mask(world: World, cfg_tree: dict, data_dir, run_dir) -> torc
     return masks[0]
 
 
+@pytest.mark.slow
 def test_with_dropout_each_rank_draws_its_own_masks(tiny_data_config, tiny_prepared, tmp_path):
     tree = {"model": {"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32, "dropout": 0.5},
             "data": {"corpus": tiny_data_config.corpus, "cache_dir": tiny_data_config.cache_dir, "vocab_size": 512},

@@ -49,6 +49,7 @@ def train_in_process(argv: list[str], run_dir: Path, **kwargs) -> dict:
 # ---------------------------------------------------------------- a finished run is finished
 
 
+@pytest.mark.slow
 def test_a_stop_signal_during_the_last_step_completes_the_run(args, tmp_path):
     calls = {"n": 0}
 

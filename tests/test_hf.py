@@ -126,6 +126,7 @@ def test_a_missing_extra_is_named_in_one_line(tmp_path, capsys, monkeypatch, com
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_bytes_tokenizer_exports_as_one_autotokenizer_loads(tmp_path):
     from lab.data.tokenizer import BytesTokenizer
 

@@ -70,6 +70,7 @@ def stopped_run(args, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["export", "sample", "resume"])
 @pytest.mark.parametrize("data", [BINARY, LATIN1], ids=["binary", "latin-1"])
 def test_lab_refuses_a_run_whose_config_json_is_not_utf8_json(command, data, args, stopped_run, tmp_path, capsys):
@@ -87,6 +88,7 @@ def test_lab_refuses_a_run_whose_config_json_is_not_utf8_json(command, data, arg
     assert sorted(p.name for p in run.rglob("*")) == before  # nothing written
 
 
+@pytest.mark.slow
 def test_a_resumed_run_skips_a_metrics_line_that_is_not_utf8(args, stopped_run, tmp_path, capsys):
     from lab.commands.cli import run_main
 

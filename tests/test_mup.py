@@ -204,6 +204,7 @@ def test_coordinate_check_is_flat_under_mup_and_grows_under_standard(arch):
         assert mup.growth(result["standard"], layer) >= 2.5, (layer, result["standard"])
 
 
+@pytest.mark.slow
 def test_mup_check_prints_the_table_and_writes_the_figure(tmp_path, capsys):
     out = tmp_path / "check.png"
     assert lab_main(["mup-check", "--widths", "32,64", "--steps", "1", "--seeds", "1", "--n-layer", "1",

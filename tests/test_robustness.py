@@ -58,6 +58,7 @@ def test_runs_without_run_dir_each_get_their_own_folder(args, tmp_path, monkeypa
 # ---------------------------------------------------------------- 2. the CPU peak: fast, cached, no RNG
 
 
+@pytest.mark.slow
 def test_the_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     """(Its time budget is the next test's: a wall-clock bound here would fail on a busy machine.)"""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -166,6 +167,7 @@ def test_a_corrupt_checkpoint_file_or_meta_gives_one_line(args, tmp_path, capsys
     assert "is unreadable" in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_sample_names_the_checkpoint_it_was_given(args, tmp_path, capsys):
     r = tmp_path / "r"
     assert run(r, *args, "--train.tokens", "512") == 0
@@ -231,6 +233,7 @@ def test_an_interrupt_saves_a_checkpoint_and_says_how_to_resume(args, tmp_path, 
 # ---------------------------------------------------------------- 9. non-finite gradients
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_skips_the_step_and_keeps_the_files_strict(args, tmp_path, infinite_gradient_at_step_3):
     r = tmp_path / "r"
     assert run(r, *args, "--train.checkpoint_every", "2") == 0
@@ -301,6 +304,7 @@ def test_leftovers_of_an_interrupted_run_are_cleaned_up(args, tmp_path):
     assert not list(r.glob(".*.tmp")) and not list((r / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_abandoned_data_preparation_folders_are_removed(tiny_data_config, tmp_path):
     from dataclasses import replace
 
@@ -335,6 +339,7 @@ def _lab_imports(path: Path) -> set[str]:
     return {m for m in _imports(path) if m.split(".")[0] == "lab"}
 
 
+@pytest.mark.slow
 def test_lab_imports_nothing_of_the_analysis_or_the_sweeps_built_on_it():
     for path in (ROOT / "lab").rglob("*.py"):
         above = {m for m in _imports(path) if m.split(".")[0] in ("analysis", "sweeps")}
@@ -350,6 +355,7 @@ def test_accounting_depends_on_nothing_in_lab_and_config_not_on_the_model():
 LAYERS = {"runtime": 0, "measure": 1, "model": 2, "data": 2, "parallel": 3, "training": 4, "commands": 5}
 
 
+@pytest.mark.slow
 def test_lab_is_layered_and_no_part_imports_one_above_it():
     assert {p.name for p in (ROOT / "lab").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
     assert {p.name for p in (ROOT / "lab").glob("*.py")} == {"__init__.py", "__main__.py"}  # every module in a part

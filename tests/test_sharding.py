@@ -45,6 +45,7 @@ def test_every_sharded_variant_reproduces_single_bit_for_bit_on_two_ranks():
         assert r.max_rel_grad_norm_diff <= 1e-6, (spec, r)
 
 
+@pytest.mark.slow
 def test_the_norm_of_shards_longer_than_a_squares_chunk_matches_single():
     # every unit's shard here spans several of the clipping's chunks of squares (the tiny model's fit in one)
     model = ModelConfig(n_layer=1, n_head=2, d_model=256, block_size=8, vocab_size=64)
@@ -167,6 +168,7 @@ def _peak_bytes_by_kind(world: World, spec: str) -> dict:
             "largest_vector": max(p.numel() for u in s.units for p in u.params if p.dim() == 1) * 4}
 
 
+@pytest.mark.slow
 def test_zero3_peak_parameter_bytes_are_one_shard_and_two_units_measured_by_allocation():
     m = run_pooled(_peak_bytes_by_kind, 2, "zero3")[0]
     *blocks, root = m["units"]
@@ -197,12 +199,14 @@ def _storages_grown_by_gathers(world: World) -> dict:
     return {"grown": grown}
 
 
+@pytest.mark.slow
 def test_zero3_gathers_reuse_resident_buffers_after_the_first_step():
     # every unit is gathered twice a step (13 units here); each gather borrows a pool buffer's memory instead
     for rank in run_pooled(_storages_grown_by_gathers, 2):
         assert rank["grown"] == [], rank
 
 
+@pytest.mark.slow
 def test_zero2_peak_gradient_bytes_are_one_shard_and_the_buckets_in_flight_measured_by_allocation():
     m = run_pooled(_peak_bytes_by_kind, 2, "zero2:bucket_mb=0.1")[0]
     assert len(m["units"]) >= 6, m
@@ -234,6 +238,7 @@ def _resident_growth(world: World) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_gloo_all_gather_and_reduce_scatter_hold_no_hidden_copy_by_the_kernels_count():
     # gloo's own all_gather_into_tensor receives into a 16 MiB buffer of its own (+16 MiB resident, unseen by the
     # lab's tensor meter); the lab's receives in place. Its reduce-scatter receives the other rank's 8 MiB chunk

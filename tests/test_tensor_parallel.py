@@ -289,6 +289,7 @@ def _tp_meters(world: World, specs: list[str], accum: int, models: dict[str, Mod
     return out
 
 
+@pytest.mark.slow
 def test_tensor_parallel_bytes_per_step_equal_their_theory():
     results = run_pooled(_tp_meters, 2, ["ddp:tp=2", "zero2:tp=2,sequence_parallel=true"], 2)[0]
     for (arch, spec), (measured, theory) in results.items():
@@ -303,6 +304,7 @@ def test_tensor_parallel_bytes_per_step_equal_their_theory():
     assert results[("gpt2", "ddp:tp=2")][1]["all_reduce"] == 2 * 4 * ((4 * shape.n_layer + 2) * b * s * h + 3 * b * s)
 
 
+@pytest.mark.slow
 def test_replicated_key_value_gradients_are_counted_in_the_bytes():
     """With one key/value head on 2 ranks, each block's key and value rows' gradients (with the qkv bias) are
     all-reduced once per micro-step besides the activations."""
@@ -334,6 +336,7 @@ def _saved_bytes(world: World, specs: list[str]) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_saved_activation_bytes_are_within_a_tenth_of_their_theory_under_tp_and_sequence_parallel():
     specs = {"ddp": (1, False), "ddp:tp=2": (2, False), "ddp:tp=2,sequence_parallel=true": (2, True)}
     measured = run_pooled(_saved_bytes, 2, list(specs))[0]
@@ -495,6 +498,7 @@ def test_a_tp2_by_dp2_checkpoint_loads_under_tp1_by_dp4_tp2_by_dp2_and_single(tm
         assert stepped <= 1e-5, spec  # and so do the moments: zeros would move a weight by about lr (1e-2)
 
 
+@pytest.mark.slow
 def test_a_flat_checkpoint_loads_under_tp_as_one_written_before_blocks(tmp_path):
     """A checkpoint that stores every weight flat (zero2 without tp; every tp checkpoint before column shards were
     stored as 2-D blocks did too) loads under tp 2, a column shard read row by row, bit for bit."""
@@ -559,6 +563,7 @@ def _tp_checkpoint(world: World, run_dir, model: ModelConfig) -> dict:
     return strategy.full_state_dict()
 
 
+@pytest.mark.slow
 def test_export_and_sample_read_a_tp2_checkpoint_as_a_single_process_one_of_the_same_weights(tmp_path, capsys):
     """``python -m lab export`` and ``sample`` on a checkpoint written by 2 tensor-parallel ranks (vocabulary
     padded, one key/value head replicated) give the gathered weights bit for bit, and what they give on a

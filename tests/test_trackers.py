@@ -35,6 +35,7 @@ def run(run_dir: Path, args, *extra: str) -> int:
     return run_main([*args, "--train.tokens", "1024", *extra, "--run-dir", str(run_dir)])
 
 
+@pytest.mark.slow
 def test_a_failing_or_missing_tracker_costs_one_warning_line(tmp_path, args, capsys, monkeypatch):
     monkeypatch.setitem(trackers.BACKENDS, "failing", Failing)
     monkeypatch.setitem(trackers.BACKENDS, "absent", type("Absent", (Failing,), {"module": "transformers_x"}))
@@ -107,6 +108,7 @@ def off_track(folder: Path) -> tuple[str, ...]:
     return "--train.eval_every", "1", "--train.checkpoint_every", "0", "--train.expect", str(folder / "curves.json")
 
 
+@pytest.mark.slow
 def test_an_off_track_warning_reaches_tensorboard_once_even_across_a_resume(tmp_path, args, capsys):
     """A run outside the law's interval at every eval warns at its third (lab.training.expect.OFF_TRACK_EVALS).
     Stopped there and resumed, it does not warn again: summary.json counts both segments' evals and the one warning,

@@ -46,6 +46,7 @@ def assert_states_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_run_directory_contract(tmp_path, args):
     assert run(tmp_path / "r", *args) == 0
     r = tmp_path / "r"
@@ -112,6 +113,7 @@ def test_wsd_schedule_and_modern_arch_train(tmp_path, args):
     assert lrs[-1] == pytest.approx(1e-3)  # min_lr_ratio 0.1 of 1e-2
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, args, monkeypatch, capsys):
     calls = {"n": 0}
     forward = GPT.forward

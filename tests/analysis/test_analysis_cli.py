@@ -74,6 +74,7 @@ def test_every_plot_is_written_as_png(fit_out):
     assert not [p for p in fit_out.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
+@pytest.mark.slow
 def test_reports_cover_what_a_reader_of_the_chinchilla_paper_looks_for(fit_out):
     md = (fit_out / "report.md").read_text()
     html = (fit_out / "report.html").read_text()

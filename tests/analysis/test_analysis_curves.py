@@ -65,6 +65,7 @@ def test_fit_recovers_the_law_and_predicts_another_schedule():
         assert np.mean(np.abs(err)) < 0.005, (train, test, np.mean(np.abs(err)))
 
 
+@pytest.mark.slow
 def test_bootstrap_intervals_cover_the_truth_and_bad_input_is_refused():
     curves = [_curve(n, kind, steps, noise=0.003, seed=i) for i, (n, steps) in enumerate(SIZES)
               for kind in ("cosine", "wsd")]

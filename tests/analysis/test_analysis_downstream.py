@@ -8,6 +8,7 @@ from analysis.downstream import fit_task, predict_score, task_error
 TRUE = np.array([0.75, 5.0, 1.2])  # ε (chance error of a 4-way task), k, γ
 
 
+@pytest.mark.slow
 def test_fit_recovers_known_parameters_and_predicts_the_score_within_its_interval():
     rng = np.random.default_rng(3)
     loss = np.linspace(2.0, 4.5, 14)

@@ -45,6 +45,7 @@ def test_envelope_recovers_the_allocation_exponents(sweep):
     assert law.b[0] == pytest.approx(1 - TRUE_A, abs=0.01)
 
 
+@pytest.mark.slow
 def test_fit_reports_the_envelope_with_intervals(sweep):
     config = FitConfig(n_bootstrap=30, progress=False, holdout=False, envelope="curves")
     doc = fit_runs(load_runs(sweep), config).to_dict()
@@ -57,6 +58,7 @@ def test_fit_reports_the_envelope_with_intervals(sweep):
                for p in env["points"])
 
 
+@pytest.mark.slow
 def test_approach_1_uses_end_points_even_when_the_runs_carry_curves(sweep):
     # The runs carry curves, but a single schedule's intermediate points are not end points: by default
     # approach 1 takes each budget's lowest final loss, the same runs as approach 2's lowest-run minima.
@@ -87,6 +89,7 @@ def test_the_final_loss_frontier_takes_one_run_per_budget_and_only_improvements(
     assert frontier.winners(np.array([[1, 0, 0, 1, 0, 0, 0]]))[0].sum() == 2  # 3.0 then 2.6
 
 
+@pytest.mark.slow
 def test_envelope_of_final_losses_without_curves_and_edge_minima_are_not_identified(tmp_path):
     # Profiles shifted so that every budget's lowest run is its largest size: approach 1 on end points
     # runs without curves, but its points are no sampled minima, and the edge check says so.

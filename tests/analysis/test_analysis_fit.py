@@ -87,6 +87,7 @@ def test_intervals_contain_the_truth(fitted):
         assert iso["tokens"][0] <= d_true[0] <= iso["tokens"][1]
 
 
+@pytest.mark.slow
 def test_predictions_follow_the_fit_and_far_ones_warn(fitted):
     doc = fitted.to_dict()
     a3 = doc["approach3"]
@@ -116,6 +117,7 @@ def test_holdout_predicts_the_largest_budget(fitted):
     assert hold["isoflop"]["rel_error"] < 0.3
 
 
+@pytest.mark.slow
 def test_holdout_warns_when_the_held_out_budget_lies_off_the_law(fitted, tmp_path):
     assert fitted.to_dict()["holdout"]["approach3"]["bias"] == pytest.approx(0, abs=0.01)
     assert "holdout_bias" not in {w["code"] for w in fitted.to_dict()["warnings"]}

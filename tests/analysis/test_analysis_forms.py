@@ -80,6 +80,7 @@ def test_kaplan_e_allocation_is_the_minimum_along_each_budget():
     assert named_samples(TRUTH[None], 6.0, KAPLAN_E)["a"][0] == pytest.approx(0.55)
 
 
+@pytest.mark.slow
 def test_kaplan_e_fit_recovers_its_parameters():
     runs = _kaplan_runs(noise=0.0)
     fit = fit_parametric(runs["params"].to_numpy(), runs["tokens"].to_numpy(), runs["loss"].to_numpy(),
@@ -202,6 +203,7 @@ def test_auto_chooses_the_shared_form_when_it_generated_the_data(tmp_path):
     assert set(errors) == {"chinchilla", "kaplan-e", "shared"} and errors["shared"] < errors["chinchilla"]
 
 
+@pytest.mark.slow
 def test_five_runs_fit_the_shared_form_only(tmp_path):
     runs = _shared_runs(noise=0.0).iloc[[0, 8, 16, 24, 34]]
     table = _table(runs, tmp_path)
@@ -236,6 +238,7 @@ def test_every_form_side_by_side_in_fit_json_terminal_and_report(tmp_path, capsy
     assert "Every form side by side" in report and "| chinchilla * |" in report and "| kaplan-e |" in report
 
 
+@pytest.mark.slow
 def test_auto_honours_no_holdout(tmp_path):
     """Without a hold-out, auto takes Chinchilla's form and reports every form without hold-out errors (it used to
     compare forms on a hold-out anyway and pick Kaplan's)."""

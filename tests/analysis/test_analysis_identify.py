@@ -86,6 +86,7 @@ def test_the_fit_marks_a_sparse_noisy_isoflop_law_unidentified_and_plans_from_ap
     assert all(p["isoflop"]["identified"] is False for p in doc["predictions"])
 
 
+@pytest.mark.slow
 def test_flops_per_param_token_sets_the_allocation(tmp_path):
     # FLOPs of 7ND (an attention term, say): predictions spend exactly C = 7ND and nothing is flagged.
     runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.0)

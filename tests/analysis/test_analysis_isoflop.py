@@ -113,6 +113,7 @@ def test_window_shrinks_the_vertex_error_on_lopsided_profiles(law, offset, sprea
     assert (minima.in_window[0] < sizes).all()
 
 
+@pytest.mark.slow
 def test_edge_and_one_sided_profiles_are_flagged_and_left_out(tmp_path):
     centred = isoflop_runs(BUDGETS[:4], per_budget=7, spread=6, noise=0.0)
     # Budget 5 samples only N far above its optimum: its lowest run is its smallest N (edge).
@@ -140,6 +141,7 @@ def test_edge_and_one_sided_profiles_are_flagged_and_left_out(tmp_path):
     assert low["lowest"]["params"] > 0 and low["vertex"]["params"] > 0 and low["sizes_below"] == 3
 
 
+@pytest.mark.slow
 def test_isoflop_is_skipped_on_continuous_budgets_while_approaches_1_and_3_run(tmp_path):
     runs = continuous_runs(40, noise=0.0, seed=1)
     doc = fit_runs(_table(tmp_path, runs), FitConfig(n_bootstrap=20, progress=False)).to_dict()

@@ -114,6 +114,7 @@ def test_noiseless_data_are_named_and_their_starts_agree():
     assert fit.starts_agreeing == fit.n_starts
 
 
+@pytest.mark.slow
 def test_noiseless_data_warn_and_no_false_start_alarm(tmp_path):
     path = _csv(tmp_path, isoflop_runs(BUDGETS, per_budget=8, spread=6, noise=0.0, seed=0))
     result = fit_runs(load_runs(path), FitConfig(n_bootstrap=20, progress=False, holdout=False,
@@ -127,6 +128,7 @@ def test_noiseless_data_warn_and_no_false_start_alarm(tmp_path):
     assert not noisy.noiseless and "noiseless" not in [c for c, _ in noisy.warnings]
 
 
+@pytest.mark.slow
 def test_published_rows_give_e_a_b_alpha_beta_of_each_paper(tmp_path):
     by_name = {law.name: law for law in LAWS}
     assert (by_name["Chinchilla approach 3"].E, by_name["Chinchilla approach 3"].A) == (1.69, 406.4)
@@ -268,6 +270,7 @@ def test_figures_stay_readable_at_20000_runs(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_training_curves_figure_colours_each_run_by_its_size(tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.collections import LineCollection
@@ -335,6 +338,7 @@ def test_compare_overlays_a_fit_and_a_sweep_with_a_side_by_side_table(tmp_path, 
     assert capsys.readouterr().err.strip() == "error: compare needs at least 2 inputs, got 1"
 
 
+@pytest.mark.slow
 def test_kaplan_form_is_fitted_beside_approach_3_on_request(tmp_path):
     from analysis.laws import kaplan_log_loss
 
@@ -399,6 +403,7 @@ def test_the_default_isoflop_minimum_is_the_least_biased_on_a_drifting_grid():
     assert FitConfig().isoflop_minimum == "vertex"
 
 
+@pytest.mark.slow
 def test_colour_bars_stay_opaque_when_the_runs_are_faint(tmp_path):
     import dataclasses
 

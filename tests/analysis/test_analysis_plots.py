@@ -57,6 +57,7 @@ def _notes(fig: plt.Figure) -> list[str]:
     return [t.get_text() for t in fig.texts]
 
 
+@pytest.mark.slow
 def test_published_laws_are_listed_not_drawn_for_runs_on_other_data(many):
     assert many.table.dataset is None and many.to_dict()["data"]["dataset"] is None
     for maker in (plot_frontier, plot_allocation, plot_contours):
@@ -68,6 +69,7 @@ def test_published_laws_are_listed_not_drawn_for_runs_on_other_data(many):
         plt.close(fig)
 
 
+@pytest.mark.slow
 def test_published_laws_are_drawn_for_runs_on_their_data_set(tmp_path):
     runs = isoflop_runs(np.geomspace(1e18, 1e21, 4), per_budget=7, spread=6, noise=0.005, seed=0)
     result = _fit(tmp_path, runs.assign(dataset="MassiveText"), n_bootstrap=0)
@@ -104,6 +106,7 @@ def test_log_axes_get_labelled_ticks_inside_any_range(lo, hi, expected):
     assert [short_number(v) for v in (1.6, 2.0, 500.0, 2.5e4, 1e21)] == ["1.6", "2", "500", "2.5e4", "1e21"]
 
 
+@pytest.mark.slow
 def test_a_narrow_loss_axis_shows_several_labelled_ticks(tmp_path):
     # Lab-sized runs: losses between about 2.2 and 2.9 nats, less than a decade on the frontier's log axis.
     law = {"E": 1.3, "A": 60.0, "B": 300.0, "alpha": 0.45, "beta": 0.42}

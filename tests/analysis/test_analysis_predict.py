@@ -43,6 +43,7 @@ def test_predict_from_python_matches_the_law_with_intervals_and_flags(fitted):
     assert width.iloc[1] > width.iloc[2]
 
 
+@pytest.mark.slow
 def test_predict_cli_pairs_csv_json_and_bad_input(fitted, tmp_path, capsys):
     assert main(["predict", str(fitted), "--params", "1e9", "1e8", "--tokens", "2e10", "1e13"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -29,6 +29,7 @@ train = { micro_batch = 8 }
 """
 
 
+@pytest.mark.slow
 def test_every_planned_run_is_mup_at_the_one_tuned_lr():
     runs = planner.plan(spec.parse(MUP, folder="/tmp/unused")).runs
     assert len({r.shape["d_model"] for r in runs}) >= 3  # several widths, one rate

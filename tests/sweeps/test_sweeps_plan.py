@@ -42,6 +42,7 @@ def parse(text: str, **kw) -> spec.Sweep:
     return spec.parse(text, folder="/tmp/unused", **kw)
 
 
+@pytest.mark.slow
 def test_family_shapes_follow_the_documented_rule():
     sweep = parse(FAMILY)
     for target in sweep.sizes:
@@ -60,6 +61,7 @@ def test_family_shapes_follow_the_documented_rule():
         assert best < math.log(1.3)  # and it lands within 30 % here
 
 
+@pytest.mark.slow
 def test_each_run_spends_its_budget_with_its_own_token_count():
     result = planner.plan(parse(FAMILY))
     assert not result.refused and len(result.runs) == 8
@@ -74,6 +76,7 @@ def test_each_run_spends_its_budget_with_its_own_token_count():
         assert args["--model.d_model"] == str(run.shape["d_model"]) and args["--model.vocab_size"] == "4096"
 
 
+@pytest.mark.slow
 def test_rules_set_lr_batch_and_launch_per_model():
     runs = planner.plan(parse(FAMILY)).runs
     for run in runs:
@@ -88,6 +91,7 @@ def test_rules_set_lr_batch_and_launch_per_model():
     assert {r.launch.strategy for r in runs} == {"single", "ddp"}
 
 
+@pytest.mark.slow
 def test_evals_spread_held_out_evaluations_evenly_over_each_run():
     plain, spread = (planner.plan(parse(FAMILY.replace("budgets = [1e13, 1e14]", f"budgets = [1e13, 1e14]{extra}")))
                      for extra in ("", "\nevals = 16"))
@@ -100,6 +104,7 @@ def test_evals_spread_held_out_evaluations_evenly_over_each_run():
         assert again.est_seconds > run.est_seconds  # the evaluations are in the time estimate
 
 
+@pytest.mark.slow
 def test_run_names_and_config_hashes_are_unique_and_stable():
     a, b = planner.plan(parse(FAMILY)).runs, planner.plan(parse(FAMILY)).runs
     assert [r.config_hash for r in a] == [r.config_hash for r in b]
@@ -250,6 +255,7 @@ def test_the_gpu_example_sweep_plans_with_its_resources_per_size(tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_command_line_settings_override_the_file_for_every_run_and_are_checked_alike(tmp_path, capsys):
     from sweeps.cli import main
 
@@ -310,6 +316,7 @@ def _fit_json(path: Path, preferred: str | None = "isoflop", identified: bool = 
     return path
 
 
+@pytest.mark.slow
 def test_centred_sizes_follow_a_previous_fits_law(tmp_path):
     text = CENTRED.replace('{ prior = "tokens_per_param", tokens_per_param = 20 }',
                            f'{{ prior = "fit", path = "{_fit_json(tmp_path / "fit.json")}" }}')

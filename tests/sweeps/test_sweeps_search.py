@@ -102,6 +102,7 @@ def test_best_of_a_grid_is_the_parabola_vertex_or_the_edge():
     assert search.best_of(values, losses)[1] is False
 
 
+@pytest.mark.slow
 def test_fitted_laws_recover_known_ones():
     """LR grids at 3 sizes whose loss has its minimum at 6e-3 (N / 2e4)^-0.4: LR(N) is recovered."""
     sweep = parse()
