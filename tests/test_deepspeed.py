@@ -190,8 +190,8 @@ def _trained(world: World, spec: str, steps: int = 2, poison_step: int | None = 
             micro = [(x[lo:lo + setup.micro_batch], y[lo:lo + setup.micro_batch])]
             out["stepped"].append(train_step(s, world, micro, 1, setup.lr, setup.grad_clip).grad_norm)
         s.take_step_meters()
-    out["meters"] = s.meters()
-    out["psi"] = s.param_count()
+    out["meters"] = s.accounts.meters()
+    out["psi"] = s.accounts.param_count()
     return out
 
 

@@ -121,7 +121,7 @@ def _ddp_cases(world: World) -> dict:
             train_step(s, world, [(x[2 * world.rank:2 * world.rank + 2], y[2 * world.rank:2 * world.rank + 2])], 1,
                        1e-3, 1.0)
             meters = s.take_step_meters()
-        out[f"meters {name}"] = (s.meters(), meters.comm_wait_s, sum(p.numel() for p in s.module.parameters()))
+        out[f"meters {name}"] = (s.accounts.meters(), meters.comm_wait_s, sum(p.numel() for p in s.module.parameters()))
     return out
 
 

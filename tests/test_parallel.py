@@ -105,7 +105,7 @@ def test_single_meters_measure_sixteen_bytes_per_parameter_and_no_traffic():
     s.backward(s.forward(x, x, sync=True))
     s.step(lr=1e-3)
     s.take_step_meters()
-    m = s.meters()
+    m = s.accounts.meters()
     psi = sum(p.numel() for p in s.module.parameters())
     assert m["model_state_bytes_theory"] == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi,
                                              "total": 16 * psi}
@@ -129,3 +129,10 @@ def test_the_loop_names_no_strategy_and_asks_no_strategy_its_type():
     assert not [ast.unparse(c) for c in calls if "strateg" in ast.unparse(c).lower()]
     assert "param_groups" not in {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}  # lr via step(lr)
     assert not re.search(r"(?<!strategy)\.backward\(", source.read_text())  # backward through the strategy only
+
+
+def test_gradients_are_packed_into_buckets_in_arrival_order_and_a_large_one_alone():
+    from lab.parallel.comm import buckets
+
+    assert buckets([4, 4, 4, 9, 1, 1], cap=8) == [[0, 1], [2], [3], [4, 5]]
+    assert buckets([], cap=8) == []

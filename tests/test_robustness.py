@@ -366,6 +366,44 @@ def test_lab_is_layered_and_no_part_imports_one_above_it():
             assert other is None or LAYERS[other] <= LAYERS[part], (str(path.relative_to(ROOT)), module)
 
 
+def _module_level_lab_imports() -> dict[str, set[str]]:
+    """Each lab module and the lab modules it imports when it is imported (a ``from package import name`` of a
+    submodule counts as that submodule)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (ROOT / "lab").rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for node in ast.parse(path.read_text()).body:  # module level: lazy imports inside functions close no circle
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_no_import_circle_in_lab():
+    graph, done, path = _module_level_lab_imports(), set(), []
+
+    def visit(module: str) -> None:
+        assert module not in path, " -> ".join(path[path.index(module):] + [module])
+        if module in done:
+            return
+        path.append(module)
+        for other in sorted(graph[module]):
+            visit(other)
+        path.pop()
+        done.add(module)
+
+    assert graph["lab.parallel.base"] and "lab.parallel.tensor" in graph["lab.parallel.base"]  # the graph is read
+    for module in sorted(graph):
+        visit(module)
+
+
 def test_one_place_decides_precision_and_the_peak():
     for name in ("training/train.py", "commands/bench.py", "commands/cli.py"):
         source = (ROOT / "lab" / name).read_text()

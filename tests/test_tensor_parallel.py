@@ -236,16 +236,12 @@ def test_sequence_parallel_reproduces_single_on_two_ranks():
 
 
 def _compiled_and_eager(world: World, spec: str, setup: Setup) -> tuple:
-    """Traces of ``spec`` with the model compiled (as ``train.compile`` does: ``GPT.compile()`` before the split) and
-    eager."""
+    """Traces of ``spec`` with the model compiled (``train.compile``: the strategy compiles the model after the split
+    and checkpointing) and eager."""
     from lab.commands.equivalence import train_tiny
 
-    def compiled() -> GPT:
-        model = GPT(setup.model, seed=setup.seed)
-        model.compile()
-        return model
-
-    return train_tiny(world, setup, parse_spec(spec), compiled), train_tiny(world, setup, parse_spec(spec))
+    return (train_tiny(world, dataclasses.replace(setup, compile=True), parse_spec(spec)),
+            train_tiny(world, setup, parse_spec(spec)))
 
 
 @pytest.mark.slow
@@ -284,7 +280,7 @@ def _tp_meters(world: World, specs: list[str], accum: int, models: dict[str, Mod
             train_step(strategy, world, micro, accum, 1e-2, 1.0)
             strategy.take_step_meters()
             strategy.eval_loss(x[:2], y[:2])  # not a training step's traffic
-            meters = strategy.meters()
+            meters = strategy.accounts.meters()
             out[(arch, spec)] = (meters["tp_comm_bytes_per_step"], meters["tp_comm_bytes_per_step_theory"])
     return out
 
@@ -332,7 +328,7 @@ def _saved_bytes(world: World, specs: list[str]) -> dict:
         x, y = batch(setup, 0, setup.micro_batch)
         train_step(strategy, world, [(x, y)], 1, setup.lr, 1.0)
         strategy.take_step_meters()
-        out[spec] = strategy.meters()["activation_saved_bytes"]
+        out[spec] = strategy.accounts.meters()["activation_saved_bytes"]
     return out
 
 

@@ -238,7 +238,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
                      "cpu_time_s": statistics.median(cpus[case.label]),
                      "minor_faults": statistics.median(page_faults[case.label]),
                      "round_tokens_per_s": [tokens_per_step / statistics.median(ts) for ts in times[case.label]],
-                     **s.meters()})
+                     **s.accounts.meters()})
     return rows
 
 

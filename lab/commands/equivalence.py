@@ -56,6 +56,7 @@ class Setup:
     grad_clip: float = 1.0
     seed: int = 1234
     bf16: bool = False  # autocast
+    compile: bool = False  # the strategy compiles the model (train.compile)
     model: ModelConfig = dataclasses.field(default_factory=lambda: dataclasses.replace(TINY))
 
 
@@ -68,7 +69,8 @@ class Trace:
 
 def loop_settings(setup: Setup) -> LoopSettings:
     """What ``train_tiny``'s loop does each step, for the strategy's config."""
-    return LoopSettings(micro_batch=setup.micro_batch, accum_steps=setup.accum, grad_clip=setup.grad_clip)
+    return LoopSettings(micro_batch=setup.micro_batch, accum_steps=setup.accum, grad_clip=setup.grad_clip,
+                        compile=setup.compile)
 
 
 def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,10 +14,10 @@ from lab.parallel.base import (
     ParamGroup,
     ParamGroupRule,
     Strategy,
-    World,
     changed_options,
     join_group_of_one,
 )
+from lab.parallel.mesh import World
 from lab.parallel.ddp import BucketedDDP, NaiveDDP
 from lab.parallel.deepspeed import DeepSpeed
 from lab.parallel.single import Single

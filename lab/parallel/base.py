@@ -13,7 +13,7 @@ and the run directory. The loop's side, in order::
         strategy.step(lr) if norm is finite else strategy.skip_step()
         meters = strategy.take_step_meters()      # bytes sent, seconds waited, activation bytes saved
     strategy.eval_loss(x, y); strategy.checkpoint_state() (+ after_load()); strategy.full_state_dict()
-    strategy.meters()                                               # model-state and comm bytes vs theory
+    strategy.accounts.meters()                                      # model-state and comm bytes vs theory
 
 - ``build`` makes the model from a factory (called under a ``torch.device`` context, so a
   sharded strategy can build on ``meta`` and fill only its shard from the model's
@@ -29,28 +29,38 @@ and the run directory. The loop's side, in order::
   writes them (then ``after_load`` restores what derives from them).
 - ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU,
   on rank 0 (an empty dict elsewhere), whatever the sharding.
+
+What each rank holds is one record, ``holding()``: per parameter a ``Piece`` (which range of the flattened
+weight, its gradient and its AdamW moments). The gradient norm and clipping, the finiteness check, the checkpoint
+state, and the parameter and weight-byte counts are written once, here, against it; a strategy says only what it
+holds.
+
+A new data-parallel strategy overrides what differs from plain replicated training, at most: ``make_module`` and
+``wrap`` (placement), ``forward`` and ``backward`` (gradient sync), ``step`` and ``zero_grad``, ``holding`` (when it
+shards), ``restore_derived`` and ``gathered_state_dict`` (when weights derive from shards); and it names the
+``accounting`` it is measured against (``lab.parallel.accounts``). The README shows one in full.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.measure import accounting
-from lab.runtime.checkpoint import CheckpointState, Held
+from lab.runtime.checkpoint import CheckpointState, Held, overlap
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.measure.device import Precision
 from lab.model.plan import ParallelPlan, plan_of
 from lab.parallel import activations, tensor
+from lab.parallel.accounts import Accounts
 from lab.parallel.comm import Comm
-from lab.parallel.mesh import Mesh, World
+from lab.parallel.mesh import Mesh
 
 
 def join_group_of_one(device: torch.device) -> None:
@@ -66,7 +76,7 @@ class LoopSettings:
     micro_batch: int  # sequences per rank per micro-step
     accum_steps: int  # micro-steps per optimizer step
     grad_clip: float  # the max_norm clip_grad_norm is called with (0: off)
-    compile: bool = False  # the model factory returns a torch.compile'd model
+    compile: bool = False  # the strategy compiles the model it builds (train.compile)
 
 
 @dataclass(frozen=True)
@@ -115,29 +125,37 @@ def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
-def held(numel: int, lo: int, view: torch.Tensor, sharded: bool) -> Held | torch.Tensor:
-    """A checkpoint entry: a whole tensor as it is; under a sharded strategy always a range (possibly
-    empty), because every rank must hand over the same sharded keys in the same order."""
-    return Held(numel, lo, view) if sharded else view
+@dataclass(frozen=True)
+class Piece:
+    """What this rank holds of one parameter: elements [lo, lo + len(weight)) of the flattened weight of ``numel``
+    elements (under tensor parallelism, of this rank's shard), the same elements of its gradient, and the AdamW
+    state whose tensors hold them from element ``moments_lo`` on. ``sharded``: the ranks of the data axis hold
+    different ranges (every rank then hands over its range, possibly empty); else every one holds it whole."""
 
+    name: str
+    numel: int
+    lo: int
+    weight: torch.Tensor
+    grad: torch.Tensor | None = None
+    moments: dict | None = None
+    moments_lo: int = 0
+    sharded: bool = False
 
-def adam_entries(state: CheckpointState, name: str, moments: dict | None, numel: int, lo: int, lo_in: int,
-                 hi_in: int, sharded: bool) -> None:
-    """Add ``name``'s AdamW moments (elements [lo_in, hi_in) of ``moments``, its range from ``lo``) and step."""
-    for key in ("exp_avg", "exp_avg_sq"):
-        view = moments[key].view(-1)[lo_in:hi_in] if moments is not None else torch.empty(0)
-        state[f"optim/{name}/{key}"] = held(numel, lo, view, sharded)
-    if moments is not None:
-        state[f"optim/{name}/step"] = moments["step"]
+    def checkpoint_entries(self, state: CheckpointState) -> None:
+        """Add the weight and, where it has them (a sharded piece: always, possibly empty), its AdamW moments and
+        step, as the checkpoint's live views."""
+        state[f"model/{self.name}"] = self._entry(self.weight)
+        if self.moments is None and not self.sharded:
+            return
+        hi = self.moments_lo + self.weight.numel()
+        for key in ("exp_avg", "exp_avg_sq"):
+            view = self.moments[key].view(-1)[self.moments_lo:hi] if self.moments is not None else torch.empty(0)
+            state[f"optim/{self.name}/{key}"] = self._entry(view)
+        if self.moments is not None:
+            state[f"optim/{self.name}/step"] = self.moments["step"]
 
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once; a DTensor's local part)."""
-    sizes = {}
-    for t in tensors:
-        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-        sizes[storage.data_ptr()] = storage.nbytes()
-    return sum(sizes.values())
+    def _entry(self, view: torch.Tensor) -> Held | torch.Tensor:
+        return Held(self.numel, self.lo if view.numel() else 0, view) if self.sharded else view
 
 
 def layout_digest(module: nn.Module) -> str:
@@ -152,14 +170,13 @@ class Strategy:
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
     options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel"})
-    state_layout: ClassVar[str] = "ddp"  # the lab.measure.accounting.model_state_bytes row its model states follow
-    comm_layout: ClassVar[str | None] = "ddp"  # the lab.measure.accounting.comm_bytes_per_step row; None: no traffic
+    accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
     compiles: ClassVar[bool] = True  # whether it can train a torch.compile'd model (train.compile)
-    grads_at_rest: ClassVar[bool] = False  # whether gradient buffers live between steps (flat buckets)
     tensor_parallel: ClassVar[bool] = True  # whether it runs over the data axis of a mesh with parallel.tp > 1
+    shards_gradients: ClassVar[bool] = False  # whether the data axis's ranks hold different parts of the gradient
 
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
@@ -188,9 +205,7 @@ class Strategy:
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
         self.optimizer: torch.optim.Optimizer | None = None
         self.syncing = True  # whether this micro-step's backward synchronises gradients (forward sets it)
-        self._measured: accounting.StateBytes | None = None
-        self._last = StepMeters(dict.fromkeys(accounting.COLLECTIVES, 0.0), 0.0, 0)
-        self._most_saved = 0
+        self.accounts = self.accounting(self)
 
     def describe(self) -> str:
         """The strategy as the run's start line names it (with its tensor-parallel layout)."""
@@ -200,14 +215,17 @@ class Strategy:
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
-        """Make the model (split by the tensor-parallel transform), place it, and build the optimizer over groups
-        decided before any wrapping."""
+        """Make the model and apply the transforms in their order: the tensor-parallel split (as it is built),
+        activation checkpointing, compilation (``loop.compile``), then this strategy's data-parallel placement
+        (``wrap``); the optimizer goes over groups decided before any wrapping."""
         model_factory = self.tensor.splitting(model_factory)
         module = self.make_module(model_factory)
         self.plan = plan_of(module, model_factory)
         groups = param_group_rule(module)
         self.world.check_same(layout_digest(module), "the model (parameter names and shapes)")
         activations.apply(module, self.plan, self.cfg.activation_checkpointing, self.saved)
+        if self.loop.compile:  # traced at the first forward: the split, checkpointed model
+            module.compile()
         self.module = module
         self.model = self.wrap(module, groups)
         self.optimizer = optimizer_factory(self.optimizer_groups(groups))
@@ -245,37 +263,28 @@ class Strategy:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
 
-        Replicated strategies hold the full, already averaged gradient on every rank, so the local
-        norm is the global one and no communication is needed; under tensor parallelism each rank's
-        shards are added over the tensor-parallel group (``tensor.total_norm``).
+        Each rank adds the squares of the gradient it holds (``holding``) over the ranges it counts: the tensor-
+        parallel transform's ``norm_ranges`` (a weight every rank of its group holds whole, or a replicated part,
+        counted once); then they are summed over the data axis where it shards the gradients (a replicated
+        strategy's averaged gradient is whole on every rank: no communication) and over the tensor-parallel group.
         """
-        norm = self.tensor.total_norm(self.trainable, self.local_norm_squares)
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
-        return norm
-
-    def local_norm_squares(self) -> torch.Tensor:
-        """The squared gradient norm of what this rank holds of the parameters it counts (``norm_ranges``), in
-        fp32."""
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
-        for name, p in self.module.named_parameters():
-            if p.grad is not None:
-                grad, start = self.grad_piece(p)
-                for lo, hi in self.norm_ranges(name, p.numel()):
-                    lo, hi = max(lo, start), min(hi, start + grad.numel())
-                    if lo < hi:
-                        squares += grad[lo - start:hi - start].float().pow(2).sum()
-        return squares
-
-    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int]:
-        """This rank's part of ``param``'s gradient, flattened, and where it starts in the flattened parameter."""
-        return param.grad.reshape(-1), 0
-
-    def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
-        """The ranges of this rank's ``numel`` elements of parameter ``name`` (flattened) that it adds to the global
-        norm: all, except under tensor parallelism a weight every rank of the group holds whole (only the first
-        counts it) or a replicated part of a split one (only its first holder counts it)."""
-        return self.tensor.norm_ranges(name, numel)
+        for piece in self.holding():
+            if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main):
+                continue
+            held = (piece.lo, piece.lo + piece.grad.numel())
+            for counted in self.tensor.norm_ranges(piece.name, piece.numel):
+                lo, hi = overlap(counted, held)
+                if lo < hi:  # a reduction: no temporary the size of the range
+                    part = piece.grad[lo - piece.lo:hi - piece.lo]
+                    squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
+        if self.shards_gradients:
+            squares = self.world.sum(squares)
+        norm = self.tensor.sum_squares(squares).sqrt()
+        if max_norm > 0:
+            params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
 
     def step(self, lr: float) -> None:
         """Apply the optimizer at learning rate ``lr`` and clear the gradients."""
@@ -284,8 +293,7 @@ class Strategy:
                 p.grad = torch.zeros_like(p)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        if self._measured is None:  # states exist after the first step; gradients until zero_grad
-            self._measured = self.measure_state_bytes()
+        self.accounts.measure_once()
         self.zero_grad()
 
     def skip_step(self) -> None:
@@ -299,9 +307,9 @@ class Strategy:
         """Bytes sent over the data axis, seconds waited (on both axes) and activation bytes saved since the last
         call (once per step); the tensor-parallel group's bytes are kept apart (``meters``)."""
         comm = self.comm.take()
-        self._last = StepMeters(comm.bytes, comm.wait_s + self.tensor.take_wait_s(), self.saved.take())
-        self._most_saved = max(self._most_saved, self._last.activation_saved_bytes)
-        return self._last
+        meters = StepMeters(comm.bytes, comm.wait_s + self.tensor.take_wait_s(), self.saved.take())
+        self.accounts.record(meters)
+        return meters
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -313,14 +321,16 @@ class Strategy:
         finally:
             self.model.train()
 
-    def held_weights(self) -> list[torch.Tensor]:
-        """The weights this rank stores, as plain tensors: whole, or its shards (frozen ones included)."""
-        return [p.detach() for p in self.module.parameters()]
+    def holding(self) -> list[Piece]:
+        """What this rank holds of every parameter (frozen ones included; a tied weight once), in a fixed order:
+        replicated, each whole."""
+        return [Piece(name, p.numel(), 0, p.detach().view(-1), None if p.grad is None else p.grad.view(-1),
+                      self.optimizer.state.get(p) or None) for name, p in self.module.named_parameters()]
 
     @torch.no_grad()
     def params_finite(self) -> bool:
         """Whether every weight on every rank is finite (checked before a checkpoint is written)."""
-        bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in self.held_weights()))])
+        bad = torch.tensor([float(any(not torch.isfinite(piece.weight).all() for piece in self.holding()))])
         return self.everyone.sum(bad).item() == 0
 
     # ------------------------------------------------------------ state
@@ -341,14 +351,16 @@ class Strategy:
         self.restore_derived()
 
     def held_state(self) -> CheckpointState:
-        """Every weight and AdamW moment, flattened, as this rank holds it (replicated: whole)."""
-        materialize_adam_state(self.optimizer)
+        """Every weight and AdamW moment, flattened, as this rank holds it (``holding``)."""
+        self.materialize_states()
         state: CheckpointState = {}
-        for name, p in self.module.named_parameters():
-            state[f"model/{name}"] = p.detach().view(-1)
-            if p in self.optimizer.state:
-                adam_entries(state, name, self.optimizer.state[p], p.numel(), 0, 0, p.numel(), sharded=False)
+        for piece in self.holding():
+            piece.checkpoint_entries(state)
         return state
+
+    def materialize_states(self) -> None:
+        """AdamW's states before the first step (zeros), so that a checkpoint loads into them."""
+        materialize_adam_state(self.optimizer)
 
     def restore_derived(self) -> None:
         """Restore what derives from the loaded weights (nothing when the strategy holds them whole)."""
@@ -363,70 +375,6 @@ class Strategy:
         if not self.world.is_main:
             return {}
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-
-    # ------------------------------------------------------------ meters
-
-    def measure_state_bytes(self) -> accounting.StateBytes:
-        """Bytes of parameters, gradients and optimizer states this rank holds now (buffers excluded)."""
-        params = list(self.module.parameters())
-        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return accounting.StateBytes(params=storage_bytes(self.held_weights()),
-                                     grads=storage_bytes(p.grad for p in params if p.grad is not None),
-                                     optimizer=storage_bytes(states))
-
-    def comm_elements(self) -> int:
-        """Ψ for the communication formula: the elements each gradient sync moves (every trainable one)."""
-        return sum(p.numel() for p in self.trainable)
-
-    def param_count(self) -> int:
-        """Ψ: the model's parameters (a tied weight once); under tensor parallelism this rank's shards."""
-        return sum(self.tensor.numel(p) for p in self.module.parameters())
-
-    def theory_states(self) -> accounting.StateBytes:
-        """Model-state bytes per rank from the ZeRO formulas, fp32 widths
-        (``lab.measure.accounting.model_state_bytes``)."""
-        return accounting.model_state_bytes(self.param_count(), self.state_layout, self.world.world_size, "fp32")
-
-    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
-        """(gathered weights in flight, gradient bytes held in the forward, and in the backward) in theory."""
-        between = states.grads if self.grads_at_rest or self.loop.accum_steps > 1 else 0.0
-        return 0.0, between, states.grads
-
-    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
-        """Per phase, the most bytes this rank holds in theory: its weights and optimizer states, the gradients
-        held in that phase (buckets in flight included), the gathered weights in flight, and ``activations``
-        (one micro-batch's, from ``lab.measure.accounting.activation_bytes``); the step holds the states and its
-        temporaries."""
-        states = self.theory_states()
-        gathered, grads_forward, grads_backward = self.theory_in_flight(states)
-        held = states.params + states.optimizer
-        return {"forward": held + grads_forward + gathered + activations,
-                "backward": held + grads_backward + gathered + activations,
-                "step": held + states.grads + self.theory_step_temporaries()}
-
-    def theory_step_temporaries(self) -> float:
-        """Bytes the clipping and the optimizer step allocate for a while, in theory (none: foreach and fused)."""
-        return 0.0
-
-    def meters(self) -> dict[str, dict[str, float]]:
-        """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and
-        theory) and the most activation bytes a micro-step saved for its backward.
-
-        Theory: ``lab.measure.accounting`` with fp32 widths (4-byte weights and gradients, two 4-byte
-        AdamW moments; the run's bf16, if any, lives only inside autocast).
-        """
-        world_size = self.world.world_size
-        theory_comm = (dict.fromkeys(accounting.COLLECTIVES, 0.0) if self.comm_layout is None else
-                       accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, world_size))
-        measured = self._measured or self.measure_state_bytes()
-        return {
-            "model_state_bytes": measured.as_dict(),
-            "model_state_bytes_theory": self.theory_states().as_dict(),
-            "comm_bytes_per_step": dict(self._last.comm_bytes),
-            "comm_bytes_per_step_theory": theory_comm,
-            "activation_saved_bytes": self._most_saved,
-            **self.tensor.meters(self.plan, self.loop.micro_batch, self.loop.accum_steps),
-        }
 
 
 def changed_options(cfg: ParallelConfig) -> list[str]:

@@ -271,6 +271,20 @@ class SummedOnWait:
         return True
 
 
+def buckets(sizes: list[int], cap: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` (bytes, in the order gradients arrive) packed greedily into buckets of at
+    most ``cap`` bytes (a larger one alone)."""
+    out: list[list[int]] = [[]]
+    held = 0
+    for i, size in enumerate(sizes):
+        if out[-1] and held + size > cap:
+            out.append([])
+            held = 0
+        out[-1].append(i)
+        held += size
+    return [b for b in out if b]
+
+
 class InOrder:
     """Asynchronous collectives over groups of parameters (buckets, units), launched in a fixed order.
 

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lab.parallel import accounts
 from lab.parallel.base import ParamGroup, Strategy
-from lab.parallel.comm import InOrder
+from lab.parallel.comm import InOrder, buckets
 
 
 def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
@@ -65,7 +66,7 @@ class Bucket:
 class BucketedDDP(Strategy):
     name = "ddp"
     options = Strategy.options | {"bucket_mb", "overlap"}
-    grads_at_rest = True
+    accounting = accounts.Bucketed
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
@@ -76,15 +77,8 @@ class BucketedDDP(Strategy):
         return module
 
     def _make_buckets(self, order: list[nn.Parameter]) -> None:
-        cap, size = self.cfg.bucket_mb * 2**20, 0
-        groups: list[list[nn.Parameter]] = [[]]
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            if groups[-1] and size + nbytes > cap:
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += nbytes
+        groups = [[order[i] for i in bucket]
+                  for bucket in buckets([p.numel() * p.element_size() for p in order], self.cfg.bucket_mb * 2**20)]
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
         self._slice_of: dict[nn.Parameter, torch.Tensor] = {}

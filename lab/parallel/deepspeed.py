@@ -55,7 +55,6 @@ import torch.distributed as dist
 from lab.measure import accounting
 
 from lab.runtime import compat
-from lab.runtime.checkpoint import CheckpointState, Held
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.measure.device import Precision
 from lab.parallel.base import (
@@ -63,15 +62,16 @@ from lab.parallel.base import (
     ModelFactory,
     OptimizerFactory,
     ParamGroupRule,
+    Piece,
     StepMeters,
     Strategy,
-    adam_entries,
     join_group_of_one,
     materialize_adam_state,
     set_lr,
-    storage_bytes,
 )
 from lab.parallel.mesh import Mesh
+from lab.parallel import accounts
+from lab.parallel.accounts import storage_bytes
 
 EXTRA = "pip install '.[deepspeed]'"
 ZERO_STAGES = (1, 2, 3)
@@ -222,8 +222,7 @@ class DeepSpeed(Strategy):
     options = Strategy.options | {"zero_stage", "offload", "deepspeed_config"}
     offload_modes = ("none", "optimizer", "all")
     tensor_parallel = False  # the engine takes the whole world's group
-    # the pre-flight memory estimate knows only the class: the least sharded stage (meters use the real one)
-    state_layout = comm_layout = "zero1"
+    accounting = accounts.DeepSpeed
 
     def describe(self) -> str:
         return f"{self.name} (ZeRO stage {self.cfg.zero_stage})"
@@ -256,7 +255,7 @@ class DeepSpeed(Strategy):
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             if not dist.is_initialized():
                 join_group_of_one(world.device)
-        self._grad_bytes: int | None = None
+        self.grad_bytes: int | None = None
 
     # ------------------------------------------------------------ building
 
@@ -266,11 +265,12 @@ class DeepSpeed(Strategy):
         super().build(model_factory, param_group_rule, optimizer_factory)
         self.engine, self.optimizer, _, _ = self.ds.initialize(model=self.module, optimizer=self.optimizer,
                                                                config=self.config)
+        compat.check_deepspeed_optimizer(self.optimizer, self.stage)
         self.model = self.engine
         self._logged()  # the engine's set-up traffic (broadcasting rank 0's weights) is not a step's
 
     @property
-    def _masters(self) -> list[torch.Tensor]:
+    def masters(self) -> list[torch.Tensor]:
         """This rank's flat fp32 master partitions, one per group, which the optimizer updates."""
         opt = self.optimizer
         return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
@@ -291,8 +291,8 @@ class DeepSpeed(Strategy):
         """DeepSpeed's global norm of the reduced gradients; the engine clips in ``step`` at its configured value."""
         if max_norm != self.loop.grad_clip:
             raise ValueError(f"the engine clips at {self.loop.grad_clip} (its config), not {max_norm}")
-        if self._grad_bytes is None:
-            self._grad_bytes = self._gradient_bytes()
+        if self.grad_bytes is None:
+            self.grad_bytes = self._gradient_bytes()
         if self.stage == 3:
             from deepspeed.runtime.utils import combine_grad_norm_groups
 
@@ -302,8 +302,7 @@ class DeepSpeed(Strategy):
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
         self.engine.step()
-        if self._measured is None:
-            self._measured = self.measure_state_bytes()
+        self.accounts.measure_once()
 
     def skip_step(self) -> None:
         """The engine's step: it finds the non-finite norm itself, leaves the weights and clears the gradients."""
@@ -321,10 +320,6 @@ class DeepSpeed(Strategy):
                 return self.engine(x, y)
         finally:
             self.engine.train()
-
-    def held_weights(self) -> list[torch.Tensor]:
-        """The fp32 master partitions (what the engine's weights are copied from)."""
-        return list(self._masters)
 
     # ------------------------------------------------------------ communication, from DeepSpeed's comms logger
 
@@ -362,11 +357,11 @@ class DeepSpeed(Strategy):
 
     # ------------------------------------------------------------ state
 
-    def held_state(self) -> CheckpointState:
-        """Each parameter's range in this rank's fp32 master partition, and its Adam moments, as live views."""
-        self._materialize_states()
-        opt, masters, state = self.optimizer, self._masters, {}
-        moments_of = {id(m): opt.optimizer.state[m] for m in masters}
+    def holding(self) -> list[Piece]:
+        """Each parameter's range in this rank's fp32 master partition (what the engine's weights are copied from),
+        and its Adam moments, as live views (the engine keeps its gradients: it clips them itself)."""
+        opt, masters, out = self.optimizer, self.masters, []
+        moments_of = {id(m): opt.optimizer.state.get(m) or None for m in masters}
         for name, p in self.module.named_parameters():
             numel = p.ds_numel if self.stage == 3 else p.numel()
             lo, view, moments, lo_in = 0, torch.empty(0), None, 0
@@ -381,12 +376,10 @@ class DeepSpeed(Strategy):
                 lo, lo_in, size = mapping.lp_fragment_address.start, mapping.hp_fragment_address.start, \
                     mapping.hp_fragment_address.numel
                 view, moments = mapping.get_hp_fragment(), moments_of[id(masters[mapping.param_group_index])]
-            lo = lo if view.numel() else 0
-            state[f"model/{name}"] = Held(numel, lo, view)
-            adam_entries(state, name, moments, numel, lo, lo_in, lo_in + view.numel(), sharded=True)
-        return state
+            out.append(Piece(name, numel, lo, view, None, moments, lo_in, sharded=True))
+        return out
 
-    def _materialize_states(self) -> None:
+    def materialize_states(self) -> None:
         """Adam's states for the master partitions before the first step (zeros), so a checkpoint loads into them."""
         if self.stage == 3:
             with compat.deepspeed_fp32_groups(self.optimizer):
@@ -399,7 +392,7 @@ class DeepSpeed(Strategy):
         """The weights the model computes with follow the loaded masters (stages 1-2: gathered again)."""
         with self._uncounted():
             if self.stage == 3:
-                for group in range(len(self._masters)):
+                for group in range(len(self.masters)):
                     self.optimizer._reassign_or_swap_out_partitioned_parameters(group)
             else:
                 self.optimizer.update_lp_params()
@@ -424,30 +417,5 @@ class DeepSpeed(Strategy):
         opt = self.optimizer
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         grads += [g for group in opt.averaged_gradients.values() if group is not None for g in group if g is not None]
-        grads += [m.grad for m in self._masters if m.grad is not None]
+        grads += [m.grad for m in self.masters if m.grad is not None]
         return storage_bytes(grads)
-
-    def measure_state_bytes(self) -> accounting.StateBytes:
-        """Weights the model computes with, the gradients at the boundary, and the masters plus Adam's moments
-        (a master partition that is the weights themselves, as in stage 3 without offload, counts once)."""
-        opt = self.optimizer
-        weights = list(opt.fp16_partitioned_groups_flat if self.stage == 3 else opt.bit16_groups_flat)
-        stored = {t.untyped_storage().data_ptr() for t in weights}
-        moments = [v for m in self._masters for v in opt.optimizer.state.get(m, {}).values() if torch.is_tensor(v)]
-        masters = [m for m in self._masters if m.untyped_storage().data_ptr() not in stored]
-        return accounting.StateBytes(params=storage_bytes(weights), grads=self._grad_bytes or 0,
-                                     optimizer=storage_bytes(moments + masters), offload=self.cfg.offload != "none")
-
-    def param_count(self) -> int:
-        return sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
-
-    def comm_elements(self) -> int:
-        return sum(getattr(p, "ds_numel", p.numel()) for p in self.trainable)
-
-    def meters(self) -> dict[str, dict[str, float]]:
-        out = super().meters()
-        layout, n = f"zero{self.stage}", self.world.world_size
-        out["model_state_bytes_theory"] = accounting.model_state_bytes(
-            self.param_count(), layout, n, "fp32", self.cfg.offload != "none").as_dict()
-        out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(self.comm_elements(), layout, n)
-        return out

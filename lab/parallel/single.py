@@ -1,9 +1,10 @@
 """One process, no communication: the reference every other strategy must reproduce."""
 
+from lab.parallel import accounts
 from lab.parallel.base import Strategy
 
 
 class Single(Strategy):
     name = "single"
     max_world_size = 1
-    comm_layout = None
+    accounting = accounts.Local

@@ -42,7 +42,6 @@ equal across the group; a head shard's attention dropout shares that stream.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -56,7 +55,7 @@ import torch.nn.functional as F
 from lab.measure import accounting
 
 from lab.runtime import compat
-from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces, row_blocks
+from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces, overlap, row_blocks
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.model.plan import ParallelPlan, TensorPlan, plan_of
 from lab.parallel.comm import Comm
@@ -119,13 +118,13 @@ class Split:
             blocks = []
             for row, column, rect in row_blocks(sum(size for _, _, size in self.segments(rank, n)), lo, view):
                 for local, start, size in segments:
-                    a, b = max(local, column), min(local + size, column + rect.shape[1])
+                    a, b = overlap((local, local + size), (column, column + rect.shape[1]))
                     if a < b:
                         blocks.append((row, start + a - local, rect[:, a - column:b - column]))
             return Blocks(self.shape, blocks)
         hi, inner, out = lo + view.numel(), math.prod(self.shape[1:]), []
         for local, start, size in segments:
-            a, b = max(local * inner, lo), min((local + size) * inner, hi)
+            a, b = overlap((local * inner, (local + size) * inner), (lo, hi))
             if a < b:
                 out.append((start * inner + a - local * inner, view[a - lo:b - lo]))
         return Pieces(math.prod(self.shape), out)
@@ -244,26 +243,10 @@ class Unsplit:
         """The autograd pass of ``loss`` (in the context a split loss needs)."""
         loss.backward()
 
-    def total_norm(self, params: list[nn.Parameter], local_squares: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The global gradient norm of ``params``: torch's, of the whole gradients every rank holds (a split model's:
-        ``local_squares()``, this rank's counted squares over the data axis, added over the group)."""
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-
-    def numel(self, param: torch.Tensor) -> int:
-        """Elements of ``param`` a data-parallel strategy over this rank's shards sees (a DTensor that a strategy
-        shards further counts whole)."""
-        return param.numel()
-
     def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
         """The ranges of this rank's ``numel`` elements of ``name`` (flattened) that it adds to the global gradient
         norm: all of them."""
         return [(0, numel)]
-
-    def counted_in_chunk(self, names: list[str], offsets: list[int], sizes: list[int], start: int, chunk: int
-                         ) -> list[tuple[int, int]]:
-        """Ranges of the chunk [start, start + chunk) of parameters ``names`` laid end to end (at ``offsets``, of
-        ``sizes`` elements) that this rank counts in the norm: the whole chunk (its padding is zero)."""
-        return [(0, chunk)]
 
     def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
         """Squared norms summed over the group."""
@@ -362,7 +345,7 @@ class TensorParallel(Unsplit):
         every rank of the group calls it with the same range."""
         hi = lo + view.numel()
         for start, length, part, parts in split.replicas(self.rank, self.n):
-            a, b = max(start, lo), min(start + length, hi)
+            a, b = overlap((start, start + length), (lo, hi))
             if a >= b:
                 continue
             piece = view[a - lo:b - lo]
@@ -481,9 +464,6 @@ class TensorParallel(Unsplit):
 
     # ------------------------------------------------------------ what follows from the split
 
-    def total_norm(self, params: list[nn.Parameter], local_squares: Callable[[], torch.Tensor]) -> torch.Tensor:
-        return self.sum_squares(local_squares()).sqrt()
-
     def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
         """The ranges of this rank's ``numel`` elements of ``name`` (flattened) that it adds to the global gradient
         norm: all of a split weight's but the replicated parts of which it is not the first holder; all of a whole
@@ -499,16 +479,6 @@ class TensorParallel(Unsplit):
         out.append((at, numel))
         return [(a, b) for a, b in out if a < b]
 
-    def counted_in_chunk(self, names: list[str], offsets: list[int], sizes: list[int], start: int, chunk: int
-                         ) -> list[tuple[int, int]]:
-        """The parts of the chunk that belong to the ranges of each parameter this rank counts (``norm_ranges``)."""
-        out = []
-        for name, offset, size in zip(names, offsets, sizes, strict=True):
-            for lo, hi in self.norm_ranges(name, size):
-                a, b = max(offset + lo, start) - start, min(offset + hi, start + chunk) - start
-                if a < b:
-                    out.append((a, b))
-        return out
 
     def checkpoint_state(self, state: CheckpointState, data: World
                          ) -> tuple[CheckpointState, list[Callable[[], None]]]:

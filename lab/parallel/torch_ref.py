@@ -20,9 +20,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lab.measure import accounting
-from lab.runtime.checkpoint import CheckpointState, Held
-from lab.parallel.base import ParamGroup, Strategy, adam_entries, materialize_adam_state
+from lab.parallel import accounts
+from lab.parallel.base import ParamGroup, Piece, Strategy
 
 
 class TorchDDP(Strategy):
@@ -72,7 +71,8 @@ class FSDP(Strategy):
 
     name = "fsdp"
     options = Strategy.options | {"offload", "reshard_after_forward"}
-    state_layout = comm_layout = "zero3"
+    shards_gradients = True
+    accounting = accounts.FSDP
 
     def make_module(self, model_factory):
         with torch.device("meta"):
@@ -104,39 +104,23 @@ class FSDP(Strategy):
         with self.comm.counting_torch():
             self.tensor.backward(loss)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        # split by tensor parallelism: each rank's shards of the parameters it counts, over both axes
-        norm = self.tensor.total_norm(self.trainable, lambda: self.world.sum(self.local_norm_squares()))
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, norm)
-        return norm
-
-    def held_weights(self) -> list[torch.Tensor]:
-        return [p.detach().to_local() for p in self.module.parameters()]
-
     def _start(self, param: nn.Parameter) -> int:
         """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk
         does)."""
         rows, n = param.shape[0], self.world.world_size
         return min(self.world.rank * -(-rows // n), rows) * (param.numel() // rows)
 
-    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int]:
-        return param.grad.to_local().reshape(-1), self._start(param)
-
-    def held_state(self) -> CheckpointState:
-        """Each parameter's rows on this rank, weights and moments."""
-        materialize_adam_state(self.optimizer)
-        state: CheckpointState = {}
+    def holding(self) -> list[Piece]:
+        """Each parameter's rows on this rank (the DTensors' local parts): weights, gradients and moments."""
+        out = []
         for name, p in self.module.named_parameters():
-            lo = self._start(p)
-            local = p.detach().to_local().view(-1)  # detached: loading writes into it in place
-            state[f"model/{name}"] = Held(p.numel(), lo, local)
-            moments = self.optimizer.state.get(p)
+            moments = self.optimizer.state.get(p) or None
             if moments is not None:
                 moments = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in moments.items()}
-            adam_entries(state, name, moments, p.numel(), lo, 0, local.numel(), sharded=True)
-        return state
+            grad = None if p.grad is None else p.grad.to_local().reshape(-1)
+            out.append(Piece(name, p.numel(), self._start(p), p.detach().to_local().view(-1), grad, moments,
+                             sharded=True))
+        return out
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         # gathered on the host of global rank 0 alone when the data axis is the world; on a mesh the data axis's first
@@ -149,15 +133,3 @@ class FSDP(Strategy):
         if not self.world.is_main:
             return {}
         return full if offload else {k: v.detach().cpu().clone() for k, v in full.items()}
-
-    def comm_elements(self) -> int:
-        """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of the world size."""
-        n = self.world.world_size
-        return sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in self.trainable)
-
-    def meters(self) -> dict[str, dict[str, float]]:
-        out = super().meters()
-        layout = "zero3" if self.cfg.reshard_after_forward else "zero2"
-        out["comm_bytes_per_step_theory"] = accounting.comm_bytes_per_step(self.comm_elements(), layout,
-                                                                          self.world.world_size)
-        return out

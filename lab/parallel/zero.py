@@ -60,20 +60,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.measure import accounting, memory
+from lab.measure import memory
 
 from lab.runtime import compat
-from lab.runtime.checkpoint import CheckpointState, Held
+from lab.runtime.checkpoint import overlap
 from lab.model.plan import segments
-from lab.parallel.base import (ModelFactory, ParamGroup, Strategy, adam_entries, materialize_adam_state, set_lr,
-                               storage_bytes)
-from lab.parallel.comm import Exchange, InOrder, SummedOnWait
+from lab.parallel import accounts
+from lab.parallel.base import ModelFactory, ParamGroup, Piece, Strategy, set_lr
+from lab.parallel.comm import Exchange, InOrder, SummedOnWait, buckets
 from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
-# elements squared at once for the gradient norm: half of lab.measure.memory's MMAP_THRESHOLD, so the heap reuses
-# the temporary
-SQUARES_CHUNK = memory.MMAP_THRESHOLD // 8
 
 
 @dataclass
@@ -99,6 +96,13 @@ class Unit:
     lent: torch.Tensor | None = None  # stage 3: the pool's buffer whose memory flat's storage holds while gathered
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
 
+    def in_chunk(self, rank: int, offset: int, size: int) -> tuple[int, int]:
+        """Which elements of rank ``rank``'s chunk hold those of the parameter laid at ``offset`` (``size`` long), as
+        a range of the chunk (empty: none)."""
+        start = rank * self.chunk
+        lo, hi = overlap((offset, offset + size), (start, start + self.chunk))
+        return lo - start, hi - start
+
 
 def make_unit(names: list[str], params: dict[str, nn.Parameter], group_of: dict[str, int], rank: int,
               world_size: int) -> Unit:
@@ -110,9 +114,8 @@ def make_unit(names: list[str], params: dict[str, nn.Parameter], group_of: dict[
     chunk = -(-numel // world_size)
     unit = Unit(names, [params[n] for n in names], shapes, [group_of[n] for n in names], offsets, numel, chunk,
                 chunk * world_size)
-    lo = rank * chunk
     for name, offset, size in zip(names, offsets, sizes, strict=True):
-        a, b = max(offset, lo) - lo, min(offset + size, lo + chunk) - lo
+        a, b = unit.in_chunk(rank, offset, size)
         if a < b:
             g = group_of[name]
             if unit.pieces and unit.pieces[-1][0] == g and unit.pieces[-1][2] == a:
@@ -137,6 +140,8 @@ class Zero(Strategy):
 
     stage = 0
     options = Strategy.options | {"bucket_mb", "offload"}
+    shards_gradients = True
+    accounting = accounts.Zero
 
     @property
     def offloaded(self) -> bool:
@@ -146,17 +151,9 @@ class Zero(Strategy):
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
         """Buckets of ``bucket_mb`` in backward order (reverse registration); stage 3 overrides."""
-        params, cap = dict(module.named_parameters()), self.cfg.bucket_mb * 2**20
-        units: list[list[str]] = [[]]
-        size = 0
-        for name in reversed(trainable):
-            nbytes = params[name].numel() * params[name].element_size()
-            if units[-1] and size + nbytes > cap:
-                units.append([])
-                size = 0
-            units[-1].append(name)
-            size += nbytes
-        return [u for u in units if u]
+        params, order = dict(module.named_parameters()), list(reversed(trainable))
+        sizes = [params[name].numel() * params[name].element_size() for name in order]
+        return [[order[i] for i in bucket] for bucket in buckets(sizes, self.cfg.bucket_mb * 2**20)]
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         group_of = {n: i for i, g in enumerate(groups) for n in g.names}
@@ -199,13 +196,13 @@ class Zero(Strategy):
 
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """Each group's tensors: views of this rank's chunks (of the host master copy when offloaded)."""
-        self._pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
+        self.optimizer_pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
         per_group: list[list[torch.Tensor]] = [[] for _ in groups]
         for unit in self.units:
             weights = unit.master if self.offloaded else unit.shard
             for g, lo, hi in unit.pieces:
                 piece = weights[lo:hi]
-                self._pieces.append((unit, lo, hi, piece))
+                self.optimizer_pieces.append((unit, lo, hi, piece))
                 per_group[g].append(piece)
         return [{"params": ps, **g.options()} for g, ps in zip(groups, per_group, strict=True) if ps]
 
@@ -294,34 +291,16 @@ class Zero(Strategy):
         self._launches.finish()
         self._settle(in_flight=0)
         self._spare = None
-        for unit, lo, hi, piece in self._pieces:
+        for unit, lo, hi, piece in self.optimizer_pieces:
             grad = unit.grad_shard[lo:hi]
             piece.grad = grad.to(HOST) if self.offloaded and grad.device != HOST else grad
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global norm: squared sums of every rank's chunks (padding is zero), added over ranks. The squares are taken
-        ``SQUARES_CHUNK`` elements at a time: a temporary the size of a shard would be a fresh mapping every time."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
-        for unit in self.units:
-            start = self.world.rank * unit.chunk
-            for lo, hi in self.tensor.counted_in_chunk(unit.names, unit.offsets, [math.prod(s) for s in unit.shapes],
-                                                       start, unit.chunk):
-                for part in unit.grad_shard[lo:hi].split(SQUARES_CHUNK):
-                    squares += part.float().pow(2).sum()
-        norm = self.tensor.sum_squares(self.world.sum(squares)).sqrt()
-        if max_norm > 0:
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for _, _, _, piece in self._pieces:
-                piece.grad.mul_(scale.to(piece.grad.device))
-        return norm
 
     # ------------------------------------------------------------ the step
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        if self._measured is None:
-            self._measured = self.measure_state_bytes()
+        self.accounts.measure_once()
         for unit in self.units:
             if self.offloaded:
                 unit.shard.copy_(unit.master)
@@ -330,7 +309,7 @@ class Zero(Strategy):
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        for _, _, _, piece in self._pieces:
+        for _, _, _, piece in self.optimizer_pieces:
             piece.grad = None
         for unit in self.units:
             unit.grad_shard = None
@@ -341,34 +320,28 @@ class Zero(Strategy):
 
     # ------------------------------------------------------------ state and meters
 
-    def held_weights(self) -> list[torch.Tensor]:
-        """The units' flat weights (stage 3: this rank's chunks) and the frozen parameters, whole."""
-        weights = [u.flat if u.flat is not None and self.stage < 3 else u.shard for u in self.units]
-        return weights + [p.detach() for p in self.module.parameters() if not p.requires_grad]
-
-    def held_state(self) -> CheckpointState:
-        """Each parameter's range in this rank's chunks (the weights from the shard, the moments from the
-        optimizer's piece that holds it); frozen parameters whole."""
-        materialize_adam_state(self.optimizer)
-        pieces = {(id(unit), lo): (hi, piece) for unit, lo, hi, piece in self._pieces}
-        state: CheckpointState = {}
+    def holding(self) -> list[Piece]:
+        """Each trainable parameter's range in this rank's chunks (weights from the shard, gradients from the
+        averaged shard, moments from the optimizer's piece that holds it); frozen parameters whole. An empty range is
+        an empty view of the shard, so the shard's bytes count even when all of this rank's chunk is padding."""
+        starts = {id(unit): [lo for u, lo, _, _ in self.optimizer_pieces if u is unit] for unit in self.units}
+        piece_at = {(id(unit), lo): piece for unit, lo, _, piece in self.optimizer_pieces}
+        out = []
         for unit in self.units:
-            start = self.world.rank * unit.chunk
-            starts = sorted(lo for (u, lo) in pieces if u == id(unit))
             for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
                 size = math.prod(shape)
-                a, b = max(offset, start) - start, min(offset + size, start + unit.chunk) - start
-                lo = a + start - offset if a < b else 0
-                state[f"model/{name}"] = Held(size, lo, unit.shard[a:b] if a < b else unit.shard.new_empty(0))
-                moments, piece_lo = None, 0
-                if a < b:
-                    piece_lo = max(p for p in starts if p <= a)
-                    moments = self.optimizer.state[pieces[(id(unit), piece_lo)][1]]
-                adam_entries(state, name, moments, size, lo, a - piece_lo, b - piece_lo, sharded=True)
-        for name, p in self.module.named_parameters():
-            if not p.requires_grad:
-                state[f"model/{name}"] = p.detach().view(-1)
-        return state
+                a, b = unit.in_chunk(self.world.rank, offset, size)
+                if a >= b:  # empty views: the shards' bytes still count
+                    grad = None if unit.grad_shard is None else unit.grad_shard[:0]
+                    out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True))
+                    continue
+                first = max(lo for lo in starts[id(unit)] if lo <= a)  # the optimizer's piece that holds it
+                grad = None if unit.grad_shard is None else unit.grad_shard[a:b]
+                moments = self.optimizer.state.get(piece_at[(id(unit), first)]) or None
+                out.append(Piece(name, size, a + self.world.rank * unit.chunk - offset, unit.shard[a:b], grad, moments,
+                                 a - first, sharded=True))
+        return out + [Piece(name, p.numel(), 0, p.detach().view(-1)) for name, p in self.module.named_parameters()
+                      if not p.requires_grad]
 
     @torch.no_grad()
     def restore_derived(self) -> None:
@@ -402,70 +375,21 @@ class Zero(Strategy):
     def _gathered_copy(self, unit: Unit) -> torch.Tensor:
         return unit.flat
 
-    def measure_state_bytes(self) -> accounting.StateBytes:
-        grads = [u.flat_grad if self.stage == 1 else u.grad_shard for u in self.units if u.grad_shard is not None]
-        host_grads = [piece.grad for *_, piece in self._pieces if piece.grad is not None and piece.grad.device == HOST
-                      and self.offloaded and self.world.device != HOST]
-        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        masters = [u.master for u in self.units if u.master is not None]
-        return accounting.StateBytes(params=storage_bytes(self.held_weights()), grads=storage_bytes(grads + host_grads),
-                                     optimizer=storage_bytes(states + masters), offload=self.offloaded)
-
-    def param_count(self) -> int:
-        """Ψ from the layout (stage 3's parameters are empty at rest), frozen ones included."""
-        frozen = sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
-        return sum(u.numel for u in self.units) + frozen
-
-    def comm_elements(self) -> int:
-        """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""
-        return sum(u.padded for u in self.units)
-
-    def theory_states(self) -> accounting.StateBytes:
-        return accounting.model_state_bytes(self.param_count(), self.state_layout, self.world.world_size, "fp32",
-                                            self.offloaded)
-
-    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
-        """Two units in flight in the backward (one filling, one reduce-scattering; or what two reduce-scatters
-        receive) beside the gradients held: stage 1 the whole gradient; stages 2-3 this rank's shard, or under
-        accumulation every unit's whole gradient, kept until the last micro-step."""
-        width = self.units[0].shard.element_size()
-        two_units = width * sum(sorted(u.padded for u in self.units)[-2:])
-        if self.stage == 1:
-            _, at_rest, whole = super().theory_in_flight(states)
-            return 0.0, at_rest, whole + two_units
-        if self.loop.accum_steps > 1:
-            whole = width * sum(u.padded for u in self.units)
-            return 0.0, whole, whole + two_units
-        return 0.0, 0.0, states.grads + two_units
-
-    def theory_step_temporaries(self) -> float:
-        """The optimizer's temporaries: one of a unit's chunks (the clipping's squares are small: ``SQUARES_CHUNK``)."""
-        return self.units[0].shard.element_size() * max(u.chunk for u in self.units)
-
-    def meters(self) -> dict[str, dict[str, float]]:
-        out = super().meters()
-        out["comm_bytes_per_step_theory"] = self.theory_comm_bytes()
-        return out
-
-    def theory_comm_bytes(self) -> dict[str, float]:
-        """Bytes each rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
-        return accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world.world_size)
-
 
 class Zero1(Zero):
-    name, stage, state_layout, comm_layout = "zero1", 1, "zero1", "zero1"
-    grads_at_rest = True
+    name, stage = "zero1", 1
 
 
 class Zero2(Zero):
-    name, stage, state_layout, comm_layout = "zero2", 2, "zero2", "zero2"
+    name, stage = "zero2", 2
     options = Zero.options | {"overlap"}
 
 
 class Zero3(Zero):
     """Stage 3: see the module docstring; units are half blocks and a root unit for the rest."""
 
-    name, stage, state_layout, comm_layout = "zero3", 3, "zero3", "zero3"
+    name, stage = "zero3", 3
+    accounting = accounts.Zero3
     options = Zero.options - {"bucket_mb"} | {"overlap"}
     compiles = False
 
@@ -512,9 +436,9 @@ class Zero3(Zero):
         in_pieces = {n for _, names in self._segments for n in names}
         self._root = self.units[-1] if self.units and self.units[-1].names[0] not in in_pieces else None
         unit_of = {name: unit for unit in self.units for name in unit.names}
-        self._forward_order = [unit_of[names[0]] for _, names in self._segments]
-        sizes = [u.padded for u in self._forward_order]
-        self._pool_budget = self._root_size() + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+        self.forward_order = [unit_of[names[0]] for _, names in self._segments]
+        sizes = [u.padded for u in self.forward_order]
+        self.pool_budget = self.root_size() + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
         self._spares: dict[int, list[torch.Tensor]] = {}  # idle pool buffers by their number of elements
         self._pooled = 0  # elements in pool buffers, idle or lent
         for modules, names in self._segments:
@@ -523,7 +447,7 @@ class Zero3(Zero):
             modules[-1].register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
         return module
 
-    def _root_size(self) -> int:
+    def root_size(self) -> int:
         return 0 if self._root is None else self._root.padded
 
     def _place(self, unit: Unit) -> None:
@@ -533,14 +457,14 @@ class Zero3(Zero):
         unit.shard = torch.zeros(unit.chunk, device=self.world.device)
         memory.tag(unit.shard, "params")
         unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
-        lo = r * unit.chunk
         holders = registrations(module)
         for i, (name, offset, shape) in enumerate(zip(unit.names, unit.offsets, unit.shapes, strict=True)):
             size = math.prod(shape)
-            a, b = max(offset, lo), min(offset + size, lo + unit.chunk)
+            a, b = unit.in_chunk(r, offset, size)
             value = self._initial_value(name).flatten()
             if a < b:
-                unit.shard[a - lo:b - lo] = value[a - offset:b - offset]
+                start = a + r * unit.chunk - offset
+                unit.shard[a:b] = value[start:start + b - a]
             param = nn.Parameter(torch.empty(0, device=self.world.device))
             # .data keeps the parameter's own version counter: gathering into flat does not look like an
             # in-place change of the weights autograd saved
@@ -587,15 +511,15 @@ class Zero3(Zero):
     def _lend(self, unit: Unit) -> None:
         """Give flat's storage memory for the whole unit: an idle pool buffer's of its size (its pages stay mapped
         between gathers, so gathering into them does not fault them in again), else a new pool buffer if the pool,
-        rid of idle buffers of other sizes, has room for it within ``_pool_budget``, else fresh memory. The storage
+        rid of idle buffers of other sizes, has room for it within ``pool_budget``, else fresh memory. The storage
         swaps data pointers with the buffer, so the views autograd saved see the weights wherever they lie."""
         spares = self._spares.setdefault(unit.padded, [])
         if compat.SWAPS_STORAGE and not spares:
             for size, idle in self._spares.items():
-                while idle and self._pooled + unit.padded > self._pool_budget:
+                while idle and self._pooled + unit.padded > self.pool_budget:
                     idle.pop()
                     self._pooled -= size
-            if self._pooled + unit.padded <= self._pool_budget:
+            if self._pooled + unit.padded <= self.pool_budget:
                 spares.append(torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device))
                 memory.tag(spares[-1], "params")
                 self._pooled += unit.padded
@@ -616,8 +540,8 @@ class Zero3(Zero):
 
     def _next(self, unit: Unit, step: int) -> Unit | None:
         """The block unit ``step`` places after ``unit`` in the forward order (None past either end)."""
-        i = self._forward_order.index(unit) + step
-        return self._forward_order[i] if 0 <= i < len(self._forward_order) else None
+        i = self.forward_order.index(unit) + step
+        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
 
     def _before_forward(self, unit: Unit) -> None:
         self._gather(unit)
@@ -629,19 +553,9 @@ class Zero3(Zero):
             return
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(lambda grad: (self._before_backward(unit), grad)[1])
-            if unit is self._forward_order[-1]:  # the backward starts with it: kept, not gathered again
+            if unit is self.forward_order[-1]:  # the backward starts with it: kept, not gathered again
                 return
         self._free(unit)
-
-    def theory_comm_bytes(self) -> dict[str, float]:
-        """The weights are gathered twice in every micro-step, not once a step, less what the backward finds still
-        gathered from the forward (the root unit and the last block unit)."""
-        theory = super().theory_comm_bytes()
-        kept = self._root_size() + (self._forward_order[-1].padded if self._forward_order else 0)
-        width = self.units[0].shard.element_size()
-        theory["all_gather"] = self.loop.accum_steps * width * accounting.ring_elements_sent(
-            "all_gather", 2 * self.comm_elements() - kept, self.world.world_size)
-        return theory
 
     def _before_backward(self, unit: Unit) -> None:
         self._gather(unit)
@@ -652,7 +566,7 @@ class Zero3(Zero):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         self._gather(self._root)
-        self._prefetch(self._forward_order[0] if self._forward_order else None)
+        self._prefetch(self.forward_order[0] if self.forward_order else None)
         loss = super().forward(x, y, sync=sync)
         if not (torch.is_grad_enabled() and loss.requires_grad):  # else kept for the backward, which starts with it
             self._free(self._root)
@@ -676,17 +590,3 @@ class Zero3(Zero):
         flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
         self.comm.all_gather(flat, unit.shard)
         return flat
-
-    def _pool_bytes(self) -> float:
-        """The gather pool once full: the root unit and the two largest neighbours in the forward order."""
-        return self._pool_budget * self.units[0].shard.element_size()
-
-    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
-        """The root unit, the unit at work and the next one (prefetched) gathered at once: the pool full."""
-        _, grads_forward, grads_backward = super().theory_in_flight(states)
-        return self._pool_bytes(), grads_forward, grads_backward
-
-    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
-        """The pool's buffers stay allocated through the optimizer step too."""
-        theory = super().peak_bytes_theory(activations)
-        return theory | {"step": theory["step"] + self._pool_bytes()}

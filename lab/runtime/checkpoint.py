@@ -97,6 +97,11 @@ class Blocks:
 CheckpointState = dict[str, "Held | Pieces | Blocks | torch.Tensor"]
 
 
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The common part ``(lo, hi)`` of the ranges ``a`` and ``b`` (``lo >= hi``: none)."""
+    return max(a[0], b[0]), min(a[1], b[1])
+
+
 def row_blocks(width: int, lo: int, view: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     """Elements [lo, lo + len(view)) of a row-major 2-D tensor ``width`` wide as at most three rectangles ``(row,
     column, 2-D view)``: the rest of the first row, the whole rows, the start of the last."""

@@ -109,3 +109,20 @@ def deepspeed_fp32_groups(optimizer: Any) -> Iterator[None]:
         yield
     finally:
         optimizer._clear_fp32_optimizer_param_groups()
+
+
+# the engine's optimizer fields and methods the lab reads, by ZeRO stage (stages 1 and 2 share one optimizer class)
+DEEPSPEED_OPTIMIZER_FIELDS = {
+    1: ("single_partition_of_fp32_groups", "bit16_groups_flat", "averaged_gradients", "scaled_global_norm",
+        "update_lp_params"),
+    3: ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "grad_position", "get_param_id",
+        "averaged_gradients", "_get_norm_groups", "_reassign_or_swap_out_partitioned_parameters"),
+}
+
+
+def check_deepspeed_optimizer(optimizer: Any, stage: int) -> None:
+    """Raise ``Incompatible`` (one line, naming the first) when the engine's ZeRO optimizer lacks a field the lab
+    reads (``DEEPSPEED_OPTIMIZER_FIELDS``): checked once the engine is built, before any step."""
+    for name in DEEPSPEED_OPTIMIZER_FIELDS[3 if stage == 3 else 1]:
+        if not hasattr(optimizer, name):
+            raise _missing("deepspeed", f"{type(optimizer).__name__}.{name}")

@@ -9,6 +9,7 @@ seed and step), so resuming needs no data state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -143,7 +144,8 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
     shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
     tp, sequence_parallel = cfg.parallel.tp, cfg.parallel.sequence_parallel
     params = accounting.tensor_parallel_params(shape, tp)
-    layout = parallel.strategy_class(cfg.parallel.strategy).state_layout
+    strategy_cls = parallel.strategy_class(cfg.parallel.strategy)
+    layout = strategy_cls.accounting.state_row(strategy_cls, cfg.parallel)
     replicas = parallel.data_replica(cfg.parallel, 0, world.world_size)[1]
     states = accounting.model_state_bytes(params, layout, replicas, "fp32").total
     activations = accounting.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes, tp=tp,
@@ -343,16 +345,11 @@ class Start:
 
 
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
-    """The run's strategy, built from the model factory (compiled first when asked, then the strategy
-    applies checkpointing and sharding), the weight-decay rule and AdamW."""
-    def make_model() -> GPT:
-        model = GPT(cfg.model, seed=cfg.train.seed)
-        if cfg.train.compile:
-            model.compile()
-        return model
-
+    """The run's strategy, built from the model factory (the strategy applies the split, checkpointing,
+    compilation and sharding), the weight-decay rule and AdamW."""
     strategy = parallel.create(cfg.parallel, world, precision, loop_settings(cfg, step_plan(cfg, world.world_size)))
-    strategy.build(make_model, lambda model: param_groups(model, cfg.train.weight_decay),
+    strategy.build(functools.partial(GPT, cfg.model, seed=cfg.train.seed),
+                   lambda model: param_groups(model, cfg.train.weight_decay),
                    adamw_factory(cfg.train, world.device))
     return strategy
 
@@ -581,9 +578,9 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "peak_flops": peak.flops * world.world_size, "peak_flops_per_device": peak.flops,
         "peak_flops_source": peak.source, "wall_time_s": wall_time_s, "data_dir": str(data_dir),
         **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),
-        **strategy.meters(),
+        **strategy.accounts.meters(),
         "peak_bytes": outcome.peak_bytes,
-        "peak_bytes_theory": strategy.peak_bytes_theory(accounting.activation_bytes(
+        "peak_bytes_theory": strategy.accounts.peak_bytes_theory(accounting.activation_bytes(
             cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
             checkpointing=cfg.parallel.activation_checkpointing == "full", tp=cfg.parallel.tp,
             sequence_parallel=cfg.parallel.sequence_parallel)),

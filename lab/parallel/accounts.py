@@ -1,0 +1,290 @@
+"""What a strategy costs, kept apart from how it runs: bytes measured on this rank, and the theory they are set
+against.
+
+Each strategy names its ``Accounts`` class (``Strategy.accounting``); the strategy makes one at construction
+(``strategy.accounts``) and tells it two things while it runs: the first optimizer step is over
+(``measure_once``: model states exist from then on) and a step's meters were taken (``record``). The rest is
+read from the strategy's own tensors when asked:
+
+- measured: ``state_bytes`` (the storages behind this rank's weights, gradients and optimizer states, from the
+  tensors themselves), the bytes the last step sent (counted by ``lab.parallel.comm`` from the tensors sent), the
+  most bytes a micro-step kept for its backward;
+- theory (``lab.measure.accounting``, fp32 widths: 4-byte weights and gradients, two 4-byte AdamW moments; the
+  run's bf16, if any, lives only inside autocast): model-state bytes by the ZeRO formulas, bytes sent per step by
+  the ring formulas, and the peak bytes of each phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from lab.measure import accounting
+from lab.runtime.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from lab.parallel.base import StepMeters, Strategy
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views into one buffer count once; a DTensor's local part)."""
+    sizes = {}
+    for t in tensors:
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+class Accounts:
+    """A replicated strategy's accounts: DDP's rows of ``lab.measure.accounting``."""
+
+    grads_at_rest: ClassVar[bool] = False  # whether gradient buffers live between steps (flat buckets)
+
+    @classmethod
+    def state_row(cls, strategy: type[Strategy], cfg: ParallelConfig) -> str:
+        """The ``lab.measure.accounting.model_state_bytes`` row the model states of ``strategy`` under ``cfg`` follow
+        (known before anything is built: the run's memory check reads it)."""
+        return "ddp"
+
+    def comm_row(self) -> str | None:
+        """The ``lab.measure.accounting.comm_bytes_per_step`` row of its traffic (None: nothing sent)."""
+        return "ddp"
+
+    def __init__(self, strategy: Strategy):
+        self.strategy = strategy
+        self.state_layout = self.state_row(type(strategy), strategy.cfg)
+        self.comm_layout = self.comm_row()
+        self.measured: accounting.StateBytes | None = None  # at the end of the first step
+        self.last_comm_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
+        self.most_saved = 0
+
+    def measure_once(self) -> None:
+        """Measure the model states at the end of the first step (states exist; gradients until they are cleared)."""
+        if self.measured is None:
+            self.measured = self.state_bytes()
+
+    def record(self, meters: StepMeters) -> None:
+        self.last_comm_bytes = dict(meters.comm_bytes)
+        self.most_saved = max(self.most_saved, meters.activation_saved_bytes)
+
+    # ------------------------------------------------------------ measured
+
+    def state_bytes(self) -> accounting.StateBytes:
+        """Bytes of the storages behind the weights, gradients and optimizer states this rank holds now
+        (``Strategy.holding``, and the copies it keeps on the host: ``host_copies``; buffers excluded)."""
+        pieces = self.strategy.holding()
+        host_grads, host_masters = self.host_copies()
+        moments = [v for p in pieces if p.moments for v in p.moments.values() if isinstance(v, torch.Tensor)]
+        return accounting.StateBytes(params=storage_bytes(p.weight for p in pieces),
+                                     grads=storage_bytes([p.grad for p in pieces if p.grad is not None] + host_grads),
+                                     optimizer=storage_bytes(moments + host_masters), offload=self.offloaded)
+
+    def host_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Gradients and fp32 master weights copied to the host for an offloaded update (none)."""
+        return [], []
+
+    # ------------------------------------------------------------ theory
+
+    def param_count(self) -> int:
+        """Ψ: the model's parameters (a tied weight once, frozen ones included); under tensor parallelism this rank's
+        shards."""
+        return sum(piece.numel for piece in self.strategy.holding())
+
+    def comm_elements(self) -> int:
+        """Ψ for the communication formula: the elements each gradient sync moves (every trainable one)."""
+        return sum(p.numel() for p in self.strategy.trainable)
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world.world_size
+
+    offloaded: ClassVar[bool] = False  # whether its theory places the optimizer states on the host
+
+    def theory_states(self) -> accounting.StateBytes:
+        """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``)."""
+        return accounting.model_state_bytes(self.param_count(), self.state_layout, self.world_size, "fp32",
+                                            self.offloaded)
+
+    def theory_comm(self) -> dict[str, float]:
+        """Bytes this rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
+        if self.comm_layout is None:
+            return dict.fromkeys(accounting.COLLECTIVES, 0.0)
+        return accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world_size)
+
+    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
+        """(gathered weights in flight, gradient bytes held in the forward, and in the backward) in theory."""
+        between = states.grads if self.grads_at_rest or self.strategy.loop.accum_steps > 1 else 0.0
+        return 0.0, between, states.grads
+
+    def theory_step_temporaries(self) -> float:
+        """Bytes the clipping and the optimizer step allocate for a while, in theory (none: foreach and fused)."""
+        return 0.0
+
+    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
+        """Per phase, the most bytes this rank holds in theory: its weights and optimizer states, the gradients
+        held in that phase (buckets in flight included), the gathered weights in flight, and ``activations``
+        (one micro-batch's, from ``lab.measure.accounting.activation_bytes``); the step holds the states and its
+        temporaries."""
+        states = self.theory_states()
+        gathered, grads_forward, grads_backward = self.theory_in_flight(states)
+        held = states.params + states.optimizer
+        return {"forward": held + grads_forward + gathered + activations,
+                "backward": held + grads_backward + gathered + activations,
+                "step": held + states.grads + self.theory_step_temporaries()}
+
+    def meters(self) -> dict[str, dict[str, float]]:
+        """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and theory),
+        the most activation bytes a micro-step saved for its backward, and the tensor-parallel group's bytes."""
+        s = self.strategy
+        return {
+            "model_state_bytes": (self.measured or self.state_bytes()).as_dict(),
+            "model_state_bytes_theory": self.theory_states().as_dict(),
+            "comm_bytes_per_step": dict(self.last_comm_bytes),
+            "comm_bytes_per_step_theory": self.theory_comm(),
+            "activation_saved_bytes": self.most_saved,
+            **s.tensor.meters(s.plan, s.loop.micro_batch, s.loop.accum_steps),
+        }
+
+
+class Local(Accounts):
+    """One process: nothing sent."""
+
+    def comm_row(self) -> str | None:
+        return None
+
+
+class Bucketed(Accounts):
+    """Flat gradient buckets that live between steps."""
+
+    grads_at_rest = True
+
+
+class Zero(Accounts):
+    """The hand-rolled ZeRO stages (``lab.parallel.zero``): the flat units' layout."""
+
+    @classmethod
+    def state_row(cls, strategy: type[Strategy], cfg: ParallelConfig) -> str:
+        return f"zero{strategy.stage}"
+
+    def comm_row(self) -> str | None:
+        return self.state_layout
+
+    @property
+    def grads_at_rest(self) -> bool:
+        return self.strategy.stage == 1
+
+    @property
+    def offloaded(self) -> bool:
+        return self.strategy.offloaded
+
+    def host_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Offloaded: the averaged gradient's pieces copied to the host (on an accelerator) and the fp32 masters."""
+        s = self.strategy
+        on_host = s.offloaded and s.world.device.type != "cpu"
+        grads = [piece.grad for *_, piece in s.optimizer_pieces
+                 if on_host and piece.grad is not None and piece.grad.device.type == "cpu"]
+        return grads, [u.master for u in s.units if u.master is not None]
+
+    def comm_elements(self) -> int:
+        """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""
+        return sum(u.padded for u in self.strategy.units)
+
+    @property
+    def width(self) -> int:
+        return self.strategy.units[0].shard.element_size()
+
+    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
+        """Two units in flight in the backward (one filling, one reduce-scattering; or what two reduce-scatters
+        receive) beside the gradients held: stage 1 the whole gradient; stages 2-3 this rank's shard, or under
+        accumulation every unit's whole gradient, kept until the last micro-step."""
+        units = self.strategy.units
+        two_units = self.width * sum(sorted(u.padded for u in units)[-2:])
+        if self.strategy.stage == 1:
+            _, at_rest, whole = super().theory_in_flight(states)
+            return 0.0, at_rest, whole + two_units
+        if self.strategy.loop.accum_steps > 1:
+            whole = self.width * sum(u.padded for u in units)
+            return 0.0, whole, whole + two_units
+        return 0.0, 0.0, states.grads + two_units
+
+    def theory_step_temporaries(self) -> float:
+        """The optimizer's temporaries: one of a unit's chunks (the clipping's norms are reductions: none)."""
+        return self.width * max(u.chunk for u in self.strategy.units)
+
+
+class Zero3(Zero):
+    """Stage 3 adds the gather pool and the weights gathered twice a micro-step."""
+
+    def theory_comm(self) -> dict[str, float]:
+        """The weights are gathered twice in every micro-step, not once a step, less what the backward finds still
+        gathered from the forward (the root unit and the last block unit)."""
+        s = self.strategy
+        theory = super().theory_comm()
+        kept = s.root_size() + (s.forward_order[-1].padded if s.forward_order else 0)
+        theory["all_gather"] = s.loop.accum_steps * self.width * accounting.ring_elements_sent(
+            "all_gather", 2 * self.comm_elements() - kept, self.world_size)
+        return theory
+
+    def pool_bytes(self) -> float:
+        """The gather pool once full: the root unit and the two largest neighbours in the forward order."""
+        return self.strategy.pool_budget * self.width
+
+    def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
+        """The root unit, the unit at work and the next one (prefetched) gathered at once: the pool full."""
+        _, grads_forward, grads_backward = super().theory_in_flight(states)
+        return self.pool_bytes(), grads_forward, grads_backward
+
+    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
+        """The pool's buffers stay allocated through the optimizer step too."""
+        theory = super().peak_bytes_theory(activations)
+        return theory | {"step": theory["step"] + self.pool_bytes()}
+
+
+class FSDP(Accounts):
+    """torch's FSDP2: parameters sharded by rows, the traffic of ZeRO-3 (or of ZeRO-2 when it keeps the gathered
+    weights from the forward to the backward)."""
+
+    @classmethod
+    def state_row(cls, strategy: type[Strategy], cfg: ParallelConfig) -> str:
+        return "zero3"
+
+    def comm_row(self) -> str | None:
+        return "zero3" if self.strategy.cfg.reshard_after_forward else "zero2"
+
+    def comm_elements(self) -> int:
+        """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of the world size."""
+        n = self.world_size
+        return sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in self.strategy.trainable)
+
+
+class DeepSpeed(Accounts):
+    """DeepSpeed's engine: its own tensors, its stage's rows."""
+
+    @classmethod
+    def state_row(cls, strategy: type[Strategy], cfg: ParallelConfig) -> str:
+        return f"zero{cfg.zero_stage}"
+
+    def comm_row(self) -> str | None:
+        return self.state_layout
+
+    @property
+    def offloaded(self) -> bool:
+        return self.strategy.cfg.offload != "none"
+
+    def state_bytes(self) -> accounting.StateBytes:
+        """Weights the model computes with, the gradients at the boundary (measured when the norm is taken), and the
+        masters plus Adam's moments (a master partition that is the weights themselves, as in stage 3 without
+        offload, counts once)."""
+        s = self.strategy
+        opt = s.optimizer
+        weights = list(opt.fp16_partitioned_groups_flat if s.stage == 3 else opt.bit16_groups_flat)
+        stored = {t.untyped_storage().data_ptr() for t in weights}
+        moments = [v for m in s.masters for v in opt.optimizer.state.get(m, {}).values() if torch.is_tensor(v)]
+        masters = [m for m in s.masters if m.untyped_storage().data_ptr() not in stored]
+        return accounting.StateBytes(params=storage_bytes(weights), grads=s.grad_bytes or 0,
+                                     optimizer=storage_bytes(moments + masters), offload=s.cfg.offload != "none")
+
+    def comm_elements(self) -> int:
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.strategy.trainable)
