@@ -1,6 +1,6 @@
 """The loss curve with the learning-rate schedule in it: Tissue et al. (2024), extended to model size.
 
-At step s of a run of N parameters whose learning rate at step i is eta_i, peaking at eta_max,
+At step s of a run of N parameters whose learning rate at step i is eta_i, its configured peak eta_max (train.lr),
 
     L(N, s) = E + (B / N^beta + A / S1(s))^alpha - C * S2(s)
 
@@ -62,6 +62,11 @@ class Curve:
     steps: np.ndarray  # 1-based steps of the points, after warm-up
     loss: np.ndarray
     schedule: str = ""
+    peak: float = 0.0  # the configured peak rate the areas count in; 0: the largest rate of ``lr``
+
+    @property
+    def reference(self) -> float:
+        return self.peak or float(np.max(self.lr))
 
 
 def schedule_lr(kind: str, peak: float, total_steps: int, warmup: float = 0.05, decay: float = 0.2,
@@ -86,8 +91,8 @@ class _Design:
 
     def __init__(self, curves: list[Curve]):
         self.log_n = np.concatenate([np.full(len(c.steps), math.log(c.params)) for c in curves])
-        self.inv_s1 = np.concatenate([1.0 / np.cumsum(c.lr / c.lr.max())[c.steps - 1] for c in curves])
-        self.parts = [(drops(c.lr / c.lr.max()), c.steps - 1) for c in curves]
+        self.inv_s1 = np.concatenate([1.0 / np.cumsum(c.lr / c.reference)[c.steps - 1] for c in curves])
+        self.parts = [(drops(c.lr / c.reference), c.steps - 1) for c in curves]
 
     def s2(self, lam: float, derivative: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         """S2 at every point and, when asked, dS2/dlambda (m' = lambda m'_prev + m_prev, summed)."""
@@ -192,12 +197,13 @@ class CurveFit:
         named = [to_named(t) for t in self.thetas]
         return {k: interval(np.array([p[k] for p in named]), self.level) for k in NAMES}
 
-    def predict(self, params: float, lr: np.ndarray, steps: np.ndarray | None = None
+    def predict(self, params: float, lr: np.ndarray, steps: np.ndarray | None = None, peak: float = 0.0
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(steps, loss, lo, hi) of a run of ``params`` with the rate ``lr`` at every step, at ``steps`` (1-based;
-        default every step); lo and hi NaN without resamples."""
+        default every step), the areas counted at ``peak`` (default the largest rate of ``lr``); lo and hi NaN without
+        resamples."""
         steps = np.arange(1, len(lr) + 1) if steps is None else np.asarray(steps, int)
-        probe = [Curve("predicted", float(params), np.asarray(lr, float), steps, np.zeros(len(steps)))]
+        probe = [Curve("predicted", float(params), np.asarray(lr, float), steps, np.zeros(len(steps)), peak=peak)]
         design = _Design(probe)
         loss = design.loss_jac(self.theta, jac=False)[0]
         lo = hi = np.full(len(steps), np.nan)
@@ -256,7 +262,7 @@ def fit_curves(curves: list[Curve], n_bootstrap: int = 200, seed: int = 0, level
 
 def relative_errors(fit: CurveFit, curve: Curve) -> np.ndarray:
     """(predicted - observed) / observed at each point of ``curve``."""
-    _, predicted, _, _ = fit.predict(curve.params, curve.lr, curve.steps)
+    _, predicted, _, _ = fit.predict(curve.params, curve.lr, curve.steps, curve.reference)
     return (predicted - curve.loss) / curve.loss
 
 
@@ -288,7 +294,7 @@ def read_run(run_dir: Path, loss: str = "eval") -> tuple[Curve, dict]:
     warmup = round(cfg.get("warmup", 0.05) * total)
     steps = np.array(sorted(s for s in points if warmup < s <= total), int)
     curve = Curve(run_dir.name, float(summary["params"]), lr, steps, np.array([points[s] for s in steps]),
-                  cfg.get("schedule", "cosine"))
+                  cfg.get("schedule", "cosine"), float(cfg["lr"]))
     facts = {"run_id": run_dir.name, "params": curve.params, "flops": float(summary.get("flops") or 0.0),
              "steps": total, "schedule": curve.schedule, "lr": float(cfg["lr"]), "points": len(steps)}
     return curve, facts
@@ -398,7 +404,8 @@ def figure(fit: CurveFit, fitted: list[Curve], held: list[Curve]):
     cmap = plt.get_cmap("viridis")
     for c in fitted + held:
         colour, style = cmap(norm(c.params)), "--" if c in held else "-"
-        steps, loss, lo, hi = fit.predict(c.params, c.lr, np.arange(max(1, int(c.steps[0])), len(c.lr) + 1))
+        steps, loss, lo, hi = fit.predict(c.params, c.lr, np.arange(max(1, int(c.steps[0])), len(c.lr) + 1),
+                                          c.reference)
         top.plot(steps, loss, color=colour, ls=style, lw=1.6 if c in held else 0.9)
         if np.isfinite(lo).any():
             top.fill_between(steps, lo, hi, color=colour, alpha=0.15, lw=0)

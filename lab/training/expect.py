@@ -24,7 +24,7 @@ from lab.runtime.files import read_json
 
 OFF_TRACK_EVALS = 3
 WIDEN = 2.0
-CURVE_LAW = "L(N, s) = E + (B/N^beta + A/S1(s))^alpha - C*S2(s), S1 and S2 in steps at the peak rate"
+CURVE_LAW = "L(N, s) = E + (B/N^beta + A/S1(s))^alpha - C*S2(s), S1 and S2 in steps at the configured peak rate"
 CURVE_THETA = ("log E", "log B", "beta", "log A", "alpha", "log C", "log(1 - lambda)")
 # approach 3's forms (analysis.forms) by their named parameters, as fit.json and bootstrap.csv hold them
 POINT_FORMS: dict[str, tuple[str, ...]] = {"chinchilla": ("E", "A", "B", "alpha", "beta"),
@@ -49,11 +49,12 @@ def areas(lr: np.ndarray, lam: float) -> tuple[np.ndarray, np.ndarray]:
     return np.cumsum(lr), np.cumsum(lfilter([1.0], [1.0, -lam], drops(lr)))
 
 
-def curve_loss(theta: np.ndarray, params: float, lr: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """``CURVE_LAW`` (theta in ``CURVE_THETA`` order) at 1-based ``steps`` of a run of ``params`` with rates ``lr``."""
+def curve_loss(theta: np.ndarray, params: float, lr: np.ndarray, steps: np.ndarray, peak: float = 0.0) -> np.ndarray:
+    """``CURVE_LAW`` (theta in ``CURVE_THETA`` order) at 1-based ``steps`` of a run of ``params`` with rates ``lr``, its
+    areas counted in steps at ``peak`` (the configured peak rate; 0: the largest rate of ``lr``)."""
     log_e, log_b, beta, log_a, alpha, log_c, log_gap = (float(v) for v in theta)
     lr = np.asarray(lr, float)
-    s1, s2 = areas(lr / lr.max(), 1.0 - math.exp(log_gap))
+    s1, s2 = areas(lr / (peak or lr.max()), 1.0 - math.exp(log_gap))
     idx = np.asarray(steps, int) - 1
     inner = math.exp(log_b - beta * math.log(params)) + math.exp(log_a) / s1[idx]
     return math.exp(log_e) + inner ** alpha - math.exp(log_c) * s2[idx]
@@ -157,7 +158,7 @@ def read_law(law_path: str | Path) -> tuple[str, dict]:
                    "fit)")
 
 
-def _curves_law(doc: dict, path: Path, params: float, lr: np.ndarray) -> tuple[Callable, float]:
+def _curves_law(doc: dict, path: Path, params: float, lr: np.ndarray, peak: float) -> tuple[Callable, float]:
     fit = doc["fit"]
     if fit["law"] != CURVE_LAW:
         raise LawError(f"{path}: a curves law of another form ('{fit['law']}', not '{CURVE_LAW}'): fit it again "
@@ -167,10 +168,10 @@ def _curves_law(doc: dict, path: Path, params: float, lr: np.ndarray) -> tuple[C
     level = float(fit.get("level", 0.95))
 
     def law(step: int) -> tuple[float, float, float]:
-        loss = float(curve_loss(theta, params, lr, [step])[0])
+        loss = float(curve_loss(theta, params, lr, [step], peak)[0])
         if thetas is None:
             return loss, math.nan, math.nan
-        return (loss, *band(np.array([curve_loss(t, params, lr, [step])[0] for t in thetas]), level))
+        return (loss, *band(np.array([curve_loss(t, params, lr, [step], peak)[0] for t in thetas]), level))
     return law, float(fit["rmse_log_loss"])
 
 
@@ -194,12 +195,13 @@ def _point_law(doc: dict, path: Path, params: float, batch_tokens: int) -> tuple
     return law, float((a3.get("goodness") or {}).get("rmse_log_loss") or 0.0)
 
 
-def watcher(law_path: str | Path, params: float, lr: np.ndarray, batch_tokens: int) -> Watcher:
-    """A Watcher of a run of ``params`` with the rate ``lr`` at every step under a curves.json or a fit.json."""
+def watcher(law_path: str | Path, params: float, lr: np.ndarray, batch_tokens: int, peak: float = 0.0) -> Watcher:
+    """A Watcher of a run of ``params`` with the rate ``lr`` at every step (configured peak ``peak``; 0: the largest
+    of ``lr``) under a curves.json or a fit.json."""
     kind, doc = read_law(law_path)
     lr = np.asarray(lr, float)
     try:
-        law, rmse = (_curves_law(doc, Path(law_path), float(params), lr) if kind == "curves"
+        law, rmse = (_curves_law(doc, Path(law_path), float(params), lr, float(peak)) if kind == "curves"
                      else _point_law(doc, Path(law_path), float(params), batch_tokens))
     except LawError:
         raise
