@@ -22,7 +22,7 @@ def watch_run(run_dir: Path, law_path: str | Path) -> tuple[Watcher, list[str]]:
     curve, facts = read_run(Path(run_dir), "eval")
     cfg = read_json(Path(run_dir) / "config.json")["train"]
     try:
-        w = watcher(law_path, curve.params, curve.lr, int(cfg["batch_tokens"]))
+        w = watcher(law_path, curve.params, curve.lr, int(cfg["batch_tokens"]), curve.reference)
     except LawError as exc:
         raise InputError(str(exc)) from None
     lines = [f"run {facts['run_id']} (N={curve.params:.4g}, {curve.schedule}, {facts['steps']} steps) against "

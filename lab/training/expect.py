@@ -1,8 +1,7 @@
 """Watch a run against a law: the expected loss at each eval, its interval, the deviation, and a warning once the
 run has been outside the interval for ``OFF_TRACK_EVALS`` evals in a row.
 
-The law is a curves fit (``python -m analysis curves``' curves.json: L(N, s) = E + B/N^beta + A*S1(s)^(-alpha) -
-C*S2(s) along the run's own schedule) or a fit.json (approach 3: L(N, D) with D the tokens seen so far, the loss a
+The law is a curves fit (``python -m analysis curves``' curves.json: ``CURVE_LAW`` along the run's own schedule) or a fit.json (approach 3: L(N, D) with D the tokens seen so far, the loss a
 run of that length would end at, so it reads high mid-way through a decaying schedule). The interval is the law's
 bootstrap interval at that point, widened by ``WIDEN`` times the law's RMSE of log loss on its own runs: a run
 scatters about the law that much even when it is on track. The laws are evaluated here from their files, so that
@@ -25,6 +24,7 @@ from lab.runtime.files import read_json
 
 OFF_TRACK_EVALS = 3
 WIDEN = 2.0
+CURVE_LAW = "L(N, s) = E + (B/N^beta + A/S1(s))^alpha - C*S2(s), S1 and S2 in steps at the configured peak rate"
 CURVE_THETA = ("log E", "log B", "beta", "log A", "alpha", "log C", "log(1 - lambda)")
 # approach 3's forms (analysis.forms) by their named parameters, as fit.json and bootstrap.csv hold them
 POINT_FORMS: dict[str, tuple[str, ...]] = {"chinchilla": ("E", "A", "B", "alpha", "beta"),
@@ -49,13 +49,15 @@ def areas(lr: np.ndarray, lam: float) -> tuple[np.ndarray, np.ndarray]:
     return np.cumsum(lr), np.cumsum(lfilter([1.0], [1.0, -lam], drops(lr)))
 
 
-def curve_loss(theta: np.ndarray, params: float, lr: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """The curves law (theta in ``CURVE_THETA`` order) at 1-based ``steps`` of a run of ``params`` with rates ``lr``."""
+def curve_loss(theta: np.ndarray, params: float, lr: np.ndarray, steps: np.ndarray, peak: float = 0.0) -> np.ndarray:
+    """``CURVE_LAW`` (theta in ``CURVE_THETA`` order) at 1-based ``steps`` of a run of ``params`` with rates ``lr``, its
+    areas counted in steps at ``peak`` (the configured peak rate; 0: the largest rate of ``lr``)."""
     log_e, log_b, beta, log_a, alpha, log_c, log_gap = (float(v) for v in theta)
-    s1, s2 = areas(np.asarray(lr, float), 1.0 - math.exp(log_gap))
+    lr = np.asarray(lr, float)
+    s1, s2 = areas(lr / (peak or lr.max()), 1.0 - math.exp(log_gap))
     idx = np.asarray(steps, int) - 1
-    return (math.exp(log_e) + math.exp(log_b - beta * math.log(params)) + math.exp(log_a) * s1[idx] ** -alpha
-            - math.exp(log_c) * s2[idx])
+    inner = math.exp(log_b - beta * math.log(params)) + math.exp(log_a) / s1[idx]
+    return math.exp(log_e) + inner ** alpha - math.exp(log_c) * s2[idx]
 
 
 def point_loss(form: str, p: dict, n: float, d: float) -> np.ndarray:
@@ -156,17 +158,20 @@ def read_law(law_path: str | Path) -> tuple[str, dict]:
                    "fit)")
 
 
-def _curves_law(doc: dict, params: float, lr: np.ndarray) -> tuple[Callable, float]:
+def _curves_law(doc: dict, path: Path, params: float, lr: np.ndarray, peak: float) -> tuple[Callable, float]:
     fit = doc["fit"]
+    if fit["law"] != CURVE_LAW:
+        raise LawError(f"{path}: a curves law of another form ('{fit['law']}', not '{CURVE_LAW}'): fit it again "
+                       "with python -m analysis curves")
     theta = np.asarray(fit["theta"], float).reshape(len(CURVE_THETA))
     thetas = None if fit.get("resamples") is None else np.asarray(fit["resamples"], float).reshape(-1, len(theta))
     level = float(fit.get("level", 0.95))
 
     def law(step: int) -> tuple[float, float, float]:
-        loss = float(curve_loss(theta, params, lr, [step])[0])
+        loss = float(curve_loss(theta, params, lr, [step], peak)[0])
         if thetas is None:
             return loss, math.nan, math.nan
-        return (loss, *band(np.array([curve_loss(t, params, lr, [step])[0] for t in thetas]), level))
+        return (loss, *band(np.array([curve_loss(t, params, lr, [step], peak)[0] for t in thetas]), level))
     return law, float(fit["rmse_log_loss"])
 
 
@@ -190,12 +195,13 @@ def _point_law(doc: dict, path: Path, params: float, batch_tokens: int) -> tuple
     return law, float((a3.get("goodness") or {}).get("rmse_log_loss") or 0.0)
 
 
-def watcher(law_path: str | Path, params: float, lr: np.ndarray, batch_tokens: int) -> Watcher:
-    """A Watcher of a run of ``params`` with the rate ``lr`` at every step under a curves.json or a fit.json."""
+def watcher(law_path: str | Path, params: float, lr: np.ndarray, batch_tokens: int, peak: float = 0.0) -> Watcher:
+    """A Watcher of a run of ``params`` with the rate ``lr`` at every step (configured peak ``peak``; 0: the largest
+    of ``lr``) under a curves.json or a fit.json."""
     kind, doc = read_law(law_path)
     lr = np.asarray(lr, float)
     try:
-        law, rmse = (_curves_law(doc, float(params), lr) if kind == "curves"
+        law, rmse = (_curves_law(doc, Path(law_path), float(params), lr, float(peak)) if kind == "curves"
                      else _point_law(doc, Path(law_path), float(params), batch_tokens))
     except LawError:
         raise

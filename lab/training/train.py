@@ -555,7 +555,7 @@ def expectation(cfg: RunConfig, total_steps: int, earlier: list[dict]) -> expect
     lr = [schedule.learning_rate(s, total_steps, cfg.train) for s in range(total_steps)]
     try:
         watcher = expect.watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr,
-                                 cfg.train.batch_tokens)
+                                 cfg.train.batch_tokens, cfg.train.lr)
     except expect.LawError as e:
         raise ConfigError(f"train.expect: {e}") from None
     for rec in earlier:

@@ -1,15 +1,17 @@
 """The loss-curve law with the learning-rate schedule (analysis.curves, ``python -m analysis curves``)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from analysis.__main__ import main
 from analysis.curves import Curve, fit_curves, from_named, law_loss, load_fit, relative_errors, schedule_lr
 from lab.training.expect import areas
 
-TRUTH = {"E": 1.3, "B": 40.0, "beta": 0.45, "A": 0.9, "alpha": 0.5, "C": 0.02, "lambda": 0.995}
+TRUTH = {"E": 0.5, "B": 2e5, "beta": 1.2, "A": 3e3, "alpha": 0.2, "C": 1e-3, "lambda": 0.995}
 SIZES = ((1e4, 2000), (3e4, 1500), (1e5, 1000))  # (N, steps)
 
 
@@ -48,6 +50,63 @@ def test_jacobian_matches_finite_differences():
         step[i] = 1e-6
         numeric = (design.loss_jac(theta + step, False)[0] - design.loss_jac(theta - step, False)[0]) / 2e-6
         assert np.allclose(jac[:, i], numeric, rtol=1e-5, atol=1e-9), i
+
+
+def _recorded_curves() -> tuple[list[Curve], np.ndarray]:
+    """The default sweep's eval-loss curves (tests/analysis/data/README.md) and their budgets."""
+    table = pd.read_csv(Path(__file__).parent / "data" / "tiny_isoflop_curves.csv")
+    curves, flops = [], []
+    for run_id, run in table.groupby("run_id", sort=True):
+        first = run.iloc[0]
+        lr = schedule_lr(first.schedule, float(first.lr), int(first.total_steps))
+        curves.append(Curve(run_id, float(first.params), lr, run.step.to_numpy(int), run.eval_loss.to_numpy(float),
+                            first.schedule))
+        flops.append(float(first.flops))
+    return curves, np.array(flops)
+
+
+def test_the_default_sweeps_curves_predict_its_largest_budget():
+    """Fitted on the sweep's 55 runs up to 1e12 FLOPs, the law predicts each of the 7 curves at 2e12 within 2.5 %
+    mean relative error (measured 1.1-2.2 %; the first extension, E + B/N^beta + A S1^-alpha - C S2 with absolute
+    areas, missed them by 1.9-9.9 %, benchmarks/curves-heldout.md)."""
+    curves, flops = _recorded_curves()
+    fit = fit_curves([c for c, f in zip(curves, flops) if f < 1.5e12], n_bootstrap=0)
+    assert fit.converged and fit.n_runs == 55 and fit.rmse_log_loss < 0.02
+    held = [c for c, f in zip(curves, flops) if f > 1.5e12]
+    errors = [float(np.mean(np.abs(relative_errors(fit, c)))) for c in held]
+    assert len(held) == 7 and max(errors) < 0.025, errors
+
+
+def test_every_size_starts_on_one_curve_with_its_own_tuned_rate():
+    """Sizes whose tuned peak rate falls as N^-0.9 (as the sweep's search finds) follow one curve early and part
+    for their own floors: fitted on three sizes, the law predicts a larger size's longer curve within 0.3 %."""
+    truth = from_named(TRUTH)
+    made = []
+    for n, steps in ((1e4, 3000), (3e4, 2000), (1e5, 1500), (1e4, 1000), (3e4, 800)):
+        lr = schedule_lr("cosine", 1e-2 * (n / 1e4) ** -0.9, steps)
+        points = np.arange(steps // 16, steps + 1, steps // 16)
+        probe = Curve(f"{n:g}-{steps}", n, lr, points, np.zeros(len(points)), "cosine")
+        made.append(Curve(probe.run_id, n, lr, points, law_loss(truth, [probe]), "cosine"))
+    fit = fit_curves(made, n_bootstrap=0)
+    lr = schedule_lr("cosine", 1e-2 * 30 ** -0.9, 4000)
+    target = Curve("3e5", 3e5, lr, np.arange(250, 4001, 250), np.zeros(16), "cosine")
+    target = Curve("3e5", 3e5, lr, target.steps, law_loss(truth, [target]), "cosine")
+    assert np.mean(np.abs(relative_errors(fit, target))) < 0.003
+
+
+def test_a_curves_law_of_another_form_is_refused(tmp_path):
+    """A curves.json of the first extension (same seven numbers, another law) is refused by analysis and by the
+    training loop's watcher, not read as this law."""
+    from lab.training.expect import LawError, watcher
+
+    fit = fit_curves([_curve(n, "cosine", steps) for n, steps in SIZES], n_bootstrap=0)
+    assert load_fit({"fit": fit.to_dict()}).params == pytest.approx(fit.params)
+    old = {"fit": {**fit.to_dict(), "law": "L(N, s) = E + B/N^beta + A*S1(s)^(-alpha) - C*S2(s)"}}
+    with pytest.raises(Exception, match="another form"):
+        load_fit(old)
+    (tmp_path / "curves.json").write_text(json.dumps(old))
+    with pytest.raises(LawError, match="another form"):
+        watcher(tmp_path / "curves.json", 1e4, schedule_lr("cosine", 1e-2, 100), 512)
 
 
 def test_fit_recovers_the_law_and_predicts_another_schedule():
