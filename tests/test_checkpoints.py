@@ -247,6 +247,7 @@ def test_a_frozen_rank_ends_the_run_within_the_timeout(args, tmp_path):
     for line in proc.stdout:
         if line.startswith("step     2/"):
             break
+    wait_for(lambda: _rank_pid(tmp_path / "r", 1), 30)  # one scan of /proc can miss it on a busy machine
     frozen = _rank_pid(tmp_path / "r", 1)
     os.kill(frozen, signal.SIGSTOP)
     start = time.monotonic()

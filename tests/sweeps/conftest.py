@@ -61,6 +61,10 @@ def _registry_rows(folder: Path) -> dict[str, dict]:
     conn.row_factory = sqlite3.Row
     try:
         return {r["name"]: dict(r) for r in conn.execute("SELECT * FROM runs")}
+    except sqlite3.OperationalError as e:  # a driver that has created the file but not yet its table
+        if "no such table" not in str(e):
+            raise
+        return {}
     finally:
         conn.close()
 

@@ -242,7 +242,7 @@ def test_sigterm_to_the_driver_stops_its_runs_and_the_next_run_resumes_them(tmp_
     folder = tmp_path / "sweep"
     name = "C1.2e10-small"
     driver = start_driver("run", file, "--folder", folder, "--no-progress")
-    wait_for(lambda: (folder / "sweep.db").exists() and registry_rows(folder)[name]["status"] == "running"
+    wait_for(lambda: (folder / "sweep.db").exists() and registry_rows(folder).get(name, {}).get("status") == "running"
              and (folder / "runs" / name / "checkpoints").is_dir(), timeout=120, what="a checkpointed run")
     driver.send_signal(signal.SIGTERM)
     assert driver.wait(timeout=120) == 130
@@ -312,7 +312,7 @@ def test_cancel_stops_a_running_run_and_retry_resumes_it(tmp_path, write_sweep, 
     folder = tmp_path / "sweep"
     driver = start_driver("run", file, "--folder", folder, "--no-progress")
     name = "C1.2e10-small"
-    wait_for(lambda: (folder / "sweep.db").exists() and registry_rows(folder)[name]["status"] == "running"
+    wait_for(lambda: (folder / "sweep.db").exists() and registry_rows(folder).get(name, {}).get("status") == "running"
              and (folder / "runs" / name / "checkpoints").is_dir(), timeout=120, what="a checkpointed run")
     pid = int(registry_rows(folder)[name]["job"].split(":")[1])
     proc = sweeps_cli("cancel", folder, name)
