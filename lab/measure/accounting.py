@@ -65,6 +65,24 @@ def uses_bias(cfg: ModelShape) -> bool:
     return cfg.bias if cfg.bias is not None else cfg.arch == "gpt2"
 
 
+def moe_experts(cfg: ModelShape) -> int:
+    """Routed experts per MLP (0: dense); a shape without the MoE fields is dense."""
+    return getattr(cfg, "moe_experts", 0) or 0
+
+
+def expert_width(cfg: ModelShape) -> int:
+    """Hidden width of one expert: the MLP's width over the granularity G."""
+    return ffn_width(cfg) // getattr(cfg, "moe_granularity", 1)
+
+
+def mlp_params(cfg: ModelShape, width: int) -> int:
+    """Parameters of one of the arch's MLPs of hidden width ``width`` (SwiGLU: gate, up and down)."""
+    b = uses_bias(cfg)
+    if cfg.arch == "modern":
+        return 3 * cfg.d_model * width + (2 * width + cfg.d_model if b else 0)
+    return 2 * cfg.d_model * width + (width + cfg.d_model if b else 0)
+
+
 # ---------------------------------------------------------------- parameters
 
 
@@ -75,31 +93,49 @@ class ParamCounts:
     embedding: int  # token table + learned positions
     head: int  # untied output head (0 when tied)
     position: int  # learned position table (0 with RoPE)
+    inactive: int = 0  # routed experts' weights a token does not use (experts − top_k per MoE layer)
 
     @property
     def matmul(self) -> int:
-        """Weights used in a matmul per token: the blocks plus the V×d output projection."""
+        """Weights used in a matmul per token: the blocks plus the V×d output projection (every expert)."""
         return self.non_embedding + self.embedding - self.position
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (``total`` when dense)."""
+        return self.total - self.inactive
+
+    @property
+    def active_matmul(self) -> int:
+        """Matmul weights one token uses: ``matmul`` less the experts it skips (the router included)."""
+        return self.matmul - self.inactive
 
 
 def param_counts(cfg: ModelShape) -> ParamCounts:
-    """Parameter counts of ``lab.model.gpt.GPT`` built from ``cfg`` (vocab_size resolved)."""
+    """Parameter counts of ``lab.model.gpt.GPT`` built from ``cfg`` (vocab_size resolved).
+
+    A mixture-of-experts MLP (``moe_experts`` E > 0) holds a d×E router (no bias), E routed experts of width
+    w = d_ff / G and, with S shared experts, one MLP of width S·w; a token uses the router, top_k experts and
+    the shared ones: the other E − top_k experts of every layer are ``inactive``."""
     d, L, V = cfg.d_model, cfg.n_layer, padded_vocab(cfg)
-    hd, kv, ff, b = head_dim(cfg), kv_heads(cfg), ffn_width(cfg), uses_bias(cfg)
+    hd, kv, b = head_dim(cfg), kv_heads(cfg), uses_bias(cfg)
     modern, norm = cfg.arch == "modern", _norm_params(cfg)
     qkv = d * (d + 2 * kv * hd) + (d + 2 * kv * hd if b else 0)
     proj = d * d + (d if b else 0)
-    if modern:
-        mlp = 3 * d * ff + (2 * ff + d if b else 0)
+    experts, inactive = moe_experts(cfg), 0
+    if experts:
+        width, shared = expert_width(cfg), cfg.moe_shared_experts
+        mlp = d * experts + experts * mlp_params(cfg, width) + (mlp_params(cfg, shared * width) if shared else 0)
+        inactive = L * (experts - cfg.moe_top_k) * mlp_params(cfg, width)
     else:
-        mlp = 2 * d * ff + (ff + d if b else 0)
+        mlp = mlp_params(cfg, ffn_width(cfg))
     block = 2 * norm + qkv + proj + mlp
     position = 0 if modern else cfg.block_size * d
     embedding = V * d + position
     head = 0 if cfg.tie_embeddings else V * d
     non_embedding = L * block + norm
     return ParamCounts(total=embedding + non_embedding + head, non_embedding=non_embedding,
-                       embedding=embedding, head=head, position=position)
+                       embedding=embedding, head=head, position=position, inactive=inactive)
 
 
 def _norm_params(cfg: ModelShape) -> int:
@@ -151,8 +187,11 @@ def flops_per_token(cfg: ModelShape) -> float:
 
     N_matmul counts the weights used in matmuls (blocks and output head, not embedding lookups);
     the second term is the attention score and value products, counted over the full context.
+    In a mixture of experts N_matmul is the active path: the router, the top_k routed experts and the
+    shared ones (``ParamCounts.active_matmul``); MFU on these FLOPs is MFU on active FLOPs. The
+    softmax, top-k and the gate multiply are left out (O(E + d) per token).
     """
-    n = param_counts(cfg).matmul
+    n = param_counts(cfg).active_matmul
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.n_head * head_dim(cfg) * cfg.block_size
 
 

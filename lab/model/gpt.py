@@ -17,6 +17,11 @@ standard std / √m and train at the learning rate / m (``lr_multiplier``, appli
 optimizer's parameter groups); embeddings, norms, biases and the head keep theirs; the logits are
 multiplied by 1/m and attention scores use 1/d_head instead of 1/√d_head. At m = 1 only the
 attention scale differs from ``standard``.
+
+``moe_experts`` E > 0 replaces every MLP by a mixture of experts (``MoE``): a softmax router sends each
+token to its top_k of E experts (each the arch's MLP, of width d_ff / G), plus S always-on shared experts.
+The training loss adds the Switch load-balancing loss and the router z-loss (``GPT.forward``); evaluation
+(``eval()``) returns the plain cross-entropy. E = 0 builds and computes exactly the dense model.
 """
 
 from __future__ import annotations
@@ -73,12 +78,40 @@ def validate(cfg: ModelConfig) -> None:
                               "(set model.parametrization mup)")
         if cfg.mup_base_width <= 0:
             raise ConfigError(f"model.mup_base_width must be positive, got {cfg.mup_base_width}")
+    validate_moe(cfg)
+
+
+def validate_moe(cfg: ModelConfig) -> None:
+    """Raise ConfigError for a mixture-of-experts shape that cannot be built."""
+    experts = cfg.moe_experts
+    if experts < 0:
+        raise ConfigError(f"model.moe_experts must be >= 0 (0: dense), got {experts}")
+    if experts == 0:
+        if cfg.moe_shared_experts:
+            raise ConfigError("model.moe_shared_experts needs routed experts (set model.moe_experts)")
+        return
+    if not 1 <= cfg.moe_top_k <= experts:
+        raise ConfigError(f"model.moe_top_k must be in [1, model.moe_experts = {experts}], got {cfg.moe_top_k}")
+    ff = accounting.ffn_width(cfg)
+    if cfg.moe_granularity <= 0 or ff % cfg.moe_granularity:
+        raise ConfigError(f"model.moe_granularity ({cfg.moe_granularity}) must be a positive divisor of the MLP "
+                          f"width ({ff})")
+    if cfg.moe_shared_experts < 0:
+        raise ConfigError(f"model.moe_shared_experts must be >= 0, got {cfg.moe_shared_experts}")
+    for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
+        raise ConfigError(f"model.moe_capacity_factor must be positive (none: dropless), got "
+                          f"{cfg.moe_capacity_factor}")
 
 
 def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
     """Raise ConfigError (one line) when ``parallel.tp`` cannot split the model's layers evenly (its plan)."""
     if cfg.tp == 1:
         return
+    if model.moe_experts:
+        raise ConfigError("parallel.tp > 1 cannot split a mixture of experts yet (model.moe_experts); use tp 1")
     problem = accounting.tensor_parallel_split_problem(model, cfg.tp, cfg.sequence_parallel)
     if problem is not None:
         raise ConfigError(problem)
@@ -147,9 +180,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP (gpt2) or SwiGLU (modern): down(silu(gate(x)) · up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        ff, bias = accounting.ffn_width(cfg), accounting.uses_bias(cfg)
+        ff, bias = width or accounting.ffn_width(cfg), accounting.uses_bias(cfg)
         self.gated = cfg.arch == "modern"
         self.up = nn.Linear(cfg.d_model, 2 * ff if self.gated else ff, bias=bias)
         self.down = nn.Linear(ff, cfg.d_model, bias=bias)
@@ -165,11 +198,102 @@ class MLP(nn.Module):
         return self.down(h)
 
 
+class MoE(nn.Module):
+    """Token-choice top-k mixture of experts (Shazeer et al. 2017; Switch, Fedus et al. 2021).
+
+    A bias-free linear router gives each token a softmax over the E experts; the token goes to its top_k,
+    and the experts' outputs are summed weighted by those probabilities (not renormalised, as Switch and
+    DeepSeekMoE). Each expert is the arch's MLP of width d_ff / G; S shared experts (DeepSeekMoE) are one
+    always-on MLP of width S · d_ff / G. Dropless by default; with a capacity factor c, each expert takes at
+    most ceil(c · N · top_k / E) of the N tokens' assignments, every first choice before any second one and
+    tokens in order within a choice; a dropped assignment adds nothing (the token keeps its residual).
+
+    Every expert runs every step, on no rows when none reach it, so an unused expert gets a zero gradient.
+    The forward leaves ``aux_loss`` (load balance · coef + z-loss · coef, on this micro-batch) for the model
+    to add, and counts per expert, dropped assignments and router entropy (``take_counts``) in training.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k, self.capacity_factor = cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
+        width = accounting.expert_width(cfg)
+        self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, width) for _ in range(self.n_experts))
+        self.shared = MLP(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else None
+        self.aux_loss: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None  # [E + 3]: assignments per expert, dropped, entropy sum, tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat).float()
+        probs = logits.softmax(dim=-1)
+        gate, choice = probs.topk(self.top_k, dim=-1)  # [N, k]
+        kept = self.kept(choice)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where((choice == e) & kept)
+            out.index_add_(0, token, (expert(flat[token]) * gate[token, slot, None]).to(out.dtype))
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        self.aux_loss = (self.aux_loss_coef * balance_loss(probs, choice)
+                         + self.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean())
+        if self.training and torch._C._current_graph_task_id() == -1:  # not an activation checkpoint's recompute
+            self.count(probs, choice, kept)
+        return out.view_as(x)
+
+    def kept(self, choice: torch.Tensor) -> torch.Tensor:
+        """Which of the [N, k] assignments an expert takes: all (dropless), or the first ``capacity`` of each."""
+        if self.capacity_factor is None:
+            return torch.ones_like(choice, dtype=torch.bool)
+        n, k = choice.shape
+        capacity = math.ceil(self.capacity_factor * n * k / self.n_experts)
+        order = choice.t().reshape(-1)  # every token's first choice, then every second choice, ...
+        position = F.one_hot(order, self.n_experts).cumsum(0).gather(1, order[:, None]).squeeze(1) - 1
+        return (position < capacity).view(k, n).t()
+
+    @torch.no_grad()
+    def count(self, probs: torch.Tensor, choice: torch.Tensor, kept: torch.Tensor) -> None:
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
+        step = torch.cat([torch.bincount(choice.flatten(), minlength=self.n_experts).float(),
+                          torch.stack([(~kept).sum().float(), entropy, torch.tensor(float(len(probs)),
+                                                                                  device=probs.device)])])
+        self.counts = step if self.counts is None else self.counts + step
+
+    def take_counts(self) -> torch.Tensor:
+        """The counts since the last call ([E + 3], zeros when none), reset."""
+        counts = self.counts if self.counts is not None else torch.zeros(self.n_experts + 3,
+                                                                         device=self.router.weight.device)
+        self.counts = None
+        return counts
+
+
+def balance_loss(probs: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """Switch's load-balancing loss E · Σ_i f_i · P_i: f_i the fraction of the N · k assignments that chose
+    expert i (not differentiable), P_i its mean router probability; 1 when balanced, E when one expert takes all."""
+    n_experts = probs.shape[-1]
+    fraction = torch.bincount(choice.flatten(), minlength=n_experts).float() / choice.numel()
+    return n_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+def router_meters(counts: torch.Tensor, top_k: int) -> dict[str, float]:
+    """Step figures from the summed ``MoE.take_counts`` of every MoE layer ([layers, E + 3]): the most loaded
+    expert over the mean (the worst layer), dropped assignments (count and fraction) and router entropy (nats,
+    mean over tokens and layers)."""
+    load, dropped, entropy, tokens = counts[:, :-3], counts[:, -3], counts[:, -2], counts[:, -1]
+    if tokens.sum() == 0:
+        return {}
+    return {"moe_load_max_over_mean": (load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-30)).max().item(),
+            "moe_dropped_tokens": int(dropped.sum().item()),
+            "moe_dropped_fraction": (dropped.sum() / (tokens.sum() * top_k)).item(),
+            "moe_router_entropy": (entropy.sum() / tokens.sum()).item()}
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1, self.attn = make_norm(cfg), Attention(cfg)
-        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.norm2, self.mlp = make_norm(cfg), MoE(cfg) if cfg.moe_experts else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -256,7 +380,20 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "modern" else None
         for block in self.blocks:
             x = block(x, rope)
-        return self.output(x, targets)
+        loss = self.output(x, targets)
+        if targets is not None and self.training:
+            for moe in self.moe_layers():
+                loss = loss + moe.aux_loss
+        return loss
+
+    def moe_layers(self) -> list[MoE]:
+        """The blocks' mixture-of-experts MLPs (none in a dense model)."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+
+    def take_router_counts(self) -> torch.Tensor | None:
+        """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``), or None (dense)."""
+        layers = self.moe_layers()
+        return torch.stack([moe.take_counts() for moe in layers]) if layers else None
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         """Final norm and head: logits, or the mean cross-entropy against ``targets``."""
@@ -280,8 +417,10 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             column[f"blocks.{i}.attn.qkv"] = ColumnSplit((heads * head_dim, kv * head_dim, kv * head_dim),
                                                          (heads, kv, kv))
-            column[f"blocks.{i}.mlp.up"] = ColumnSplit((ff, ff) if block.mlp.gated else (ff,))
-            row += [f"blocks.{i}.attn.proj", f"blocks.{i}.mlp.down"]
+            row.append(f"blocks.{i}.attn.proj")
+            if isinstance(block.mlp, MLP):  # a mixture of experts is not split (validate_split refuses tp > 1)
+                column[f"blocks.{i}.mlp.up"] = ColumnSplit((ff, ff) if block.mlp.gated else (ff,))
+                row.append(f"blocks.{i}.mlp.down")
             norms += [f"blocks.{i}.norm1", f"blocks.{i}.norm2"]
         tensor = TensorPlan(column=column, row=row, embedding="wte",
                             head_weight="wte.weight" if self.lm_head is None else "lm_head.weight",
@@ -302,8 +441,10 @@ class GPT(nn.Module):
         position = self.wpe.weight.numel() if self.wpe is not None else 0
         embedding = self.wte.weight.numel() + position
         head = 0 if self.lm_head is None else self.lm_head.weight.numel()
+        inactive = sum(sum(p.numel() for expert in moe.experts[moe.top_k:] for p in expert.parameters())
+                       for moe in self.moe_layers())  # the experts a token skips: any E − top_k of them
         return accounting.ParamCounts(total=total, non_embedding=total - embedding - head, embedding=embedding,
-                                      head=head, position=position)
+                                      head=head, position=position, inactive=inactive)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

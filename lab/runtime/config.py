@@ -67,6 +67,16 @@ class ModelConfig:
     parametrization: str = _f("standard", "standard, or mup: μP (Yang et al. 2022): hidden init std and Adam LR scaled "
                                           "by mup_base_width/d_model, logits multiplied by it, attention 1/d_head")
     mup_base_width: int | None = _f(None, "mup: the d_model the hyperparameters were tuned at (default: d_model)")
+    moe_experts: int = _f(0, "routed experts per MLP (0: a dense MLP): a mixture of experts, each the arch's MLP")
+    moe_top_k: int = _f(1, "experts each token is routed to (token-choice top-k of a softmax router)")
+    moe_granularity: int = _f(1, "expert width d_ff / G (fine-grained experts, Krajewski et al. 2024); the "
+                                 "active MLP width is top_k · d_ff / G")
+    moe_shared_experts: int = _f(0, "always-on experts of width d_ff / G beside the routed ones (DeepSeekMoE)")
+    moe_aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss E · Σ f_i · P_i (Fedus et al. 2021)")
+    moe_z_loss_coef: float = _f(0.001, "weight of the router z-loss mean(logsumexp(logits)²) (Zoph et al. 2022)")
+    moe_capacity_factor: float | None = _f(None, "none: dropless; else each expert takes at most "
+                                                 "ceil(factor · tokens · top_k / experts) tokens, the rest dropped "
+                                                 "(counted; they pass through on the residual)")
 
 
 @dataclass

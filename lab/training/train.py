@@ -35,7 +35,7 @@ from lab.runtime.files import dumps, read_lines, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak,
                                 resolve_precision, setup_device, synchronize)
-from lab.model import GPT
+from lab.model import GPT, router_meters
 from lab.model import validate as validate_model
 from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, Strategy, World
@@ -261,7 +261,17 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
     return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad {grad} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
             f"comm {1e3 * rec['comm_time_s']:.0f} ms | mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | "
-            f"eta {_duration(eta_s)}")
+            f"eta {_duration(eta_s)}" + (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, dropped "
+                                         f"{rec['moe_dropped_tokens']:,}, router entropy {rec['moe_router_entropy']:.3f}"
+                                         if "moe_load_max_over_mean" in rec else ""))
+
+
+def moe_record(strategy: Strategy, world: World, top_k: int) -> dict[str, float]:
+    """The router's figures since the last record, summed over every rank (``lab.model.gpt.router_meters``);
+    empty for a dense model. Every rank calls it at the same steps (an all-reduce)."""
+    take = getattr(strategy.module, "take_router_counts", None)
+    counts = take() if take is not None else None
+    return {} if counts is None else router_meters(world.sum(counts).cpu(), top_k)
 
 
 # ---------------------------------------------------------------- one step
@@ -414,9 +424,12 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
 
 def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, peak: Peak, start: Start,
                estimate: Estimate | None, strategy: str) -> str:
-    counts, t = accounting.param_counts(cfg.model), cfg.train
-    line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding), "
-            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token | strategy {strategy} × "
+    counts, t, m = accounting.param_counts(cfg.model), cfg.train, cfg.model
+    moe = (f", mixture of {m.moe_experts} experts (top {m.moe_top_k}, granularity {m.moe_granularity}"
+           f"{f', {m.moe_shared_experts} shared' if m.moe_shared_experts else ''}): {counts.active:,} active"
+           if m.moe_experts else "")
+    line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding{moe}), "
+            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token{' (active path)' if moe else ''} | strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
             f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
             f"{f', {torch.get_num_threads()} threads' if world.device.type == 'cpu' else ''} | "
@@ -500,7 +513,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "compute_time_s": max(0.0, step_time - meters.comm_wait_s), "tokens_per_s": tokens_per_s,
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
                    "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks,
-                   "machine_loopback_tx_bytes": sent}
+                   "machine_loopback_tx_bytes": sent} | moe_record(strategy, world, cfg.model.moe_top_k)
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
@@ -569,6 +582,7 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     tokens = outcome.end_step * cfg.train.batch_tokens
     return {
         "status": outcome.status, "params": counts.total, "params_non_embedding": counts.non_embedding,
+        "params_active": counts.active,
         "flops_per_token": fpt, "tokens": tokens, "flops": fpt * tokens, "steps": outcome.end_step,
         "total_steps": plan.total_steps, "skipped_steps": outcome.skipped_steps,
         "final_train_loss": sum(outcome.recent_losses) / len(outcome.recent_losses) if outcome.recent_losses else None,
