@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from lab.commands.cli import run_main
+from lab.commands.plan import main as plan_main
 from lab.commands.equivalence import TINY, Setup, equivalence
 from lab.measure import accounting
 from lab.model import GPT, MoE, balance_loss, router_meters
-from lab.runtime.config import ModelConfig
+from lab.runtime.config import ModelConfig, resolve
 from pool import run_pooled
 
 SMALL = dict(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64)
@@ -197,3 +198,20 @@ def test_two_rank_data_parallel_strategies_train_a_moe_as_single_does():
     for name in ("zero2", "fsdp"):
         assert results[name].same_losses and results[name].same_params, name
         assert results[name].max_rel_grad_norm_diff < 1e-6, name
+
+
+def test_plan_model_names_total_and_active_parameters_and_active_flops(capsys):
+    assert plan_main(["model", "--preset", "tiny-modern", "--vocab", "512", "--moe-experts", "8", "--moe-top-k", "2",
+                      "--moe-granularity", "2", "--moe-shared-experts", "1", "--tokens", "1e9"]) == 0
+    out = capsys.readouterr().out
+    cfg = dataclasses.replace(resolve({"model": {"preset": "tiny-modern", "vocab_size": 512}}).model, moe_experts=8,
+                              moe_top_k=2, moe_granularity=2, moe_shared_experts=1)
+    counts = accounting.param_counts(cfg)
+    assert counts.active < counts.total
+    for text in (f"params (total)  {counts.total:,}", f"params (active per token)  {counts.active:,}",
+                 f"router included)  {accounting.flops_per_token(cfg):.4g}",
+                 f"training FLOPs (active)  {accounting.flops_per_token(cfg) * 1e9:.4g}"):
+        assert text.replace("  ", " ") in " ".join(out.split()), text
+    assert plan_main(["model", "--preset", "tiny", "--vocab", "512", "--moe-experts", "4", "--moe-top-k", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: model.moe_top_k must be in [1, model.moe_experts = 4], got 5\n"

@@ -3,6 +3,7 @@
     python launch/plan.py time --params 70e9 --tokens 15e12 --gpu H100 --n-gpus 1024 --mfu 0.5
     python launch/plan.py memory --gpu H100 --n-gpus 8 [--micro-batch 8 --seq-len 2048 --d-model 8192 --n-head 64]
     python launch/plan.py peaks
+    python launch/plan.py model --preset small-modern --vocab 4096 --moe-experts 8 --moe-top-k 2 [--tokens 1e9]
 
 All arithmetic is ``lab.measure.accounting``; this module parses, checks and prints. Units: GB = 1e9 bytes,
 B = 1e9 parameters, T = 1e12 tokens. Bad input prints one ``error: ...`` line and exits with 2.
@@ -114,7 +115,7 @@ def _time(args: argparse.Namespace) -> str:
         ["hardware", f"{args.n_gpus} × {args.gpu} at {peak / 1e12:g} TFLOP/s dense bf16 peak"],
         ["throughput", f"{args.mfu:.1%} MFU → {achieved:.3e} FLOP/s"],
         ["GPU-hours", f"{args.n_gpus * seconds / 3600:,.0f}"],
-        ["wall clock", f"{seconds:,.0f} s = {seconds / 3600:,.1f} hours = {seconds / 86_400:,.1f} days"],
+        ["wall clock", _wall_clock(seconds)],
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
@@ -245,6 +246,36 @@ def _mesh(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _model(args: argparse.Namespace) -> str:
+    """A preset's parameters, total and active, and FLOPs per token on the active path; with --tokens, the
+    training FLOPs and time at the MFU given (MFU on active FLOPs)."""
+    cfg = replace(_mesh_shape(args), moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                  moe_granularity=args.moe_granularity, moe_shared_experts=args.moe_shared_experts)
+    problem = accounting.moe_shape_problem(cfg)
+    if problem is not None:
+        raise PlanError(problem)
+    counts, fpt = accounting.param_counts(cfg), accounting.flops_per_token(cfg)
+    every = fpt + 6.0 * counts.inactive
+    rows = [["params (total)", f"{counts.total:,}"], ["params (active per token)", f"{counts.active:,}"],
+            ["non-embedding (total)", f"{counts.non_embedding:,}"],
+            ["FLOPs per token (active path, router included)", f"{fpt:.4g}"]]
+    if cfg.moe_experts:
+        rows += [["FLOPs per token if every expert ran", f"{every:.4g}"],
+                 ["experts", f"{cfg.moe_experts} routed (top {cfg.moe_top_k}) of width "
+                             f"{accounting.expert_width(cfg)}, {cfg.moe_shared_experts} shared"]]
+    if args.tokens:
+        flops = fpt * args.tokens
+        seconds = accounting.training_seconds(flops, args.gpu, args.n_gpus, args.mfu)
+        rows += [["training FLOPs (active)", f"{flops:.4g}"],
+                 [f"wall clock on {args.n_gpus} × {args.gpu} at {args.mfu:.0%} MFU (active FLOPs)",
+                  _wall_clock(seconds)]]
+    return f"{args.preset}, {cfg.block_size} tokens of context\n" + _table(["", "value"], rows, left=2)
+
+
+def _wall_clock(seconds: float) -> str:
+    return f"{seconds:,.0f} s = {seconds / 3600:,.1f} hours = {seconds / 86_400:,.1f} days"
+
+
 def _peaks(args: argparse.Namespace) -> str:
     dtypes = list(next(iter(accounting.GPU_PEAK_FLOPS.values())))
     rows = [[gpu, *(f"{table[d] / 1e12:g}" for d in dtypes), f"{accounting.GPU_MEMORY_BYTES[gpu] / 1e9:g}"]
@@ -265,7 +296,7 @@ USABLE_HELP = (f"fraction of each GPU's memory to plan with (default: {USABLE:g}
 
 def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="Training time and memory on paper (see lab.measure.accounting).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,mesh,peaks}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,mesh,model,peaks}")
 
     t = sub.add_parser("time", help="training FLOPs, GPU-hours and wall-clock days")
     t.add_argument("--params", type=_positive, required=True, help="parameters N (e.g. 70e9)")
@@ -307,6 +338,20 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     g.add_argument("--inter-gbps", type=_positive, default=50.0,
                    help="GB/s one GPU sends to other nodes (default: 50, 400 Gb/s InfiniBand)")
     g.set_defaults(run=_mesh)
+
+    o = sub.add_parser("model", help="a model's total and active parameters and FLOPs per token (mixtures of experts)")
+    o.add_argument("--preset", required=True, help="a model preset (lab.runtime.config.PRESETS), e.g. small-modern")
+    o.add_argument("--vocab", type=_count, help="vocabulary size (default: the preset's)")
+    o.add_argument("--seq-len", type=_count, help="tokens per sequence (default: the preset's block size)")
+    o.add_argument("--moe-experts", type=int, default=0, help="routed experts per MLP (default: 0, dense)")
+    o.add_argument("--moe-top-k", type=int, default=1, help="experts per token (default: 1)")
+    o.add_argument("--moe-granularity", type=int, default=1, help="expert width d_ff / G (default: 1)")
+    o.add_argument("--moe-shared-experts", type=int, default=0, help="always-on experts (default: 0)")
+    o.add_argument("--tokens", type=_positive, help="training tokens D: also the FLOPs and the time")
+    o.add_argument("--gpu", type=_gpu, default="H100", help="A100, H100 or H200 (default: H100)")
+    o.add_argument("--n-gpus", type=_count, default=1, help="number of GPUs (default: 1)")
+    o.add_argument("--mfu", type=_fraction, default=0.5, help="MFU on active FLOPs in (0, 1] (default: 0.5)")
+    o.set_defaults(run=_model)
 
     k = sub.add_parser("peaks", help="dense peak FLOP/s per GPU")
     k.set_defaults(run=_peaks)

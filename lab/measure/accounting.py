@@ -75,6 +75,29 @@ def expert_width(cfg: ModelShape) -> int:
     return ffn_width(cfg) // getattr(cfg, "moe_granularity", 1)
 
 
+def moe_shape_problem(cfg: ModelShape) -> str | None:
+    """Why ``cfg``'s mixture-of-experts fields cannot build a model (one line), or None when they can."""
+    experts = moe_experts(cfg)
+    if experts < 0:
+        return f"model.moe_experts must be >= 0 (0: dense), got {experts}"
+    if experts == 0:
+        return "model.moe_shared_experts needs routed experts (set model.moe_experts)" \
+            if getattr(cfg, "moe_shared_experts", 0) else None
+    if not 1 <= cfg.moe_top_k <= experts:
+        return f"model.moe_top_k must be in [1, model.moe_experts = {experts}], got {cfg.moe_top_k}"
+    ff = ffn_width(cfg)
+    if cfg.moe_granularity <= 0 or ff % cfg.moe_granularity:
+        return f"model.moe_granularity ({cfg.moe_granularity}) must be a positive divisor of the MLP width ({ff})"
+    if cfg.moe_shared_experts < 0:
+        return f"model.moe_shared_experts must be >= 0, got {cfg.moe_shared_experts}"
+    for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+        if getattr(cfg, name) < 0:
+            return f"model.{name} must be >= 0, got {getattr(cfg, name)}"
+    if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
+        return f"model.moe_capacity_factor must be positive (none: dropless), got {cfg.moe_capacity_factor}"
+    return None
+
+
 def mlp_params(cfg: ModelShape, width: int) -> int:
     """Parameters of one of the arch's MLPs of hidden width ``width`` (SwiGLU: gate, up and down)."""
     b = uses_bias(cfg)

@@ -82,28 +82,10 @@ def validate(cfg: ModelConfig) -> None:
 
 
 def validate_moe(cfg: ModelConfig) -> None:
-    """Raise ConfigError for a mixture-of-experts shape that cannot be built."""
-    experts = cfg.moe_experts
-    if experts < 0:
-        raise ConfigError(f"model.moe_experts must be >= 0 (0: dense), got {experts}")
-    if experts == 0:
-        if cfg.moe_shared_experts:
-            raise ConfigError("model.moe_shared_experts needs routed experts (set model.moe_experts)")
-        return
-    if not 1 <= cfg.moe_top_k <= experts:
-        raise ConfigError(f"model.moe_top_k must be in [1, model.moe_experts = {experts}], got {cfg.moe_top_k}")
-    ff = accounting.ffn_width(cfg)
-    if cfg.moe_granularity <= 0 or ff % cfg.moe_granularity:
-        raise ConfigError(f"model.moe_granularity ({cfg.moe_granularity}) must be a positive divisor of the MLP "
-                          f"width ({ff})")
-    if cfg.moe_shared_experts < 0:
-        raise ConfigError(f"model.moe_shared_experts must be >= 0, got {cfg.moe_shared_experts}")
-    for name in ("moe_aux_loss_coef", "moe_z_loss_coef"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
-    if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
-        raise ConfigError(f"model.moe_capacity_factor must be positive (none: dropless), got "
-                          f"{cfg.moe_capacity_factor}")
+    """Raise ConfigError for a mixture-of-experts shape that cannot be built (``accounting.moe_shape_problem``)."""
+    problem = accounting.moe_shape_problem(cfg)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
