@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.commands.cli import run_main
+from lab.commands import hf
+from lab.commands.cli import run_main, sample_main
 from lab.commands.plan import main as plan_main
 from lab.commands.equivalence import TINY, Setup, equivalence
 from lab.measure import accounting
 from lab.model import GPT, MoE, balance_loss, router_meters
-from lab.runtime.config import ModelConfig, resolve
+from lab.runtime.config import ConfigError, ModelConfig, resolve
 from pool import run_pooled
 
 SMALL = dict(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64)
@@ -186,6 +187,14 @@ def test_a_tiny_moe_run_trains_and_reports_its_router(tmp_path, args, capsys):
                and 0 < rec["moe_router_entropy"] <= math.log(4) for rec in steps)
     summary = json.loads((r / "summary.json").read_text())
     assert summary["params_active"] < summary["params"] and summary["final_eval_loss"] is not None
+    capsys.readouterr()
+    assert sample_main(["--run-dir", str(r), "--prompt", "Fellow citizens", "--tokens", "8", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("Fellow citizens")
+
+
+def test_hugging_face_export_refuses_a_mixture_of_experts_in_one_line():
+    with pytest.raises(ConfigError, match=r"^model.moe_experts \(4\): the Hugging Face export"):
+        hf.check_exportable(moe_config())
 
 
 @pytest.mark.slow

@@ -77,6 +77,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.parametrization != "standard":
         raise ConfigError("model.parametrization mup has no Hugging Face equivalent (its logit and attention "
                           "scales); only standard models export")
+    if cfg.moe_experts:
+        raise ConfigError(f"model.moe_experts ({cfg.moe_experts}): the Hugging Face export writes GPT-2 and Llama, "
+                          "which have no mixture of experts; only dense models export")
     if cfg.arch == "gpt2" and accounting.kv_heads(cfg) != cfg.n_head:
         raise ConfigError(f"model.n_kv_head ({cfg.n_kv_head}): GPT-2 has no grouped-query attention; "
                           "only the modern arch (Llama) exports with it")
