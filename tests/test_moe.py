@@ -16,6 +16,7 @@ from lab.commands.plan import main as plan_main
 from lab.commands.equivalence import TINY, Setup, equivalence
 from lab.measure import accounting
 from lab.model import GPT, MoE, balance_loss, router_meters
+from lab.parallel import activations
 from lab.runtime.config import ConfigError, ModelConfig, resolve
 from pool import run_pooled
 
@@ -224,3 +225,16 @@ def test_plan_model_names_total_and_active_parameters_and_active_flops(capsys):
     assert plan_main(["model", "--preset", "tiny", "--vocab", "512", "--moe-experts", "4", "--moe-top-k", "5"]) == 2
     err = capsys.readouterr().err
     assert err == "error: model.moe_top_k must be in [1, model.moe_experts = 4], got 5\n"
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_a_moe_without_counting_it_twice(mode):
+    x, y = tokens()
+    plain, recomputed = GPT(moe_config(), seed=4), GPT(moe_config(), seed=4)
+    activations.apply(recomputed, recomputed.parallel_plan(), mode, activations.SavedBytes())
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks, the counting too
+        for model in (plain, recomputed):
+            model(x, y).backward()
+    assert torch.equal(plain.take_router_counts(), recomputed.take_router_counts())
+    for (name, p), q in zip(plain.named_parameters(), recomputed.parameters()):
+        assert torch.equal(p.grad, q.grad), name
