@@ -262,8 +262,8 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
             f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
             f"comm {1e3 * rec['comm_time_s']:.0f} ms | mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | "
             f"eta {_duration(eta_s)}" + (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, dropped "
-                                         f"{rec['moe_dropped_tokens']:,}, router entropy {rec['moe_router_entropy']:.3f}"
-                                         if "moe_load_max_over_mean" in rec else ""))
+                                         f"{rec['moe_dropped_tokens']:,}, router entropy "
+                                         f"{rec['moe_router_entropy']:.3f}" if "moe_load_max_over_mean" in rec else ""))
 
 
 def moe_record(strategy: Strategy, world: World, top_k: int) -> dict[str, float]:
@@ -429,7 +429,8 @@ def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precisio
            f"{f', {m.moe_shared_experts} shared' if m.moe_shared_experts else ''}): {counts.active:,} active"
            if m.moe_experts else "")
     line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding{moe}), "
-            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token{' (active path)' if moe else ''} | strategy {strategy} × "
+            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token{' (active path)' if moe else ''} | "
+            f"strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
             f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
             f"{f', {torch.get_num_threads()} threads' if world.device.type == 'cpu' else ''} | "
