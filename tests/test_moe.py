@@ -124,6 +124,20 @@ def test_a_forward_counts_its_drops_and_a_fully_dropped_token_passes_through_as_
     assert router_meters(counts[None], 1)["moe_dropped_tokens"] == 2
 
 
+def test_gates_are_the_top_k_probabilities_or_with_normalize_gates_those_over_their_sum():
+    x = torch.randn(6, 32)
+    moe = MoE(moe_config(moe_experts=4, moe_top_k=2, moe_normalize_gates=True))
+    gate, choice = moe.router(x).softmax(dim=-1).topk(2, dim=-1)
+
+    def weighted(scale: torch.Tensor) -> torch.Tensor:
+        return torch.stack([sum(moe.experts[int(e)](x[t:t + 1])[0] * g * scale[t] for e, g in zip(choice[t], gate[t]))
+                            for t in range(len(x))])
+
+    torch.testing.assert_close(moe(x), weighted(1 / gate.sum(dim=-1)), rtol=1e-5, atol=1e-6)
+    moe.normalize_gates = False
+    torch.testing.assert_close(moe(x), weighted(torch.ones(len(x))), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
 def test_dropless_and_capacity_agree_when_nothing_is_dropped(arch):
     x, y = tokens()
