@@ -71,9 +71,10 @@ class ModelConfig:
     moe_top_k: int = _f(1, "experts each token is routed to (token-choice top-k of a softmax router)")
     moe_granularity: int = _f(1, "expert width d_ff / G (fine-grained experts, Krajewski et al. 2024); the "
                                  "active MLP width is top_k · d_ff / G")
-    moe_normalize_gates: bool = _f(False, "divide each token's top_k router probabilities by their sum (Mixtral, "
-                                          "DeepSeek-V3); false: the raw probabilities weight the experts (Switch, "
-                                          "OLMoE); with top_k 1 true leaves the router no gradient but the aux losses'")
+    moe_normalize_gates: bool | None = _f(None, "divide each token's top_k router probabilities by their sum "
+                                                "(Mixtral, DeepSeek-V3); false: the raw probabilities weight the "
+                                                "experts (Switch, OLMoE); none: true when top_k > 1 (with top_k 1, "
+                                                "true would leave the router no gradient but the aux losses')")
     moe_shared_experts: int = _f(0, "always-on experts of width d_ff / G beside the routed ones (DeepSeekMoE)")
     moe_aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss E · Σ f_i · P_i (Fedus et al. 2021)")
     moe_z_loss_coef: float = _f(0.001, "weight of the router z-loss mean(logsumexp(logits)²) (Zoph et al. 2022)")

@@ -1,10 +1,11 @@
 """Watch a run against a law: the expected loss at each eval, its interval, the deviation, and a warning once the
 run has been outside the interval for ``OFF_TRACK_EVALS`` evals in a row.
 
-The law is a curves fit (``python -m analysis curves``' curves.json: ``CURVE_LAW`` along the run's own schedule) or a fit.json (approach 3: L(N, D) with D the tokens seen so far, the loss a
-run of that length would end at, so it reads high mid-way through a decaying schedule). The interval is the law's
-bootstrap interval at that point, widened by ``WIDEN`` times the law's RMSE of log loss on its own runs: a run
-scatters about the law that much even when it is on track. The laws are evaluated here from their files, so that
+The law is a curves fit (``python -m analysis curves``' curves.json: ``CURVE_LAW`` along the run's own schedule)
+or a fit.json (approach 3: L(N, D) with D the tokens seen so far, the loss a run of that length would end at,
+so it reads high mid-way through a decaying schedule). The interval is the law's bootstrap interval at that
+point, widened by ``WIDEN`` times the law's RMSE of log loss on its own runs: a run scatters about the law that
+much even when it is on track. The laws are evaluated here from their files, so that
 the training loop (``--train.expect``) needs nothing of ``analysis``; ``python -m analysis watch`` uses the same
 ``Watcher``, and ``analysis.curves`` the same schedule areas.
 """
