@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -16,8 +17,9 @@ from lab.runtime.config import build_parser, config_from_args
 from lab.training import schedule
 from lab.training.train import train
 from sweeps import cli, cooldowns, spec
+from sweeps.executors.attempt import Outcome
 from sweeps.plan import PlannedRun
-from sweeps.registry import Row
+from sweeps.registry import Registry, Row
 
 WSD = {"schedule": "wsd", "warmup": 0.1}
 SMALL = [{"name": "small", "n_layer": 2, "d_model": 32, "n_head": 2}]
@@ -152,3 +154,81 @@ def test_seeding_needs_the_parents_checkpoint_and_is_done_once(family, tmp_path)
     problem = cooldowns.seed(rows[short.name], rows[parent.name])
     assert problem.startswith(f"parent {parent.name} has no checkpoint at step 9")
     assert not rows[short.name].run_dir.exists()
+
+
+class RecordingExecutor:
+    """An executor that records what it is handed and fails every run (no process is started)."""
+
+    name = "local"
+
+    def __init__(self):
+        self.handed: list[list[str]] = []
+
+    def run(self, attempts, events) -> None:
+        self.handed.append([a.run.name for a in attempts])
+        for a in attempts:
+            if events.start(a):
+                events.started(a, "0")
+                events.finished(a, Outcome("failed", error="error: failed on purpose"))
+
+
+def test_a_branch_waits_for_its_parent(family, tmp_path):
+    _, runs, _ = family
+    registry = Registry.open(tmp_path, create=True)
+    registry.sync(runs, cooldowns.run_dirs(tmp_path, runs))
+    executor = RecordingExecutor()
+    assert cooldowns.execute_branched(tmp_path, registry, runs, executor, progress=False) == 1
+    assert executor.handed == [[runs[0].name]]  # the parent only: its branches wait
+    assert [registry.get(r.name).status for r in runs] == ["failed", "planned", "planned", "planned"]
+    assert not any(registry.get(r.name).run_dir.exists() for r in runs[1:])
+
+
+SHAPES = SMALL + [{"name": "wide", "n_layer": 2, "d_model": 64, "n_head": 2}]
+
+
+@pytest.mark.slow
+def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, sweeps_cli, registry_rows, completions):
+    plain = write_sweep(tmp_path / "plain.toml", shapes=SHAPES, budgets=BUDGETS, train=WSD, local={"parallel": 2})
+    path = tmp_path / "cool.toml"
+    path.write_text(plain.read_text().replace('name = "t"', 'name = "t"\ncooldowns = { fraction = 0.25 }', 1))
+    folder = tmp_path / "sweep"
+    proc = sweeps_cli("run", path, "--folder", folder, "--no-progress")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = registry_rows(folder)
+    parents = sorted(n for n in rows if n.endswith("-stable"))
+    assert len(rows) == 8 and len(parents) == 2
+    for name, row in rows.items():
+        plan = json.loads(row["plan"])
+        assert row["status"] == "done" and row["attempts"] == 1 and completions(folder, name) == 1
+        if name in parents:
+            assert plan["role"] == "parent" and Path(row["run_dir"]) == folder / "parent" / "runs" / name
+            continue
+        assert plan["parent"] in parents and plan["branch_step"] > 0
+        summary = json.loads(row["summary"])
+        assert summary["resumed_from_step"] == plan["branch_step"]
+        assert summary["flops"] == pytest.approx(plan["flops_per_token"] * plan["tokens"])
+        metrics = (Path(row["run_dir"]) / "metrics.jsonl").read_text()
+        assert '"step": 1,' in metrics  # the parent's steps before the branch are in the branch's curve
+    # a second driver retrains nothing: finished parents and branches stay as they are
+    assert cli.main(["run", str(path), "--folder", str(folder), "--no-progress"]) == 0  # in-process: starts nothing
+    assert {n: r["attempts"] for n, r in registry_rows(folder).items()} == {n: 1 for n in rows}
+    # the export: one row per end point, with its parent, its branch step and what it spent
+    out = tmp_path / "runs.csv"
+    assert cli.main(["export", str(folder), "--out", str(out)]) == 0
+    table = pd.read_csv(out)
+    assert sorted(table["run_id"]) == sorted(n for n in rows if n not in parents)
+    for _, r in table.iterrows():
+        plan = json.loads(rows[r["run_id"]]["plan"])
+        assert r["parent"] == plan["parent"] and r["branch_step"] == plan["branch_step"]
+        assert r["flops_spent"] == pytest.approx(r["flops"] * (1 - plan["branch_step"] * plan["batch_tokens"]
+                                                                / plan["tokens"]))
+    # the analysis reads the branches as runs, with N, D, C and loss of their end points, from either input
+    from analysis.table import load_runs
+
+    for source in (folder, out):
+        loaded = load_runs(source).runs.set_index("run_id")
+        assert sorted(Path(i).name for i in loaded.index) == sorted(table["run_id"])
+        for _, r in table.iterrows():
+            got = loaded.loc[r["run_id"] if source == out else f"runs/{r['run_id']}"]
+            assert (got["params"], got["tokens"]) == (r["params"], r["tokens"])
+            assert got["flops"] == pytest.approx(r["flops"]) and got["loss"] == pytest.approx(r["loss"])
