@@ -232,3 +232,17 @@ def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, s
             got = loaded.loc[r["run_id"] if source == out else f"runs/{r['run_id']}"]
             assert (got["params"], got["tokens"]) == (r["params"], r["tokens"])
             assert got["flops"] == pytest.approx(r["flops"]) and got["loss"] == pytest.approx(r["loss"])
+
+
+@pytest.mark.parametrize("steps", ["0", "9,x", "9,13", "-1", "9;10"])
+def test_checkpoint_steps_outside_the_run_are_refused_in_one_line(steps):
+    from lab.runtime.config import ConfigError, RunConfig
+    from lab.training.train import validate
+
+    cfg = RunConfig.from_dict({"model": {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32},
+                               "train": {"tokens": 3072, "batch_tokens": 256, "micro_batch": 4,
+                                         "checkpoint_steps": steps}})
+    with pytest.raises(ConfigError, match=r"^train.checkpoint_steps must be comma-separated steps in 1..12, got "):
+        validate(cfg, 1)
+    validate(RunConfig.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "checkpoint_steps": "3, 12"}}),
+             1)
