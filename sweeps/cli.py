@@ -186,7 +186,8 @@ def _planned(sweep: specs.Sweep, tuned: planner.Tuned | None = None) -> planner.
     result = planner.plan(sweep, tuned)
     if sweep.cooldowns is not None:
         warmup = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train.warmup
-        result.runs, refused = cooldowns.branch(result.runs, sweep.cooldowns.fraction, warmup)
+        result.runs, refused = cooldowns.branch(result.runs, sweep.cooldowns.fraction, warmup, sweep.cooldowns.at,
+                                                sweep.evals)
         result.refused += refused
     return result
 

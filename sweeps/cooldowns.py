@@ -1,7 +1,10 @@
 """Cooldowns as end points (Hägele et al. 2024): one WSD stable phase per size, short cooldowns branched from it.
 
 With ``[sweep] cooldowns = { fraction = F }`` the sweep's runs that differ only in their length (one size's
-IsoFLOP points at several budgets: same shape, seed, learning rate and batch) share one **parent**. The
+IsoFLOP points at several budgets: same shape, seed, learning rate and batch) share one **parent**; ``at = [a,
+...]`` adds end points at those fractions of each such family's longest one's tokens (points at C of their own,
+for approach 3 and the envelope; approach 2 groups them with a budget only where their C is within its
+tolerance). The
 parent trains the stable phase once, as a complete run of the WSD schedule with no decay, up to the longest
 branch's decay start, and keeps a checkpoint (``train.checkpoint_steps``) at each branch's decay start. Each
 **branch** is one of the sweep's end points, unchanged in N, D and C: it starts from the parent's checkpoint at
@@ -56,16 +59,39 @@ def _family(run: PlannedRun) -> str:
     return repr((kept, run.launch, run.role))
 
 
-def branch(runs: list[PlannedRun], fraction: float, warmup: float) -> tuple[list[PlannedRun], list[str]]:
+def _more_end_points(family: list[PlannedRun], at: tuple[float, ...], evals: int) -> list[PlannedRun]:
+    """End points at fractions ``at`` of the family's longest one's tokens (whole batches), beside its own; each
+    named after the longest with ``-atA`` and placed at its own C (its ``budget``)."""
+    longest = max(family, key=lambda r: r.tokens)
+    known, more = {r.tokens for r in family}, []
+    for fraction in at:
+        tokens = longest.batch_tokens * round(fraction * longest.tokens / longest.batch_tokens)
+        if tokens < longest.batch_tokens or tokens in known:
+            continue
+        known.add(tokens)
+        steps = {"eval_every": max(1, tokens // longest.batch_tokens // evals)} if evals else {}
+        more.append(dataclasses.replace(
+            longest, name=f"{longest.name}-at{fraction:g}", tokens=tokens, budget=longest.flops_per_token * tokens,
+            args=_with(longest.args, tokens=tokens, **steps), est_seconds=longest.est_seconds * tokens / longest.tokens))
+    return more
+
+
+def branch(runs: list[PlannedRun], fraction: float, warmup: float, at: tuple[float, ...] = (), evals: int = 0
+           ) -> tuple[list[PlannedRun], list[str]]:
     """The sweep's runs as parents (first) and branches, and one refusal line per family that cannot branch.
 
-    ``fraction``: the cooldown's share of each end point's steps; ``warmup``: [base.train]'s warmup fraction.
-    Runs of other roles than ``sweep`` are kept as they are.
+    ``fraction``: the cooldown's share of each end point's steps; ``warmup``: [base.train]'s warmup fraction;
+    ``at``: more end points per family, as fractions of its longest one's tokens (``evals``: [sweep] evals, for
+    theirs). Runs of other roles than ``sweep`` are kept as they are; the extra end points follow the runs.
     """
     families: dict[str, list[PlannedRun]] = {}
     for run in runs:
         if run.role == "sweep":
             families.setdefault(_family(run), []).append(run)
+    added = [run for family in families.values() for run in _more_end_points(family, at, evals)]
+    for run in added:
+        families[_family(run)].append(run)
+    runs = runs + added
     parents, replaced, refused = [], {}, []
     for family in families.values():
         family.sort(key=lambda r: r.tokens)

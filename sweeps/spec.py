@@ -131,6 +131,7 @@ class Cooldowns:
     """
 
     fraction: float
+    at: tuple[float, ...] = ()  # more end points per size: fractions of its longest end point's tokens, increasing
 
 
 @dataclass(frozen=True)
@@ -491,10 +492,14 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
 def _cooldowns(value: Any, base: dict[str, dict[str, Any]]) -> Cooldowns:
     """``[sweep] cooldowns``, checked against ``[base.train]``: the schedule must be WSD, whose decay is the
     cooldown (a fraction in (0, 1) that leaves room for the warmup; [base.train] decay, if set, must agree)."""
-    if not isinstance(value, dict) or set(value) != {"fraction"}:
-        raise SpecError("[sweep] cooldowns must be { fraction = F }: each end point decays over the last F of its "
-                        "steps")
+    if not isinstance(value, dict) or "fraction" not in value or set(value) - {"fraction", "at"}:
+        raise SpecError("[sweep] cooldowns must be { fraction = F } or { fraction = F, at = [a, b, ...] }: each end "
+                        "point decays over the last F of its steps")
     fraction = _number(value["fraction"], "[sweep] cooldowns.fraction")
+    at = _numbers(value.get("at", []), "[sweep] cooldowns.at")
+    if list(at) != sorted(at) or at and at[-1] > 1:
+        raise SpecError(f"[sweep] cooldowns.at must be increasing fractions in (0, 1] of each size's longest end "
+                        f"point, got {list(at)}")
     train = RunConfig.from_dict({"train": base.get("train", {})}).train
     if train.schedule != "wsd":
         raise SpecError(f"[sweep] cooldowns needs [base.train] schedule = \"wsd\" (a cooldown branches from a "
@@ -505,7 +510,7 @@ def _cooldowns(value: Any, base: dict[str, dict[str, Any]]) -> Cooldowns:
     if "decay" in base.get("train", {}) and train.decay != fraction:
         raise SpecError(f"[base.train] decay ({train.decay:g}) and [sweep] cooldowns.fraction ({fraction:g}) differ; "
                         f"the cooldown is the WSD decay: set one of them")
-    return Cooldowns(fraction)
+    return Cooldowns(fraction, at)
 
 
 def _seeds(sweep: dict[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,10 @@ def config(run: PlannedRun):
     (WSD, "cooldowns = { fraction = 1.2 }", "cooldowns.fraction must be below 1"),
     (WSD, "cooldowns = { fraction = 0.95 }", "leave room for the warmup"),
     (WSD, "cooldowns = { fraction = -0.2 }", "must be positive"),
-    (WSD, "cooldowns = { fraction = 0.2, at = [0.5, 0.25] }", "must be { fraction = F }"),
+    (WSD, "cooldowns = { fraction = 0.2, at = [0.5, 0.25] }", "cooldowns.at must be increasing fractions"),
+    (WSD, "cooldowns = { fraction = 0.2, at = [0.5, 1.5] }", "cooldowns.at must be increasing fractions"),
+    (WSD, "cooldowns = { fraction = 0.2, at = [0.5, 0.5] }", "cooldowns.at has duplicate values"),
+    (WSD, "cooldowns = { fraction = 0.2, every = 3 }", "must be { fraction = F }"),
     (WSD, "cooldowns = 0.2", "must be { fraction = F }"),
     ({**WSD, "decay": 0.3}, "cooldowns = { fraction = 0.2 }", "differ; the cooldown is the WSD decay"),
 ])
@@ -108,6 +111,21 @@ def test_plan_command_shows_branches_and_the_flops_saved(family, capsys):
     assert "C8.47e8-small  " in out and "← C2.54e9-small-stable @ step 9" in out  # named after its longest end point
     assert "C2.54e9-small-stable: 27 stable steps → C8.47e8-small @ 9, C1.69e9-small @ 18, C2.54e9-small @ 27" in out
     assert "(37.5% saved; computed from the plan)" in out  # 1 - 45/72
+
+
+def test_at_adds_end_points_at_fractions_of_each_sizes_longest(family, tmp_path):
+    path, runs, _ = family
+    more = tmp_path / "more.toml"
+    more.write_text(path.read_text().replace("fraction = 0.25 }", "fraction = 0.25, at = [0.25, 0.5, 1.0] }"))
+    parent, *branches = planned(more)
+    assert [(r.name, r.tokens // r.batch_tokens, r.branch_step) for r in branches] == [
+        ("C8.47e8-small", 12, 9), ("C1.69e9-small", 24, 18), ("C2.54e9-small", 36, 27),
+        ("C2.54e9-small-at0.25", 9, 7), ("C2.54e9-small-at0.5", 18, 14)]  # 1.0 is the longest itself
+    extra = branches[3]
+    assert extra.budget == extra.flops == extra.flops_per_token * 9 * extra.batch_tokens
+    assert option(parent, "--train.checkpoint_steps") == "7,9,14,18,27" and parent.tokens == runs[0].tokens
+    # the shortest end point (9 steps) now sets the warmup every run of the family shares
+    assert {round(config(r)[0].train.warmup * r.tokens / r.batch_tokens) for r in [parent, *branches]} == {1}
 
 
 def _rows(runs: list[PlannedRun], folder: Path) -> dict[str, Row]:
