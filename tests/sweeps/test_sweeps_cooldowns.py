@@ -264,3 +264,11 @@ def test_checkpoint_steps_outside_the_run_are_refused_in_one_line(steps):
         validate(cfg, 1)
     validate(RunConfig.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "checkpoint_steps": "3, 12"}}),
              1)
+
+
+def test_an_end_point_too_short_to_branch_after_its_warmup_is_refused(tmp_path, write_sweep, capsys):
+    path = write_sweep(tmp_path / "s.toml", shapes=SMALL, budgets=(7.06e7, BUDGETS[0]), train=WSD)  # 1 and 12 steps
+    path.write_text(path.read_text().replace('name = "t"', 'name = "t"\ncooldowns = { fraction = 0.6 }', 1))
+    assert cli.main(["plan", str(path)]) == 2
+    assert "error: cooldowns: C7.06e7-small (1 steps) would branch at step 0, before the end of its warmup" in \
+        capsys.readouterr().err
