@@ -363,7 +363,7 @@ def _status(args: argparse.Namespace) -> int:
     for r in rows:
         p = r.plan
         loss = (r.summary or {}).get("final_eval_loss")
-        detail = r.job or ""
+        detail = (r.job or "") + (f"  ← {p.parent} @ step {p.branch_step}" if p.parent else "")
         if r.status == "running":
             detail += f"  {progress.describe(p, r.run_dir)}"
         print(f"{r.name:<{width}} {r.status:<11} {p.params:>10,} {p.tokens:>11,} {p.flops:>9.3g} "

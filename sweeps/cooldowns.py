@@ -22,7 +22,8 @@ FLOPs: a branch's ``flops`` (its summary's, the registry's and the export's) is 
 a separate run would spend: the C at which approach 1 and 3 place it. What it spends itself is
 ``flops_spent`` = F_tok × (D - K × batch); the parent spends F_tok × K_longest × batch. Parents live in
 ``SWEEP/parent/runs/`` (role ``parent``), out of the analysis' grid; a branch's registry row and export row
-name its parent and its branch step.
+name its parent and its branch step (``status`` shows them). A branch's ``wall_time_s`` and curve include its
+parent's steps up to the branch, as its checkpoint carries them.
 """
 
 from __future__ import annotations

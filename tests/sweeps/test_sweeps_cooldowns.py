@@ -205,7 +205,8 @@ SHAPES = SMALL + [{"name": "wide", "n_layer": 2, "d_model": 64, "n_head": 2}]
 
 
 @pytest.mark.slow
-def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, sweeps_cli, registry_rows, completions):
+def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, sweeps_cli, registry_rows, completions,
+                                                        capsys):
     plain = write_sweep(tmp_path / "plain.toml", shapes=SHAPES, budgets=BUDGETS, train=WSD, local={"parallel": 2})
     path = tmp_path / "cool.toml"
     path.write_text(plain.read_text().replace('name = "t"', 'name = "t"\ncooldowns = { fraction = 0.25 }', 1))
@@ -227,6 +228,10 @@ def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, s
         assert summary["flops"] == pytest.approx(plan["flops_per_token"] * plan["tokens"])
         metrics = (Path(row["run_dir"]) / "metrics.jsonl").read_text()
         assert '"step": 1,' in metrics  # the parent's steps before the branch are in the branch's curve
+    assert cli.main(["status", str(folder)]) == 0
+    status = capsys.readouterr().out
+    assert all(f"  ← {json.loads(r['plan'])['parent']} @ step {json.loads(r['plan'])['branch_step']}" in status
+               for n, r in rows.items() if n not in parents)
     # a second driver retrains nothing: finished parents and branches stay as they are
     assert cli.main(["run", str(path), "--folder", str(folder), "--no-progress"]) == 0  # in-process: starts nothing
     assert {n: r["attempts"] for n, r in registry_rows(folder).items()} == {n: 1 for n in rows}
