@@ -73,7 +73,8 @@ def _more_end_points(family: list[PlannedRun], at: tuple[float, ...], evals: int
         steps = {"eval_every": max(1, tokens // longest.batch_tokens // evals)} if evals else {}
         more.append(dataclasses.replace(
             longest, name=f"{longest.name}-at{fraction:g}", tokens=tokens, budget=longest.flops_per_token * tokens,
-            args=_with(longest.args, tokens=tokens, **steps), est_seconds=longest.est_seconds * tokens / longest.tokens))
+            args=_with(longest.args, tokens=tokens, **steps),
+            est_seconds=longest.est_seconds * tokens / longest.tokens))
     return more
 
 
