@@ -270,7 +270,9 @@ def _read_jsonl_records(path: Path) -> list[dict]:
     return records
 
 
-SWEEP_SIDE_RUNS = ("search", "verify")  # sub-folders of a sweep folder whose runs are not the sweep's grid
+# sub-folders of a sweep folder whose runs are not the sweep's grid (and those runs' role): a hyperparameter search,
+# verify runs, and the stable phases that cooldown branches start from (sweeps.cooldowns)
+SWEEP_SIDE_RUNS = ("search", "verify", "parent")
 
 
 def _read_sweep(root: Path, warnings: list[tuple[str, str]]

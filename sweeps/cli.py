@@ -17,12 +17,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sweeps import plan as planner, progress, spec as specs
-from sweeps.driver import attempt_for, driver_lock, execute, run_dir
+from sweeps import cooldowns, plan as planner, progress, spec as specs
+from sweeps.driver import attempt_for, driver_lock, execute
 from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
 from sweeps.plan import PlannedRun
 from sweeps.verify import HELD_OUT_FACTOR
+from lab.runtime.config import RunConfig
 
 EXIT_BAD_INPUT = 2
 SWEEP_COPY = "sweep.toml"
@@ -180,6 +181,17 @@ def _write_atomic(path: Path, text: str) -> None:
 # ---------------------------------------------------------------- commands
 
 
+def _planned(sweep: specs.Sweep, tuned: planner.Tuned | None = None) -> planner.Plan:
+    """The sweep's plan; with ``[sweep] cooldowns``, its end points as branches of one stable phase per size."""
+    result = planner.plan(sweep, tuned)
+    if sweep.cooldowns is not None:
+        warmup = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train.warmup
+        result.runs, refused = cooldowns.branch(result.runs, sweep.cooldowns.fraction, warmup, sweep.cooldowns.at,
+                                                sweep.evals)
+        result.refused += refused
+    return result
+
+
 def _plan(args: argparse.Namespace) -> int:
     sweep = _load(args)
     print(f"sweep {sweep.name} → {sweep.folder}")
@@ -203,10 +215,12 @@ def _plan(args: argparse.Namespace) -> int:
         for line in search.refusals(sweep):
             print(f"error: {line}", file=sys.stderr)
         print("sweep:")
-    result = planner.plan(sweep, tuned)
+    result = _planned(sweep, tuned)
     print(planner.table(result.runs, sweep.count, sweep.parallel))
     for line in result.priors:
         print(f"centre: {line}")
+    if sweep.cooldowns is not None:
+        print("\n".join(cooldowns.describe(result.runs) + [cooldowns.savings(result.runs)]))
     _warn(result)
     for line in result.refused:
         print(f"error: {line}", file=sys.stderr)
@@ -227,7 +241,7 @@ def _refuse(lines: list[str]) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     sweep = _load(args)
-    result = planner.plan(sweep)
+    result = _planned(sweep)
     search = None
     if sweep.search is not None:
         from sweeps import search  # numpy, matplotlib: only with a search
@@ -251,11 +265,11 @@ def _run(args: argparse.Namespace) -> int:
             print("\n".join(f"search: {line}" for line in search.describe(found)))
             for line in found.warnings:
                 print(f"warning: search: {line}", file=sys.stderr)
-            result = planner.plan(sweep, found.tuned)
+            result = _planned(sweep, found.tuned)
             if result.refused:
                 return _refuse(result.refused)
-        registry.sync(result.runs, lambda name: run_dir(sweep.folder, name))
-        return execute(sweep.folder, registry, [r.name for r in result.runs], executor, not args.no_progress)
+        registry.sync(result.runs, cooldowns.run_dirs(sweep.folder, result.runs))
+        return cooldowns.execute_branched(sweep.folder, registry, result.runs, executor, not args.no_progress)
 
 
 def _retry(args: argparse.Namespace) -> int:
@@ -349,7 +363,7 @@ def _status(args: argparse.Namespace) -> int:
     for r in rows:
         p = r.plan
         loss = (r.summary or {}).get("final_eval_loss")
-        detail = r.job or ""
+        detail = (r.job or "") + (f"  ← {p.parent} @ step {p.branch_step}" if p.parent else "")
         if r.status == "running":
             detail += f"  {progress.describe(p, r.run_dir)}"
         print(f"{r.name:<{width}} {r.status:<11} {p.params:>10,} {p.tokens:>11,} {p.flops:>9.3g} "

@@ -32,7 +32,9 @@ def experiment_hash(row: Row) -> str:
 def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFrame:
     """Finished experiments of the given roles (the sweep's own; ``search`` and ``verify`` runs on request) as a
     table: ``params``, ``params_non_embedding``, ``tokens``, ``flops``, ``loss`` (the final eval loss, else the
-    final train loss), the run's other figures, its ``role`` and its strategy ``twins``, and a ``task_NAME`` column per
+    final train loss), the run's other figures, its ``role`` and its strategy ``twins``, a cooldown branch's
+    ``parent`` and ``branch_step`` (empty and 0 for a run of its own), ``flops_spent`` (what the run itself spent:
+    a branch's ``flops`` also counts its parent's steps before the branch), and a ``task_NAME`` column per
     downstream task scored by ``python -m lab eval``."""
     records = []
     by_experiment: dict[str, dict] = {}
@@ -53,7 +55,9 @@ def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFram
             "d_model": p.shape["d_model"], "n_head": p.shape["n_head"], "lr": p.lr, "batch_tokens": p.batch_tokens,
             "strategy": s.get("strategy"), "world_size": s.get("world_size"), "wall_time_s": s.get("wall_time_s"),
             "steps": s.get("steps"), "config_hash": row.config_hash, "run_dir": str(row.run_dir), "role": p.role,
-            "twins": "", **task_columns(row.run_dir),
+            "twins": "", "parent": p.parent or "", "branch_step": p.branch_step,
+            "flops_spent": s["flops"] - p.branch_step * p.batch_tokens * p.flops_per_token,
+            **task_columns(row.run_dir),
         })
         by_experiment[experiment_hash(row)] = records[-1]
     return pd.DataFrame.from_records(records)

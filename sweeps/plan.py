@@ -49,12 +49,19 @@ class PlannedRun:
     launch: Launch
     args: tuple[str, ...]  # launch/run.py options, without --run-dir and --resume
     est_seconds: float
-    role: str = "sweep"  # or "search" (a hyperparameter grid run first) or "verify" (a held-out budget)
+    role: str = "sweep"  # or "search" (a hyperparameter grid run first), "verify" (a held-out budget) or "parent"
+    parent: str | None = None  # a cooldown branch: the parent run whose checkpoint at branch_step it starts from
+    branch_step: int = 0  # a branch's first step (the parent's step it starts from); 0 for every other run
 
     @property
     def flops(self) -> float:
-        """Compute the run spends: F × D."""
+        """Compute of the end point as a run of its own: F × D (a branch's includes its parent's share)."""
         return self.flops_per_token * self.tokens
+
+    @property
+    def flops_spent(self) -> float:
+        """Compute this run itself spends: a branch only its cooldown, F × (D - branch_step × batch)."""
+        return self.flops_per_token * (self.tokens - self.branch_step * self.batch_tokens)
 
     @property
     def config_hash(self) -> str:
@@ -62,6 +69,8 @@ class PlannedRun:
         identity = {"args": list(self.args), "nproc": self.launch.nproc, "nodes": self.launch.nodes}
         if self.role != "sweep":  # a search or verify run may compute what a sweep run does; both are kept
             identity["role"] = self.role
+        if self.parent is not None:  # a branch is what it starts from, too
+            identity |= {"parent": self.parent, "branch_step": self.branch_step}
         key = json.dumps(identity)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -89,7 +98,7 @@ def format_flops(c: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def _option(value: Any) -> str:
+def option_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return repr(value) if isinstance(value, float) else str(value)
@@ -101,7 +110,7 @@ def run_args(base: dict[str, dict[str, Any]], planned: dict[str, dict[str, Any]]
     for section, values in planned.items():
         tree.setdefault(section, {}).update(values)
     return tuple(item for section in sorted(tree) for key in sorted(tree[section])
-                 for item in (f"--{section}.{key}", _option(tree[section][key])))
+                 for item in (f"--{section}.{key}", option_text(tree[section][key])))
 
 
 def launch_for(sweep: Sweep, params: float, entry_launch: dict[str, Any]) -> Launch:
@@ -275,15 +284,18 @@ def table(runs: list[PlannedRun], count_which: str = "total", parallel: int = 1)
            f"{'lr':>8} {'launch':>14} {'est. time':>9}"
     lines = [head, "-" * len(head)]
     for r in runs:
+        branch = f"  ← {r.parent} @ step {r.branch_step}" if r.parent else ""
         n = r.params if count_which == "total" else r.params_non_embedding
         shape = f"{r.shape['n_layer']}×{r.shape['d_model']}/{r.shape['n_head']}h"
         launch = f"{r.launch.strategy}×{r.launch.world_size}"
         lines.append(f"{r.name:<{width}} {n:>10,} {shape:>14} {r.tokens:>12,} {r.flops:>10.3g} {r.batch_tokens:>7,} "
-                     f"{r.lr:>8.3g} {launch:>14} {_duration(r.est_seconds):>9}")
+                     f"{r.lr:>8.3g} {launch:>14} {_duration(r.est_seconds):>9}{branch}")
     total = sum(r.est_seconds for r in runs)
     at_once = f", about {_duration(total / parallel)} with {parallel} at once" if parallel > 1 else ""
-    lines.append(f"{len(runs)} runs, {sum(r.flops for r in runs):.3g} FLOPs, estimated {_duration(total)} one after "
-                 f"another{at_once}")
+    spent = sum(r.flops_spent for r in runs)
+    branched = sum(r.parent is not None for r in runs)
+    flops = f"{spent:.3g} FLOPs" + (f" spent ({branched} cooldown branches: C is each end point's)" if branched else "")
+    lines.append(f"{len(runs)} runs, {flops}, estimated {_duration(total)} one after another{at_once}")
     return "\n".join(lines)
 
 

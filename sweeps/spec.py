@@ -122,6 +122,19 @@ class Search:
 
 
 @dataclass(frozen=True)
+class Cooldowns:
+    """``[sweep] cooldowns = { fraction = F }``: WSD end points as cooldowns branched from one stable phase.
+
+    The runs of one size that differ only in their length (its IsoFLOP points at each budget) become branches
+    of one parent run that trains the stable phase once (``sweeps.cooldowns``); each branch decays over the
+    last ``fraction`` of its own steps, as a separate WSD run would (Hägele et al. 2024).
+    """
+
+    fraction: float
+    at: tuple[float, ...] = ()  # more end points per size: fractions of its longest end point's tokens, increasing
+
+
+@dataclass(frozen=True)
 class Sweep:
     name: str
     folder: Path
@@ -151,6 +164,7 @@ class Sweep:
     seeds: tuple[int, ...] = ()  # [sweep] seeds: each run once per seed (empty: once, at [base.train]'s seed)
     seeds_below: float | None = None  # [sweep] seeds_below: repeat only the budgets below this C (short, noisy runs)
     evals: int = 0  # [sweep] evals: held-out evaluations per run, evenly spaced in steps (0: at the end only)
+    cooldowns: Cooldowns | None = None  # [sweep] cooldowns: end points branched from one stable phase per size
 
     def mup_model_fields(self) -> dict[str, Any]:
         """The [model] options μP adds to every run's command line (none without ``mup_base_width``)."""
@@ -161,7 +175,7 @@ class Sweep:
 
 _TABLES = {
     "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget", "seeds",
-              "seeds_below", "evals"},
+              "seeds_below", "evals", "cooldowns"},
     "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "ffn_ratio", "list"},
     "rules": {"lr", "batch_tokens", "mup_base_width"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
@@ -471,7 +485,32 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         slurm=slurm, source=text, centre=centre, decades_each_side=decades, per_budget=per_budget,
         search=_search(_table(doc, "search"), family), mup_base_width=mup_base_width, **_seeds(sweep),
         evals=_integer(sweep.get("evals", 0), "[sweep] evals", minimum=0),
+        cooldowns=_cooldowns(sweep["cooldowns"], base) if "cooldowns" in sweep else None,
     )
+
+
+def _cooldowns(value: Any, base: dict[str, dict[str, Any]]) -> Cooldowns:
+    """``[sweep] cooldowns``, checked against ``[base.train]``: the schedule must be WSD, whose decay is the
+    cooldown (a fraction in (0, 1) that leaves room for the warmup; [base.train] decay, if set, must agree)."""
+    if not isinstance(value, dict) or "fraction" not in value or set(value) - {"fraction", "at"}:
+        raise SpecError("[sweep] cooldowns must be { fraction = F } or { fraction = F, at = [a, b, ...] }: each end "
+                        "point decays over the last F of its steps")
+    fraction = _number(value["fraction"], "[sweep] cooldowns.fraction")
+    at = _numbers(value.get("at", []), "[sweep] cooldowns.at")
+    if list(at) != sorted(at) or at and at[-1] > 1:
+        raise SpecError(f"[sweep] cooldowns.at must be increasing fractions in (0, 1] of each size's longest end "
+                        f"point, got {list(at)}")
+    train = RunConfig.from_dict({"train": base.get("train", {})}).train
+    if train.schedule != "wsd":
+        raise SpecError(f"[sweep] cooldowns needs [base.train] schedule = \"wsd\" (a cooldown branches from a "
+                        f"stable phase), got {train.schedule!r}")
+    if not fraction < 1 or fraction + train.warmup > 1:
+        raise SpecError(f"[sweep] cooldowns.fraction must be below 1 and leave room for the warmup "
+                        f"({train.warmup:g}), got {fraction:g}")
+    if "decay" in base.get("train", {}) and train.decay != fraction:
+        raise SpecError(f"[base.train] decay ({train.decay:g}) and [sweep] cooldowns.fraction ({fraction:g}) differ; "
+                        f"the cooldown is the WSD decay: set one of them")
+    return Cooldowns(fraction, at)
 
 
 def _seeds(sweep: dict[str, Any]) -> dict[str, Any]:

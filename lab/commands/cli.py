@@ -46,6 +46,7 @@ from lab.training.train import Estimate, TrainingDiverged, check_resources, trai
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
 # the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).
 RESUMABLE_CHANGES = {"train.stop_after", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                     "train.checkpoint_steps",
                      "train.eval_every", "train.eval_tokens", "train.micro_batch", "train.device", "train.dtype",
                      "train.compile", "train.peak_flops", "train.nonfinite", "train.expect", "data.cache_dir"}
 

@@ -32,7 +32,7 @@ import re
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,8 +258,9 @@ def _tensor_bytes(tree: object) -> int:
 
 
 def save(run_dir: Path, step: int, rank: int, world_size: int, state: CheckpointState, meta: dict,
-         keep: int) -> Path:
-    """Write every rank's part of ``step``; rank 0 seals the folder and prunes old ones (collective)."""
+         keep: int, pinned: Collection[int] = ()) -> Path:
+    """Write every rank's part of ``step``; rank 0 seals the folder and prunes old ones but those of ``pinned``
+    steps (collective)."""
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -277,7 +278,8 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
                      no_dist=world_size == 1)
         _barrier(world_size)
         if rank == 0:
-            _seal(run_dir, tmp, final, {**meta, "format": FORMAT, "step": step, "world_size": world_size}, keep)
+            _seal(run_dir, tmp, final, {**meta, "format": FORMAT, "step": step, "world_size": world_size}, keep,
+                  pinned)
     except (OSError, dcp.CheckpointException) as e:  # a full disk or quota, on any rank (DCP tells every rank)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -289,8 +291,9 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
     return final
 
 
-def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
-    """Rank 0: write meta.json into the finished folder, move it into place, prune old ones."""
+def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int, pinned: Collection[int]) -> None:
+    """Rank 0: write meta.json into the finished folder, move it into place, prune old ones (the newest ``keep``
+    and those of ``pinned`` steps stay)."""
     save_json(tmp / META, meta)
     aside = final.with_name(final.name + ".old")
     if final.exists():
@@ -298,8 +301,14 @@ def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
         final.replace(aside)
     tmp.replace(final)
     shutil.rmtree(aside, ignore_errors=True)
-    for old in checkpoint_dirs(run_dir)[:-keep] if keep > 0 else []:
+    prunable = [d for d in checkpoint_dirs(run_dir) if step_of(d) not in pinned]
+    for old in prunable[:-keep] if keep > 0 else []:
         shutil.rmtree(old)
+
+
+def step_of(folder: Path) -> int:
+    """The step of a checkpoint folder (``step-NNNNNN``, or one moved aside as ``step-NNNNNN.old``)."""
+    return int(_NAME.fullmatch(folder.name.removesuffix(".old")).group(1))
 
 
 def read_meta(folder: Path) -> dict:

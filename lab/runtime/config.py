@@ -122,6 +122,8 @@ class TrainConfig:
     checkpoint_every: int | None = _f(None, "steps between checkpoints (none: about ten per run, so a killed run "
                                             "loses at most a tenth of its steps; 0: only at the end)")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
+    checkpoint_steps: str = _f("", "comma-separated steps at which a checkpoint is also saved and never pruned (a "
+                                   "sweep's cooldown branches start from them)")
     stop_after: int = _f(0, "stop after this many steps, keeping the full schedule (0: run the whole budget)")
     peak_flops: float = _f(0.0, "peak FLOP/s for MFU (0: the GPU table, or a matmul peak measured once per CPU "
                                 "and cached)")

@@ -90,6 +90,7 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     validate_model(cfg.model)
     schedule.validate(cfg.train)
     plan = step_plan(cfg, world_size)
+    checkpoint_steps(cfg, plan.total_steps)
     parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
     parallel.validate_model(cfg.parallel, cfg.model)
     trackers.validate(cfg.log)
@@ -163,6 +164,18 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
                           f"{fastest / 86_400 / 365:.3g} years on {world.world_size} × {peak.flops:.3g} FLOP/s even at "
                           f"100% MFU (the limit is {MAX_DAYS} days)")
     return Estimate(states + activations, share, fastest / ESTIMATE_MFU)
+
+
+def checkpoint_steps(cfg: RunConfig, total_steps: int) -> frozenset[int]:
+    """``train.checkpoint_steps`` as steps (each in 1..total_steps): saved beside the interval's and never pruned."""
+    text, steps = cfg.train.checkpoint_steps.strip(), set()
+    for item in text.split(",") if text else []:
+        item = item.strip()
+        if not item.isdigit() or not 1 <= int(item) <= total_steps:
+            raise ConfigError(f"train.checkpoint_steps must be comma-separated steps in 1..{total_steps}, got "
+                              f"{item!r}")
+        steps.add(int(item))
+    return frozenset(steps)
 
 
 def checkpoint_interval(cfg: RunConfig, total_steps: int) -> int:
@@ -463,7 +476,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     sampler = BatchSampler(data.train, cfg.model.block_size, t.seed)
     end_step = min(plan.total_steps, t.stop_after) if t.stop_after else plan.total_steps
     end_step = max(end_step, start.step)  # a complete run resumed at its last step
-    every = checkpoint_interval(cfg, plan.total_steps)
+    every, pinned = checkpoint_interval(cfg, plan.total_steps), checkpoint_steps(cfg, plan.total_steps)
     replica, _ = parallel.data_replica(cfg.parallel, world.rank, world.world_size)
     fpt = accounting.flops_per_token(cfg.model)
     recent: list[float] = start.recent_losses
@@ -478,7 +491,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         meta |= {"strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
                  "eval_loss": eval_loss}
         checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
-                        t.keep_checkpoints)
+                        t.keep_checkpoints, pinned)
 
     for step in range(start.step, end_step):
         t0 = time.perf_counter()
@@ -527,7 +540,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             save(done)
             return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks,
                            peak, None if watcher is None else watcher.summary())
-        if (every and done % every == 0) or done == end_step:
+        if (every and done % every == 0) or done == end_step or done in pinned:
             save(done)
     status = "completed" if end_step == plan.total_steps else "stopped"
     return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks, peak,

@@ -84,8 +84,9 @@ def run_command(attempt: Attempt) -> list[str]:
     torchrun with a private rendezvous and the run's process count."""
     nproc = attempt.run.launch.nproc
     launcher = ["-m", "lab.runtime.loopback", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    # a cooldown branch must start from the checkpoint it was seeded with, never afresh
     return [sys.executable, *launcher, str(RUN_PY), *attempt.run.args, "--run-dir", str(attempt.run_dir),
-            "--resume", "auto"]
+            "--resume", "latest" if attempt.run.parent else "auto"]
 
 
 def environment(threads: int) -> dict[str, str]:
