@@ -35,7 +35,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lab.runtime import checkpoint
 from lab.runtime.config import RunConfig
 from lab.runtime.files import read_json, read_lines, save_json, write_atomic
 
@@ -155,6 +154,8 @@ def seed(branch_row: Row, parent_row: Row) -> str | None:
     resume checks against). The checkpoint goes into place last: a branch that holds one is seeded, and is
     never seeded again (a restarted branch resumes from its own newest checkpoint).
     """
+    from lab.runtime import checkpoint  # torch: imported by the branches that need it, not by every sweeps command
+
     target, step = branch_row.run_dir, branch_row.plan.branch_step
     if checkpoint.latest(target) is not None:
         return None

@@ -27,6 +27,7 @@ def test_benchmark_rejects_bad_arguments(capsys):
     assert capsys.readouterr().err.startswith("error: ")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_strategies_side_by_side_on_two_ranks(tmp_path):
     out = tmp_path / "parallel"
@@ -80,6 +81,7 @@ def test_memory_benchmark_rejects_an_unknown_strategy_before_any_run(capsys):
     assert err.startswith("error: ") and "zero9" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_memory_benchmark_reports_the_kernels_rss_peak_bytes_and_loopback_bytes(tmp_path):
     out = tmp_path / "memory"

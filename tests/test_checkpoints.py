@@ -125,6 +125,7 @@ def _dies_while_saving_step_4(world: World, tree: dict, data_dir: Path, run_dir:
     return _train(world, tree, data_dir, run_dir, False)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("point", ["parts", "marker", "rename"])
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one(tree, tiny_prepared, tmp_path,
                                                                              uninterrupted, point):
@@ -149,6 +150,7 @@ def _gathered(world: World, tree: dict, run_dir: Path) -> dict[str, torch.Tensor
     return strategy.full_state_dict()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("strategy", ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"])
 def test_export_and_sample_from_any_strategy(tree, tiny_prepared, tmp_path, strategy, capsys):
     run_dir, short = tmp_path / "r", with_(tree, strategy, tokens=512)
@@ -201,6 +203,7 @@ def torchrun(*argv: str, restarts: int = 0) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
+@pytest.mark.long
 def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_run_finishes(args, tmp_path):
     long = [*args, "--strategy", "zero2", "--train.tokens", "8192", "--train.checkpoint_every", "4"]  # 32 steps
     assert run_pooled(train_argv, 2, long, tmp_path / "whole") == ["completed"] * 2
@@ -228,6 +231,7 @@ def wait_for(predicate, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.long
 def test_a_missing_rank_fails_with_one_line_within_the_timeout(args, tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
@@ -241,6 +245,7 @@ def test_a_missing_rank_fails_with_one_line_within_the_timeout(args, tmp_path):
                                                    "(3 s), is a rank missing?")
 
 
+@pytest.mark.long
 def test_a_frozen_rank_ends_the_run_within_the_timeout(args, tmp_path):
     proc = torchrun(*args, "--strategy", "ddp", "--train.tokens", "8192", "--parallel.timeout_s", "5",
                     "--run-dir", str(tmp_path / "r"))
@@ -261,6 +266,7 @@ def test_a_frozen_rank_ends_the_run_within_the_timeout(args, tmp_path):
     assert (tmp_path / "r" / "logs" / "rank-0-error.txt").is_file()
 
 
+@pytest.mark.long
 def test_ranks_with_different_configs_fail_at_once(args, tmp_path):
     """As if rank 1 had read another config file: both ranks end at once; the node's first rank names the
     mismatch in one line (the others stay quiet, so the user reads it once)."""

@@ -444,6 +444,7 @@ def sotu(tmp_path_factory) -> PreparedData:
     return PreparedData.load(prepare(cfg, progress=False))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sotu_holds_out_whole_speeches(sotu):
     speeches = sorted(builtin_folder("sotu").glob("*.txt"))
@@ -454,6 +455,7 @@ def test_sotu_holds_out_whole_speeches(sotu):
     assert held == [(builtin_folder("sotu") / i).read_text(encoding="utf-8") for i in sotu.meta["eval_ids"]]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sotu_token_counts_and_unigram_entropy_are_plausible(sotu):
     tokens = sotu.meta["tokens"]

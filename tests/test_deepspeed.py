@@ -113,6 +113,7 @@ def test_bad_deepspeed_input_fails_before_any_work_with_one_line(tmp_path, args,
     assert "parallel.offload must be one of none, optimizer, got 'all'" in one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.long
 def test_without_deepspeed_installed_choosing_it_fails_at_once_naming_the_extra(tmp_path, args):
     hide = ("import sys; sys.modules['deepspeed'] = None; from lab.commands.cli import run_main; "
             "sys.exit(run_main(sys.argv[1:]))")
@@ -262,6 +263,7 @@ def single_weights(tree, tiny_prepared, tmp_path_factory):
     return final_weights(run_dir)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("saved, resumed", [
     (("deepspeed:zero_stage=3", 2), ("zero2", 4)),
     (("zero3", 2), ("deepspeed:zero_stage=1,offload=optimizer", 2)),
@@ -302,6 +304,7 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+@pytest.mark.long
 def test_torchrun_two_ranks_and_one_process_train_as_single_does(args, tmp_path):
     # an empty extension cache: nothing may be compiled into it
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",

@@ -303,6 +303,7 @@ sys.exit(run_main(sys.argv[1:]))
 """
 
 
+@pytest.mark.long
 @pytest.mark.slow  # two rank processes
 @pytest.mark.parametrize("fault", ["exit", "hang"])
 def test_a_dead_rank_on_the_tp_axis_fails_the_survivor_within_the_timeout_naming_the_axis(fault, args, tmp_path):

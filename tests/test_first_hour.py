@@ -115,6 +115,7 @@ def test_nproc_per_node_checks_the_run_for_its_ranks_before_starting_any(args, t
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.long
 def test_bad_input_found_after_three_ranks_started_gives_one_line_and_exit_2(args, tmp_path):
     # the vocabulary is checked against the tokenizer, which every rank loads after the group has formed
     proc = subprocess.run([sys.executable, "-m", "lab", "train", "--nproc-per-node", "3", "--strategy", "ddp", *args,

@@ -53,6 +53,7 @@ def multinode_runs(args, tmp_path_factory):
     return {"single": root / "single", "zero2": root / "zero2"}
 
 
+@pytest.mark.long
 def test_two_nodes_train_the_single_process_model(multinode_runs):
     single, got = losses(multinode_runs["single"]), losses(multinode_runs["zero2"])
     assert len(got) == len(single) == 8
@@ -86,6 +87,7 @@ def test_the_sbatch_script_quotes_every_value(tmp_path):
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+@pytest.mark.long
 def test_the_sbatch_script_trains_on_the_local_cluster(cluster, multinode_runs, args, tmp_path, capsys):
     """The generated script, submitted to the localhost cluster: one node with two tasks stands in for two
     nodes (two torchrun agents, c10d rendezvous); a name full of shell syntax stays a name."""

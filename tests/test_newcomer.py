@@ -211,6 +211,7 @@ def _stopped_cleanly(run_dir: Path) -> int:
     return summary["steps"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_ctrl_c_under_the_labs_own_launcher_on_2_ranks_gives_one_line_and_130(args, tmp_path):
     code, lines, err = _interrupt_two_ranks(["-m", "lab", "train", "--nproc-per-node", "2"], args, tmp_path / "r")
@@ -220,6 +221,7 @@ def test_ctrl_c_under_the_labs_own_launcher_on_2_ranks_gives_one_line_and_130(ar
                      f"command plus --resume"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_ctrl_c_under_raw_torchrun_on_2_ranks_stops_both_ranks_cleanly(args, tmp_path):
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lab", "train"]
@@ -298,6 +300,7 @@ MUP_WIDE = ["--data.tokenizer", "bytes", "--model.n_layer", "2", "--model.n_head
             "--train.log_every", "50", "--train.checkpoint_every", "0", "--train.eval_tokens", "8192"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_mup_model_at_8x_its_base_width_leaves_the_unigram_plateau(tmp_path, capsys):
     assert run_main([*MUP_WIDE, "--run-dir", str(tmp_path / "r")]) == 0

@@ -116,6 +116,7 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.long
 @pytest.mark.slow  # starts a launcher and two ranks
 def test_a_local_two_rank_run_listens_on_127_0_0_1_only(args, tmp_path):
     """``python -m lab train --nproc-per-node 2``, its ranks' own store too (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,

@@ -211,6 +211,7 @@ def _interrupt(run_dir: Path, argv: list[str], sig: int) -> tuple[int, str, str]
     return proc.returncode, "".join(out) + rest, err
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupt_saves_a_checkpoint_and_says_how_to_resume(args, tmp_path, sig, code):
@@ -402,6 +403,18 @@ def test_no_import_circle_in_lab():
     assert graph["lab.parallel.base"] and "lab.parallel.tensor" in graph["lab.parallel.base"]  # the graph is read
     for module in sorted(graph):
         visit(module)
+
+
+@pytest.mark.slow
+def test_commands_start_without_the_libraries_only_some_runs_need():
+    """Every process a sweep or a launcher starts pays its imports: the sweeps command imports no torch, and a
+    training process no scipy or pandas (only ``--train.expect`` reads a law) and no dynamo until something
+    compiles or builds an optimizer (tensor parallelism's collectives apply ``torch.compiler.disable`` lazily)."""
+    probe = ("import sys; import sweeps.cli; print('torch' in sys.modules); import lab.commands.cli; "
+             "print(*(name in sys.modules for name in ('scipy', 'pandas', 'torch._dynamo')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False", "False"], out.stdout
 
 
 def test_one_place_decides_precision_and_the_peak():

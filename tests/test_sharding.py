@@ -54,6 +54,7 @@ def test_the_norm_of_large_shards_matches_single():
         assert r.max_rel_grad_norm_diff <= 1e-6, (spec, r)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_every_sharded_variant_matches_single_on_four_ranks_with_accumulation():
     specs = [*SHARDED, *OFFLOADED, "zero1:activation_checkpointing=full", "zero3:activation_checkpointing=full",
@@ -305,6 +306,7 @@ def _peak_against_theory(world: World, cases: list[tuple[str, int]]) -> dict:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_peak_bytes_match_theory_under_accumulation_offload_and_checkpointing():
     cases = [("zero1:bucket_mb=4", 2), ("zero2:bucket_mb=4", 2), ("zero3", 2), ("ddp", 2),

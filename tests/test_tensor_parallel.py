@@ -173,6 +173,7 @@ def test_tp2_reproduces_single_under_every_data_parallel_strategy_on_two_ranks(s
             assert _close(r), (arch, spec, r)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_torch_reference_composes_with_every_data_parallel_strategy_on_four_ranks():
     """The DTensor reference on tp 2 × dp 2: the data-parallel strategies run over its weights' local parts."""
@@ -203,6 +204,7 @@ def _gqa(world: World, specs: list[str], setup: Setup, models: dict[str, ModelCo
     return {name: equivalence(world, specs, dataclasses.replace(setup, model=model)) for name, model in models.items()}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("ranks, specs, models", [
     (2, ["ddp:tp=2", "zero2:tp=2", "zero2:tp=2,sequence_parallel=true", "fsdp:tp=2"], None),
     (2, ["single:tp=2,tp_impl=torch", "zero2:tp=2,tp_impl=torch,sequence_parallel=true"], None),
@@ -225,6 +227,7 @@ def test_key_value_heads_fewer_than_the_degree_are_replicated_and_reproduce_sing
             assert _close(r), (name, spec, r)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sequence_parallel_reproduces_single_on_two_ranks():
     specs = ["ddp:tp=2,sequence_parallel=true", "zero3:tp=2,sequence_parallel=true",
@@ -244,6 +247,7 @@ def _compiled_and_eager(world: World, spec: str, setup: Setup) -> tuple:
             train_tiny(world, setup, parse_spec(spec)))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_compiled_model_under_tp_reproduces_the_eager_losses():
     """torch.compile with the hand-rolled split under sequence parallelism (its all-gathers and reduce-scatters and
@@ -395,6 +399,7 @@ def _reshard(world: World, run_dir, saved: str, loaders: list[str], model: Model
     return out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("saved, loaders, model", [
     ("single:tp=2,tp_impl=torch", ["single:tp=2", "ddp"], MODERN),
@@ -412,6 +417,7 @@ def test_the_torch_reference_holds_the_hand_rolled_shards(tmp_path, saved, loade
         assert loaded == 0.0 and stepped <= 1e-5, spec
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [GQA_ONE, MODERN], ids=["one_kv_head", "two_kv_heads"])
 def test_the_torch_reference_on_tp4_holds_the_hand_rolled_replicated_key_value_heads(tmp_path, model):
@@ -460,6 +466,7 @@ def test_replicated_key_value_heads_are_saved_once_and_reach_every_holder_on_loa
         assert loaded == 0.0 and stepped <= 1e-5, spec
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_replicated_key_value_heads_under_fsdp_on_tp2_by_dp2_save_and_load_across_layouts(tmp_path):
     """FSDP shards each replica's rows over the data axis: its checkpoint loads under zero2 (tp 2 × dp 2), ddp (dp 4)
@@ -481,6 +488,7 @@ def _pieces_of_row_parallel_weights(folder, model: ModelConfig) -> dict[str, int
     return out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_tp2_by_dp2_checkpoint_loads_under_tp1_by_dp4_tp2_by_dp2_and_single(tmp_path):
     """zero3 over the data axis holds a range of each shard: a column shard is saved as at most three rectangles per

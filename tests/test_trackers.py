@@ -55,6 +55,7 @@ def test_an_unknown_tracker_is_refused_before_the_run(tmp_path, args, capsys):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow  # W&B starts its service process
 def test_tensorboard_and_offline_wandb_follow_the_run_through_a_resume(tmp_path, args, monkeypatch):
     pytest.importorskip("tensorboard")

@@ -186,6 +186,7 @@ def test_sample_continues_a_prompt(tmp_path, args, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_bf16_autocast_path_runs_on_cpu(tmp_path, args):
     assert run(tmp_path / "bf16", *args, "--train.dtype", "bf16") == 0
@@ -195,6 +196,7 @@ def test_bf16_autocast_path_runs_on_cpu(tmp_path, args):
     assert losses == pytest.approx(train_losses(fp32), rel=0.05)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_compiled_model_matches_eager(tmp_path, args):
     from torch._dynamo.utils import counters
@@ -217,6 +219,7 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, args, capsys):
     assert (r / "summary.json").read_text() == summary
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_launch_script_exits_2_with_one_line_on_bad_input(tmp_path, args):
     r = tmp_path / "bad"
@@ -277,6 +280,7 @@ def two_rank_runs(tmp_path_factory, args):
     return runs
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", TWO_RANK_STRATEGIES)
 def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strategy):
@@ -302,6 +306,7 @@ def test_torchrun_two_ranks_log_the_single_process_losses(two_rank_runs, strateg
     assert summary["model_state_bytes"]["total"] < summary["peak_bytes"]["step"] < summary["peak_bytes"]["rss"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_each_zero_stage_shows_its_saving(two_rank_runs):
     """Per rank on 2 ranks: zero1 halves optimizer states, zero2 also gradients, zero3 also parameters."""
@@ -320,6 +325,7 @@ def test_each_zero_stage_shows_its_saving(two_rank_runs):
     assert max(peak["zero2"], peak["zero3"]) < peak["zero1"] < peak["ddp"], peak
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_single_runs_write_the_meters_too(two_rank_runs):
     summary = json.loads((two_rank_runs["single"] / "summary.json").read_text())
@@ -327,6 +333,7 @@ def test_single_runs_write_the_meters_too(two_rank_runs):
     assert set(summary["comm_bytes_per_step"].values()) == {0.0}
 
 
+@pytest.mark.long
 @pytest.mark.slow  # five tiny runs of 40 steps
 def test_expect_warns_once_when_a_run_goes_off_track_and_never_when_on_track(tmp_path, args, monkeypatch, capsys):
     """A curve law fitted on three tiny runs (widths 16, 32, 48); a new seed of the middle one stays on track, the

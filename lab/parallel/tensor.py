@@ -164,6 +164,17 @@ _ReduceScatterSequence = _conjugate("ReduceScatterSequence", "g under sequence p
                                     lambda tp, x: tp.reduce_scatter_sequence(x), lambda tp, g: tp.gather_sequence(g))
 
 
+def _eager(fn: Callable) -> Callable:
+    """``fn`` run eagerly under torch.compile, a graph break. ``torch.compiler.disable`` is applied only when
+    compiling: applied at import it would load dynamo (about a second) into every run, compiled or not."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
 class _SumOverReplicas(torch.autograd.Function):
     """A weight with replicated parts (GQA's key/value rows held by several ranks): identity forward; backward,
     each part's gradient summed over the ranks that hold it (each has only its query heads' share)."""
@@ -295,10 +306,10 @@ class TensorParallel(Unsplit):
         return split
 
     # ------------------------------------------------------------ collectives (counted on the group's Comm)
-    # Under torch.compile they run eagerly (dynamo breaks the graph there instead of tracing the bookkeeping
-    # and recompiling for every tensor it guards on).
+    # Under torch.compile they run eagerly (``_eager``: dynamo breaks the graph there instead of tracing the
+    # bookkeeping and recompiling for every tensor it guards on).
 
-    @torch.compiler.disable
+    @_eager
     def all_reduce_(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         self.comm.all_reduce(x, op=op)
         return x
@@ -306,7 +317,7 @@ class TensorParallel(Unsplit):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_(x.clone(memory_format=torch.contiguous_format))
 
-    @torch.compiler.disable
+    @_eager
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T/N, ...] shards → [B, T, ...], rank r's shard at tokens [r·T/N, (r+1)·T/N)."""
         shard = x.transpose(0, 1).contiguous()
@@ -314,7 +325,7 @@ class TensorParallel(Unsplit):
         self.comm.all_gather(whole.view(-1), shard.view(-1))
         return whole.transpose(0, 1)
 
-    @torch.compiler.disable
+    @_eager
     def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] partial sums → this rank's tokens of their sum, [B, T/N, ...]."""
         whole = x.transpose(0, 1).contiguous()

@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import pandas as pd
-from scipy.signal import lfilter
 
 from lab.runtime.files import read_json
 
@@ -47,6 +45,8 @@ def drops(lr: np.ndarray) -> np.ndarray:
 
 def areas(lr: np.ndarray, lam: float) -> tuple[np.ndarray, np.ndarray]:
     """S1 and S2 after each step (arrays as long as ``lr``); S2's drops count from the peak on."""
+    from scipy.signal import lfilter  # imported here: scipy.signal costs a run's startup about a second
+
     return np.cumsum(lr), np.cumsum(lfilter([1.0], [1.0, -lam], drops(lr)))
 
 
@@ -183,6 +183,8 @@ def _point_law(doc: dict, path: Path, params: float, batch_tokens: int) -> tuple
         raise LawError(f"{path}: unknown approach 3 form '{form}' (known: {', '.join(POINT_FORMS)})")
     best = {k: float(a3[k]) for k in POINT_FORMS[form]}
     boot = path.parent / "bootstrap.csv"
+    import pandas as pd
+
     samples = pd.read_csv(boot) if boot.is_file() else None
     resamples = None if samples is None else {k: samples[k].to_numpy(float) for k in POINT_FORMS[form]}
     level = float((doc.get("config") or {}).get("ci_level", 0.95))

@@ -157,6 +157,7 @@ def _write_run(folder, curve: Curve, kind: str, steps: int, lr: float, evals: bo
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_cli_fits_a_sweep_holds_out_wsd_and_predicts(tmp_path, capsys):
     sweep = tmp_path / "sweep"

@@ -134,6 +134,7 @@ def test_cli_fit_in_kaplan_form_plans_from_its_fit_json_and_bootstrap(tmp_path, 
     assert json.loads((out / "fit.json").read_text())["config"]["form"] == "auto"
 
 
+@pytest.mark.long
 @pytest.mark.slow  # a fit with 1,000 bootstrap resamples
 def test_the_default_sweeps_runs_give_an_identified_law_that_predicts_8e12():
     """The runs `make sweep` trained (tests/analysis/data/default-sweep.csv), fitted as `verify` fits them (all runs:

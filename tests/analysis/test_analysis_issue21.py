@@ -189,6 +189,7 @@ def _png_width(data: bytes) -> int:
     return int.from_bytes(data[16:20], "big")  # IHDR: width, then height
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_figures_in_every_format_at_200_dpi_and_tables_as_csv_and_latex(tmp_path, capsys):
     from analysis.synthetic import write_sweep
@@ -361,6 +362,7 @@ def test_kaplan_form_is_fitted_beside_approach_3_on_request(tmp_path):
     assert fit_runs(load_runs(path), QUICK).law is None  # Chinchilla's form only by default
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constants(tmp_path, capsys):
     from analysis.laws import data_constrained_log_loss

@@ -24,6 +24,7 @@ def test_a_tables_verify_rows_are_left_out_unless_asked_for():
     assert len(everything.runs) == 68 and everything.side_runs is None
 
 
+@pytest.mark.long
 @pytest.mark.slow  # three fits of 62 runs: over a minute on 2 loaded cores
 def test_fit_says_so_and_gives_the_readmes_law_and_compare_names_each_form(tmp_path, capsys):
     common = ["--bootstrap", "20", "--no-progress", "--workers", "1", "--no-holdout"]

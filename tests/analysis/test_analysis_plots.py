@@ -122,6 +122,7 @@ def test_a_narrow_loss_axis_shows_several_labelled_ticks(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_unidentified_laws_are_marked_in_the_figures(tmp_path):
     result = fit_runs(load_runs(LAB_RUNS), FitConfig(n_bootstrap=50, progress=False))
@@ -136,6 +137,7 @@ def test_unidentified_laws_are_marked_in_the_figures(tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_plots_drawn_over_two_processes_are_the_ones_drawn_in_one(many, tmp_path):
     one = make_plots(many, tmp_path, workers=1)

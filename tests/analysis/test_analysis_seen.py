@@ -44,6 +44,7 @@ def _csv(tmp_path: Path, runs: pd.DataFrame, name: str = "runs.csv") -> Path:
     return path
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_labs_own_tiny_runs_give_no_law_and_no_plan(tmp_path, capsys):
     # Six real runs of the lab (tests/test_end_to_end.py's sweep, kept in tests/analysis/data):
@@ -64,6 +65,7 @@ def test_the_labs_own_tiny_runs_give_no_law_and_no_plan(tmp_path, capsys):
     assert captured.out == "" and captured.err.startswith("error: refusing to plan")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_single_compute_budget_is_refused_for_approaches_1_and_2(tmp_path, capsys):
     runs = isoflop_runs(np.array([1e20]), per_budget=12, spread=8, noise=0.005, seed=0)
@@ -93,6 +95,7 @@ def test_lopsided_isoflop_profiles_give_the_optimum_and_flag_one_sided_ones(tmp_
     assert any(w["code"] == "isoflop_one_sided" and f"{BUDGETS[6]:.3g}" in w["message"] for w in doc["warnings"])
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_duplicate_rows_are_reported_and_do_not_narrow_the_intervals(tmp_path, capsys):
     runs = isoflop_runs(BUDGETS, per_budget=9, spread=6, noise=0.005, seed=0)

@@ -138,6 +138,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+@pytest.mark.long
 @pytest.mark.slow  # trains about 90 steps in-process (20 s on a busy machine)
 def test_a_branch_continues_its_parent_exactly_as_a_run_trained_straight_through(family, tmp_path):
     """Bitwise: the branch starts from the parent's weights, AdamW state and step, and its schedule goes on."""
@@ -204,6 +205,7 @@ def test_a_branch_waits_for_its_parent(family, tmp_path):
 SHAPES = SMALL + [{"name": "wide", "n_layer": 2, "d_model": 64, "n_head": 2}]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, sweeps_cli, registry_rows, completions,
                                                         capsys):

@@ -73,6 +73,7 @@ def finished(tmp_path_factory, write_sweep):
     return file, folder, proc.stdout
 
 
+@pytest.mark.long
 def test_every_run_is_done_with_its_summary_in_the_registry(finished, registry_rows, completions):
     file, folder, out = finished
     rows = registry_rows(folder)
@@ -90,6 +91,7 @@ def test_every_run_is_done_with_its_summary_in_the_registry(finished, registry_r
     assert (folder / "sweep.toml").read_text() == file.read_text()
 
 
+@pytest.mark.long
 def test_each_run_went_through_torchrun_with_its_strategy_and_process_count(finished, registry_rows):
     _, folder, _ = finished
     rows = registry_rows(folder)
@@ -105,6 +107,7 @@ def test_each_run_went_through_torchrun_with_its_strategy_and_process_count(fini
         assert two["final_eval_loss"] == pytest.approx(one["final_eval_loss"], rel=1e-3)
 
 
+@pytest.mark.long
 def test_running_again_skips_finished_runs(finished, sweeps_cli, registry_rows):
     file, folder, _ = finished
     before = registry_rows(folder)
@@ -118,6 +121,7 @@ def test_running_again_skips_finished_runs(finished, sweeps_cli, registry_rows):
     assert not list(folder.glob("logs/*/attempt-2.log"))
 
 
+@pytest.mark.long
 def test_status_prints_a_table_and_a_progress_bar(finished, sweeps_cli):
     file, folder, _ = finished
     for target in (folder, file):
@@ -129,6 +133,7 @@ def test_status_prints_a_table_and_a_progress_bar(finished, sweeps_cli):
         assert lines[-1].startswith("done: 100%|") and lines[-1].endswith("| 8/8")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
 def test_export_is_read_by_the_analysis_with_no_column_mapping(finished, sweeps_cli, registry_rows, suffix,
                                                                tmp_path):
@@ -159,6 +164,7 @@ def test_export_is_read_by_the_analysis_with_no_column_mapping(finished, sweeps_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("source", ["export", "folder"])
 def test_analysis_fit_runs_on_the_export_and_on_the_sweep_folder(finished, sweeps_cli, source, tmp_path):
     _, folder, _ = finished
@@ -183,6 +189,7 @@ def test_analysis_fit_runs_on_the_export_and_on_the_sweep_folder(finished, sweep
     assert doc["envelope"]["skipped"] is False and doc["envelope"]["points_from"] == "final"
 
 
+@pytest.mark.long
 def test_export_refuses_a_bad_output_name(finished, sweeps_cli, tmp_path):
     _, folder, _ = finished
     proc = sweeps_cli("export", folder, "--out", tmp_path / "runs.xlsx")
@@ -192,6 +199,7 @@ def test_export_refuses_a_bad_output_name(finished, sweeps_cli, tmp_path):
 # ---------------------------------------------------------------- killing the driver
 
 
+@pytest.mark.long
 def test_sigkill_in_the_middle_then_restart_completes_every_run_exactly_once(tmp_path, write_sweep, registry_rows,
                                                                             completions):
     # 2 runs of 49 and 94 steps, one at a time: the driver is killed while the second one is training.
@@ -235,6 +243,7 @@ def test_sigkill_in_the_middle_then_restart_completes_every_run_exactly_once(tmp
     assert "resumed at step" in resumed  # it went on from its last checkpoint
 
 
+@pytest.mark.long
 def test_sigterm_to_the_driver_stops_its_runs_and_the_next_run_resumes_them(tmp_path, write_sweep, registry_rows,
                                                                            completions):
     file = write_sweep(tmp_path / "s.toml", budgets=[1.2e10], shapes=THREE[:1],  # about 170 steps
@@ -278,6 +287,7 @@ def test_a_second_driver_on_the_same_sweep_is_refused(tmp_path, write_sweep, swe
 # ---------------------------------------------------------------- failures, cancel, retry
 
 
+@pytest.mark.long
 def test_failed_run_is_recorded_with_its_error_line_and_the_rest_goes_on(tmp_path, write_sweep, sweeps_cli,
                                                                           registry_rows):
     shapes = [THREE[0], {**THREE[1], "launch": {"strategy": "no-such-strategy"}}]
@@ -305,6 +315,7 @@ def test_failed_run_is_recorded_with_its_error_line_and_the_rest_goes_on(tmp_pat
         "error: run 'C6e8-small' is done; retry takes failed, interrupted or cancelled runs"
 
 
+@pytest.mark.long
 def test_cancel_stops_a_running_run_and_retry_resumes_it(tmp_path, write_sweep, sweeps_cli, registry_rows,
                                                          completions):
     file = write_sweep(tmp_path / "s.toml", budgets=[1.2e10], shapes=THREE[:1],  # about 170 steps
@@ -338,6 +349,7 @@ def test_cancel_stops_a_running_run_and_retry_resumes_it(tmp_path, write_sweep, 
 NASTY = "it's a \"run\"; touch PWNED-$(id -u) `touch PWNED2` && rm -rf nothing"
 
 
+@pytest.mark.long
 def test_names_with_spaces_quotes_and_semicolons_stay_inert(tmp_path, write_sweep, sweeps_cli, registry_rows):
     shapes = [{**THREE[0], "name": NASTY}]
     file = write_sweep(tmp_path / "s.toml", name="sweep 'one'; touch PWNED3", budgets=[6e8], shapes=shapes)
@@ -355,6 +367,7 @@ def test_names_with_spaces_quotes_and_semicolons_stay_inert(tmp_path, write_swee
 # ---------------------------------------------------------------- refusals keep what is recorded
 
 
+@pytest.mark.long
 def test_a_corrupt_registry_is_reported_and_left_untouched(tmp_path, write_sweep, sweeps_cli):
     file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=THREE[:1])
     folder = tmp_path / "sweep"
@@ -385,6 +398,7 @@ def test_a_corrupt_registry_is_reported_and_left_untouched(tmp_path, write_sweep
     assert (other / "sweep.db").read_bytes() == before
 
 
+@pytest.mark.long
 def test_changed_or_duplicated_run_configs_are_refused_before_any_work(tmp_path, write_sweep, sweeps_cli,
                                                                       registry_rows):
     file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=THREE[:1])

@@ -194,6 +194,7 @@ def test_bad_sweep_files_fail_with_one_line(edit, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_plan_command_prints_the_table_and_refuses_with_one_line_each(tmp_path, sweeps_cli):
     good = tmp_path / "good.toml"
@@ -218,6 +219,7 @@ def test_plan_command_prints_the_table_and_refuses_with_one_line_each(tmp_path, 
         f"error: sweep file not found: {tmp_path / 'missing.toml'}"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_default_sweep_brackets_five_budgets_over_thirty_fold_within_its_time():
     from sweeps import search

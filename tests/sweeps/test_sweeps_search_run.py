@@ -78,6 +78,7 @@ def rows(folder) -> dict[str, dict]:
         conn.close()
 
 
+@pytest.mark.long
 def test_the_search_runs_first_and_its_laws_set_the_sweeps_runs(searched):
     _, folder, out = searched
     laws = json.loads((folder / "search" / "laws.json").read_text())
@@ -104,6 +105,7 @@ def test_the_search_runs_first_and_its_laws_set_the_sweeps_runs(searched):
         assert not (folder / "runs" / name).exists()
 
 
+@pytest.mark.long
 def test_search_runs_stay_out_of_the_export_and_the_analysis(searched, sweeps_cli, tmp_path):
     _, folder, _ = searched
     assert sweeps_cli("export", folder, "--out", tmp_path / "runs.csv").returncode == 0
@@ -116,6 +118,7 @@ def test_search_runs_stay_out_of_the_export_and_the_analysis(searched, sweeps_cl
     assert sorted(load_runs(folder).runs["run_id"]) == sorted(f"runs/{n}" for n in table["run_id"])
 
 
+@pytest.mark.long
 def test_running_again_reruns_nothing_and_plan_shows_the_laws(searched, sweeps_cli):
     file, folder, _ = searched
     proc = sweeps_cli("run", file, "--folder", folder, "--no-progress")
@@ -127,6 +130,7 @@ def test_running_again_reruns_nothing_and_plan_shows_the_laws(searched, sweeps_c
             assert f"{p['lr']:.3g}" in next(line for line in proc.stdout.splitlines() if line.startswith(name + " "))
 
 
+@pytest.mark.long
 def test_verify_refuses_a_budget_that_is_not_held_out_and_an_unidentified_fit(searched, sweeps_cli):
     _, folder, _ = searched
     proc = sweeps_cli("verify", folder, "--budget", "2e9", "--no-progress")
@@ -146,6 +150,7 @@ def test_verify_refuses_a_budget_that_is_not_held_out_and_an_unidentified_fit(se
 
 
 
+@pytest.mark.long
 def test_verify_trains_the_predicted_shapes_at_the_held_out_budget(searched, sweeps_cli, tmp_path):
     """verify's whole path on a real sweep: fit, plan the three shapes around N_opt, train them, judge, record.
     The tiny corpus's losses obey no law, so the copy's recorded losses are replaced by a known law's: the fit

@@ -53,6 +53,7 @@ def run_sweep(file: Path, folder: Path, *extra: str, timeout: float = 600) -> su
                           timeout=timeout)
 
 
+@pytest.mark.long
 def test_arrays_run_every_run_with_its_own_resources(cluster, tmp_path, write_sweep, registry_rows, completions):
     # small and mid share their resources (one array of two); wide asks for another time limit (its own job)
     shapes = SHAPES[:2] + [{**SHAPES[2], "launch": {"time_min": 7}}]
@@ -86,6 +87,7 @@ def test_array_parameters_carry_each_runs_resources():
                    "mem": "65536M", "array_parallelism": 8, "gpus_per_node": 4, "partition": "gpu", "account": "lab"}
 
 
+@pytest.mark.long
 def test_a_failing_run_is_recorded_as_failed_with_its_error_line(cluster, tmp_path, write_sweep, registry_rows,
                                                                  sweeps_cli):
     shapes = [SHAPES[0], {**SHAPES[1], "launch": {"strategy": "no-such-strategy"}}]
@@ -101,6 +103,7 @@ def test_a_failing_run_is_recorded_as_failed_with_its_error_line(cluster, tmp_pa
     assert bad["error"] in sweeps_cli("status", folder).stdout
 
 
+@pytest.mark.long
 def test_a_cancelled_run_is_recorded_as_cancelled(cluster, tmp_path, write_sweep, registry_rows, sweeps_cli):
     file = write_sweep(tmp_path / "s.toml", budgets=[1e11], shapes=SHAPES[:1], extra=SLURM)  # about 1,400 steps
     folder = tmp_path / "sweep"
@@ -119,6 +122,7 @@ def test_a_cancelled_run_is_recorded_as_cancelled(cluster, tmp_path, write_sweep
     assert f"cancelled {name}" in driver.stdout.read()
 
 
+@pytest.mark.long
 def test_a_driver_killed_mid_sweep_follows_its_jobs_when_restarted(cluster, tmp_path, write_sweep, registry_rows,
                                                                    completions):
     # two runs of about a hundred steps, one at a time (array_parallelism 1)
@@ -199,6 +203,7 @@ def test_a_submission_is_recorded_before_sbatch_so_a_stopped_driver_never_submit
 NASTY = "it's a \"run\"; touch PWNED-$(id -u) `touch PWNED2` && rm -rf nothing"
 
 
+@pytest.mark.long
 def test_names_with_spaces_quotes_and_semicolons_stay_inert_on_slurm(cluster, tmp_path, write_sweep, registry_rows):
     file = write_sweep(tmp_path / "s.toml", name="sweep 'one'; touch PWNED3", budgets=[6e8],
                        shapes=[{**SHAPES[0], "name": NASTY}], extra=SLURM)
@@ -242,6 +247,7 @@ class _Events:
         self.jobs.append(job)
 
 
+@pytest.mark.long
 def test_the_multi_node_script_runs_torchrun_with_c10d_rendezvous(cluster, tmp_path, write_sweep):
     """The path multi-node runs take (a script from launch/slurm.py, submitted with sbatch), run here on
     the one node with two processes; then a failing one, whose error line comes from the task logs."""
