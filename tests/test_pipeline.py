@@ -15,6 +15,7 @@ step).
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -167,7 +168,7 @@ def test_every_schedule_at_pp2_reproduces_single_on_two_ranks():
     specs = ["single:pp=2,pp_schedule=gpipe,pp_microbatches=1", "single:pp=2,pp_schedule=gpipe,pp_microbatches=4",
              "single:pp=2,pp_schedule=1f1b,pp_microbatches=2", "ddp:pp=2,pp_schedule=1f1b,pp_microbatches=4",
              "single:pp=2,pp_microbatches=2,activation_checkpointing=full"]
-    results = run_pooled(_both_heads, 2, specs, Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP))[0]
+    results = run_pooled(_both_heads, 2, specs, Setup(steps=3, micro_batch=4, grad_clip=CLIP))[0]
     _check(results, specs)
     assert results[False][specs[0]].bitwise  # one microbatch, untied: the same operations in the same order
 
@@ -194,9 +195,10 @@ def _resume(world: World, argv: list[str], run_dir: Path) -> str:
 
 @pytest.mark.slow
 def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path):
-    """launch/run.py under torchrun with pp 2 (the split in the start line), stopped after 4 steps, then resumed from
-    its checkpoint in the same layout: the losses of an uninterrupted single run (within the tolerance above); the
-    checkpoint holds every weight of the model (it loads whole, in one process, as export does)."""
+    """launch/run.py under torchrun with pp 2 (the split in the start line, the bubble in the step line), stopped after
+    4 steps, then resumed from its checkpoint in the same layout, and in one process: both give the losses of an
+    uninterrupted single run (within the tolerance above); the checkpoint holds every weight of the model once (it
+    loads whole, in one process, as export does)."""
     from lab.commands.cli import run_main
 
     assert run_main([*args, "--run-dir", str(tmp_path / "single")]) == 0
@@ -208,7 +210,9 @@ def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path
     start = first.stdout.splitlines()[0]
     assert "strategy single (pp 2, 1f1b, 2 microbatches: stage 0: embedding + block 0 (" in start
     assert "; stage 1: block 1 + head (" in start
+    shutil.copytree(tmp_path / "pp", tmp_path / "pp-then-single")
     assert run_pooled(_resume, 2, pp, tmp_path / "pp") == ["completed"] * 2
+    assert run_main([*args, "--resume", "--run-dir", str(tmp_path / "pp-then-single")]) == 0  # pp 2 → one process
     summary = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 4 and summary["world_size"] == 2
     assert summary["pp_bubble_theory"] == 1 / 3 and len(summary["pp_bubble"]) == 2  # (p − 1)/(m + p − 1), measured
@@ -219,9 +223,10 @@ def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path
         return [r["loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
                 if "loss" in r]
 
-    assert len(losses("pp")) == 8
-    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(losses("single"), losses("pp"))), losses("pp")
     shapes = {name: p.shape for name, p in GPT(dataclasses.replace(TINY, vocab_size=512)).named_parameters()}
-    whole = checkpoint.load_model(checkpoint.latest(tmp_path / "pp"), shapes)
     ref = checkpoint.load_model(checkpoint.latest(tmp_path / "single"), shapes)
-    assert max((whole[k] - ref[k]).abs().max().item() for k in ref) <= 1e-3
+    for run in ("pp", "pp-then-single"):
+        assert len(losses(run)) == 8
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(losses("single"), losses(run))), losses(run)
+        whole = checkpoint.load_model(checkpoint.latest(tmp_path / run), shapes)
+        assert max((whole[k] - ref[k]).abs().max().item() for k in ref) <= 1e-3
