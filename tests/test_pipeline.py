@@ -24,13 +24,15 @@ import pytest
 import torch
 
 from lab.commands.cli import resolve_vocab
-from lab.commands.equivalence import TINY, Setup, equivalence
+from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.data import load_tokenizer, prepare
 from lab.model import GPT
-from lab.parallel import LoopSettings, World, validate, validate_model
+from lab.measure.device import Precision
+from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
 from lab.parallel.pipeline import Pipeline, balanced_split, schedule
 from lab.runtime import checkpoint
-from lab.runtime.config import ConfigError, ParallelConfig, build_parser, config_from_args
+from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
+from lab.training.optim import adamw_factory, param_groups
 from lab.training.train import train
 from pool import run_pooled
 
@@ -157,6 +159,17 @@ def _both_heads(world: World, specs: list[str], setup: Setup) -> dict:
             for tied in (True, False)}
 
 
+def _eval_losses(world: World, spec: str) -> tuple[float, float]:
+    """The held-out loss of one batch under ``spec`` (run through the stages in one piece) and under single."""
+    x, y = batch(Setup(), 0, 8)
+    losses = []
+    for parallel, on in ((parse_spec(spec), world), (ParallelConfig(), World(0, 1, 0, world.device))):
+        strategy = create(parallel, on, Precision("cpu", bf16=False), LOOP)
+        strategy.build(lambda: GPT(TINY), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
+        losses.append(strategy.eval_loss(x, y).item())
+    return losses[0], losses[1]
+
+
 def _check(results: dict, specs: list[str]) -> None:
     for tied, by_spec in results.items():
         assert set(by_spec) == set(specs)
@@ -171,6 +184,8 @@ def test_every_schedule_at_pp2_reproduces_single_on_two_ranks():
     results = run_pooled(_both_heads, 2, specs, Setup(steps=3, micro_batch=4, grad_clip=CLIP))[0]
     _check(results, specs)
     assert results[False][specs[0]].bitwise  # one microbatch, untied: the same operations in the same order
+    evaluated = run_pooled(_eval_losses, 2, "single:pp=2")
+    assert evaluated[0] == evaluated[1] and evaluated[0][0] == evaluated[0][1]  # on every stage, single's bits
 
 
 def test_pp4_and_pp2_by_dp2_reproduce_single_on_four_ranks():
@@ -215,6 +230,8 @@ def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path
     assert run_main([*args, "--resume", "--run-dir", str(tmp_path / "pp-then-single")]) == 0  # pp 2 → one process
     summary = json.loads((tmp_path / "pp" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 4 and summary["world_size"] == 2
+    reference = json.loads((tmp_path / "single" / "summary.json").read_text())
+    assert math.isclose(summary["final_eval_loss"], reference["final_eval_loss"], rel_tol=1e-5)
     assert summary["pp_bubble_theory"] == 1 / 3 and len(summary["pp_bubble"]) == 2  # (p − 1)/(m + p − 1), measured
     assert all(0 < b < 1 for b in summary["pp_bubble"])
     assert "(theory 33%)" in first.stdout.splitlines()[1]  # the step line: bubble per stage

@@ -308,13 +308,17 @@ class Pipeline(Unpiped):
 
     @torch.no_grad()
     def evaluate(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss of (x, y) through the stages in one piece (as ``single`` computes it), on every stage."""
+        """The loss of (x, y) through the stages in one piece (as ``single`` computes it), on every stage (its waits
+        are not a training step's)."""
+        training_wait_s = self.wait_s
         hidden = None if self.first else self._receive(self._hidden(module, x), self.stage - 1, _FORWARD_TAG)
         out = self._stage_forward(module, x, y, hidden)
         if not self.last:
             self._send(out, self.stage + 1, _FORWARD_TAG)
         self._finish_sends()
-        return self._share_loss(out.float() if self.last else torch.zeros((), device=self.axis.device))
+        loss = self._share_loss(out.float() if self.last else torch.zeros((), device=self.axis.device))
+        self.wait_s = training_wait_s
+        return loss
 
     # ------------------------------------------------------------ what follows from the stages
 
