@@ -112,7 +112,9 @@ def test_each_stage_holds_its_blocks_under_the_models_names(tied):
                                             "owns the whole step"),
     ({"strategy": "zero2", "pp": 2}, 4, "strategy 'zero2' does not run with parallel.pp > 1 yet: its gradient sync"),
     ({"strategy": "fsdp", "pp": 2}, 4, "strategy 'fsdp' does not run with parallel.pp > 1 yet"),
-    ({"strategy": "ddp", "pp": 2, "tp": 2}, 4, "parallel.tp > 1 with parallel.pp > 1 is not supported yet"),
+    ({"pp": 2, "tp": 2, "sequence_parallel": True}, 4, "parallel.pp > 1 runs with the hand-rolled tensor "
+                                                        "parallelism without sequence parallelism only"),
+    ({"pp": 2, "tp": 2, "tp_impl": "torch"}, 4, "parallel.pp > 1 runs with the hand-rolled tensor parallelism"),
     ({"pp": 2, "compile": True}, 2, "train.compile with parallel.pp > 1 is not supported yet"),
 ])
 def test_the_pipeline_is_validated_up_front(options, world_size, message):
@@ -188,11 +190,13 @@ def test_every_schedule_at_pp2_reproduces_single_on_two_ranks():
     assert evaluated[0] == evaluated[1] and evaluated[0][0] == evaluated[0][1]  # on every stage, single's bits
 
 
-def test_pp4_and_pp2_by_dp2_reproduce_single_on_four_ranks():
-    """Every schedule over 4 stages, and 2 stages × 2 data-parallel replicas under ddp and ddp_naive, with
-    accumulation (the replicas' gradients averaged by the strategy, the tied one summed between stages)."""
+def test_pp4_pp2_by_dp2_and_pp2_by_tp2_reproduce_single_on_four_ranks():
+    """Every schedule over 4 stages, 2 stages × 2 data-parallel replicas under ddp and ddp_naive, and 2 stages × 2
+    tensor-parallel ranks, with accumulation (the replicas' gradients averaged by the strategy, the tied one summed
+    between stages: under tp each rank its vocabulary shard, with the rank of the other stage that holds it)."""
     specs = ["single:pp=4,pp_schedule=gpipe,pp_microbatches=2", "single:pp=4,pp_schedule=1f1b,pp_microbatches=4",
-             "ddp:pp=2,pp_schedule=1f1b,pp_microbatches=2", "ddp_naive:pp=2,pp_schedule=gpipe,pp_microbatches=2"]
+             "ddp:pp=2,pp_schedule=1f1b,pp_microbatches=2", "ddp_naive:pp=2,pp_schedule=gpipe,pp_microbatches=2",
+             "single:pp=2,tp=2,pp_microbatches=2"]
     results = run_pooled(_both_heads, 4, specs, Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP, model=FOUR))[0]
     _check(results, specs)
 

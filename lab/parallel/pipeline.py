@@ -27,6 +27,11 @@ assumed (``_Ran``), and then the data-parallel strategy syncs the gradients as i
 backward per microbatch: the strategy's ``syncing`` is true only during the last microbatch's backward of a
 synced micro-step.
 
+Under tensor parallelism (hand-rolled, without sequence parallelism) the tensor split is applied to the whole model
+first and each stage keeps its part: a stage boundary's hidden state is whole on every rank of the tensor group, and
+the pp group of a rank joins the ranks of the other stages with its tensor coordinate (a tied embedding's shard
+goes to the rank holding the same vocabulary rows).
+
 Against ``single`` the split changes no operation: with one microbatch per micro-step the losses and weights are
 the same bits (the tied weight's two gradients are added once either way). With M microbatches the batch's mean
 loss is a mean of M means, and the gradients are summed over microbatches before the micro-steps: last-bit
@@ -73,9 +78,9 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
         raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.pp > 1 yet: its gradient sync or "
                           f"sharding expects one backward per micro-step, where a stage runs one per microbatch, "
                           f"and is not wired to that yet; choose single, ddp_naive or ddp")
-    if cfg.tp > 1:
-        raise ConfigError("parallel.tp > 1 with parallel.pp > 1 is not supported yet: the tensor-parallel rewrite "
-                          "splits the embedding and the head as if one stage held both; use one of them")
+    if cfg.sequence_parallel or cfg.tp_impl == "torch":
+        raise ConfigError("parallel.pp > 1 runs with the hand-rolled tensor parallelism without sequence parallelism "
+                          "only, for now: stages send whole-sequence hidden states as plain tensors")
     if compile:
         raise ConfigError("train.compile with parallel.pp > 1 is not supported yet: a stage runs the model's embed, "
                           "run_blocks and output, not the compiled forward; set train.compile false")
