@@ -36,9 +36,11 @@ state, and the parameter and weight-byte counts are written once, here, against 
 holds.
 
 A new data-parallel strategy overrides what differs from plain replicated training, at most: ``make_module`` and
-``wrap`` (placement), ``forward`` and ``backward`` (gradient sync), ``step`` and ``zero_grad``, ``holding`` (when it
-shards), ``restore_derived`` and ``gathered_state_dict`` (when weights derive from shards); and it names the
-``accounting`` it is measured against (``lab.parallel.accounts``). The README shows one in full.
+``wrap`` (placement), ``forward`` and ``backward`` (gradient sync; ``scaled`` when it scales the loss before the
+autograd pass), ``step`` and ``zero_grad``, ``holding`` (when it shards), ``restore_derived`` and
+``gathered_state_dict`` (when weights derive from shards); and it names the ``accounting`` it is measured against
+(``lab.parallel.accounts``). The README shows one in full. Under ``parallel.pp`` the pipeline (``lab.parallel.
+pipeline``) runs the schedule inside ``forward``; a strategy says it supports that with ``pipeline_parallel``.
 """
 
 from __future__ import annotations
