@@ -36,7 +36,7 @@ from einops import rearrange
 
 from lab.measure import accounting
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
-from lab.model.plan import ColumnSplit, ParallelPlan, TensorPlan
+from lab.model.plan import ColumnSplit, ParallelPlan, PipelinePlan, TensorPlan
 
 ARCHS = ("gpt2", "modern")
 PARAMETRIZATIONS = ("standard", "mup")
@@ -89,7 +89,14 @@ def validate_moe(cfg: ModelConfig) -> None:
 
 
 def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
-    """Raise ConfigError (one line) when ``parallel.tp`` cannot split the model's layers evenly (its plan)."""
+    """Raise ConfigError (one line) when ``parallel.tp`` or ``parallel.pp`` cannot split the model's layers evenly
+    (its plan)."""
+    if cfg.pp > 1 and model.n_layer % cfg.pp:
+        raise ConfigError(f"parallel.pp ({cfg.pp}) must divide model.n_layer ({model.n_layer}): stages hold equal "
+                          f"numbers of blocks")
+    if cfg.pp > 1 and model.moe_experts:
+        raise ConfigError("parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses between stages yet "
+                          "(model.moe_experts); use pp 1")
     if cfg.tp == 1:
         return
     if model.moe_experts:
@@ -356,25 +363,32 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for ``idx`` [B, T], or the mean cross-entropy when targets are given."""
+        loss = self.output(self.run_blocks(self.embed(idx), range(len(self.blocks))), targets)
+        if targets is not None and self.training:
+            for moe in self.moe_layers():
+                loss = loss + moe.aux_loss
+        return loss
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The hidden state [B, T, d] of tokens ``idx`` [B, T]: token (and learned position) embeddings."""
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(T, device=idx.device))
-        x = self.drop(x)
+        return self.drop(x)
+
+    def run_blocks(self, x: torch.Tensor, indices: range) -> torch.Tensor:
+        """The hidden state ``x`` through the blocks ``indices``, in order."""
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "modern" else None
-        for block in self.blocks:
-            x = block(x, rope)
-        loss = self.output(x, targets)
-        if targets is not None and self.training:
-            for moe in self.moe_layers():
-                loss = loss + moe.aux_loss
-        return loss
+        for i in indices:
+            x = self.blocks[i](x, rope)
+        return x
 
     def moe_layers(self) -> list[MoE]:
         """The blocks' mixture-of-experts MLPs (none in a dense model)."""
-        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+        return [block.mlp for block in self.blocks if block is not None and isinstance(block.mlp, MoE)]
 
     def take_router_counts(self) -> torch.Tensor | None:
         """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``), or None (dense)."""
@@ -395,12 +409,14 @@ class GPT(nn.Module):
         """How the parallel transforms may cut this model (``lab.model.plan``): the blocks are the units,
         ``output`` the head; tensor parallelism splits QKV and the MLP's up projection by columns (query and
         key/value heads apart, GQA's key/value heads replicated when fewer than the ranks), the attention
-        output and the MLP's down projection by rows, the embedding and the head by vocabulary rows."""
+        output and the MLP's down projection by rows, the embedding and the head by vocabulary rows; a pipeline
+        runs the embedding, then the blocks (a stage holds some of them: the others are None), then ``output``."""
         cfg = self.cfg
         heads, kv, head_dim = cfg.n_head, accounting.kv_heads(cfg), accounting.head_dim(cfg)
         ff = accounting.ffn_width(cfg)
         column, row, norms = {}, [], []
-        for i, block in enumerate(self.blocks):
+        held = [(i, block) for i, block in enumerate(self.blocks) if block is not None]
+        for i, block in held:
             column[f"blocks.{i}.attn.qkv"] = ColumnSplit((heads * head_dim, kv * head_dim, kv * head_dim),
                                                          (heads, kv, kv))
             row.append(f"blocks.{i}.attn.proj")
@@ -413,8 +429,12 @@ class GPT(nn.Module):
                             final_norm="norm_f", sequence_norms=norms + ["norm_f"],
                             positions=None if self.wpe is None else "wpe", vocab_size=self.vocab_size,
                             logit_divisor=self.width, split_heads=self._split_heads, config=cfg)
-        return ParallelPlan(units=[f"blocks.{i}" for i in range(len(self.blocks))], initial_value=self.initial_value,
-                            head="output", tensor=tensor)
+        pipeline = PipelinePlan(embed="embed", run="run_blocks", head="output",
+                                units=[f"blocks.{i}" for i in range(len(self.blocks))],
+                                first=["wte"] + ([] if self.wpe is None else ["wpe"]),
+                                last=["norm_f", "wte" if self.lm_head is None else "lm_head"], width=cfg.d_model)
+        return ParallelPlan(units=[f"blocks.{i}" for i, _ in held], initial_value=self.initial_value,
+                            head="output", tensor=tensor, pipeline=pipeline)
 
     def _split_heads(self, n: int) -> None:
         """Each attention now holds 1/n of the query heads and of the key/value heads (at least one)."""

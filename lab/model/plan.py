@@ -10,6 +10,7 @@ The transforms never name a model's attributes. They read a ``ParallelPlan``:
   sharded transform can build on the meta device and fill only its shard.
 - ``tensor``: how the model splits across a tensor-parallel group (``TensorPlan``); None when it
   cannot.
+- ``pipeline``: how the model runs as a pipeline of stages (``PipelinePlan``); None when it cannot.
 
 A model declares its plan with a ``parallel_plan()`` method; any other ``nn.Module`` gets
 ``default_plan``: its children that hold parameters are the units (those sharing a parameter with
@@ -69,11 +70,29 @@ class TensorPlan:
 
 
 @dataclass(frozen=True)
+class PipelinePlan:
+    """How the model runs as a pipeline: ``embed`` on the first stage, then the ``units`` in order (a consecutive
+    run of them on each stage), then ``head`` on the last. The three are names of the model's methods: ``embed``
+    maps tokens to the hidden state [b, t, ``width``], ``run`` takes it through the units with the given indices,
+    ``head`` maps it and the targets to the loss. ``first`` and ``last`` name the modules ``embed`` and ``head``
+    use; a parameter of both (a tied embedding) lives on the first stage and the last."""
+
+    embed: str
+    run: str
+    head: str
+    units: list[str]
+    first: list[str]
+    last: list[str]
+    width: int
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     units: list[str]
     initial_value: InitialValue
     head: str | None = None
     tensor: TensorPlan | None = None
+    pipeline: PipelinePlan | None = None
 
 
 def plan_of(module: nn.Module, factory: Callable[[], nn.Module]) -> ParallelPlan:

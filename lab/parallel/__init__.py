@@ -6,7 +6,7 @@ from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you
 from lab.runtime import compat
 from lab.measure.device import Precision
 from lab.model import validate_split
-from lab.parallel import activations, mesh, tensor
+from lab.parallel import activations, mesh, pipeline, tensor
 from lab.parallel.base import (
     LoopSettings,
     ModelFactory,
@@ -42,13 +42,15 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[Strategy]:
     """Check the [parallel] section for ``world_size`` processes under the loop's ``loop`` settings (the
-    strategy runs over the data-parallel ranks: ``world_size / parallel.tp``); return the strategy's class."""
+    strategy runs over the data-parallel ranks: ``world_size / (parallel.tp · parallel.pp)``); return the
+    strategy's class."""
     compat.check()
     cls = strategy_class(cfg.strategy)
     replicas = mesh.data_size(cfg, world_size)
     if cfg.tp > 1 and not cls.tensor_parallel:
         raise ConfigError(f"strategy '{cls.name}' does not run with parallel.tp > 1 (its engine takes the whole "
                           f"world); choose ddp, torch_ddp, zero1-3 or fsdp")
+    pipeline.check(cfg, cls, loop.micro_batch, loop.compile)
     if cfg.tp_impl not in tensor.IMPLEMENTATIONS:
         raise ConfigError(f"parallel.tp_impl must be one of {', '.join(tensor.IMPLEMENTATIONS)}, got '{cfg.tp_impl}'"
                           f"{did_you_mean(cfg.tp_impl, tensor.IMPLEMENTATIONS)}")
@@ -84,8 +86,8 @@ def parse_spec(text: str) -> ParallelConfig:
 
 def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
     """The strategy ``cfg`` names, validated and constructed (not yet built) on the world's mesh (collective when
-    ``parallel.tp`` > 1: every rank calls it): it runs over the data axis, its tensor-parallel transform over the
-    tensor axis."""
+    ``parallel.tp`` or ``parallel.pp`` > 1: every rank calls it): it runs over the data axis, its tensor-parallel
+    transform over the tensor axis, its pipeline over the pp axis."""
     cls = validate(cfg, world.world_size, loop)
     return cls(mesh.build(world, cfg), cfg, precision, loop)
 
@@ -98,7 +100,7 @@ def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
 def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
     """(which, how many): the data-parallel replica global rank ``rank`` belongs to, among how many. The ranks of
     a replica read the same sequences (and draw the same dropout masks)."""
-    return mesh.data_rank(cfg, rank), mesh.data_size(cfg, world_size)
+    return mesh.data_rank(cfg, rank, world_size), mesh.data_size(cfg, world_size)
 
 
 __all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",

@@ -136,7 +136,8 @@ class Accounts:
 
     def meters(self) -> dict[str, dict[str, float]]:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and theory),
-        the most activation bytes a micro-step saved for its backward, and the tensor-parallel group's bytes."""
+        the most activation bytes a micro-step saved for its backward, the tensor-parallel group's bytes and the
+        pipeline's bubble."""
         s = self.strategy
         return {
             "model_state_bytes": (self.measured or self.state_bytes()).as_dict(),
@@ -145,6 +146,7 @@ class Accounts:
             "comm_bytes_per_step_theory": self.theory_comm(),
             "activation_saved_bytes": self.most_saved,
             **s.tensor.meters(s.plan, s.loop.micro_batch, s.loop.accum_steps),
+            **s.pipeline.meters(),
         }
 
 

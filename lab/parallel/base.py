@@ -36,9 +36,11 @@ state, and the parameter and weight-byte counts are written once, here, against 
 holds.
 
 A new data-parallel strategy overrides what differs from plain replicated training, at most: ``make_module`` and
-``wrap`` (placement), ``forward`` and ``backward`` (gradient sync), ``step`` and ``zero_grad``, ``holding`` (when it
-shards), ``restore_derived`` and ``gathered_state_dict`` (when weights derive from shards); and it names the
-``accounting`` it is measured against (``lab.parallel.accounts``). The README shows one in full.
+``wrap`` (placement), ``forward`` and ``backward`` (gradient sync; ``scaled`` when it scales the loss before the
+autograd pass), ``step`` and ``zero_grad``, ``holding`` (when it shards), ``restore_derived`` and
+``gathered_state_dict`` (when weights derive from shards); and it names the ``accounting`` it is measured against
+(``lab.parallel.accounts``). The README shows one in full. Under ``parallel.pp`` the pipeline (``lab.parallel.
+pipeline``) runs the schedule inside ``forward``; a strategy says it supports that with ``pipeline_parallel``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from lab.runtime.checkpoint import CheckpointState, Held, overlap
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.measure.device import Precision
 from lab.model.plan import ParallelPlan, plan_of
-from lab.parallel import activations, tensor
+from lab.parallel import activations, pipeline, tensor
 from lab.parallel.accounts import Accounts
 from lab.parallel.comm import Comm
 from lab.parallel.mesh import Mesh
@@ -110,6 +112,7 @@ class StepMeters:
     comm_bytes: dict[str, float]  # sent by this rank, by collective
     comm_wait_s: float  # time the step waited on communication
     activation_saved_bytes: int  # the most any micro-step kept for its backward
+    layout: dict[str, object] = dataclasses.field(default_factory=dict)  # the layout's own figures (a pipeline's)
 
 
 def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -169,7 +172,8 @@ class Strategy:
 
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
-    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel"})
+    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel",
+                                                   "pp", "pp_schedule", "pp_microbatches"})
     accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
@@ -177,6 +181,7 @@ class Strategy:
     compiles: ClassVar[bool] = True  # whether it can train a torch.compile'd model (train.compile)
     tensor_parallel: ClassVar[bool] = True  # whether it runs over the data axis of a mesh with parallel.tp > 1
     shards_gradients: ClassVar[bool] = False  # whether the data axis's ranks hold different parts of the gradient
+    pipeline_parallel: ClassVar[bool] = False  # whether it runs over the data axis of a mesh with parallel.pp > 1
 
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
@@ -197,6 +202,7 @@ class Strategy:
         self.world, self.cfg, self.precision, self.loop = mesh.dp, cfg, precision, loop  # the strategy's axis: dp
         self.everyone = mesh.world  # every rank of the run
         self.tensor = tensor.on_axis(mesh.tp, cfg)  # the tensor-parallel transform, applied to the model it builds
+        self.pipeline = pipeline.on_axis(mesh.pp, cfg, loop.accum_steps)  # the stages, and the schedule that runs them
         self.comm = Comm(self.world.world_size, self.world.group)
         self._after_load: list[Callable[[], None]] = []  # what the tensor-parallel group does after a load
         self.saved = activations.SavedBytes()
@@ -208,17 +214,18 @@ class Strategy:
         self.accounts = self.accounting(self)
 
     def describe(self) -> str:
-        """The strategy as the run's start line names it (with its tensor-parallel layout)."""
-        return self.tensor.describe(self.name, self.world.world_size)
+        """The strategy as the run's start line names it (with its tensor-parallel and pipeline layouts)."""
+        return self.pipeline.describe(self.tensor.describe(self.name, self.world.world_size))
 
     # ------------------------------------------------------------ building
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
-        """Make the model and apply the transforms in their order: the tensor-parallel split (as it is built),
-        activation checkpointing, compilation (``loop.compile``), then this strategy's data-parallel placement
-        (``wrap``); the optimizer goes over groups decided before any wrapping."""
-        model_factory = self.tensor.splitting(model_factory)
+        """Make the model and apply the transforms in their order: the tensor-parallel split and the pipeline
+        stage (as it is built), activation checkpointing, compilation (``loop.compile``), then this strategy's
+        data-parallel placement (``wrap``), run by the pipeline's schedule; the optimizer goes over groups decided
+        before any wrapping."""
+        model_factory = self.pipeline.splitting(self.tensor.splitting(model_factory))
         module = self.make_module(model_factory)
         self.plan = plan_of(module, model_factory)
         groups = param_group_rule(module)
@@ -227,7 +234,7 @@ class Strategy:
         if self.loop.compile:  # traced at the first forward: the split, checkpointed model
             module.compile()
         self.module = module
-        self.model = self.wrap(module, groups)
+        self.model = self.pipeline.running(self, self.wrap(module, groups))
         self.optimizer = optimizer_factory(self.optimizer_groups(groups))
 
     def make_module(self, model_factory: ModelFactory) -> nn.Module:
@@ -258,7 +265,11 @@ class Strategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients of ``loss``; a data-parallel strategy syncs them here (its autograd pass: ``tensor.backward``)."""
-        self.tensor.backward(loss)
+        self.tensor.backward(self.scaled(loss))
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the autograd pass of ``loss`` starts from (a pipeline's last stage scales each microbatch's so)."""
+        return loss
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
@@ -266,11 +277,15 @@ class Strategy:
         Each rank adds the squares of the gradient it holds (``holding``) over the ranges it counts: the tensor-
         parallel transform's ``norm_ranges`` (a weight every rank of its group holds whole, or a replicated part,
         counted once); then they are summed over the data axis where it shards the gradients (a replicated
-        strategy's averaged gradient is whole on every rank: no communication) and over the tensor-parallel group.
+        strategy's averaged gradient is whole on every rank: no communication), over the tensor-parallel group and
+        over the pipeline's stages (a weight two stages hold, once: ``pipeline.counts``, after its gradients are
+        summed between them).
         """
+        self.pipeline.reduce_tied(self.module)
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for piece in self.holding():
-            if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main):
+            if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main) \
+                    or not self.pipeline.counts(piece.name):
                 continue
             held = (piece.lo, piece.lo + piece.grad.numel())
             for counted in self.tensor.norm_ranges(piece.name, piece.numel):
@@ -280,7 +295,7 @@ class Strategy:
                     squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
         if self.shards_gradients:
             squares = self.world.sum(squares)
-        norm = self.tensor.sum_squares(squares).sqrt()
+        norm = self.pipeline.sum_squares(self.tensor.sum_squares(squares)).sqrt()
         if max_norm > 0:
             params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -304,10 +319,12 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
 
     def take_step_meters(self) -> StepMeters:
-        """Bytes sent over the data axis, seconds waited (on both axes) and activation bytes saved since the last
+        """Bytes sent over the data axis, seconds waited (on every axis) and activation bytes saved since the last
         call (once per step); the tensor-parallel group's bytes are kept apart (``meters``)."""
         comm = self.comm.take()
-        meters = StepMeters(comm.bytes, comm.wait_s + self.tensor.take_wait_s(), self.saved.take())
+        pipeline_wait_s, layout = self.pipeline.take_meters()
+        meters = StepMeters(comm.bytes, comm.wait_s + self.tensor.take_wait_s() + pipeline_wait_s, self.saved.take(),
+                            layout)
         self.accounts.record(meters)
         return meters
 
@@ -368,7 +385,8 @@ class Strategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on the CPU under the model's names, on global rank 0 (empty elsewhere)."""
         shards = self.gathered_state_dict()
-        return self.tensor.full_state_dict(shards) if self.world.is_main else {}
+        return self.pipeline.full_state_dict(self.tensor.full_state_dict(shards) if self.world.is_main else {},
+                                             self.world.is_main)
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights as this tensor-parallel rank holds them, on the CPU, on the data axis's first rank."""

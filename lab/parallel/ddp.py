@@ -41,6 +41,7 @@ def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
 
 class NaiveDDP(Strategy):
     name = "ddp_naive"
+    pipeline_parallel = True
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
@@ -67,6 +68,7 @@ class BucketedDDP(Strategy):
     name = "ddp"
     options = Strategy.options | {"bucket_mb", "overlap"}
     accounting = accounts.Bucketed
+    pipeline_parallel = True
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
@@ -116,8 +118,11 @@ class BucketedDDP(Strategy):
             self._arrivals.append(p)
         self._launches.arrived(self._bucket_of[p], eager=self.cfg.overlap)
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss / self.world.world_size  # the all-reduced sum is then the mean
+
     def backward(self, loss: torch.Tensor) -> None:
-        self.tensor.backward(loss / self.world.world_size)  # the all-reduced sum is then the mean
+        super().backward(loss)
         if not self.syncing:
             return
         for work in self._launches.finish():

@@ -1,11 +1,13 @@
 """The device mesh: the world's ranks on named axes, built once; each transform takes its axis.
 
-A world of ``dp × tp`` ranks. Tensor-parallel groups are ``tp`` consecutive ranks (on a cluster they
-share a node: the heaviest traffic); the data-parallel groups run across them. Rank ``r`` sits at data
-coordinate ``r // tp`` and tensor coordinate ``r % tp``. Each axis is a ``World`` of its own (its rank,
-size and process group), so a data-parallel strategy written for the whole world runs unchanged over
-its axis. With ``tp`` 1 the data axis is the world itself and the tensor axis a world of one: no group
-is created. A pipeline, context or expert axis joins ``AXES`` in its place in the order.
+A world of ``pp × dp × tp`` ranks. Tensor-parallel groups are ``tp`` consecutive ranks (on a cluster they
+share a node: the heaviest traffic); the data-parallel groups run across them, and the pipeline stages,
+whose traffic is the lightest (one activation per microbatch boundary), are the outermost. Rank ``r`` sits
+at pipeline coordinate ``r // (dp·tp)``, data coordinate ``r // tp % dp`` and tensor coordinate ``r % tp``.
+Each axis is a ``World`` of its own (its rank, size and process group), so a data-parallel strategy written
+for the whole world runs unchanged over its axis. With ``tp`` and ``pp`` 1 the data axis is the world itself
+and the others worlds of one: no group is created; an axis of one is a world of one whenever another is
+split. A context or expert axis joins ``AXES`` in its place in the order.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lab.runtime import compat
 from lab.runtime.config import ConfigError, ParallelConfig
 
-AXES = ("dp", "tp")  # outermost first: the data axis spans nodes, the tensor axis stays inside one
+AXES = ("pp", "dp", "tp")  # outermost first: stages and data replicas span nodes, the tensor axis stays in one
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,14 @@ class World:
 
 
 def check_degree(cfg: ParallelConfig, world_size: int) -> None:
-    """Raise ConfigError (one line) when ``parallel.tp`` cannot split ``world_size`` processes."""
-    if cfg.tp < 1:
-        raise ConfigError(f"parallel.tp must be at least 1, got {cfg.tp}")
+    """Raise ConfigError (one line) when ``parallel.tp`` and ``parallel.pp`` cannot split ``world_size`` processes."""
+    for axis in ("tp", "pp"):
+        if getattr(cfg, axis) < 1:
+            raise ConfigError(f"parallel.{axis} must be at least 1, got {getattr(cfg, axis)}")
     if world_size % cfg.tp:
         raise ConfigError(f"parallel.tp ({cfg.tp}) must divide the world size ({world_size})")
+    if world_size % (cfg.tp * cfg.pp):
+        raise ConfigError(f"parallel.tp × parallel.pp ({cfg.tp} × {cfg.pp}) must divide the world size ({world_size})")
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
 
@@ -86,12 +91,12 @@ def check_degree(cfg: ParallelConfig, world_size: int) -> None:
 def data_size(cfg: ParallelConfig, world_size: int) -> int:
     """How many data-parallel replicas ``world_size`` processes make (each reads its own slice of a batch)."""
     check_degree(cfg, world_size)
-    return world_size // cfg.tp
+    return world_size // (cfg.tp * cfg.pp)
 
 
-def data_rank(cfg: ParallelConfig, rank: int) -> int:
+def data_rank(cfg: ParallelConfig, rank: int, world_size: int) -> int:
     """Which data-parallel replica global rank ``rank`` belongs to (its ranks read the same sequences)."""
-    return rank // cfg.tp
+    return rank // cfg.tp % data_size(cfg, world_size)
 
 
 @dataclass(frozen=True)
@@ -114,15 +119,21 @@ class Mesh:
         """The tensor-parallel axis (a world of one without tensor parallelism)."""
         return self.axes["tp"]
 
+    @property
+    def pp(self) -> World:
+        """The pipeline axis (a world of one without pipeline parallelism)."""
+        return self.axes["pp"]
+
 
 def build(world: World, cfg: ParallelConfig) -> Mesh:
     """The mesh of ``world`` for ``cfg``'s degrees (collective when an axis besides dp is split: every rank calls
     it). Every axis's group gets ``parallel.timeout_s``, not torch's 30 minutes: a dead rank fails fast."""
-    if cfg.tp == 1:
-        alone = World(rank=0, world_size=1, local_rank=world.local_rank, device=world.device)
-        return Mesh(world, {"dp": world, "tp": alone})
-    sizes = {"dp": world.world_size // cfg.tp, "tp": cfg.tp}
-    mesh = init_device_mesh(world.device.type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+    alone = World(rank=0, world_size=1, local_rank=world.local_rank, device=world.device)
+    if cfg.tp == 1 and cfg.pp == 1:
+        return Mesh(world, {"dp": world, "tp": alone, "pp": alone})
+    sizes = {"pp": cfg.pp, "dp": data_size(cfg, world.world_size), "tp": cfg.tp}
+    names = tuple(a for a in AXES if a == "dp" or sizes[a] > 1)  # the data axis is a group even when of one
+    mesh = init_device_mesh(world.device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
 
     def axis(name: str) -> World:
         sub = mesh[name]
@@ -130,4 +141,4 @@ def build(world: World, cfg: ParallelConfig) -> Mesh:
         return dataclasses.replace(world, rank=sub.get_local_rank(), world_size=sub.size(), group=sub.get_group(),
                                    device_mesh=sub)
 
-    return Mesh(world, {name: axis(name) for name in AXES})
+    return Mesh(world, {name: axis(name) if name in names else alone for name in AXES})

@@ -8,3 +8,4 @@ class Single(Strategy):
     name = "single"
     max_world_size = 1
     accounting = accounts.Local
+    pipeline_parallel = True

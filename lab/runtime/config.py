@@ -159,6 +159,13 @@ class ParallelConfig:
                              "loss_parallel; the data-parallel strategy runs over its weights' local parts)")
     sequence_parallel: bool = _f(False, "with tp > 1, norms and dropout run on sequence shards and the "
                                         "tensor-parallel all-reduces become all-gather / reduce-scatter")
+    pp: int = _f(1, "pipeline-parallel degree: the model's blocks split into this many stages (embedding on the "
+                    "first, final norm, head and loss on the last), point-to-point between them; the strategy runs "
+                    "over the rest (data parallel)")
+    pp_schedule: str = _f("1f1b", "gpipe (every microbatch's forward, then every backward) or 1f1b (after a warm-up "
+                                  "of pp - stage - 1 forwards, one forward and one backward in turn), with pp > 1")
+    pp_microbatches: int | None = _f(None, "microbatches each micro-batch is cut into for the pipeline (must divide "
+                                           "train.micro_batch; default: parallel.pp, the fewest 1f1b takes)")
 
 
 @dataclass

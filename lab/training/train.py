@@ -274,9 +274,17 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
     return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad {grad} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
             f"comm {1e3 * rec['comm_time_s']:.0f} ms | mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | "
-            f"eta {_duration(eta_s)}" + (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, dropped "
+            f"eta {_duration(eta_s)}" + _bubble(rec) + (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, dropped "
                                          f"{rec['moe_dropped_tokens']:,}, router entropy "
                                          f"{rec['moe_router_entropy']:.3f}" if "moe_load_max_over_mean" in rec else ""))
+
+
+def _bubble(rec: dict) -> str:
+    """A pipeline's measured bubble per stage beside its theory, for the step line (empty without a pipeline)."""
+    if "pp_bubble" not in rec:
+        return ""
+    stages = " ".join(f"{100 * b:.0f}%" for b in rec["pp_bubble"])
+    return f" | bubble {stages} by stage (theory {100 * rec['pp_bubble_theory']:.0f}%)"
 
 
 def moe_record(strategy: Strategy, world: World, top_k: int) -> dict[str, float]:
@@ -527,7 +535,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "compute_time_s": max(0.0, step_time - meters.comm_wait_s), "tokens_per_s": tokens_per_s,
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
                    "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks,
-                   "machine_loopback_tx_bytes": sent} | moe_record(strategy, world, cfg.model.moe_top_k)
+                   "machine_loopback_tx_bytes": sent}
+            rec |= meters.layout | moe_record(strategy, world, cfg.model.moe_top_k)
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))

@@ -1,0 +1,410 @@
+"""Pipeline parallelism by hand: the model's blocks in stages on the mesh's ``pp`` axis, point-to-point between them.
+
+``parallel.pp P`` cuts the model along its plan (``lab.model.plan.PipelinePlan``): the blocks into P runs of
+consecutive blocks balanced by parameters (``balanced_split``), the embedding on the first stage, the final norm,
+head and loss on the last. Each rank builds the whole model and keeps its stage's modules, under the model's own
+names (the others become None), so the initial weights are ``single``'s and a checkpoint stores the same entries
+whatever the layout. A tied embedding is one weight held by the first stage and the last: after the step's
+backward each sends the other its gradient and adds the one it receives (a + b on one, b + a on the other: the
+same bits), so both take the same update; the gradient norm counts it once.
+
+Each micro-step of the loop is cut into ``parallel.pp_microbatches`` M microbatches, run by a schedule of
+forwards (F) and backwards (B) on every stage (``schedule``):
+
+- ``gpipe``: every microbatch's forward, then every backward (Huang et al. 2019); a stage holds M microbatches'
+  activations at its peak;
+- ``1f1b``: stage s runs P − s − 1 forwards (warm-up), then one forward and one backward in turn, then the
+  remaining backwards (Narayanan et al. 2021, PipeDream-Flush); a stage holds at most P − s.
+
+Activations go forward and their gradients backward by ``isend`` / ``irecv`` over the pp group (sends are
+asynchronous and waited for at the end of the micro-step, receives block: the time spent blocked is the
+pipeline's wait, the bubble included). Each microbatch's loss is scaled by 1/(M · accumulation steps) before its
+backward, as the loop scales a micro-step's: the step accumulates the gradient of the same batch as without
+pipelining. The loop's ``forward`` therefore runs the whole schedule, backwards included, and returns the
+micro-step's loss (the mean over microbatches, sent from the last stage to every stage, so the loop's average
+over ranks is the loss); the loop's ``backward`` of it only checks that it seeds the gradient the schedule
+assumed (``_Ran``), and then the data-parallel strategy syncs the gradients as it always does. Its hooks see one
+backward per microbatch: the strategy's ``syncing`` is true only during the last microbatch's backward of a
+synced micro-step.
+
+Under tensor parallelism (hand-rolled, without sequence parallelism) the tensor split is applied to the whole model
+first and each stage keeps its part: a stage boundary's hidden state is whole on every rank of the tensor group, and
+the pp group of a rank joins the ranks of the other stages with its tensor coordinate (a tied embedding's shard
+goes to the rank holding the same vocabulary rows).
+
+Against ``single`` the split changes no operation: with one microbatch per micro-step the losses and weights are
+the same bits (the tied weight's two gradients are added once either way). With M microbatches the batch's mean
+loss is a mean of M means, and the gradients are summed over microbatches before the micro-steps: last-bit
+differences, as accumulation has.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lab.model.plan import PipelinePlan, plan_of
+from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
+from lab.parallel.mesh import World
+
+SCHEDULES = ("gpipe", "1f1b")
+_FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
+
+
+def microbatches(cfg: ParallelConfig) -> int:
+    """The microbatches a micro-step is cut into (default: one per stage)."""
+    return cfg.pp_microbatches if cfg.pp_microbatches is not None else cfg.pp
+
+
+def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) -> None:
+    """Raise ConfigError (one line) when ``cfg``'s pipeline cannot run under ``strategy`` (a Strategy class) with
+    micro-steps of ``micro_batch`` sequences (and ``compile``: train.compile)."""
+    if cfg.pp == 1:
+        for option in ("pp_microbatches", "pp_schedule"):
+            if getattr(cfg, option) != getattr(ParallelConfig(), option):
+                raise ConfigError(f"parallel.{option} has no effect with parallel.pp 1")
+        return
+    if cfg.pp_schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.pp_schedule}'"
+                          f"{did_you_mean(cfg.pp_schedule, SCHEDULES)}")
+    if strategy.name == "deepspeed":
+        raise ConfigError("strategy 'deepspeed' does not run with parallel.pp > 1: its engine owns the whole step "
+                          "(DeepSpeed's own PipelineEngine is not wired in); choose single, ddp_naive or ddp")
+    if not strategy.pipeline_parallel:
+        raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.pp > 1 yet: its gradient sync or "
+                          f"sharding expects one backward per micro-step, where a stage runs one per microbatch, "
+                          f"and is not wired to that yet; choose single, ddp_naive or ddp")
+    if cfg.sequence_parallel or cfg.tp_impl == "torch":
+        raise ConfigError("parallel.pp > 1 runs with the hand-rolled tensor parallelism without sequence parallelism "
+                          "only, for now: stages send whole-sequence hidden states as plain tensors")
+    if compile:
+        raise ConfigError("train.compile with parallel.pp > 1 is not supported yet: a stage runs the model's embed, "
+                          "run_blocks and output, not the compiled forward; set train.compile false")
+    m = microbatches(cfg)
+    if m < 1:
+        raise ConfigError(f"parallel.pp_microbatches must be at least 1, got {m}")
+    if micro_batch % m:
+        raise ConfigError(f"parallel.pp_microbatches ({m}) must divide train.micro_batch ({micro_batch})")
+    if cfg.pp_schedule == "1f1b" and m < cfg.pp:
+        raise ConfigError(f"parallel.pp_schedule 1f1b needs at least parallel.pp ({cfg.pp}) microbatches, got "
+                          f"parallel.pp_microbatches {m} (use gpipe, or more microbatches)")
+
+
+def balanced_split(sizes: list[int], parts: int) -> list[range]:
+    """``sizes`` (the units' parameters, in order) cut into ``parts`` consecutive runs, none empty, whose largest
+    sum is the smallest possible (among equal ones, the one whose later runs are longest)."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: the smallest largest run over cuts of the first i units into k runs; cut[k][i]: where its last starts
+    best = [[float("inf")] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    runs, end = [], n
+    for k in range(parts, 0, -1):
+        runs.append(range(cut[k][end], end))
+        end = cut[k][end]
+    return runs[::-1]
+
+
+def schedule(name: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    """The order stage ``stage`` of ``stages`` runs the forwards ("F", i) and backwards ("B", i) of ``m``
+    microbatches in (backwards in microbatch order, as accumulation adds them)."""
+    if name == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(stages - stage - 1, m)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warm, m)]
+
+
+def on_axis(axis: World, cfg: ParallelConfig, accum_steps: int) -> Unpiped:
+    """The pipeline transform of ``cfg`` on ``axis`` (the mesh's pp axis): the identity on an axis of one."""
+    return Unpiped() if axis.world_size == 1 else Pipeline(axis, cfg, accum_steps)
+
+
+class Unpiped:
+    """The pipeline transform on an axis of one: the whole model on every rank. What the strategies ask of the
+    transform they are built with (``Pipeline`` answers for a model in stages)."""
+
+    def describe(self, layout: str) -> str:
+        return layout
+
+    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        return model_factory
+
+    def running(self, strategy: object, model: nn.Module) -> nn.Module:
+        """What the strategy's forward calls: the model itself."""
+        return model
+
+    def counts(self, name: str) -> bool:
+        """Whether this rank adds parameter ``name``'s gradient to the global norm."""
+        return True
+
+    def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
+        return squares
+
+    def reduce_tied(self, module: nn.Module) -> None:
+        """Sum the gradients of a weight two stages hold (nothing to do in one stage)."""
+
+    def take_meters(self) -> tuple[float, dict[str, object]]:
+        """Seconds this rank waited on the other stages since the last call, and the step's pipeline figures."""
+        return 0.0, {}
+
+    def meters(self) -> dict[str, object]:
+        """The run's pipeline figures (for the summary)."""
+        return {}
+
+    def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
+        return weights
+
+
+class Pipeline(Unpiped):
+    """This rank's stage, its schedule, and the point-to-point traffic between stages."""
+
+    def __init__(self, axis: World, cfg: ParallelConfig, accum_steps: int):
+        self.axis, self.stage, self.n = axis, axis.rank, axis.world_size
+        self.first, self.last = self.stage == 0, self.stage == self.n - 1
+        self.schedule_name, self.m, self.accum_steps = cfg.pp_schedule, microbatches(cfg), accum_steps
+        self.plan: PipelinePlan | None = None
+        self.runs: list[range] = []  # the blocks of each stage
+        self.stage_params: list[int] = []
+        self.tied: list[str] = []  # parameters held by the first stage and the last
+        self.wait_s = self.window_s = 0.0  # blocked on other stages; inside the schedule (since the last take)
+        self.totals = torch.zeros(self.n, 2, dtype=torch.float64)  # per stage: seconds waited, seconds scheduled
+        self.theory = (self.n - 1) / (self.m + self.n - 1)  # the idle fraction of a flushed schedule, GPipe or 1F1B
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def describe(self, layout: str) -> str:
+        stages = "; ".join(f"stage {s}: {'embedding + ' if s == 0 else ''}"
+                           f"{f'blocks {r.start}-{r.stop - 1}' if len(r) > 1 else f'block {r.start}'}"
+                           f"{' + head' if s == self.n - 1 else ''} ({p:,} params)"
+                           for s, (r, p) in enumerate(zip(self.runs, self.stage_params)))
+        return f"{layout} (pp {self.n}, {self.schedule_name}, {self.m} microbatches: {stages})"
+
+    # ------------------------------------------------------------ building
+
+    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def staged() -> nn.Module:
+            model = model_factory()
+            plan = plan_of(model, model_factory).pipeline
+            if plan is None:
+                raise ConfigError(f"parallel.pp > 1: the model ({type(model).__name__}) declares no pipeline plan")
+            self._cut(model, plan)
+            return model
+        return staged
+
+    def _cut(self, model: nn.Module, plan: PipelinePlan) -> None:
+        """Choose the stages' blocks and drop from ``model`` every module this stage does not run."""
+        def params(names: list[str]) -> dict[int, nn.Parameter]:
+            return {id(p): p for name in names for p in model.get_submodule(name).parameters()}
+
+        self.plan = plan
+        self.runs = balanced_split([sum(p.numel() for p in params([u]).values()) for u in plan.units], self.n)
+        first, last = params(plan.first), params(plan.last)
+        self.tied = [name for name, p in model.named_parameters() if id(p) in first and id(p) in last]
+        self.stage_params = [sum(p.numel() for p in params([plan.units[i] for i in run]).values())
+                             + (sum(p.numel() for p in first.values()) if s == 0 else 0)
+                             + (sum(p.numel() for p in last.values()) if s == self.n - 1 else 0)
+                             for s, run in enumerate(self.runs)]
+        keep = {plan.units[i] for i in self.runs[self.stage]}
+        keep |= set(plan.first) if self.first else set()
+        keep |= set(plan.last) if self.last else set()
+        for name in [*plan.units, *plan.first, *plan.last]:
+            if name not in keep:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, None)
+
+    def running(self, strategy: object, model: nn.Module) -> nn.Module:
+        return _Staged(self, strategy, model)
+
+    # ------------------------------------------------------------ point to point
+
+    def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        work = dist.isend(tensor, dst=self.axis.global_rank(stage), group=self.axis.group, tag=tag)
+        self._sends.append((work, tensor))  # kept alive until sent
+
+    def _receive(self, like: tuple[tuple[int, ...], torch.dtype], stage: int, tag: int) -> torch.Tensor:
+        shape, dtype = like
+        buffer = torch.empty(shape, dtype=dtype, device=self.axis.device)
+        started = time.perf_counter()
+        dist.irecv(buffer, src=self.axis.global_rank(stage), group=self.axis.group, tag=tag).wait()
+        self.wait_s += time.perf_counter() - started
+        return buffer
+
+    def _finish_sends(self) -> None:
+        started = time.perf_counter()
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+        self.wait_s += time.perf_counter() - started
+
+    def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``loss`` on every stage."""
+        started = time.perf_counter()
+        dist.broadcast(loss, src=self.axis.global_rank(self.n - 1), group=self.axis.group)
+        self.wait_s += time.perf_counter() - started
+        return loss
+
+    # ------------------------------------------------------------ one micro-step
+
+    def _stage_forward(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, hidden: torch.Tensor | None
+                       ) -> torch.Tensor:
+        """This stage's part of the forward: from the tokens ``x`` (first stage) or the received ``hidden``, to the
+        loss against ``y`` (last stage) or the hidden state to send on."""
+        h = getattr(module, self.plan.embed)(x) if self.first else hidden
+        h = getattr(module, self.plan.run)(h, self.runs[self.stage])
+        return getattr(module, self.plan.head)(h, y) if self.last else h
+
+    def _hidden(self, module: nn.Module, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
+        return (*x.shape, self.plan.width), dtype
+
+    def train(self, strategy: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the micro-step (x, y) in M microbatches by the schedule; its mean loss on every
+        stage, whose backward the loop still calls (``_Ran``)."""
+        started = time.perf_counter()
+        module, sync = strategy.module, strategy.syncing
+        xs, ys = x.chunk(self.m), y.chunk(self.m)
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        losses = []
+        for kind, i in schedule(self.schedule_name, self.stage, self.n, self.m):
+            if kind == "F":
+                hidden = None
+                if not self.first:
+                    hidden = self._receive(self._hidden(module, xs[i]), self.stage - 1, _FORWARD_TAG)
+                    inputs[i] = hidden.requires_grad_()
+                out = outputs[i] = self._stage_forward(module, xs[i], ys[i], hidden)
+                if self.last:
+                    losses.append(out.detach())
+                else:
+                    self._send(out, self.stage + 1, _FORWARD_TAG)
+                continue
+            strategy.syncing = sync and i == self.m - 1  # the data-parallel hooks sync on the last backward
+            out = outputs.pop(i)
+            if self.last:
+                strategy.tensor.backward(strategy.scaled(out / (self.m * self.accum_steps)))
+            else:
+                grad = self._receive((tuple(out.shape), out.dtype), self.stage + 1, _BACKWARD_TAG)
+                torch.autograd.backward(out, grad)
+            if not self.first:
+                self._send(inputs.pop(i).grad, self.stage - 1, _BACKWARD_TAG)
+        strategy.syncing = sync
+        self._finish_sends()
+        loss = torch.stack(losses).sum() / self.m if self.last else torch.zeros((), device=self.axis.device)
+        seed = strategy.scaled(torch.ones((), device=loss.device) / self.accum_steps).item()
+        loss = self._share_loss(loss)
+        self.window_s += time.perf_counter() - started
+        return _Ran.apply(torch.zeros((), requires_grad=True), loss, seed)
+
+    @torch.no_grad()
+    def evaluate(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of (x, y) through the stages in one piece (as ``single`` computes it), on every stage (its waits
+        are not a training step's)."""
+        training_wait_s = self.wait_s
+        hidden = None if self.first else self._receive(self._hidden(module, x), self.stage - 1, _FORWARD_TAG)
+        out = self._stage_forward(module, x, y, hidden)
+        if not self.last:
+            self._send(out, self.stage + 1, _FORWARD_TAG)
+        self._finish_sends()
+        loss = self._share_loss(out.float() if self.last else torch.zeros((), device=self.axis.device))
+        self.wait_s = training_wait_s
+        return loss
+
+    # ------------------------------------------------------------ what follows from the stages
+
+    def counts(self, name: str) -> bool:
+        return not (self.last and name in self.tied)  # the first stage counts a tied weight
+
+    def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
+        return self.axis.sum(squares)
+
+    @torch.no_grad()
+    def reduce_tied(self, module: nn.Module) -> None:
+        if not (self.tied and (self.first or self.last)):
+            return
+        peer = self.axis.global_rank(self.n - 1 if self.first else 0)
+        for name in self.tied:
+            p = module.get_parameter(name)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            theirs = torch.empty_like(p.grad)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, p.grad, peer, self.axis.group),
+                                                dist.P2POp(dist.irecv, theirs, peer, self.axis.group)]):
+                work.wait()
+            p.grad.add_(theirs)
+
+    def take_meters(self) -> tuple[float, dict[str, object]]:
+        """Seconds this rank waited on the other stages since the last call (every stage calls it: the stages' figures
+        are gathered), and per stage the fraction of the schedule's time it waited (the bubble, and the transfers),
+        beside the theory (p − 1)/(m + p − 1)."""
+        mine = torch.tensor([self.wait_s, self.window_s], dtype=torch.float64)
+        wait, self.wait_s, self.window_s = self.wait_s, 0.0, 0.0
+        stages = [torch.zeros_like(mine) for _ in range(self.n)]
+        dist.all_gather(stages, mine, group=self.axis.group)
+        step = torch.stack(stages)
+        self.totals += step
+        return wait, {"pp_wait_s": step[:, 0].tolist(), "pp_bubble": _fractions(step), "pp_bubble_theory": self.theory}
+
+    def meters(self) -> dict[str, object]:
+        return {"pp_bubble": _fractions(self.totals), "pp_bubble_theory": self.theory}
+
+    def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
+        """Every stage's ``weights`` on the first stage (``holder``: this rank holds its stage's weights whole; the
+        holders of the stages form one pp group)."""
+        if not holder:
+            return {}
+        parts: list[dict] | None = [{} for _ in range(self.n)] if self.first else None
+        dist.gather_object(weights, parts, dst=self.axis.global_rank(0), group=self.axis.group)
+        return {k: v for part in parts for k, v in part.items()} if self.first else {}
+
+
+def _fractions(waits: torch.Tensor) -> list[float]:
+    """Seconds waited over seconds scheduled, per row of [waited, scheduled] (0 where nothing was scheduled)."""
+    return (waits[:, 0] / waits[:, 1].clamp_min(1e-12)).tolist()
+
+
+class _Staged(nn.Module):
+    """What a pipelined strategy's forward calls: the schedule in training, the stages in one piece without
+    gradients (evaluation)."""
+
+    def __init__(self, pipeline: Pipeline, strategy: object, model: nn.Module):
+        super().__init__()
+        self.pipeline, self.strategy = pipeline, strategy
+        self.inner = model  # a child, so that eval() and train() reach it
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.pipeline.evaluate(self.strategy.module, x, y)
+        return self.pipeline.train(self.strategy, x, y)
+
+
+class _Ran(torch.autograd.Function):
+    """A micro-step's loss whose backward the schedule has run: its own backward only checks that the loop seeds
+    the gradient the schedule scaled the microbatches' losses by."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, loss: torch.Tensor, seed: float) -> torch.Tensor:
+        ctx.seed = seed
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+        if not abs(grad.item() - ctx.seed) <= 1e-6 * abs(ctx.seed):
+            raise RuntimeError(f"the pipeline scaled its losses by {ctx.seed:g} but the loop's backward seeds "
+                               f"{grad.item():g}: it must call backward(loss / accum_steps) once per forward")
+        return None, None, None
