@@ -212,6 +212,7 @@ def _resume(world: World, argv: list[str], run_dir: Path) -> str:
     return train(cfg, data_dir, run_dir, world, resume=True)["status"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path):
     """launch/run.py under torchrun with pp 2 (the split in the start line, the bubble in the step line), stopped after

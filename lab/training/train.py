@@ -274,9 +274,15 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
     return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad {grad} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
             f"comm {1e3 * rec['comm_time_s']:.0f} ms | mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | "
-            f"eta {_duration(eta_s)}" + _bubble(rec) + (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, dropped "
-                                         f"{rec['moe_dropped_tokens']:,}, router entropy "
-                                         f"{rec['moe_router_entropy']:.3f}" if "moe_load_max_over_mean" in rec else ""))
+            f"eta {_duration(eta_s)}" + _bubble(rec) + _router(rec))
+
+
+def _router(rec: dict) -> str:
+    """A mixture of experts' router figures, for the step line (empty for a dense model)."""
+    if "moe_load_max_over_mean" not in rec:
+        return ""
+    return (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, dropped {rec['moe_dropped_tokens']:,}, "
+            f"router entropy {rec['moe_router_entropy']:.3f}")
 
 
 def _bubble(rec: dict) -> str:
