@@ -179,6 +179,7 @@ def _check(results: dict, specs: list[str]) -> None:
             assert _close(r), (tied, spec, r)
 
 
+@pytest.mark.slow
 def test_every_schedule_at_pp2_reproduces_single_on_two_ranks():
     specs = ["single:pp=2,pp_schedule=gpipe,pp_microbatches=1", "ddp:pp=2,pp_schedule=gpipe,pp_microbatches=4",
              "single:pp=2,pp_schedule=1f1b,pp_microbatches=4",
@@ -190,6 +191,7 @@ def test_every_schedule_at_pp2_reproduces_single_on_two_ranks():
     assert evaluated[0] == evaluated[1] and evaluated[0][0] == evaluated[0][1]  # on every stage, single's bits
 
 
+@pytest.mark.slow
 def test_pp4_pp2_by_dp2_and_pp2_by_tp2_reproduce_single_on_four_ranks():
     """Every schedule over 4 stages, 2 stages × 2 data-parallel replicas under ddp and ddp_naive, and 2 stages × 2
     tensor-parallel ranks, with accumulation (the replicas' gradients averaged by the strategy, the tied one summed
