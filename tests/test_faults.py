@@ -285,30 +285,32 @@ def test_every_mesh_axis_gets_the_run_timeout():
 
 RANK_DIES = """
 import os, sys, time
+from pathlib import Path
 from lab.model import GPT
 from lab.commands.cli import run_main
 
-forward, calls = GPT.forward, [0]
+run_blocks, metrics = GPT.run_blocks, Path(os.environ["METRICS"])
 
-def dies_in_step_3(self, *args, **kwargs):  # two micro-steps a step: the third step's first forward
-    calls[0] += 1
-    if os.environ["RANK"] == "1" and calls[0] == 5:
+def dies_in_step_3(self, *args, **kwargs):  # its first pass through blocks once rank 0 has logged step 2
+    if os.environ["RANK"] == "1" and metrics.exists() and '"step": 2,' in metrics.read_text():
         if os.environ["FAULT"] == "hang":  # alive, connections open, never answering
             time.sleep(3600)
         os._exit(9)
-    return forward(self, *args, **kwargs)
+    return run_blocks(self, *args, **kwargs)
 
-GPT.forward = dies_in_step_3
+GPT.run_blocks = dies_in_step_3
 sys.exit(run_main(sys.argv[1:]))
 """
 
 
 @pytest.mark.long
 @pytest.mark.slow  # two rank processes
-@pytest.mark.parametrize("fault", ["exit", "hang"])
-def test_a_dead_rank_on_the_tp_axis_fails_the_survivor_within_the_timeout_naming_the_axis(fault, args, tmp_path):
-    """Two ranks on one tensor-parallel axis, started without torchrun (whose agent would stop the survivor
-    itself, as a node's agent never does for ranks on other nodes): rank 1 exits, or hangs, in step 3."""
+@pytest.mark.parametrize("axis, fault", [("tp", "exit"), ("tp", "hang"), ("pp", "exit"), ("pp", "hang")])
+def test_a_dead_rank_on_the_tp_or_pp_axis_fails_the_survivor_within_the_timeout_naming_the_axis(axis, fault, args,
+                                                                                                tmp_path):
+    """Two ranks on one tensor-parallel axis, or two pipeline stages (the survivor blocked in a point-to-point
+    receive mid-schedule), started without torchrun (whose agent would stop the survivor itself, as a node's agent
+    never does for ranks on other nodes): rank 1 exits, or hangs, in step 3."""
     import subprocess
     import sys
     import time
@@ -318,12 +320,13 @@ def test_a_dead_rank_on_the_tp_axis_fails_the_survivor_within_the_timeout_naming
     script = tmp_path / "rank_dies.py"
     script.write_text(RANK_DIES)
     port, timeout_s = free_port(), 8
-    procs = [subprocess.Popen([sys.executable, str(script), *args, "--strategy", "ddp", "--parallel.tp", "2",
+    procs = [subprocess.Popen([sys.executable, str(script), *args, "--strategy", "ddp", f"--parallel.{axis}", "2",
                                "--parallel.timeout_s", str(timeout_s), "--run-dir", str(tmp_path / "r")],
                               cwd=Path(__file__).resolve().parents[1], text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE,
                               env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-                                   "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "FAULT": fault})
+                                   "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "FAULT": fault,
+                                   "METRICS": str(tmp_path / "r" / "metrics.jsonl")})
              for r in range(2)]
     try:
         metrics = tmp_path / "r" / "metrics.jsonl"  # rank 0 writes a line per step: step 2's, then rank 1 stops
@@ -342,5 +345,5 @@ def test_a_dead_rank_on_the_tp_axis_fails_the_survivor_within_the_timeout_naming
             p.wait()
     assert code == 1 and waited < timeout_s + 10, (code, waited, err)
     line = one_error_line(err)
-    assert line.startswith("error: rank 0: a rank on the tp axis died or did not answer within parallel.timeout_s "
+    assert line.startswith(f"error: rank 0: a rank on the {axis} axis died or did not answer within parallel.timeout_s "
                            "(8 s)"), line

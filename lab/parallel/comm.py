@@ -61,17 +61,24 @@ class AxisFailed(RuntimeError):
         self.axis = axis
 
 
-def _names_axis(collective: Callable) -> Callable:
-    """A Comm method whose failure says which axis it ran on (when the Comm has a name)."""
-    @functools.wraps(collective)
-    def call(self: "Comm", *args, **kwargs):
-        try:
-            return collective(self, *args, **kwargs)
-        except RuntimeError as e:
-            if self.axis is None or isinstance(e, AxisFailed):
-                raise
-            raise AxisFailed(self.axis, e) from e
-    return call
+def naming_axis(axis: str | None) -> Callable[[Callable], Callable]:
+    """A decorator: the function's communication failures raise AxisFailed naming ``axis`` (a method's: the
+    axis its object names, ``self.axis``, when ``axis`` is None; nothing is renamed where that is None too)."""
+    def decorate(communicate: Callable) -> Callable:
+        @functools.wraps(communicate)
+        def call(*args, **kwargs):
+            try:
+                return communicate(*args, **kwargs)
+            except RuntimeError as e:
+                name = axis if axis is not None else getattr(args[0], "axis", None)
+                if name is None or isinstance(e, AxisFailed):
+                    raise
+                raise AxisFailed(name, e) from e
+        return call
+    return decorate
+
+
+_names_axis = naming_axis(None)  # a Comm method: the axis the Comm is named after
 
 
 @dataclass

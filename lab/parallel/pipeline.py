@@ -49,10 +49,12 @@ import torch.nn as nn
 
 from lab.model.plan import PipelinePlan, plan_of
 from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
+from lab.parallel.comm import naming_axis
 from lab.parallel.mesh import World
 
 SCHEDULES = ("gpipe", "1f1b")
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
+_on_pp = naming_axis("pp")  # a failed send or receive names the axis: a stage died or did not answer
 
 
 def microbatches(cfg: ParallelConfig) -> int:
@@ -232,11 +234,13 @@ class Pipeline(Unpiped):
 
     # ------------------------------------------------------------ point to point
 
+    @_on_pp
     def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
         work = dist.isend(tensor, dst=self.axis.global_rank(stage), group=self.axis.group, tag=tag)
         self._sends.append((work, tensor))  # kept alive until sent
 
+    @_on_pp
     def _receive(self, like: tuple[tuple[int, ...], torch.dtype], stage: int, tag: int) -> torch.Tensor:
         shape, dtype = like
         buffer = torch.empty(shape, dtype=dtype, device=self.axis.device)
@@ -245,6 +249,7 @@ class Pipeline(Unpiped):
         self.wait_s += time.perf_counter() - started
         return buffer
 
+    @_on_pp
     def _finish_sends(self) -> None:
         started = time.perf_counter()
         for work, _ in self._sends:
@@ -252,6 +257,7 @@ class Pipeline(Unpiped):
         self._sends = []
         self.wait_s += time.perf_counter() - started
 
+    @_on_pp
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's ``loss`` on every stage."""
         started = time.perf_counter()
@@ -333,6 +339,7 @@ class Pipeline(Unpiped):
     def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
         return self.axis.sum(squares)
 
+    @_on_pp
     @torch.no_grad()
     def reduce_tied(self, module: nn.Module) -> None:
         if not (self.tied and (self.first or self.last)):
@@ -348,6 +355,7 @@ class Pipeline(Unpiped):
                 work.wait()
             p.grad.add_(theirs)
 
+    @_on_pp
     def take_meters(self) -> tuple[float, dict[str, object]]:
         """Seconds this rank waited on the other stages since the last call (every stage calls it: the stages' figures
         are gathered), and per stage the fraction of the schedule's time it waited (the bubble, and the transfers),
@@ -363,6 +371,7 @@ class Pipeline(Unpiped):
     def meters(self) -> dict[str, object]:
         return {"pp_bubble": _fractions(self.totals), "pp_bubble_theory": self.theory}
 
+    @_on_pp
     def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
         """Every stage's ``weights`` on the first stage (``holder``: this rank holds its stage's weights whole; the
         holders of the stages form one pp group)."""
