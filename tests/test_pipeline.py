@@ -214,6 +214,38 @@ def _resume(world: World, argv: list[str], run_dir: Path) -> str:
     return train(cfg, data_dir, run_dir, world, resume=True)["status"]
 
 
+def _sent_bytes(world: World, spec: str, layers: int, accum: int) -> dict:
+    """The bytes one training step sent between stages on this rank (measured, theory), after an evaluation."""
+    from lab.training.train import StepPlan, train_step
+
+    model = dataclasses.replace(TINY, n_layer=layers)
+    setup = Setup(model=model, accum=accum, micro_batch=4)
+    strategy = create(parse_spec(spec), world, Precision("cpu", False),
+                      LoopSettings(micro_batch=4, accum_steps=accum, grad_clip=1.0))
+    strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
+                   adamw_factory(TrainConfig(), world.device))
+    plan = StepPlan(4 * accum, accum, 1, 4, 1)
+    x, y = batch(setup, 0, plan.global_sequences)
+    strategy.eval_loss(x[:2], y[:2])  # not a training step's traffic
+    train_step(strategy, world, [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(0, m) for m in range(accum))],
+               accum, 1e-2, 1.0)
+    layout = strategy.take_step_meters().layout
+    return {"sent": layout["pp_sent_bytes"], "theory": layout["pp_sent_bytes_theory"], "stage": world.rank}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec, ranks, layers", [("single:pp=2,pp_schedule=1f1b,pp_microbatches=2", 2, 2),
+                                                 ("single:pp=4,pp_schedule=gpipe,pp_microbatches=4", 4, 4)])
+def test_the_bytes_sent_between_stages_are_b_s_h_per_boundary_and_direction(spec, ranks, layers):
+    """Counted from the tensors each stage hands to isend; theory: each micro-step's batch × block size × width × 4
+    bytes, once per boundary a stage has and direction (the first and last stage one, a middle stage two)."""
+    accum = 2
+    hidden = 4 * TINY.block_size * TINY.d_model * 4  # a micro-step's b · s · h in fp32
+    for r in run_pooled(_sent_bytes, ranks, spec, layers, accum):
+        boundaries = 1 if r["stage"] in (0, ranks - 1) else 2
+        assert r["sent"] == r["theory"] == accum * boundaries * hidden, (spec, r)
+
+
 @pytest.mark.long
 @pytest.mark.slow
 def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path):

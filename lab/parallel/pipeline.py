@@ -40,6 +40,7 @@ differences, as accumulation has.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -186,6 +187,7 @@ class Pipeline(Unpiped):
         self.tied: list[str] = []  # parameters held by the first stage and the last
         self.wait_s = self.window_s = 0.0  # blocked on other stages; inside the schedule (since the last take)
         self.totals = torch.zeros(self.n, 2, dtype=torch.float64)  # per stage: seconds waited, seconds scheduled
+        self.sent_bytes = self.sent_bytes_theory = 0  # activations and their gradients sent (since the last take)
         self.theory = (self.n - 1) / (self.m + self.n - 1)  # the idle fraction of a flushed schedule, GPipe or 1F1B
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -237,6 +239,7 @@ class Pipeline(Unpiped):
     @_on_pp
     def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
+        self.sent_bytes += tensor.numel() * tensor.element_size()  # what goes on the wire, as sent
         work = dist.isend(tensor, dst=self.axis.global_rank(stage), group=self.axis.group, tag=tag)
         self._sends.append((work, tensor))  # kept alive until sent
 
@@ -285,6 +288,8 @@ class Pipeline(Unpiped):
         started = time.perf_counter()
         module, sync = strategy.module, strategy.syncing
         xs, ys = x.chunk(self.m), y.chunk(self.m)
+        shape, dtype = self._hidden(module, x)  # theory: b · s · h per boundary a stage has, forward and backward
+        self.sent_bytes_theory += (2 - self.first - self.last) * math.prod(shape) * dtype.itemsize
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses = []
@@ -321,14 +326,14 @@ class Pipeline(Unpiped):
     def evaluate(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss of (x, y) through the stages in one piece (as ``single`` computes it), on every stage (its waits
         are not a training step's)."""
-        training_wait_s = self.wait_s
+        training_wait_s, training_sent = self.wait_s, self.sent_bytes
         hidden = None if self.first else self._receive(self._hidden(module, x), self.stage - 1, _FORWARD_TAG)
         out = self._stage_forward(module, x, y, hidden)
         if not self.last:
             self._send(out, self.stage + 1, _FORWARD_TAG)
         self._finish_sends()
         loss = self._share_loss(out.float() if self.last else torch.zeros((), device=self.axis.device))
-        self.wait_s = training_wait_s
+        self.wait_s, self.sent_bytes = training_wait_s, training_sent
         return loss
 
     # ------------------------------------------------------------ what follows from the stages
@@ -358,15 +363,18 @@ class Pipeline(Unpiped):
     @_on_pp
     def take_meters(self) -> tuple[float, dict[str, object]]:
         """Seconds this rank waited on the other stages since the last call (every stage calls it: the stages' figures
-        are gathered), and per stage the fraction of the schedule's time it waited (the bubble, and the transfers),
-        beside the theory (p − 1)/(m + p − 1)."""
+        are gathered), per stage the fraction of the schedule's time it waited (the bubble, and the transfers),
+        beside the theory (p − 1)/(m + p − 1), and the bytes this rank sent to its neighbours (activations forward,
+        their gradients backward; evaluation's not counted) beside b · s · h per boundary and direction."""
         mine = torch.tensor([self.wait_s, self.window_s], dtype=torch.float64)
-        wait, self.wait_s, self.window_s = self.wait_s, 0.0, 0.0
+        sent = {"pp_sent_bytes": self.sent_bytes, "pp_sent_bytes_theory": self.sent_bytes_theory}
+        wait, self.wait_s, self.window_s, self.sent_bytes, self.sent_bytes_theory = self.wait_s, 0.0, 0.0, 0, 0
         stages = [torch.zeros_like(mine) for _ in range(self.n)]
         dist.all_gather(stages, mine, group=self.axis.group)
         step = torch.stack(stages)
         self.totals += step
-        return wait, {"pp_wait_s": step[:, 0].tolist(), "pp_bubble": _fractions(step), "pp_bubble_theory": self.theory}
+        return wait, {"pp_wait_s": step[:, 0].tolist(), "pp_bubble": _fractions(step), "pp_bubble_theory": self.theory,
+                      **sent}
 
     def meters(self) -> dict[str, object]:
         return {"pp_bubble": _fractions(self.totals), "pp_bubble_theory": self.theory}

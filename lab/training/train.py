@@ -290,7 +290,8 @@ def _bubble(rec: dict) -> str:
     if "pp_bubble" not in rec:
         return ""
     stages = " ".join(f"{100 * b:.0f}%" for b in rec["pp_bubble"])
-    return f" | bubble {stages} by stage (theory {100 * rec['pp_bubble_theory']:.0f}%)"
+    return (f" | bubble {stages} by stage (theory {100 * rec['pp_bubble_theory']:.0f}%) | p2p "
+            f"{rec['pp_sent_bytes'] / 2**10:,.0f} KiB (theory {rec['pp_sent_bytes_theory'] / 2**10:,.0f})")
 
 
 def moe_record(strategy: Strategy, world: World, top_k: int) -> dict[str, float]:
