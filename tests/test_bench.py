@@ -116,9 +116,9 @@ def test_the_gpu_benchmark_table_names_the_device_and_every_figure():
     from lab.commands.bench_gpu import markdown
 
     row = {"model": "gpt2-124m", "compile": True, "tokens_per_s": 1e5, "mfu": 0.4, "mem_peak_bytes": 2**31}
-    run = {"step_time_s": 0.1, "peak_bytes": {"forward": 1}, "peak_bytes_theory": {"forward": 2}}
+    run = {"step_time_s": 0.1, "peak_bytes": {"forward": 3 * 2**20, "rss": 1}, "peak_bytes_theory": {"forward": 2**21}}
     text = markdown({"device": "NVIDIA H100", "torch": "2.13.0", "throughput": [row],
                      "runs": {"ddp": run, "zero3": run}, "zero3_over_ddp_step_time": 1.1})
     assert text.startswith("# GPU benchmark: NVIDIA H100")
-    assert "| gpt2-124m | True | 100,000 | 40.0 % | 2.00 |" in text and "| zero3 | 100.0 |" in text
+    assert "| gpt2-124m | True | 100,000 | 40.0 % | 2.00 |" in text and "| zero3 | 100.0 | 3 vs 2 (+50%) |" in text
     assert "zero3 / ddp step time: 1.100x" in text

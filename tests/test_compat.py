@@ -22,3 +22,16 @@ def test_a_deepspeed_optimizer_without_a_field_the_lab_reads_fails_in_one_line(s
     with pytest.raises(compat.Incompatible) as e:
         compat.check_deepspeed_optimizer(lacking, stage)
     assert f"SimpleNamespace.{fields[0]}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ddp_turns_off_the_buffer_sync_with_the_keyword_the_installed_torch_has(monkeypatch):
+    """torch 2.13 renamed broadcast_buffers to forward_sync_buffers; an older torch has only the old name (an H100
+    machine's torch 2.11 refused the new one)."""
+    assert compat.ddp_without_buffer_sync() == {"forward_sync_buffers": False}  # the pinned torch
+
+    class OlderDDP:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, process_group=None):
+            pass
+
+    monkeypatch.setattr(compat, "DistributedDataParallel", OlderDDP)
+    assert compat.ddp_without_buffer_sync() == {"broadcast_buffers": False}

@@ -80,8 +80,11 @@ from lab.training.train import train_step
 
 def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: int, device: torch.device,
                bf16: bool, compile: bool) -> dict:
+    """One model's training steps in this process: step time, tokens/s, MFU and this case's memory peak."""
     cfg = resolve({"model": {"preset": preset, "vocab_size": vocab}}).model
     precision = Precision(device.type, bf16)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this case's peak, not the largest since the process started
     with torch.device(device):
         model = GPT(cfg)
     if compile:
@@ -395,8 +398,9 @@ def memory_run(strategy: str, nproc: int, run_dir: Path, extra: list[str]) -> di
         proc.returncode = os.waitstatus_to_exitcode(status)
     records = _step_records(run_dir / "metrics.jsonl")
     if proc.returncode != 0 or len(records) < 2:
-        last = Path(log.name).read_text().strip().splitlines()[-1:]
-        raise RuntimeError(f"{strategy}: the run exited with {proc.returncode} after {len(records)} step(s): {last}")
+        lines = Path(log.name).read_text().strip().splitlines()
+        cause = [line for line in lines if "Error" in line or line.startswith("error:")][-1:] or lines[-1:]
+        raise RuntimeError(f"{strategy}: the run exited with {proc.returncode} after {len(records)} step(s): {cause}")
     summary = json.loads((run_dir / "summary.json").read_text())
     sent = [r["machine_loopback_tx_bytes"] for r in (records[0], records[-1])]
     timed = records[1:]

@@ -57,10 +57,14 @@ def markdown(results: dict) -> str:
              "| model | compile | tokens/s | MFU | allocator peak (GiB) |", "|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['compile']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f} % | "
               f"{r['mem_peak_bytes'] / 2**30:.2f} |" for r in results["throughput"]]
-    lines += ["", "| strategy (torchrun, NCCL) | step ms | peak bytes per phase (measured) | theory |",
-              "|---|---|---|---|"]
-    lines += [f"| {name} | {1e3 * r['step_time_s']:.1f} | {r['peak_bytes']} | {r['peak_bytes_theory']} |"
-              for name, r in results["runs"].items()]
+    lines += ["", "| strategy (torchrun, NCCL) | step ms (median) | allocator peak MiB forward / backward / step: "
+              "measured vs theory |", "|---|---|---|"]
+    mib = 2**20
+    for name, r in results["runs"].items():
+        measured, theory = r["peak_bytes"], r["peak_bytes_theory"]
+        phases = " / ".join(f"{measured[p] / mib:,.0f} vs {theory[p] / mib:,.0f} ({measured[p] / theory[p] - 1:+.0%})"
+                            for p in theory)
+        lines.append(f"| {name} | {1e3 * r['step_time_s']:.1f} | {phases} |")
     lines += ["", f"zero3 / ddp step time: {results['zero3_over_ddp_step_time']:.3f}x", ""]
     return "\n".join(lines)
 

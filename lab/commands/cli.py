@@ -39,7 +39,7 @@ from lab.runtime.files import LockHeld, dumps, probe_writable, read_json, save_j
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.runtime.extras import require
 from lab.model import GPT
-from lab.parallel import World, join_group_of_one, validate_model
+from lab.parallel import World, backend_for, join_group_of_one, validate_model
 from lab.parallel.comm import AxisFailed
 from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
 
@@ -312,7 +312,7 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
         if os.environ.get("MASTER_ADDR") in LOOPBACK_HOSTS:
             listen_on_loopback()  # rank 0 hosts the store when torchrun does not share its own
         try:
-            dist.init_process_group(backend="nccl" if world.device.type == "cuda" else "gloo",
+            dist.init_process_group(backend=backend_for(world.device),
                                     timeout=timedelta(seconds=cfg.parallel.timeout_s))
         except RuntimeError as e:  # torch.distributed.DistError and its kinds derive from it
             print(f"error: the {world.world_size} processes did not meet within parallel.timeout_s "

@@ -15,6 +15,7 @@ from lab.parallel.base import (
     ParamGroupRule,
     Strategy,
     changed_options,
+    backend_for,
     join_group_of_one,
 )
 from lab.parallel.mesh import World
@@ -104,5 +105,5 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
 
 
 __all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",
-           "World", "create", "data_replica", "join_group_of_one", "parse_spec", "register", "strategy_class",
-           "validate", "validate_model"]
+           "World", "backend_for", "create", "data_replica", "join_group_of_one", "parse_spec", "register",
+           "strategy_class", "validate", "validate_model"]

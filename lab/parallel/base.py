@@ -65,10 +65,16 @@ from lab.parallel.comm import Comm
 from lab.parallel.mesh import Mesh
 
 
+def backend_for(device: torch.device) -> str:
+    """The process group's backends: gloo on a CPU; on a GPU NCCL for CUDA tensors and gloo for the few small
+    CPU tensors some collectives carry (flags, meters)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def join_group_of_one(device: torch.device) -> None:
     """A process group holding this process alone (an in-process store, no port), so that a strategy written
     for N ranks runs as a world of one, started by plain python or by torchrun with one process."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
 
 
 @dataclass(frozen=True)

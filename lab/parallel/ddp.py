@@ -141,7 +141,8 @@ class BucketedDDP(Strategy):
         """Rebuild the buckets in the order rank 0 saw gradients arrive (once, after the first step)."""
         index = {p: i for i, p in enumerate(self.trainable)}
         seen = [index[p] for p in dict.fromkeys(self._arrivals)]
-        order = torch.tensor(seen + [i for i in range(len(index)) if i not in set(seen)], dtype=torch.int64)
+        order = torch.tensor(seen + [i for i in range(len(index)) if i not in set(seen)], dtype=torch.int64,
+                             device=self.trainable[0].device)
         self.comm.broadcast(order, src=0)
         self._arrivals = None
         params = self.trainable

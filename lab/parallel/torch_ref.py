@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lab.parallel import accounts
 from lab.parallel.base import ParamGroup, Piece, Strategy
+from lab.runtime import compat
 
 
 class TorchDDP(Strategy):
@@ -31,7 +32,7 @@ class TorchDDP(Strategy):
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_mb,
-                                      forward_sync_buffers=False, process_group=self.world.group)
+                                      process_group=self.world.group, **compat.ddp_without_buffer_sync())
         ddp.register_comm_hook(state=None, hook=self._all_reduce)
         self._launched = self._done = 0.0
         return ddp

@@ -9,6 +9,7 @@ of the lab calls the functions below, never the internals themselves.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from lab.runtime.config import ConfigError
 
@@ -79,6 +81,14 @@ def unflatten_mesh(mesh: Any, sizes: tuple[int, int], names: tuple[str, str]) ->
     two = mesh._unflatten(0, sizes, names)
     two._flatten()
     return two
+
+
+def ddp_without_buffer_sync() -> dict[str, bool]:
+    """DistributedDataParallel's keyword that turns off the buffers' broadcast before each forward: torch 2.13
+    renamed ``broadcast_buffers`` to ``forward_sync_buffers`` and deprecated the old name."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def inherit_timeout(group: dist.ProcessGroup) -> None:
