@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,7 @@ from einops import rearrange
 
 from lab.measure import accounting
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
-from lab.model.plan import ColumnSplit, ParallelPlan, PipelinePlan, TensorPlan
+from lab.model.plan import ColumnSplit, ExpertPlan, ParallelPlan, PipelinePlan, TensorPlan
 
 ARCHS = ("gpt2", "modern")
 PARAMETRIZATIONS = ("standard", "mup")
@@ -89,14 +90,19 @@ def validate_moe(cfg: ModelConfig) -> None:
 
 
 def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
-    """Raise ConfigError (one line) when ``parallel.tp`` or ``parallel.pp`` cannot split the model's layers evenly
-    (its plan)."""
+    """Raise ConfigError (one line) when ``parallel.tp``, ``parallel.pp`` or ``parallel.ep`` cannot split the model's
+    layers evenly (its plan)."""
     if cfg.pp > 1 and model.n_layer % cfg.pp:
         raise ConfigError(f"parallel.pp ({cfg.pp}) must divide model.n_layer ({model.n_layer}): stages hold equal "
                           f"numbers of blocks")
     if cfg.pp > 1 and model.moe_experts:
         raise ConfigError("parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses between stages yet "
                           "(model.moe_experts); use pp 1")
+    if cfg.ep > 1 and not model.moe_experts:
+        raise ConfigError(f"parallel.ep ({cfg.ep}) splits a mixture of experts: set model.moe_experts")
+    if cfg.ep > 1 and model.moe_experts % cfg.ep:
+        raise ConfigError(f"parallel.ep ({cfg.ep}) must divide model.moe_experts ({model.moe_experts}): every rank of "
+                          f"an expert-parallel group holds as many experts")
     if cfg.tp == 1:
         return
     if model.moe_experts:
@@ -214,6 +220,8 @@ class MoE(nn.Module):
         self.shared = MLP(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # [E + 3]: assignments per expert, dropped, entropy sum, tokens
+        # rows per expert -> their outputs, when the experts live elsewhere (expert parallelism: lab.parallel.experts)
+        self.exchange: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -223,10 +231,13 @@ class MoE(nn.Module):
         if self.normalize_gates:
             gate = gate / gate.sum(dim=-1, keepdim=True)
         kept = self.kept(choice)
+        assigned = [torch.where((choice == e) & kept) for e in range(self.n_experts)]  # (token, slot) per expert
+        rows = [flat[token] for token, _ in assigned]
+        outputs = (self.exchange(rows) if self.exchange is not None
+                   else [expert(r) for expert, r in zip(self.experts, rows)])
         out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where((choice == e) & kept)
-            out.index_add_(0, token, (expert(flat[token]) * gate[token, slot, None]).to(out.dtype))
+        for (token, slot), y in zip(assigned, outputs):
+            out.index_add_(0, token, (y * gate[token, slot, None]).to(out.dtype))
         if self.shared is not None:
             out = out + self.shared(flat)
         self.aux_loss = (self.aux_loss_coef * balance_loss(probs, choice)
@@ -271,12 +282,13 @@ def balance_loss(probs: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
 
 def router_meters(counts: torch.Tensor, top_k: int) -> dict[str, float]:
     """Step figures from the summed ``MoE.take_counts`` of every MoE layer ([layers, E + 3]): the most loaded
-    expert over the mean (the worst layer), dropped assignments (count and fraction) and router entropy (nats,
-    mean over tokens and layers)."""
+    expert over the mean (the worst layer), the assignments each expert took (summed over layers), dropped
+    assignments (count and fraction) and router entropy (nats, mean over tokens and layers)."""
     load, dropped, entropy, tokens = counts[:, :-3], counts[:, -3], counts[:, -2], counts[:, -1]
     if tokens.sum() == 0:
         return {}
     return {"moe_load_max_over_mean": (load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-30)).max().item(),
+            "moe_tokens_per_expert": [int(n) for n in load.sum(dim=0).tolist()],
             "moe_dropped_tokens": int(dropped.sum().item()),
             "moe_dropped_fraction": (dropped.sum() / (tokens.sum() * top_k)).item(),
             "moe_router_entropy": (entropy.sum() / tokens.sum()).item()}
@@ -433,8 +445,10 @@ class GPT(nn.Module):
                                 units=[f"blocks.{i}" for i in range(len(self.blocks))],
                                 first=["wte"] + ([] if self.wpe is None else ["wpe"]),
                                 last=["norm_f", "wte" if self.lm_head is None else "lm_head"], width=cfg.d_model)
+        moe = [f"blocks.{i}.mlp" for i, block in held if isinstance(block.mlp, MoE)]
+        experts = ExpertPlan(layers=moe, count=cfg.moe_experts, config=cfg) if moe else None
         return ParallelPlan(units=[f"blocks.{i}" for i, _ in held], initial_value=self.initial_value,
-                            head="output", tensor=tensor, pipeline=pipeline)
+                            head="output", tensor=tensor, pipeline=pipeline, experts=experts)
 
     def _split_heads(self, n: int) -> None:
         """Each attention now holds 1/n of the query heads and of the key/value heads (at least one)."""

@@ -11,6 +11,7 @@ The transforms never name a model's attributes. They read a ``ParallelPlan``:
 - ``tensor``: how the model splits across a tensor-parallel group (``TensorPlan``); None when it
   cannot.
 - ``pipeline``: how the model runs as a pipeline of stages (``PipelinePlan``); None when it cannot.
+- ``experts``: its mixtures of experts, which expert parallelism splits (``ExpertPlan``); None for a dense model.
 
 A model declares its plan with a ``parallel_plan()`` method; any other ``nn.Module`` gets
 ``default_plan``: its children that hold parameters are the units (those sharing a parameter with
@@ -87,12 +88,25 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True)
+class ExpertPlan:
+    """The model's mixture-of-experts layers (module names): each holds ``count`` experts as ``<layer>.experts.<i>``
+    and runs them through its ``exchange`` attribute when that is set: a callable from the rows each expert gets
+    (a list of ``count`` tensors) to their outputs, which expert parallelism sets (``lab.parallel.experts``).
+    ``config``: the model's configuration, for the all-to-all formula in ``lab.measure.accounting``."""
+
+    layers: list[str]
+    count: int
+    config: Any = None
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     units: list[str]
     initial_value: InitialValue
     head: str | None = None
     tensor: TensorPlan | None = None
     pipeline: PipelinePlan | None = None
+    experts: ExpertPlan | None = None
 
 
 def plan_of(module: nn.Module, factory: Callable[[], nn.Module]) -> ParallelPlan:

@@ -6,7 +6,7 @@ from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you
 from lab.runtime import compat
 from lab.measure.device import Precision
 from lab.model import validate_split
-from lab.parallel import activations, mesh, pipeline, tensor
+from lab.parallel import activations, experts, mesh, pipeline, tensor
 from lab.parallel.base import (
     LoopSettings,
     ModelFactory,
@@ -52,6 +52,7 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
         raise ConfigError(f"strategy '{cls.name}' does not run with parallel.tp > 1 (its engine takes the whole "
                           f"world); choose ddp, torch_ddp, zero1-3 or fsdp")
     pipeline.check(cfg, cls, loop.micro_batch, loop.compile)
+    experts.check(cfg, cls, loop.compile)
     if cfg.tp_impl not in tensor.IMPLEMENTATIONS:
         raise ConfigError(f"parallel.tp_impl must be one of {', '.join(tensor.IMPLEMENTATIONS)}, got '{cfg.tp_impl}'"
                           f"{did_you_mean(cfg.tp_impl, tensor.IMPLEMENTATIONS)}")

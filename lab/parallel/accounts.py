@@ -111,7 +111,13 @@ class Accounts:
         """Bytes this rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
         if self.comm_layout is None:
             return dict.fromkeys(accounting.COLLECTIVES, 0.0)
-        return accounting.comm_bytes_per_step(self.comm_elements(), self.comm_layout, self.world_size)
+        s = self.strategy
+        experts = s.experts.expert_elements(s.trainable)  # averaged over the ranks holding them (parallel.ep)
+        theory = accounting.comm_bytes_per_step(self.comm_elements() - experts, self.comm_layout, self.world_size)
+        if experts:
+            on_edp = accounting.comm_bytes_per_step(experts, self.comm_layout, s.experts.edp.world_size)
+            theory = {kind: n + on_edp[kind] for kind, n in theory.items()}
+        return theory
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
         """(gathered weights in flight, gradient bytes held in the forward, and in the backward) in theory."""
@@ -147,6 +153,7 @@ class Accounts:
             "activation_saved_bytes": self.most_saved,
             **s.tensor.meters(s.plan, s.loop.micro_batch, s.loop.accum_steps),
             **s.pipeline.meters(),
+            **s.experts.meters(),
         }
 
 

@@ -41,6 +41,8 @@ autograd pass), ``step`` and ``zero_grad``, ``holding`` (when it shards), ``rest
 ``gathered_state_dict`` (when weights derive from shards); and it names the ``accounting`` it is measured against
 (``lab.parallel.accounts``). The README shows one in full. Under ``parallel.pp`` the pipeline (``lab.parallel.
 pipeline``) runs the schedule inside ``forward``; a strategy says it supports that with ``pipeline_parallel``.
+Under ``parallel.ep`` (``lab.parallel.experts``) a strategy that says ``expert_parallel`` reduces each gradient over
+``comm_of(p)``: the experts' over the ranks holding the same experts.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from lab.runtime.checkpoint import CheckpointState, Held, overlap
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.measure.device import Precision
 from lab.model.plan import ParallelPlan, plan_of
-from lab.parallel import activations, pipeline, tensor
+from lab.parallel import activations, experts, pipeline, tensor
 from lab.parallel.accounts import Accounts
 from lab.parallel.comm import Comm
 from lab.parallel.mesh import Mesh
@@ -167,9 +169,11 @@ class Piece:
         return Held(self.numel, self.lo if view.numel() else 0, view) if self.sharded else view
 
 
-def layout_digest(module: nn.Module) -> str:
-    """A digest of the parameter names, shapes and dtypes: equal on ranks that hold the same model."""
-    layout = "\n".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters())
+def layout_digest(module: nn.Module, rename: Callable[[str], str] = str) -> str:
+    """A digest of the parameter names (as ``rename`` gives them), shapes and dtypes: equal on ranks that hold the
+    same model."""
+    layout = "\n".join(f"{rename(n)}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+                        for n, p in module.named_parameters())
     return hashlib.sha256(layout.encode()).hexdigest()
 
 
@@ -179,7 +183,7 @@ class Strategy:
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
     options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel",
-                                                   "pp", "pp_schedule", "pp_microbatches"})
+                                                   "pp", "pp_schedule", "pp_microbatches", "ep"})
     accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
@@ -188,6 +192,7 @@ class Strategy:
     tensor_parallel: ClassVar[bool] = True  # whether it runs over the data axis of a mesh with parallel.tp > 1
     shards_gradients: ClassVar[bool] = False  # whether the data axis's ranks hold different parts of the gradient
     pipeline_parallel: ClassVar[bool] = False  # whether it runs over the data axis of a mesh with parallel.pp > 1
+    expert_parallel: ClassVar[bool] = False  # whether it reduces each gradient over comm_of(p) (parallel.ep > 1)
 
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
@@ -209,6 +214,7 @@ class Strategy:
         self.everyone = mesh.world  # every rank of the run
         self.tensor = tensor.on_axis(mesh.tp, cfg)  # the tensor-parallel transform, applied to the model it builds
         self.pipeline = pipeline.on_axis(mesh.pp, cfg, loop.accum_steps)  # the stages, and the schedule that runs them
+        self.experts = experts.on_axis(mesh, cfg, loop)  # a mixture of experts' experts split over the ep axis
         self.comm = Comm(self.world.world_size, self.world.group)
         self._after_load: list[Callable[[], None]] = []  # what the tensor-parallel group does after a load
         self.saved = activations.SavedBytes()
@@ -221,7 +227,7 @@ class Strategy:
 
     def describe(self) -> str:
         """The strategy as the run's start line names it (with its tensor-parallel and pipeline layouts)."""
-        return self.pipeline.describe(self.tensor.describe(self.name, self.world.world_size))
+        return self.experts.describe(self.pipeline.describe(self.tensor.describe(self.name, self.world.world_size)))
 
     # ------------------------------------------------------------ building
 
@@ -231,11 +237,11 @@ class Strategy:
         stage (as it is built), activation checkpointing, compilation (``loop.compile``), then this strategy's
         data-parallel placement (``wrap``), run by the pipeline's schedule; the optimizer goes over groups decided
         before any wrapping."""
-        model_factory = self.pipeline.splitting(self.tensor.splitting(model_factory))
+        model_factory = self.experts.splitting(self.pipeline.splitting(self.tensor.splitting(model_factory)))
         module = self.make_module(model_factory)
         self.plan = plan_of(module, model_factory)
         groups = param_group_rule(module)
-        self.world.check_same(layout_digest(module), "the model (parameter names and shapes)")
+        self.world.check_same(layout_digest(module, self.experts.layout_name), "the model (parameter names and shapes)")
         activations.apply(module, self.plan, self.cfg.activation_checkpointing, self.saved)
         if self.loop.compile:  # traced at the first forward: the split, checkpointed model
             module.compile()
@@ -260,6 +266,11 @@ class Strategy:
     @property
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
+
+    def comm_of(self, p: nn.Parameter) -> Comm:
+        """The group ``p``'s gradient is averaged over: the data axis, or for an expert split by ``parallel.ep`` the
+        ranks holding that expert."""
+        return self.experts.comm if self.experts.holds(p) else self.comm
 
     # ------------------------------------------------------------ one step
 
@@ -291,7 +302,7 @@ class Strategy:
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for piece in self.holding():
             if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main) \
-                    or not self.pipeline.counts(piece.name):
+                    or not self.pipeline.counts(piece.name) or not self.experts.counts(piece.name):
                 continue
             held = (piece.lo, piece.lo + piece.grad.numel())
             for counted in self.tensor.norm_ranges(piece.name, piece.numel):
@@ -301,7 +312,7 @@ class Strategy:
                     squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
         if self.shards_gradients:
             squares = self.world.sum(squares)
-        norm = self.pipeline.sum_squares(self.tensor.sum_squares(squares)).sqrt()
+        norm = self.experts.sum_squares(self.pipeline.sum_squares(self.tensor.sum_squares(squares))).sqrt()
         if max_norm > 0:
             params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -329,8 +340,10 @@ class Strategy:
         call (once per step); the tensor-parallel group's bytes are kept apart (``meters``)."""
         comm = self.comm.take()
         pipeline_wait_s, layout = self.pipeline.take_meters()
-        meters = StepMeters(comm.bytes, comm.wait_s + self.tensor.take_wait_s() + pipeline_wait_s, self.saved.take(),
-                            layout)
+        expert_bytes, expert_wait_s, expert_layout = self.experts.take_meters()
+        sent = {kind: n + expert_bytes.get(kind, 0.0) for kind, n in comm.bytes.items()}
+        meters = StepMeters(sent, comm.wait_s + self.tensor.take_wait_s() + pipeline_wait_s + expert_wait_s,
+                            self.saved.take(), layout | expert_layout)
         self.accounts.record(meters)
         return meters
 
@@ -339,7 +352,7 @@ class Strategy:
         """The loss of a held-out batch, in eval mode, without gradients (every rank must call it alike)."""
         self.model.eval()
         try:
-            with self.precision.autocast(), self.comm.paused(), self.tensor.comm.paused():
+            with self.precision.autocast(), self.comm.paused(), self.tensor.comm.paused(), self.experts.paused():
                 return self.model(x, y)
         finally:
             self.model.train()
@@ -390,7 +403,7 @@ class Strategy:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on the CPU under the model's names, on global rank 0 (empty elsewhere)."""
-        shards = self.gathered_state_dict()
+        shards = self.experts.gather(self.gathered_state_dict(), self.module)
         return self.pipeline.full_state_dict(self.tensor.full_state_dict(shards) if self.world.is_main else {},
                                              self.world.is_main)
 

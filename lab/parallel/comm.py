@@ -278,13 +278,13 @@ class SummedOnWait:
         return True
 
 
-def buckets(sizes: list[int], cap: int) -> list[list[int]]:
+def buckets(sizes: list[int], cap: int, kinds: list[object] | None = None) -> list[list[int]]:
     """Consecutive indices of ``sizes`` (bytes, in the order gradients arrive) packed greedily into buckets of at
-    most ``cap`` bytes (a larger one alone)."""
+    most ``cap`` bytes (a larger one alone); with ``kinds``, a bucket holds one kind (reduced over one group)."""
     out: list[list[int]] = [[]]
     held = 0
     for i, size in enumerate(sizes):
-        if out[-1] and held + size > cap:
+        if out[-1] and (held + size > cap or (kinds is not None and kinds[i] != kinds[out[-1][0]])):
             out.append([])
             held = 0
         out[-1].append(i)

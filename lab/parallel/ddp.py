@@ -29,19 +29,26 @@ import torch.nn as nn
 
 from lab.parallel import accounts
 from lab.parallel.base import ParamGroup, Strategy
-from lab.parallel.comm import InOrder, buckets
+from lab.parallel.comm import Comm, InOrder, buckets
 
 
 def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step)."""
-    with torch.no_grad(), strategy.comm.paused():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            strategy.comm.broadcast(tensor.data, src=0)
+    """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step); an expert split by
+    ``parallel.ep``, the first rank's of those holding it."""
+    with torch.no_grad():
+        for tensor in module.parameters():
+            comm = strategy.comm_of(tensor)
+            with comm.paused():
+                comm.broadcast(tensor.data, src=0)
+        with strategy.comm.paused():
+            for tensor in module.buffers():
+                strategy.comm.broadcast(tensor.data, src=0)
 
 
 class NaiveDDP(Strategy):
     name = "ddp_naive"
     pipeline_parallel = True
+    expert_parallel = True
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
@@ -54,7 +61,7 @@ class NaiveDDP(Strategy):
         for p in self.trainable:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            self.comm.all_reduce(p.grad)
+            self.comm_of(p).all_reduce(p.grad)
             p.grad.div_(self.world.world_size)
 
 
@@ -62,6 +69,7 @@ class NaiveDDP(Strategy):
 class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # the flat gradients; each parameter's .grad becomes a view into it
+    comm: Comm  # the group it is all-reduced over (every parameter's ``comm_of``)
 
 
 class BucketedDDP(Strategy):
@@ -69,6 +77,7 @@ class BucketedDDP(Strategy):
     options = Strategy.options | {"bucket_mb", "overlap"}
     accounting = accounts.Bucketed
     pipeline_parallel = True
+    expert_parallel = True
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
@@ -80,13 +89,14 @@ class BucketedDDP(Strategy):
 
     def _make_buckets(self, order: list[nn.Parameter]) -> None:
         groups = [[order[i] for i in bucket]
-                  for bucket in buckets([p.numel() * p.element_size() for p in order], self.cfg.bucket_mb * 2**20)]
+                  for bucket in buckets([p.numel() * p.element_size() for p in order], self.cfg.bucket_mb * 2**20,
+                                        [self.experts.holds(p) for p in order])]
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
         self._slice_of: dict[nn.Parameter, torch.Tensor] = {}
         for params in groups:
             bucket = Bucket(params, torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                                device=params[0].device))
+                                                device=params[0].device), self.comm_of(params[0]))
             offset = 0
             for p in params:
                 self._slice_of[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
@@ -100,7 +110,7 @@ class BucketedDDP(Strategy):
             if p.grad is None:  # unused in every micro-step of this step: its slice still holds the last step's
                 self._slice_of[p].zero_()
                 p.grad = self._slice_of[p]
-        return self.comm.all_reduce(self.buckets[i].buffer, async_op=True)
+        return self.buckets[i].comm.all_reduce(self.buckets[i].buffer, async_op=True)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         if sync:

@@ -7,7 +7,12 @@ at pipeline coordinate ``r // (dp·tp)``, data coordinate ``r // tp % dp`` and t
 Each axis is a ``World`` of its own (its rank, size and process group), so a data-parallel strategy written
 for the whole world runs unchanged over its axis. With ``tp`` and ``pp`` 1 the data axis is the world itself
 and the others worlds of one: no group is created; an axis of one is a world of one whenever another is
-split. A context or expert axis joins ``AXES`` in its place in the order.
+split. A context axis joins ``AXES`` in its place in the order.
+
+Expert parallelism (``parallel.ep``) is carved out of the data axis, as DeepSpeed-MoE and torchtitan do: its
+groups (``ep``) are ``ep`` consecutive data-parallel ranks, which split a mixture of experts' experts and still read
+their own data; ``edp`` joins the ranks at the same place of every group (they hold the same experts: their
+gradients are averaged over it). Without it ``ep`` is a world of one and ``edp`` the data axis.
 """
 
 from __future__ import annotations
@@ -84,6 +89,11 @@ def check_degree(cfg: ParallelConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.tp ({cfg.tp}) must divide the world size ({world_size})")
     if world_size % (cfg.tp * cfg.pp):
         raise ConfigError(f"parallel.tp × parallel.pp ({cfg.tp} × {cfg.pp}) must divide the world size ({world_size})")
+    if cfg.ep < 1:
+        raise ConfigError(f"parallel.ep must be at least 1, got {cfg.ep}")
+    if world_size // (cfg.tp * cfg.pp) % cfg.ep:
+        raise ConfigError(f"parallel.ep ({cfg.ep}) must divide the data-parallel ranks "
+                          f"({world_size // (cfg.tp * cfg.pp)} = world size / (tp · pp))")
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
 
@@ -124,13 +134,23 @@ class Mesh:
         """The pipeline axis (a world of one without pipeline parallelism)."""
         return self.axes["pp"]
 
+    @property
+    def ep(self) -> World:
+        """The expert-parallel group (a world of one without expert parallelism)."""
+        return self.axes["ep"]
+
+    @property
+    def edp(self) -> World:
+        """The ranks holding the same experts as this one (the data axis without expert parallelism)."""
+        return self.axes["edp"]
+
 
 def build(world: World, cfg: ParallelConfig) -> Mesh:
     """The mesh of ``world`` for ``cfg``'s degrees (collective when an axis besides dp is split: every rank calls
     it). Every axis's group gets ``parallel.timeout_s``, not torch's 30 minutes: a dead rank fails fast."""
     alone = World(rank=0, world_size=1, local_rank=world.local_rank, device=world.device)
     if cfg.tp == 1 and cfg.pp == 1:
-        return Mesh(world, {"dp": world, "tp": alone, "pp": alone})
+        return Mesh(world, {"dp": world, "tp": alone, "pp": alone, **expert_axes(world, cfg.ep)})
     sizes = {"pp": cfg.pp, "dp": data_size(cfg, world.world_size), "tp": cfg.tp}
     names = tuple(a for a in AXES if a == "dp" or sizes[a] > 1)  # the data axis is a group even when of one
     mesh = init_device_mesh(world.device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
@@ -141,4 +161,25 @@ def build(world: World, cfg: ParallelConfig) -> Mesh:
         return dataclasses.replace(world, rank=sub.get_local_rank(), world_size=sub.size(), group=sub.get_group(),
                                    device_mesh=sub)
 
-    return Mesh(world, {name: axis(name) if name in names else alone for name in AXES})
+    axes = {name: axis(name) if name in names else alone for name in AXES}
+    return Mesh(world, axes | expert_axes(axes["dp"], cfg.ep))
+
+
+def expert_axes(data: World, ep: int) -> dict[str, World]:
+    """The ``ep`` and ``edp`` axes carved out of the data axis ``data`` (the whole world: ``parallel.ep`` > 1 runs
+    without tp and pp; collective when ``ep`` > 1)."""
+    if ep == 1:
+        return {"ep": World(rank=0, world_size=1, local_rank=data.local_rank, device=data.device), "edp": data}
+    assert data.group is None, "expert parallelism is carved out of a data axis that is the whole world"
+    n = data.world_size
+    groups = {"ep": [list(range(g, g + ep)) for g in range(0, n, ep)],
+              "edp": [list(range(j, n, ep)) for j in range(ep)]}
+    out = {}
+    for name, rank_lists in groups.items():
+        for ranks in rank_lists:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if data.rank in ranks:
+                compat.inherit_timeout(group)
+                out[name] = dataclasses.replace(data, rank=ranks.index(data.rank), world_size=len(ranks), group=group,
+                                                device_mesh=None)
+    return out

@@ -164,6 +164,9 @@ class ParallelConfig:
                     "over the rest (data parallel)")
     pp_schedule: str = _f("1f1b", "gpipe (every microbatch's forward, then every backward) or 1f1b (after a warm-up "
                                   "of pp - stage - 1 forwards, one forward and one backward in turn), with pp > 1")
+    ep: int = _f(1, "expert-parallel degree: groups of this many consecutive data-parallel ranks split every mixture "
+                    "of experts' experts among them, tokens sent to their experts and back by all-to-all; the rest of "
+                    "the model stays data parallel over every rank")
     pp_microbatches: int | None = _f(None, "microbatches each micro-batch is cut into for the pipeline (must divide "
                                            "train.micro_batch; default: parallel.pp, the fewest 1f1b takes)")
 

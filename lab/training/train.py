@@ -274,15 +274,24 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
     return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad {grad} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
             f"comm {1e3 * rec['comm_time_s']:.0f} ms | mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | "
-            f"eta {_duration(eta_s)}" + _bubble(rec) + _router(rec))
+            f"eta {_duration(eta_s)}" + _bubble(rec) + _router(rec) + _exchanges(rec))
+
+
+def _exchanges(rec: dict) -> str:
+    """Expert parallelism's all-to-all bytes beside their theory, for the step line (empty without it)."""
+    if "ep_a2a_bytes" not in rec:
+        return ""
+    return (f" | a2a {rec['ep_a2a_bytes'] / 2**10:,.0f} KiB (theory at balanced routing "
+            f"{rec['ep_a2a_bytes_theory'] / 2**10:,.0f})")
 
 
 def _router(rec: dict) -> str:
     """A mixture of experts' router figures, for the step line (empty for a dense model)."""
     if "moe_load_max_over_mean" not in rec:
         return ""
-    return (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, dropped {rec['moe_dropped_tokens']:,}, "
-            f"router entropy {rec['moe_router_entropy']:.3f}")
+    per_expert = rec["moe_tokens_per_expert"]
+    return (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, tokens/expert {min(per_expert):,}-"
+            f"{max(per_expert):,}, dropped {rec['moe_dropped_tokens']:,}, router entropy {rec['moe_router_entropy']:.3f}")
 
 
 def _bubble(rec: dict) -> str:
