@@ -20,18 +20,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from lab.commands.cli import run_main
+from lab.commands.cli import resolve_vocab, run_main
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.measure import accounting
 from lab.measure.device import Precision
 from lab.model import GPT
 from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
 from lab.runtime import checkpoint
-from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig
+from lab.data import load_tokenizer, prepare
+from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
 from lab.training.optim import adamw_factory, param_groups
-from lab.training.train import StepPlan, train_step
+from lab.training.train import StepPlan, format_step, train, train_step
 from pool import run_pooled
 
 MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2, moe_granularity=2, moe_shared_experts=1)
@@ -166,3 +166,53 @@ def test_ep2_by_dp2_and_ep4_train_a_moe_as_single_does_on_four_ranks():
     results = run_pooled(_four_rank_checks, 4)[0]
     for spec, c in results.items():
         assert c.max_rel_loss_diff < 1e-6 and c.max_rel_grad_norm_diff < 1e-6 and c.max_param_diff < 5e-5, (spec, c)
+
+
+# ---------------------------------------------------------------- runs end to end
+
+
+def _train(world: World, argv: list[str], run_dir: Path, resume: bool) -> str:
+    """What launch/run.py does on each rank once the group is up; the final status."""
+    cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--run-dir", str(run_dir)]))
+    data_dir = prepare(cfg.data, progress=False)
+    resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
+    return train(cfg, data_dir, run_dir, world, resume=resume)["status"]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_checkpoints_resume_across_ep_degrees(args, tmp_path):
+    """A run under ep 2 (ddp, 2 ranks) stopped after 4 of 8 steps resumes under ep 2 and in one process (ep 1), and
+    a single run's checkpoint resumes under ep 2: every continuation gives the losses of an uninterrupted single run
+    (the 2-rank steps sum two micro-batches' gradients in another order than single's accumulation: 1e-6), and the
+    final checkpoints hold every expert once (whole weights in one process, as export reads them). The records carry
+    the exchanges' bytes and tokens per expert, the step line names them, the summary the bytes per step."""
+    moe = [*args, "--model.moe_experts", "4", "--model.moe_top_k", "2"]
+    ep2 = [*moe, "--strategy", "ddp", "--parallel.ep", "2"]
+    assert run_main([*moe, "--run-dir", str(tmp_path / "single")]) == 0
+    assert run_pooled(_train, 2, [*ep2, "--train.stop_after", "4"], tmp_path / "ep", False) == ["stopped"] * 2
+    shutil.copytree(tmp_path / "ep", tmp_path / "ep-then-single")
+    assert run_pooled(_train, 2, ep2, tmp_path / "ep", True) == ["completed"] * 2
+    assert run_main([*moe, "--resume", "--run-dir", str(tmp_path / "ep-then-single")]) == 0
+    assert run_main([*moe, "--train.stop_after", "4", "--run-dir", str(tmp_path / "single-then-ep")]) == 0
+    assert run_pooled(_train, 2, ep2, tmp_path / "single-then-ep", True) == ["completed"] * 2
+
+    reference = [r["loss"] for r in _records(tmp_path / "single")]
+    cfg = dataclasses.replace(MOE, block_size=32, vocab_size=512, moe_granularity=1, moe_shared_experts=0)
+    shapes = {name: p.shape for name, p in GPT(cfg).named_parameters()}
+    ref = checkpoint.load_model(checkpoint.latest(tmp_path / "single"), shapes)
+    for run in ("ep", "ep-then-single", "single-then-ep"):
+        losses = [r["loss"] for r in _records(tmp_path / run)]
+        assert len(losses) == 8 and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(reference, losses)), run
+        whole = checkpoint.load_model(checkpoint.latest(tmp_path / run), shapes)
+        assert max((whole[k] - ref[k]).abs().max().item() for k in ref) <= 1e-4, run
+    rec = _records(tmp_path / "ep")[-1]
+    assert rec["ep_a2a_bytes"] > 0 and rec["ep_a2a_bytes_theory"] > 0 and len(rec["moe_tokens_per_expert"]) == 4
+    assert sum(rec["moe_tokens_per_expert"]) == cfg.n_layer * cfg.moe_top_k * 256  # a step's tokens, both ranks
+    assert " | a2a " in format_step(rec, 8, 0.0)
+    summary = json.loads((tmp_path / "ep" / "summary.json").read_text())
+    assert summary["ep_a2a_bytes_per_step"] == rec["ep_a2a_bytes"] and summary["resumed_from_step"] == 4
