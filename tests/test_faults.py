@@ -273,14 +273,14 @@ def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(arg
 def _axis_timeouts(world: World) -> list[float]:
     from lab.parallel import mesh
 
-    axes = mesh.build(world, ParallelConfig(tp=2))
+    axes, experts = mesh.build(world, ParallelConfig(tp=2)), mesh.build(world, ParallelConfig(ep=2))
     return [axis.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for axis in (axes.dp, axes.tp)]
+            for axis in (axes.dp, axes.tp, experts.ep, experts.edp)]
 
 
 @pytest.mark.slow
 def test_every_mesh_axis_gets_the_run_timeout():
-    assert run_ranks(_axis_timeouts, 2, timeout_s=17) == [[17.0, 17.0], [17.0, 17.0]]
+    assert run_ranks(_axis_timeouts, 2, timeout_s=17) == [[17.0] * 4] * 2
 
 
 RANK_DIES = """
@@ -305,12 +305,14 @@ sys.exit(run_main(sys.argv[1:]))
 
 @pytest.mark.long
 @pytest.mark.slow  # two rank processes
-@pytest.mark.parametrize("axis, fault", [("tp", "exit"), ("tp", "hang"), ("pp", "exit"), ("pp", "hang")])
-def test_a_dead_rank_on_the_tp_or_pp_axis_fails_the_survivor_within_the_timeout_naming_the_axis(axis, fault, args,
-                                                                                                tmp_path):
-    """Two ranks on one tensor-parallel axis, or two pipeline stages (the survivor blocked in a point-to-point
-    receive mid-schedule), started without torchrun (whose agent would stop the survivor itself, as a node's agent
-    never does for ranks on other nodes): rank 1 exits, or hangs, in step 3."""
+@pytest.mark.parametrize("axis, fault", [("tp", "exit"), ("tp", "hang"), ("pp", "exit"), ("pp", "hang"),
+                                         ("ep", "exit"), ("ep", "hang")])
+def test_a_dead_rank_on_the_tp_pp_or_ep_axis_fails_the_survivor_within_the_timeout_naming_the_axis(axis, fault, args,
+                                                                                                   tmp_path):
+    """Two ranks on one tensor-parallel axis, or two pipeline stages (the survivor blocked in a point-to-point receive
+    mid-schedule), or one expert-parallel group (blocked in a MoE layer's exchange), started without torchrun (whose
+    agent would stop the survivor itself, as a node's agent never does for ranks on other nodes): rank 1 exits, or
+    hangs, in step 3."""
     import subprocess
     import sys
     import time
@@ -320,7 +322,8 @@ def test_a_dead_rank_on_the_tp_or_pp_axis_fails_the_survivor_within_the_timeout_
     script = tmp_path / "rank_dies.py"
     script.write_text(RANK_DIES)
     port, timeout_s = free_port(), 8
-    procs = [subprocess.Popen([sys.executable, str(script), *args, "--strategy", "ddp", f"--parallel.{axis}", "2",
+    moe = ["--model.moe_experts", "2"] if axis == "ep" else []
+    procs = [subprocess.Popen([sys.executable, str(script), *args, *moe, "--strategy", "ddp", f"--parallel.{axis}", "2",
                                "--parallel.timeout_s", str(timeout_s), "--run-dir", str(tmp_path / "r")],
                               cwd=Path(__file__).resolve().parents[1], text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE,

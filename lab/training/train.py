@@ -291,7 +291,8 @@ def _router(rec: dict) -> str:
         return ""
     per_expert = rec["moe_tokens_per_expert"]
     return (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, tokens/expert {min(per_expert):,}-"
-            f"{max(per_expert):,}, dropped {rec['moe_dropped_tokens']:,}, router entropy {rec['moe_router_entropy']:.3f}")
+            f"{max(per_expert):,}, dropped {rec['moe_dropped_tokens']:,}, "
+            f"router entropy {rec['moe_router_entropy']:.3f}")
 
 
 def _bubble(rec: dict) -> str:
