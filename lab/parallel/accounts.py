@@ -96,6 +96,10 @@ class Accounts:
         """Ψ for the communication formula: the elements each gradient sync moves (every trainable one)."""
         return sum(p.numel() for p in self.strategy.trainable)
 
+    def expert_comm_elements(self) -> int:
+        """The part of ``comm_elements`` that experts split by ``parallel.ep`` make (synced over their own ranks)."""
+        return self.strategy.experts.expert_elements(self.strategy.trainable)
+
     @property
     def world_size(self) -> int:
         return self.strategy.world.world_size
@@ -112,7 +116,7 @@ class Accounts:
         if self.comm_layout is None:
             return dict.fromkeys(accounting.COLLECTIVES, 0.0)
         s = self.strategy
-        experts = s.experts.expert_elements(s.trainable)  # averaged over the ranks holding them (parallel.ep)
+        experts = self.expert_comm_elements()  # averaged over the ranks holding them (parallel.ep)
         theory = accounting.comm_bytes_per_step(self.comm_elements() - experts, self.comm_layout, self.world_size)
         if experts:
             on_edp = accounting.comm_bytes_per_step(experts, self.comm_layout, s.experts.edp.world_size)
@@ -199,6 +203,9 @@ class Zero(Accounts):
     def comm_elements(self) -> int:
         """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""
         return sum(u.padded for u in self.strategy.units)
+
+    def expert_comm_elements(self) -> int:
+        return sum(u.padded for u in self.strategy.units if u.comm is not self.strategy.comm)
 
     @property
     def width(self) -> int:

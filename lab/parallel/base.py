@@ -294,15 +294,17 @@ class Strategy:
         Each rank adds the squares of the gradient it holds (``holding``) over the ranges it counts: the tensor-
         parallel transform's ``norm_ranges`` (a weight every rank of its group holds whole, or a replicated part,
         counted once); then they are summed over the data axis where it shards the gradients (a replicated
-        strategy's averaged gradient is whole on every rank: no communication), over the tensor-parallel group and
-        over the pipeline's stages (a weight two stages hold, once: ``pipeline.counts``, after its gradients are
-        summed between them).
+        strategy's averaged gradient is whole on every rank: no communication; with experts split by ``parallel.ep``,
+        over the expert group, a weight every rank holds counted once: ``experts.counts``), over the tensor-parallel
+        group and over the pipeline's stages (a weight two stages hold, once: ``pipeline.counts``, after its gradients
+        are summed between them).
         """
         self.pipeline.reduce_tied(self.module)
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for piece in self.holding():
             if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main) \
-                    or not self.pipeline.counts(piece.name) or not self.experts.counts(piece.name):
+                    or not self.pipeline.counts(piece.name) \
+                    or not (self.shards_gradients or self.experts.counts(piece.name)):
                 continue
             held = (piece.lo, piece.lo + piece.grad.numel())
             for counted in self.tensor.norm_ranges(piece.name, piece.numel):
@@ -310,9 +312,9 @@ class Strategy:
                 if lo < hi:  # a reduction: no temporary the size of the range
                     part = piece.grad[lo - piece.lo:hi - piece.lo]
                     squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
-        if self.shards_gradients:
-            squares = self.world.sum(squares)
-        norm = self.experts.sum_squares(self.pipeline.sum_squares(self.tensor.sum_squares(squares))).sqrt()
+        # sharded: every element is held by one rank of the data axis (an expert's by one of its ranks per group)
+        squares = self.world.sum(squares) if self.shards_gradients else self.experts.sum_squares(squares)
+        norm = self.pipeline.sum_squares(self.tensor.sum_squares(squares)).sqrt()
         if max_norm > 0:
             params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

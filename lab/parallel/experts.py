@@ -57,7 +57,7 @@ def check(cfg: ParallelConfig, strategy: type, compile: bool) -> None:
     if not strategy.expert_parallel:
         raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.ep > 1 yet: it syncs or shards "
                           f"every gradient over one group, where experts are averaged over the ranks holding them; "
-                          f"choose ddp_naive or ddp")
+                          f"choose ddp_naive, ddp, zero1 or zero2")
     if compile:
         raise ConfigError("train.compile with parallel.ep > 1 is not supported yet: the exchanges' split sizes are "
                           "read on the host mid-forward; set train.compile false")

@@ -67,7 +67,7 @@ from lab.runtime.checkpoint import overlap
 from lab.model.plan import segments
 from lab.parallel import accounts
 from lab.parallel.base import ModelFactory, ParamGroup, Piece, Strategy, set_lr
-from lab.parallel.comm import Exchange, InOrder, SummedOnWait, buckets
+from lab.parallel.comm import Comm, Exchange, InOrder, SummedOnWait, buckets
 from lab.parallel.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
@@ -95,6 +95,8 @@ class Unit:
     gathering: dist.Work | Exchange | None = None  # stage 3: the prefetch's all-gather, until waited
     lent: torch.Tensor | None = None  # stage 3: the pool's buffer whose memory flat's storage holds while gathered
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
+    rank: int = 0  # this rank's place among those sharing the unit (the data axis; an expert's: edp)
+    comm: Comm | None = None  # their collectives
 
     def in_chunk(self, rank: int, offset: int, size: int) -> tuple[int, int]:
         """Which elements of rank ``rank``'s chunk hold those of the parameter laid at ``offset`` (``size`` long), as
@@ -113,7 +115,7 @@ def make_unit(names: list[str], params: dict[str, nn.Parameter], group_of: dict[
     numel = sum(sizes)
     chunk = -(-numel // world_size)
     unit = Unit(names, [params[n] for n in names], shapes, [group_of[n] for n in names], offsets, numel, chunk,
-                chunk * world_size)
+                chunk * world_size, rank=rank)
     for name, offset, size in zip(names, offsets, sizes, strict=True):
         a, b = unit.in_chunk(rank, offset, size)
         if a < b:
@@ -153,7 +155,8 @@ class Zero(Strategy):
         """Buckets of ``bucket_mb`` in backward order (reverse registration); stage 3 overrides."""
         params, order = dict(module.named_parameters()), list(reversed(trainable))
         sizes = [params[name].numel() * params[name].element_size() for name in order]
-        return [[order[i] for i in bucket] for bucket in buckets(sizes, self.cfg.bucket_mb * 2**20)]
+        kinds = [self.experts.holds(params[name]) for name in order]  # an expert's unit is shared over edp
+        return [[order[i] for i in bucket] for bucket in buckets(sizes, self.cfg.bucket_mb * 2**20, kinds)]
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         group_of = {n: i for i, g in enumerate(groups) for n in g.names}
@@ -164,8 +167,11 @@ class Zero(Strategy):
         if self.stage < 3:  # every rank starts from rank 0's weights, frozen ones and buffers included
             broadcast_from_rank0(self, module)
         params = dict(module.named_parameters())
-        self.units = [make_unit(names, params, group_of, self.world.rank, self.world.world_size)
-                      for names in self._unit_names(module, trainable)]
+        self.units = []
+        for names in self._unit_names(module, trainable):
+            sharing = self.experts.edp if self.experts.holds(params[names[0]]) else self.world
+            self.units.append(make_unit(names, params, group_of, sharing.rank, sharing.world_size))
+            self.units[-1].comm = self.comm_of(params[names[0]])
         for unit in self.units:
             self._place(unit)
             if self.offloaded:
@@ -187,7 +193,7 @@ class Zero(Strategy):
         for p, offset in zip(unit.params, unit.offsets, strict=True):
             unit.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
             p.data = unit.flat[offset:offset + p.numel()].view(p.shape)
-        r = self.world.rank
+        r = unit.rank
         unit.shard = unit.flat[r * unit.chunk:(r + 1) * unit.chunk]
         if self.stage == 1:
             unit.flat_grad = torch.zeros_like(unit.flat)
@@ -258,7 +264,8 @@ class Zero(Strategy):
         """Launch unit k's reduce-scatter: in place for stage 1 (this rank's chunk of the whole gradient buffer),
         into the unit's own gradient shard for stages 2-3 (the whole gradient is freed once it completes). Its
         handle is kept only until settled: a handle keeps the backend's copy of the input alive."""
-        unit, r = self.units[k], self.world.rank
+        unit = self.units[k]
+        r = unit.rank
         if unit.flat_grad is None:  # no parameter of the unit was used in this step
             unit.flat_grad = self._gradient_buffer(unit, unit.shard.dtype)
         for i in [i for i, written in enumerate(unit.written) if not written]:  # unused in this step: a zero gradient
@@ -268,7 +275,7 @@ class Zero(Strategy):
         else:
             unit.grad_shard = torch.empty(unit.chunk, dtype=unit.flat_grad.dtype, device=self.world.device)
             memory.tag(unit.grad_shard, "grads")
-        self._in_flight.append((unit, self.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True)))
+        self._in_flight.append((unit, unit.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True)))
         self._settle(in_flight=1)  # also when the backward's end launches many at once (stage 1)
 
     def _settle(self, in_flight: int) -> None:
@@ -305,7 +312,7 @@ class Zero(Strategy):
             if self.offloaded:
                 unit.shard.copy_(unit.master)
             if self.stage < 3:  # in place: every rank's updated chunk into every rank's flat weights
-                self.comm.all_gather(unit.flat, unit.shard)
+                unit.comm.all_gather(unit.flat, unit.shard)
         self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -330,7 +337,7 @@ class Zero(Strategy):
         for unit in self.units:
             for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
                 size = math.prod(shape)
-                a, b = unit.in_chunk(self.world.rank, offset, size)
+                a, b = unit.in_chunk(unit.rank, offset, size)
                 if a >= b:  # empty views: the shards' bytes still count
                     grad = None if unit.grad_shard is None else unit.grad_shard[:0]
                     out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True))
@@ -338,7 +345,7 @@ class Zero(Strategy):
                 first = max(lo for lo in starts[id(unit)] if lo <= a)  # the optimizer's piece that holds it
                 grad = None if unit.grad_shard is None else unit.grad_shard[a:b]
                 moments = self.optimizer.state.get(piece_at[(id(unit), first)]) or None
-                out.append(Piece(name, size, a + self.world.rank * unit.chunk - offset, unit.shard[a:b], grad, moments,
+                out.append(Piece(name, size, a + unit.rank * unit.chunk - offset, unit.shard[a:b], grad, moments,
                                  a - first, sharded=True))
         return out + [Piece(name, p.numel(), 0, p.detach().view(-1)) for name, p in self.module.named_parameters()
                       if not p.requires_grad]
@@ -350,8 +357,8 @@ class Zero(Strategy):
             if unit.master is not None:
                 unit.master.copy_(unit.shard)
             if self.stage < 3:
-                with self.comm.paused():
-                    self.comm.all_gather(unit.flat, unit.shard)
+                with unit.comm.paused():
+                    unit.comm.all_gather(unit.flat, unit.shard)
 
     @torch.no_grad()
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
@@ -378,10 +385,12 @@ class Zero(Strategy):
 
 class Zero1(Zero):
     name, stage = "zero1", 1
+    expert_parallel = True
 
 
 class Zero2(Zero):
     name, stage = "zero2", 2
+    expert_parallel = True
     options = Zero.options | {"overlap"}
 
 
