@@ -226,3 +226,4 @@ def test_checkpoints_resume_across_ep_degrees(args, tmp_path):
     assert " | a2a " in format_step(rec, 8, 0.0)
     summary = json.loads((tmp_path / "ep" / "summary.json").read_text())
     assert summary["ep_a2a_bytes_per_step"] == rec["ep_a2a_bytes"] and summary["resumed_from_step"] == 4
+    assert summary["moe_last_step"]["moe_tokens_per_expert"] == rec["moe_tokens_per_expert"]

@@ -492,6 +492,7 @@ class Outcome:
     peak_bytes: dict[str, int]  # per phase and the RSS: the most any step reached
     peak: Peak  # the MFU denominator at the end (a CPU peak that read low is measured again)
     expect: dict | None = None  # with train.expect: the run against the law (lab.training.expect.Watcher.summary)
+    router: dict | None = None  # a mixture of experts: the last record's router figures (moe_record)
 
 
 def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
@@ -505,6 +506,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     replica, _ = parallel.data_replica(cfg.parallel, world.rank, world.world_size)
     fpt = accounting.flops_per_token(cfg.model)
     recent: list[float] = start.recent_losses
+    router: dict = {}  # the last record's router figures (a mixture of experts)
     eval_loss, skipped, loop_start, warned = start.eval_loss, start.skipped_steps, time.perf_counter(), False
     most_peaks: dict[str, int] = {}
     watcher = expectation(cfg, plan.total_steps, log.evals()) if t.expect else None
@@ -553,7 +555,8 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "mfu": fpt * tokens_per_s / (peak.flops * world.world_size),
                    "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks,
                    "machine_loopback_tx_bytes": sent}
-            rec |= meters.layout | moe_record(strategy, world, cfg.model.moe_top_k)
+            router = moe_record(strategy, world, cfg.model.moe_top_k)
+            rec |= meters.layout | router
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
@@ -565,12 +568,12 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         if result.stop_requested and done < end_step:  # at the last step the run simply ends
             save(done)
             return Outcome(done, "interrupted", stop_signal() or signal.SIGTERM, recent, eval_loss, skipped, most_peaks,
-                           peak, None if watcher is None else watcher.summary())
+                           peak, None if watcher is None else watcher.summary(), router)
         if (every and done % every == 0) or done == end_step or done in pinned:
             save(done)
     status = "completed" if end_step == plan.total_steps else "stopped"
     return Outcome(end_step, status, 0, recent, eval_loss, skipped, most_peaks, peak,
-                   None if watcher is None else watcher.summary())
+                   None if watcher is None else watcher.summary(), router)
 
 
 def checked_peak(peak: Peak, world: World, log: RunLog) -> Peak:
@@ -628,6 +631,7 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "final_train_loss": sum(outcome.recent_losses) / len(outcome.recent_losses) if outcome.recent_losses else None,
         "final_eval_loss": outcome.eval_loss, "unigram_entropy_nats": data.meta.get("unigram_entropy_nats"),
         **({"expect": outcome.expect} if outcome.expect else {}),
+        **({"moe_last_step": outcome.router} if outcome.router else {}),
         "strategy": cfg.parallel.strategy, "world_size": world.world_size, "device": str(world.device),
         "peak_flops": peak.flops * world.world_size, "peak_flops_per_device": peak.flops,
         "peak_flops_source": peak.source, "wall_time_s": wall_time_s, "data_dir": str(data_dir),
