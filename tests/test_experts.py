@@ -227,3 +227,7 @@ def test_checkpoints_resume_across_ep_degrees(args, tmp_path):
     summary = json.loads((tmp_path / "ep" / "summary.json").read_text())
     assert summary["ep_a2a_bytes_per_step"] == rec["ep_a2a_bytes"] and summary["resumed_from_step"] == 4
     assert summary["moe_last_step"]["moe_tokens_per_expert"] == rec["moe_tokens_per_expert"]
+    for run in ("ep", "ep-then-single", "single-then-ep"):  # the held-out loss, evaluated through the exchanges too
+        final = json.loads((tmp_path / run / "summary.json").read_text())["final_eval_loss"]
+        assert math.isclose(final, json.loads((tmp_path / "single" / "summary.json").read_text())["final_eval_loss"],
+                            rel_tol=1e-5), run
