@@ -27,6 +27,7 @@ from lab.measure import accounting
 from lab.measure.device import Precision
 from lab.model import GPT
 from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
+from lab.parallel.comm import buckets
 from lab.runtime import checkpoint
 from lab.data import load_tokenizer, prepare
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
@@ -72,6 +73,11 @@ def test_a_run_with_bad_expert_parallelism_fails_in_one_line_before_any_rank_sta
     assert capsys.readouterr().err.strip().splitlines()[0].startswith(
         "error: strategy 'zero3' does not run with parallel.ep > 1 yet")
     assert not (tmp_path / "r").exists()
+
+
+def test_gradient_buckets_never_mix_experts_with_weights_reduced_over_another_group():
+    assert buckets([4, 4, 4, 4, 4], 12) == [[0, 1, 2], [3, 4]]
+    assert buckets([4, 4, 4, 4, 4], 12, [False, True, True, False, False]) == [[0], [1, 2], [3, 4]]
 
 
 def test_the_all_to_all_formula_counts_rows_both_ways_and_the_split_sizes():

@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,8 +42,11 @@ import torch.nn as nn
 from lab.measure import accounting
 from lab.model.plan import ExpertPlan, plan_of
 from lab.parallel.comm import Comm, naming_axis
-from lab.parallel.mesh import Mesh, World
+from lab.parallel.mesh import Mesh
 from lab.runtime.config import ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    from lab.parallel.base import LoopSettings
 
 _on_ep = naming_axis("ep")  # a failed exchange names the axis: a rank of the group died or did not answer
 
@@ -63,9 +67,9 @@ def check(cfg: ParallelConfig, strategy: type, compile: bool) -> None:
                           "read on the host mid-forward; set train.compile false")
 
 
-def on_axis(mesh: Mesh, cfg: ParallelConfig, loop: object) -> Unsplit:
+def on_axis(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings) -> Unsplit:
     """The expert-parallel transform on the mesh's ``ep`` axis: the identity on an axis of one."""
-    return Unsplit(mesh.edp) if mesh.ep.world_size == 1 else ExpertParallel(mesh, cfg, loop)
+    return Unsplit() if mesh.ep.world_size == 1 else ExpertParallel(mesh, cfg, loop)
 
 
 class Unsplit:
@@ -73,9 +77,6 @@ class Unsplit:
     experts): ``comm`` reduces the experts' gradients (here the data axis's own ``Comm`` does)."""
 
     comm: Comm | None = None
-
-    def __init__(self, data: World):
-        self.data = data
 
     def describe(self, layout: str) -> str:
         return layout
@@ -123,8 +124,7 @@ class Unsplit:
 class ExpertParallel(Unsplit):
     """This rank's experts, the exchanges that feed them, and their meters."""
 
-    def __init__(self, mesh: Mesh, cfg: ParallelConfig, loop: object):
-        super().__init__(mesh.dp)
+    def __init__(self, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings):
         self.axis, self.edp = mesh.ep, mesh.edp
         self.rank, self.n = mesh.ep.rank, mesh.ep.world_size
         self.comm = Comm(self.edp.world_size, self.edp.group, axis="ep")  # the experts' gradients, over edp
