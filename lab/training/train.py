@@ -628,5 +628,6 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "peak_bytes_theory": strategy.accounts.peak_bytes_theory(accounting.activation_bytes(
             cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
             checkpointing=cfg.parallel.activation_checkpointing == "full", tp=cfg.parallel.tp,
-            sequence_parallel=cfg.parallel.sequence_parallel)),
+            sequence_parallel=cfg.parallel.sequence_parallel),
+            accounting.autocast_weight_bytes(cfg.model, cfg.parallel.tp) if strategy.precision.bf16 else 0.0),
     }
