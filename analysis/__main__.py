@@ -164,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     k.add_argument("--ci", type=float, default=0.95, help="interval level")
 
+    r = sub.add_parser("routed", help="fit the routed models' law (one A per routing configuration, dense among "
+                                      "them) and say which configuration, size and tokens each budget should use")
+    r.add_argument("results", help="sweep folder, or a .csv/.parquet/.json/.jsonl table (one row per run)")
+    r.add_argument("--out", required=True, help="output folder for routed.json and routed.png (created if missing)")
+    r.add_argument("--predict", type=float, nargs="+", default=[], metavar="FLOPS",
+                   help="budgets to plan (default: 1x, 10x, 100x the data's largest C)")
+    r.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples of runs within configurations")
+    r.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    r.add_argument("--ci", type=float, default=0.95, help="interval level")
+
     w = sub.add_parser("watch", help="a run folder (in progress or finished) against a law: expected loss, interval "
                                      "and deviation at each eval, a warning once it is off track, a plot")
     w.add_argument("run", help="run folder (config.json, summary.json, metrics.jsonl with eval records)")
@@ -455,6 +465,41 @@ def _curves(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routed(args: argparse.Namespace) -> int:
+    import io
+
+    from analysis import routed
+    from lab.runtime.files import write_atomic
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a folder")
+    if args.bootstrap < 0 or not 0 < args.ci < 1:
+        raise InputError("--bootstrap must be >= 0 and --ci in (0, 1)")
+    runs = load_runs(args.results).runs
+    defaults = {"moe_experts": 0, "moe_top_k": 1, "moe_granularity": 1}
+    runs = runs.assign(**{k: runs[k].fillna(v) if k in runs else v for k, v in defaults.items()})
+    runs = runs.assign(params_active=runs["params_active"].fillna(runs["params"]) if "params_active" in runs
+                       else runs["params"])
+    if "flops_per_token" not in runs:
+        runs = runs.assign(flops_per_token=runs["flops"] / runs["tokens"])
+    try:
+        fit = routed.fit_routed(runs, args.bootstrap, args.seed, args.ci)
+    except routed.RoutedError as e:
+        raise InputError(str(e)) from None
+    largest = float(runs["flops"].max())
+    budgets = args.predict or [largest, 10 * largest, 100 * largest]
+    doc = json_ready(routed.to_dict(fit, routed.plan_budgets(fit, budgets)))
+    out.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    routed.figure(fit, runs, budgets).savefig(buffer, format="png", dpi=150)
+    write_atomic(out / "routed.png", buffer.getvalue())
+    write_atomic(out / "routed.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    print("\n".join(routed.describe(doc)))
+    print(f"wrote routed.json and routed.png to {out}")
+    return 0
+
+
 def _watch(args: argparse.Namespace) -> int:
     import io
 
@@ -518,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
         return {"fit": _fit, "compare": _compare, "predict": _predict, "curves": _curves, "watch": _watch,
-                "plan": _plan}[args.command](args)
+                "plan": _plan, "routed": _routed}[args.command](args)
     except Unidentified as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNIDENTIFIED

@@ -313,7 +313,10 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
                 continue
         row.update({k: summary.get(k) for k in SUMMARY_KEYS})
         row.update(loss=loss, dataset=summary.get("dataset"), strategy=summary.get("strategy"),
-                   world_size=summary.get("world_size"), wall_time_s=summary.get("wall_time_s"))
+                   world_size=summary.get("world_size"), wall_time_s=summary.get("wall_time_s"),
+                   params_active=summary.get("params_active", summary.get("params")),
+                   flops_per_token=summary.get("flops_per_token"), **{
+                       k: summary.get(k, v) for k, v in (("moe_experts", 0), ("moe_top_k", 1), ("moe_granularity", 1))})
         row.update(task_columns(summary_path.parent))
         rows.append(row)
         dirs.append(summary_path.parent)

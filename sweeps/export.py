@@ -49,6 +49,8 @@ def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFram
         loss = row.final_loss
         records.append({
             "run_id": row.name, "params": s["params"], "params_non_embedding": s["params_non_embedding"],
+            "params_active": s.get("params_active", s["params"]), "moe_experts": s.get("moe_experts", 0),
+            "moe_top_k": s.get("moe_top_k", 1), "moe_granularity": s.get("moe_granularity", 1),
             "tokens": s["tokens"], "flops": s["flops"], "loss": loss,
             "final_eval_loss": s.get("final_eval_loss"), "final_train_loss": s.get("final_train_loss"),
             "budget": p.budget, "flops_per_token": s.get("flops_per_token"), "n_layer": p.shape["n_layer"],

@@ -27,7 +27,7 @@ from lab.runtime.config import RunConfig
 
 from sweeps import centre as centring
 from sweeps.shapes import count, family_shape, model_config, vocab_size
-from sweeps.spec import Launch, PowerRule, SpecError, Sweep, check_name
+from sweeps.spec import Launch, PowerRule, SpecError, Sweep, check_name, routing_name
 
 BRACKET_SIDE = 2  # sizes each side of the minimum that the IsoFLOP analysis needs to locate it
 
@@ -194,7 +194,7 @@ def planned_run(sweep: Sweep, budget: float, shape_name: str, target: float | No
     train = RunConfig.from_dict({"train": sweep.base.get("train", {})}).train
     seed = train.seed if seed is None else seed
     counts = accounting.param_counts(cfg)
-    n = counts.total if sweep.count == "total" else counts.non_embedding
+    n = (counts.total if sweep.count == "total" else counts.non_embedding) - counts.inactive  # a routed model: active
     launch = launch_for(sweep, n, entry_launch)
     unit = train.micro_batch * cfg.block_size * launch.world_size
     if batch_tokens is None:
@@ -263,7 +263,10 @@ def plan(sweep: Sweep, tuned: Tuned | None = None) -> Plan:
         warnings += budget_warnings
         repeated = sweep.seeds and (sweep.seeds_below is None or budget < sweep.seeds_below)
         seeds = sweep.seeds if repeated else sweep.seeds[:1] or (None,)
-        for (shape_name, target, shape, entry_launch), seed in itertools.product(shapes, seeds):
+        routings = sweep.routing or ({},)
+        for (shape_name, target, shape, entry_launch), seed, routing in itertools.product(shapes, seeds, routings):
+            if sweep.routing:
+                shape_name, shape = f"{shape_name}-{routing_name(routing)}", {**shape, **routing}
             run = planned_run(sweep, budget, shape_name, target, shape, entry_launch, tuned, seed=seed)
             if isinstance(run, str):
                 refused.append(run)

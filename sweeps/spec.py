@@ -165,6 +165,7 @@ class Sweep:
     seeds_below: float | None = None  # [sweep] seeds_below: repeat only the budgets below this C (short, noisy runs)
     evals: int = 0  # [sweep] evals: held-out evaluations per run, evenly spaced in steps (0: at the end only)
     cooldowns: Cooldowns | None = None  # [sweep] cooldowns: end points branched from one stable phase per size
+    routing: tuple[dict[str, int], ...] = ()  # [sweep] routing: each shape once per routing (model.moe_* fields)
 
     def mup_model_fields(self) -> dict[str, Any]:
         """The [model] options μP adds to every run's command line (none without ``mup_base_width``)."""
@@ -175,7 +176,7 @@ class Sweep:
 
 _TABLES = {
     "sweep": {"name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget", "seeds",
-              "seeds_below", "evals", "cooldowns"},
+              "seeds_below", "evals", "cooldowns", "routing"},
     "shapes": {"family", "aspect", "width_multiple", "head_dim", "max_layers", "ffn_ratio", "list"},
     "rules": {"lr", "batch_tokens", "mup_base_width"},
     "launch": {f.name for f in dataclasses.fields(Launch)} | {"by_size"},
@@ -486,7 +487,48 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         search=_search(_table(doc, "search"), family), mup_base_width=mup_base_width, **_seeds(sweep),
         evals=_integer(sweep.get("evals", 0), "[sweep] evals", minimum=0),
         cooldowns=_cooldowns(sweep["cooldowns"], base) if "cooldowns" in sweep else None,
+        routing=_routing(sweep["routing"], sweep, base) if "routing" in sweep else (),
     )
+
+
+ROUTING_KEYS = {"experts": "moe_experts", "top_k": "moe_top_k", "granularity": "moe_granularity",
+                "shared_experts": "moe_shared_experts"}
+
+
+def routing_name(fields: dict[str, int]) -> str:
+    """A routing's part of a run name: 'dense', or 'E8k2G2' (with '-S1' for shared experts)."""
+    if not fields.get("moe_experts"):
+        return "dense"
+    shared = fields.get("moe_shared_experts", 0)
+    return (f"E{fields['moe_experts']}k{fields.get('moe_top_k', 1)}G{fields.get('moe_granularity', 1)}"
+            + (f"S{shared}" if shared else ""))
+
+
+def _routing(value: Any, sweep: dict[str, Any], base: dict[str, dict[str, Any]]) -> tuple[dict[str, int], ...]:
+    """``[sweep] routing``: a list of { experts = E, top_k = k, granularity = G, shared_experts = S } (experts = 0:
+    the dense model), each a distinct routing every shape is trained with; their model.moe_* fields."""
+    if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+        raise SpecError("[sweep] routing must be a non-empty list of tables such as { experts = 8, top_k = 2 }")
+    if "cooldowns" in sweep:
+        raise SpecError("[sweep] routing and cooldowns cannot be combined yet: a cooldown's parent is one per size")
+    fixed = sorted(k for k in base.get("model", {}) if k.startswith("moe_"))
+    if fixed:
+        raise SpecError(f"[base.model] {fixed[0]} and [sweep] routing both set the routing: keep one")
+    out = []
+    for i, entry in enumerate(value):
+        unknown = sorted(set(entry) - set(ROUTING_KEYS))
+        if unknown or "experts" not in entry:
+            raise SpecError(f"[sweep] routing[{i}]: " + (f"unknown key '{unknown[0]}' (known: "
+                            f"{', '.join(ROUTING_KEYS)})" if unknown else "needs 'experts' (0: the dense model)"))
+        fields = {ROUTING_KEYS[k]: _integer(v, f"[sweep] routing[{i}].{k}", minimum=0) for k, v in entry.items()}
+        if not fields["moe_experts"] and len(fields) > 1:
+            raise SpecError(f"[sweep] routing[{i}]: experts = 0 is the dense model; it takes no other key")
+        out.append({} if not fields["moe_experts"] else fields)
+    names = [routing_name(f) for f in out]
+    repeated = next((n for n in names if names.count(n) > 1), None)
+    if repeated:
+        raise SpecError(f"[sweep] routing lists {repeated} twice")
+    return tuple(out)
 
 
 def _cooldowns(value: Any, base: dict[str, dict[str, Any]]) -> Cooldowns:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lab.measure import accounting as acc
-from lab.runtime.config import ModelConfig
+from lab.runtime.config import ModelConfig, resolve
 from lab.commands.plan import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,32 +261,61 @@ def test_plan_memory_with_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per layer" in capsys.readouterr().out
 
 
-def test_plan_mesh_chooses_the_least_tp_that_fits_then_the_least_communication(capsys: pytest.CaptureFixture[str]
-                                                                               ) -> None:
-    assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "16", "--memory-gb", "3"]) == 0
+def _mesh_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.startswith("tp ")]
+
+
+def test_plan_mesh_prices_every_tp_pp_dp_layout_and_chooses_the_fastest_that_fits(capsys: pytest.CaptureFixture[str]
+                                                                                 ) -> None:
+    argv = ["mesh", "--preset", "gpt2-350m", "--n-gpus", "16", "--memory-gb", "3", "--show", "0"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith("tp ")]
-    assert len(rows) == 4 * 4  # tp 1, 2, 4, 8 (within a node of 8) × ddp, zero1-3
-    # gpt2-350m: 354.8M params; ddp on tp 1 holds 16 B each: 5.68 GB of states, more than 0.9 × 3 GB
-    assert rows[0][:4] == ["tp", "1", "×", "dp"] and rows[0][6:8] == ["5.68", "GB"] and rows[0][12] == "no"
-    fitting = [(int(r[1]), float(r[-1]), r) for r in rows if r[12] == "yes"]
-    assert fitting and all(float(r[10]) <= 2.7 for *_, r in fitting)
-    best = min(fitting, key=lambda f: f[:2])[2]
-    assert f"choice: tp {best[1]} × dp {best[4]}, {best[5]}" in out
-    assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "2", "--memory-gb", "0.5"]) == 2
-    assert capsys.readouterr().err.startswith("error: no tp × dp layout of 2 × H100 holds gpt2-350m")
+    rows = _mesh_rows(out)
+    # tp 1, 2, 4, 8 within a node; pp each divisor of the 24 layers that divides 16 / tp: 4 + 4 + 3 + 2 pairs
+    assert len(rows) == 13 * 4 and {(r[1], r[4]) for r in rows} >= {("1", "8"), ("8", "2")}
+    by = {(r[1], r[4], r[8]): r for r in rows}
+    # 354.8M params, 16 B each under ddp: 5.68 GB of states, more than 0.9 × 3 GB
+    assert by["1", "1", "ddp"][10:12] == ["5.68", "GB"] and by["1", "1", "ddp"][16] == "no"
+    # two stages: each holds half the blocks and its own copy of the tied embedding (51.5M of 354.8M)
+    counts = acc.param_counts(resolve({"model": {"preset": "gpt2-350m"}}).model)
+    half = counts.non_embedding / 2 + counts.embedding
+    assert by["1", "2", "ddp"][10] == f"{16 * half / 1e9:.2f}"
+    for r in rows:  # the bubble is (p − 1)/m of the compute; the step the sum of its terms
+        compute, bubble, *rest, step = map(float, r[17:])
+        assert bubble == pytest.approx(compute * (int(r[4]) - 1) / int(r[9]), abs=2e-3)
+        assert step == pytest.approx(compute + bubble + sum(rest), abs=3e-3)
+    best = min((float(r[-1]), int(r[1]), int(r[4]), r) for r in rows if r[16] == "yes")[-1]
+    assert f"choice: tp {best[1]} × pp {best[4]} × dp {best[7]}, {best[8]}" in out
+    assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "2", "--memory-gb", "0.2"]) == 2
+    assert capsys.readouterr().err.startswith("error: no layout of 2 × H100 holds gpt2-350m")
     assert main(["mesh", "--preset", "gpt9"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown model preset 'gpt9'")
+    assert main(["mesh", "--preset", "gpt2-350m", "--compare", "8by2"]) == 2
+    assert capsys.readouterr().err.startswith("error: argument --compare: expected TPxPP such as 8x16")
 
 
-def test_plan_mesh_keeps_a_model_that_fits_on_one_gpu_free_of_tensor_parallelism_without_torch():
+def test_plan_mesh_for_70b_on_1024_h100s_prices_the_published_tp8_pp16_beside_its_choice(capsys):
+    """CS336's 70B on 1024 H100s: Llama 3 70B's shape; tp 8 × pp 16 is Llama 3 405B's published layout."""
+    assert main(["mesh", "--preset", "llama3-70b", "--n-gpus", "1024", "--compare", "8x16", "--show", "0"]) == 0
+    out = capsys.readouterr().out
+    rows = _mesh_rows(out)
+    assert all(int(r[1]) * int(r[4]) * int(r[7]) == 1024 and 80 % int(r[4]) == 0 for r in rows)
+    compared = out.split("compared: ")[1]
+    # 4,194,304 tokens per step over dp 8 in micro-batches of 1 × 8192: m = 64, a bubble of 15/64
+    assert compared.startswith("tp 8 × pp 16 × dp 8") and "bubble of (p − 1)/m = 23.4% of the compute" in compared
+    choice = out.split("choice: ")[1].split(",")[0]
+    assert choice != "tp 8 × pp 16 × dp 8" and float(compared.split(" s per step")[0].split(": ")[-1]) > float(
+        out.split("fits, ")[1].split(" s per step")[0])
+
+
+def test_plan_mesh_keeps_a_model_that_fits_on_one_gpu_free_of_model_parallelism_without_torch():
     # issue 37: 355M parameters on 16 H100s came out as tp 8 × dp 2, after 7.7 s of importing torch
     code = ("import sys; from lab.commands.plan import main; "
             "main(['mesh', '--preset', 'gpt2-350m', '--n-gpus', '16']); "
             "assert 'torch' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "choice: tp 1 × dp 16, ddp (--parallel.tp 1 --strategy ddp): the model fits without tensor " \
-           "parallelism" in proc.stdout
+    assert "choice: tp 1 × pp 1 × dp 16, ddp (--strategy ddp): the fastest layout that fits" in proc.stdout
     assert "(72.00 GB usable each" in proc.stdout  # 0.9 of 80 GB, as plan memory assumes
 
 

@@ -2,6 +2,7 @@
 
     python launch/plan.py time --params 70e9 --tokens 15e12 --gpu H100 --n-gpus 1024 --mfu 0.5
     python launch/plan.py memory --gpu H100 --n-gpus 8 [--micro-batch 8 --seq-len 2048 --d-model 8192 --n-head 64]
+    python launch/plan.py mesh --preset llama3-70b --n-gpus 1024 --compare 8x16
     python launch/plan.py peaks
     python launch/plan.py model --preset small-modern --vocab 4096 --moe-experts 8 --moe-top-k 2 [--tokens 1e9]
 
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NoReturn
 
-from lab.measure import accounting
+from lab.measure import accounting, layouts
 from lab.runtime.config import ModelConfig
 
 
@@ -63,6 +64,13 @@ def _fraction(text: str) -> float:
     if not 0 < x <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return x
+
+
+def _tp_by_pp(text: str) -> tuple[int, int]:
+    parts = text.lower().replace("×", "x").split("x")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected TPxPP such as 8x16, got '{text}'")
+    return _count(parts[0]), _count(parts[1])
 
 
 def _gpu(text: str) -> str:
@@ -194,56 +202,74 @@ def _mesh_shape(args: argparse.Namespace) -> ModelConfig:
     return replace(cfg, block_size=args.seq_len or cfg.block_size)
 
 
-def _mesh(args: argparse.Namespace) -> str:
-    """Every tp × dp layout and data-parallel stage for the model on ``--n-gpus``: memory per GPU, bytes sent per
-    micro-step by axis and their time; the choice is the least tensor parallelism that fits, and at that tp the
-    stage with the least communication time."""
-    cfg = _mesh_shape(args)
+def _cluster(args: argparse.Namespace) -> layouts.Cluster:
     memory = (args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)) * args.usable
+    return layouts.Cluster(args.gpu, args.n_gpus, args.gpus_per_node, memory, args.intra_gbps * 1e9,
+                           args.inter_gbps * 1e9, args.mfu)
+
+
+def _layout_row(r: layouts.Layout) -> list[str]:
+    return [r.name, r.stage, str(r.microbatches), _gb(r.states), _gb(r.activations), _gb(r.memory),
+            "yes" if r.fits else "no", *(f"{t:.3f}" for t in r.terms().values()), f"{r.step_s:.3f}"]
+
+
+def _versus(other: layouts.Layout, choice: layouts.Layout) -> str:
+    """How ``other`` differs from the choice: memory, and each term of the step that moves by 1 % of it or more."""
+    moved = [f"{name} {theirs - ours:+.3f} s" for (name, theirs), ours in zip(other.terms().items(),
+                                                                             choice.terms().values())
+             if abs(theirs - ours) >= 0.01 * choice.step_s]
+    return (f"{other.name}, {other.stage}: {other.step_s:.3f} s per step against {choice.step_s:.3f} s "
+            f"({other.step_s / choice.step_s - 1:+.0%}: {', '.join(moved) or 'no term moves by 1 %'}); "
+            f"{_gb(other.memory)} per GPU against {_gb(choice.memory)}"
+            f"{'' if other.fits else ' (does not fit)'}" + (
+                f"; {other.microbatches} micro-batches per replica, so a bubble of (p − 1)/m = "
+                f"{(other.pp - 1) / other.microbatches:.1%} of the compute" if other.pp > 1 else ""))
+
+
+def _mesh(args: argparse.Namespace) -> str:
+    """Every tp × pp × dp layout and data-parallel stage for the model on ``--n-gpus``, with memory per GPU and a
+    step's time by cause (``lab.measure.layouts``); the choice is the fastest layout that fits."""
+    cfg = _mesh_shape(args)
+    cluster = _cluster(args)
+    rows, refused = layouts.layouts(cfg, args.micro_batch, args.batch_tokens, cluster, args.checkpointing)
     params = accounting.param_counts(cfg).total
-    activations = accounting.activation_bytes(cfg, args.micro_batch, checkpointing=args.checkpointing)
-    spans_nodes = args.n_gpus > args.gpus_per_node
-    rows, candidates, refused = [], [], []
-    for tp in (t for t in range(1, min(args.n_gpus, args.gpus_per_node) + 1) if args.n_gpus % t == 0):
-        shape = replace(cfg, pad_vocab_to=math.lcm(cfg.pad_vocab_to, tp))
-        problem = accounting.tensor_parallel_split_problem(shape, tp, sequence_parallel=tp > 1)
-        if problem is not None:
-            refused.append(f"tp {tp}: {problem}")
-            continue
-        dp = args.n_gpus // tp
-        tp_bytes = sum(accounting.tensor_parallel_comm_bytes(shape, args.micro_batch, 1, tp, tp > 1, 2.0).values())
-        for stage in accounting.STRATEGIES:
-            states = accounting.model_state_bytes(params / tp, stage, dp, "mixed").gpu
-            dp_bytes = accounting.comm_elements_per_step(params / tp, stage, dp) * 2.0
-            seconds = tp_bytes / (args.intra_gbps * 1e9) + dp_bytes / (
-                (args.inter_gbps if spans_nodes else args.intra_gbps) * 1e9)
-            total = states + activations / tp
-            fits = total <= memory
-            rows.append([f"tp {tp} × dp {dp}", stage, _gb(states), _gb(activations / tp), _gb(total),
-                         "yes" if fits else "no", f"{tp_bytes / 1e9:.3f}", f"{dp_bytes / 1e9:.3f}",
-                         f"{1e3 * seconds:.1f}"])
-            if fits:
-                candidates.append((tp, seconds, accounting.STRATEGIES.index(stage), f"tp {tp} × dp {dp}, {stage}"))
-    lines = [f"{args.preset}: {params / 1e6:,.1f}M params, micro-batch {args.micro_batch} × {cfg.block_size} tokens "
-             f"per data-parallel replica, bf16 with fp32 master weights (16 B/param), on {args.n_gpus} × {args.gpu} "
-             f"({_gb(memory)} usable each, {args.gpus_per_node} per node); tensor parallelism within a node with "
-             f"sequence parallelism (activations split tp ways); bytes sent per GPU per step of one micro-step, "
-             f"at {args.intra_gbps:g} GB/s within a node and {args.inter_gbps:g} GB/s between nodes",
-             _table(["layout", "stage", "states", "activations", "total", "fits", "tp GB", "dp GB", "comm ms"], rows,
-                    left=2)]
+    rows.sort(key=lambda r: (not r.fits, r.step_s))
+    shown = rows if args.show == 0 else rows[:args.show]
+    lines = [f"{args.preset}: {params / 1e9:,.2f}B params, {cfg.n_layer} layers; steps of {args.batch_tokens:,.0f} "
+             f"tokens in micro-batches of {args.micro_batch} × {cfg.block_size}; {args.n_gpus} × {args.gpu} "
+             f"({_gb(cluster.memory)} usable each, {args.gpus_per_node} per node) at {args.mfu:.0%} MFU, "
+             f"{args.intra_gbps:g} GB/s within a node and {args.inter_gbps:g} GB/s between nodes; bf16 with fp32 "
+             f"master weights (16 B/param), 1F1B, tp with sequence parallelism. Seconds per step by cause, on paper "
+             f"(lab/measure/layouts.py); 'dp exposed' is the data-parallel traffic the backward does not hide",
+             _table(["layout", "stage", "m", "states", "activations", "total", "fits", "compute", "bubble", "tp",
+                     "pp", "dp exposed", "step s"], [_layout_row(r) for r in shown], left=2)]
+    if len(shown) < len(rows):
+        lines.append(f"... and {len(rows) - len(shown)} slower or not fitting (--show 0 lists all)")
     lines += [f"not possible: {r}" for r in refused]
-    if not candidates:
-        raise PlanError(f"no tp × dp layout of {args.n_gpus} × {args.gpu} holds {args.preset} at micro-batch "
+    choice = layouts.choose(rows)
+    if choice is None:
+        raise PlanError(f"no layout of {args.n_gpus} × {args.gpu} holds {args.preset} at micro-batch "
                         f"{args.micro_batch}; lower --micro-batch, add --checkpointing or more GPUs")
-    tp, seconds, stage, name = min(candidates)
-    why = ("the model fits without tensor parallelism" if tp == 1 else
-           f"the least tensor parallelism with which the model fits (tp {tp}; less does not fit)")
-    lines.append(f"choice: {name} (--parallel.tp {tp} --strategy {accounting.STRATEGIES[stage]}): {why}, and at that "
-                 f"tp the stage that spends the least time communicating ({1e3 * seconds:.1f} ms per step, not "
-                 f"overlapped; ties go to the lower stage). Tensor parallelism is the last resort: it sends "
-                 f"activations in every layer, on the critical path, and cuts each matmul into smaller, slower ones; "
-                 f"data parallelism's gradient traffic overlaps the backward")
-    return "\n".join(lines)
+    options = " ".join(f"--parallel.{axis} {n}" for axis, n in (("tp", choice.tp), ("pp", choice.pp)) if n > 1)
+    lines.append(f"choice: {choice.name}, {choice.stage} ({options + ' ' if options else ''}--strategy "
+                 f"{choice.stage}): the fastest layout that fits, {choice.step_s:.3f} s per step, "
+                 f"{_gb(choice.memory)} per GPU")
+    same_tp_pp = [r for r in rows if (r.tp, r.pp) == (choice.tp, choice.pp) and r.stage != choice.stage]
+    simpler = [r for r in rows if r.fits and (r.tp, r.pp) != (choice.tp, choice.pp) and r.tp <= choice.tp
+               and r.pp <= choice.pp]
+    why = [f"  beside {_versus(min(simpler, key=lambda r: r.step_s), choice)}"] if simpler else []
+    if (choice.tp, choice.pp) != (1, 1) and not any(r.fits for r in rows if r.tp < choice.tp or r.pp < choice.pp):
+        why.append("  no layout with less tensor or pipeline parallelism fits")
+    if same_tp_pp and not any(r.fits for r in same_tp_pp if accounting.STRATEGIES.index(r.stage)
+                              < accounting.STRATEGIES.index(choice.stage)):
+        why.append(f"  no lower data-parallel stage fits at {choice.name}")
+    if args.compare:
+        tp, pp = args.compare
+        named = [r for r in rows if (r.tp, r.pp) == (tp, pp)]
+        if not named:
+            raise PlanError(f"--compare tp {tp} × pp {pp} is not a layout of {args.preset} on {args.n_gpus} GPUs")
+        why.append(f"  compared: {_versus(min(named, key=lambda r: (not r.fits, r.step_s)), choice)}")
+    return "\n".join(lines + why)
 
 
 def _model(args: argparse.Namespace) -> str:
@@ -322,21 +348,27 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     m.add_argument("--naive-attention", action="store_true", help="store the s×s attention matrices (no flash)")
     m.set_defaults(run=_memory)
 
-    g = sub.add_parser("mesh", help="choose tp × dp and the data-parallel stage for a model (and say why)")
-    g.add_argument("--preset", required=True, help="a model preset (lab.runtime.config.PRESETS), e.g. gpt2-350m")
+    g = sub.add_parser("mesh", help="choose tp × pp × dp and the data-parallel stage for a model (and say why)")
+    g.add_argument("--preset", required=True, help="a model preset (lab.runtime.config.PRESETS), e.g. llama3-70b")
     g.add_argument("--vocab", type=_count, help="vocabulary size (default: the preset's)")
     g.add_argument("--seq-len", type=_count, help="tokens per sequence (default: the preset's block size)")
-    g.add_argument("--micro-batch", type=_count, default=8, help="sequences per replica per micro-step (default: 8)")
+    g.add_argument("--micro-batch", type=_count, default=1, help="sequences per replica per micro-step (default: 1)")
+    g.add_argument("--batch-tokens", type=_positive, default=2**22,
+                   help="tokens per optimizer step, all replicas (default: 4,194,304)")
     g.add_argument("--gpu", type=_gpu, default="H100", help="A100, H100 or H200 (default: H100)")
     g.add_argument("--n-gpus", type=_count, default=8, help="GPUs in all (default: 8)")
     g.add_argument("--gpus-per-node", type=_count, default=8, help="GPUs per node: tp stays within one (default: 8)")
     g.add_argument("--memory-gb", type=_positive, help="memory per GPU in GB (default: the GPU's)")
     g.add_argument("--usable", type=_fraction, default=USABLE, help=USABLE_HELP)
+    g.add_argument("--mfu", type=_fraction, default=0.5, help="the compute's share of the peak (default: 0.5)")
     g.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
     g.add_argument("--intra-gbps", type=_positive, default=450.0,
                    help="GB/s one GPU sends within a node (default: 450, NVLink 4 one way)")
     g.add_argument("--inter-gbps", type=_positive, default=50.0,
                    help="GB/s one GPU sends to other nodes (default: 50, 400 Gb/s InfiniBand)")
+    g.add_argument("--compare", type=_tp_by_pp, metavar="TPxPP",
+                   help="also price this layout beside the choice, e.g. 8x16 (Llama 3 405B's tp 8 × pp 16)")
+    g.add_argument("--show", type=int, default=20, help="rows listed, fastest first (0: all; default: 20)")
     g.set_defaults(run=_mesh)
 
     o = sub.add_parser("model", help="a model's total and active parameters and FLOPs per token (mixtures of experts)")

@@ -489,6 +489,13 @@ def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, 
     return float(kept + 4 * s * b * padded_vocab(cfg) / tp)
 
 
+def autocast_weight_bytes(cfg: ModelShape, tp: int = 1) -> float:
+    """Bytes of the bf16 copies bf16 autocast makes of the matmul weights in the forward: 2 per weight (every
+    expert's; split ``tp`` ways). Autocast caches each cast for the forward and the matmuls save them for the
+    backward, so all of them are held at the forward's end, beside the fp32 weights."""
+    return 2.0 * param_counts(cfg).matmul / tp
+
+
 # ---------------------------------------------------------------- memory: what fits
 
 

@@ -132,15 +132,16 @@ class Accounts:
         """Bytes the clipping and the optimizer step allocate for a while, in theory (none: foreach and fused)."""
         return 0.0
 
-    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
+    def peak_bytes_theory(self, activations: float, cast_weights: float = 0.0) -> dict[str, float]:
         """Per phase, the most bytes this rank holds in theory: its weights and optimizer states, the gradients
         held in that phase (buckets in flight included), the gathered weights in flight, and ``activations``
-        (one micro-batch's, from ``lab.measure.accounting.activation_bytes``); the step holds the states and its
-        temporaries."""
+        (one micro-batch's, from ``lab.measure.accounting.activation_bytes``); the forward also holds the bf16
+        copies autocast made of the weights (``cast_weights``, ``accounting.autocast_weight_bytes``); the step holds
+        the states and its temporaries."""
         states = self.theory_states()
         gathered, grads_forward, grads_backward = self.theory_in_flight(states)
         held = states.params + states.optimizer
-        return {"forward": held + grads_forward + gathered + activations,
+        return {"forward": held + grads_forward + gathered + activations + cast_weights,
                 "backward": held + grads_backward + gathered + activations,
                 "step": held + states.grads + self.theory_step_temporaries()}
 
@@ -252,9 +253,9 @@ class Zero3(Zero):
         _, grads_forward, grads_backward = super().theory_in_flight(states)
         return self.pool_bytes(), grads_forward, grads_backward
 
-    def peak_bytes_theory(self, activations: float) -> dict[str, float]:
+    def peak_bytes_theory(self, activations: float, cast_weights: float = 0.0) -> dict[str, float]:
         """The pool's buffers stay allocated through the optimizer step too."""
-        theory = super().peak_bytes_theory(activations)
+        theory = super().peak_bytes_theory(activations, cast_weights)
         return theory | {"step": theory["step"] + self.pool_bytes()}
 
 

@@ -42,6 +42,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                       tie_embeddings=True),
     "gpt2-350m": dict(arch="gpt2", n_layer=24, n_head=16, d_model=1024, block_size=1024, vocab_size=50257,
                       tie_embeddings=True),
+    # Llama 3 70B's shape (Grattafiori et al. 2024, table 3) at its 8K pretraining context: for planning
+    "llama3-70b": dict(arch="modern", n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672, block_size=8192,
+                       vocab_size=128256, tie_embeddings=False, rope_theta=500000.0),
 }
 
 

@@ -625,7 +625,8 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     tokens = outcome.end_step * cfg.train.batch_tokens
     return {
         "status": outcome.status, "params": counts.total, "params_non_embedding": counts.non_embedding,
-        "params_active": counts.active,
+        "params_active": counts.active, "moe_experts": cfg.model.moe_experts, "moe_top_k": cfg.model.moe_top_k,
+        "moe_granularity": cfg.model.moe_granularity,
         "flops_per_token": fpt, "tokens": tokens, "flops": fpt * tokens, "steps": outcome.end_step,
         "total_steps": plan.total_steps, "skipped_steps": outcome.skipped_steps,
         "final_train_loss": sum(outcome.recent_losses) / len(outcome.recent_losses) if outcome.recent_losses else None,
@@ -641,5 +642,6 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "peak_bytes_theory": strategy.accounts.peak_bytes_theory(accounting.activation_bytes(
             cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
             checkpointing=cfg.parallel.activation_checkpointing == "full", tp=cfg.parallel.tp,
-            sequence_parallel=cfg.parallel.sequence_parallel)),
+            sequence_parallel=cfg.parallel.sequence_parallel),
+            accounting.autocast_weight_bytes(cfg.model, cfg.parallel.tp) if strategy.precision.bf16 else 0.0),
     }

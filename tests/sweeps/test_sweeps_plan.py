@@ -187,6 +187,17 @@ def test_family_sizes_that_round_to_one_shape_are_refused():
     (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds = [-1]"), "[sweep] seeds[0] must be an integer >= 0"),
     (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nseeds_below = 1e14"), "seeds_below needs 'seeds'"),
     (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nevals = 2.5"), "[sweep] evals must be an integer >= 0"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nrouting = [{ experts = 0, top_k = 2 }]"),
+     "[sweep] routing[0]: experts = 0 is the dense model; it takes no other key"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nrouting = [{ top_k = 2 }]"),
+     "[sweep] routing[0]: needs 'experts'"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nrouting = [{ experts = 4, topk = 2 }]"),
+     "[sweep] routing[0]: unknown key 'topk'"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nrouting = [{ experts = 4 }, { experts = 4, top_k = 1 }]"),
+     "[sweep] routing lists E4k1G1 twice"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nrouting = []"), "[sweep] routing must be a non-empty list"),
+    (("model = { block_size = 256 }", "model = { block_size = 256, moe_experts = 4 }\n[sweep.x]"),
+     "[sweep]: unknown key 'x'"),
 ])
 def test_bad_sweep_files_fail_with_one_line(edit, message):
     with pytest.raises(spec.SpecError) as info:
@@ -423,3 +434,23 @@ def test_a_sweep_file_sends_trackers_to_every_run():
     assert runs and all(("--log.trackers", "tensorboard") in zip(r.args[::2], r.args[1::2]) for r in runs)
     with pytest.raises(spec.SpecError, match="log.wandb_projekt"):
         parse(with_log('{ wandb_projekt = "x" }'))
+
+
+def test_routing_trains_every_shape_once_per_routing_at_equal_active_compute():
+    text = FAMILY.replace("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nrouting = [{ experts = 0 }, "
+                          "{ experts = 8, top_k = 2, granularity = 2 }]")
+    dense, routed = planner.plan(parse(FAMILY)), planner.plan(parse(text))
+    assert not routed.refused and len(routed.runs) == 2 * len(dense.runs)
+    by_name = {r.name: r for r in routed.runs}
+    for run in dense.runs:
+        plain, moe = by_name[run.name + "-dense"], by_name[run.name + "-E8k2G2"]
+        assert plain.args == run.args and (plain.tokens, plain.lr, plain.launch) == (run.tokens, run.lr, run.launch)
+        for flag, value in (("--model.moe_experts", "8"), ("--model.moe_top_k", "2"), ("--model.moe_granularity", "2")):
+            assert moe.args[moe.args.index(flag) + 1] == value
+        # k = G: the active path is the dense MLP's width split in two plus the router: FLOPs per token within 1 %,
+        # and each run spends the budget (active FLOPs) to within a batch
+        assert moe.params > plain.params and moe.flops_per_token == pytest.approx(plain.flops_per_token, rel=0.01)
+        assert abs(moe.flops - moe.budget) <= moe.batch_tokens * moe.flops_per_token
+        assert moe.lr == pytest.approx(plain.lr, rel=0.01) and moe.launch == plain.launch  # rules see active N
+    with pytest.raises(spec.SpecError, match=r"\[base.model\] moe_experts and \[sweep\] routing both set"):
+        parse(text.replace("model = { block_size = 256 }", "model = { block_size = 256, moe_experts = 4 }"))
