@@ -107,9 +107,18 @@ class Accounts:
     offloaded: ClassVar[bool] = False  # whether its theory places the optimizer states on the host
 
     def theory_states(self) -> accounting.StateBytes:
-        """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``)."""
-        return accounting.model_state_bytes(self.param_count(), self.state_layout, self.world_size, "fp32",
-                                            self.offloaded)
+        """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``); this rank's
+        experts split by ``parallel.ep`` are sharded over the ranks holding them."""
+        s = self.strategy
+        experts = s.experts.expert_elements(s.trainable)
+        theory = accounting.model_state_bytes(self.param_count() - experts, self.state_layout, self.world_size, "fp32",
+                                              self.offloaded)
+        if not experts:
+            return theory
+        split = accounting.model_state_bytes(experts, self.state_layout, s.experts.edp.world_size, "fp32",
+                                             self.offloaded)
+        return accounting.StateBytes(theory.params + split.params, theory.grads + split.grads,
+                                     theory.optimizer + split.optimizer, self.offloaded)
 
     def theory_comm(self) -> dict[str, float]:
         """Bytes this rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
