@@ -156,10 +156,12 @@ def test_ep2_trains_a_moe_as_single_does_and_counts_its_exchanges():
 
 @pytest.mark.long
 @pytest.mark.slow
-def test_ep2_under_ddp_naive_and_activation_checkpointing_trains_a_moe_as_single_does():
-    """Bitwise under ddp_naive and with full checkpointing; with clipping active and selective checkpointing, to the
-    last bits; the recomputation's forward exchanges again, and is counted."""
-    _check_two_ranks(["ddp_naive:ep=2", "ddp:ep=2,activation_checkpointing=full", "zero1:ep=2", "zero2:ep=2"],
+def test_ep2_under_ddp_naive_zero_and_activation_checkpointing_trains_a_moe_as_single_does():
+    """Bitwise under ddp_naive, zero1, zero2 (with the update offloaded too) and with full checkpointing; with
+    clipping active and selective checkpointing, to the last bits; the recomputation's forward exchanges again, and
+    is counted."""
+    _check_two_ranks(["ddp_naive:ep=2", "ddp:ep=2,activation_checkpointing=full", "zero1:ep=2", "zero2:ep=2",
+                      "zero2:ep=2,offload=optimizer"],
                      ["ddp:ep=2,activation_checkpointing=selective"],
                      [("ddp:ep=2,activation_checkpointing=full", 1), ("ddp_naive:ep=2", 1), ("zero2:ep=2", 1)])
 
