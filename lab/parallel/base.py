@@ -287,7 +287,8 @@ class Strategy:
         over the pipeline's stages (a weight two stages hold, once: ``pipeline.counts``, after its gradients are
         summed between them).
         """
-        self.pipeline.reduce_tied(self.module)
+        if not self.shards_gradients:  # a sharding strategy sums them before its reduce-scatter
+            self.pipeline.reduce_tied(self.module)
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for piece in self.holding():
             if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main) \

@@ -55,6 +55,14 @@ from lab.parallel.mesh import World
 
 SCHEDULES = ("gpipe", "1f1b")
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
+_NOT_WIRED = {  # why a strategy does not run under a pipeline
+    "zero3": "it gathers each unit's weights for one forward and frees them after one backward per micro-step, where "
+             "a stage runs M microbatches' forwards and backwards interleaved (not wired yet)",
+    "fsdp": "FSDP2 gathers and reshards around its root module's forward and reduce-scatters after each backward, "
+            "where a stage runs M forwards and backwards outside that forward (not wired yet)",
+    "torch_ddp": "DistributedDataParallel prepares its reducer in its own forward, which the stages bypass (they call "
+                 "the model's embed, run_blocks and output): its gradients would not be synced",
+}
 _on_pp = naming_axis("pp")  # a failed send or receive names the axis: a stage died or did not answer
 
 
@@ -78,9 +86,10 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
         raise ConfigError("strategy 'deepspeed' does not run with parallel.pp > 1: its engine owns the whole step "
                           "(DeepSpeed's own PipelineEngine is not wired in); choose single, ddp_naive or ddp")
     if not strategy.pipeline_parallel:
-        raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.pp > 1 yet: its gradient sync or "
-                          f"sharding expects one backward per micro-step, where a stage runs one per microbatch, "
-                          f"and is not wired to that yet; choose single, ddp_naive or ddp")
+        reason = _NOT_WIRED.get(strategy.name, "its gradient sync or sharding expects one backward per micro-step, "
+                                               "where a stage runs one per microbatch")
+        raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.pp > 1: {reason}; choose single, "
+                          f"ddp_naive, ddp, zero1 or zero2")
     if cfg.sequence_parallel or cfg.tp_impl == "torch":
         raise ConfigError("parallel.pp > 1 runs with the hand-rolled tensor parallelism without sequence parallelism "
                           "only, for now: stages send whole-sequence hidden states as plain tensors")
@@ -159,8 +168,13 @@ class Unpiped:
     def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
         return squares
 
+    tied: list[str] = []  # parameters held by the first stage and the last (none in one stage)
+
     def reduce_tied(self, module: nn.Module) -> None:
         """Sum the gradients of a weight two stages hold (nothing to do in one stage)."""
+
+    def sum_tied(self, grad_of: Callable[[str], torch.Tensor]) -> None:
+        """As ``reduce_tied``, on the gradients ``grad_of(name)`` returns (summed into them in place)."""
 
     def take_meters(self) -> tuple[float, dict[str, object]]:
         """Seconds this rank waited on the other stages since the last call, and the step's pipeline figures."""
@@ -344,21 +358,28 @@ class Pipeline(Unpiped):
     def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
         return self.axis.sum(squares)
 
-    @_on_pp
     @torch.no_grad()
     def reduce_tied(self, module: nn.Module) -> None:
+        def grad(name: str) -> torch.Tensor:
+            p = module.get_parameter(name)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            return p.grad
+        self.sum_tied(grad)
+
+    @_on_pp
+    @torch.no_grad()
+    def sum_tied(self, grad_of: Callable[[str], torch.Tensor]) -> None:
         if not (self.tied and (self.first or self.last)):
             return
         peer = self.axis.global_rank(self.n - 1 if self.first else 0)
         for name in self.tied:
-            p = module.get_parameter(name)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            theirs = torch.empty_like(p.grad)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, p.grad, peer, self.axis.group),
+            mine = grad_of(name)
+            theirs = torch.empty_like(mine)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, self.axis.group),
                                                 dist.P2POp(dist.irecv, theirs, peer, self.axis.group)]):
                 work.wait()
-            p.grad.add_(theirs)
+            mine.add_(theirs)
 
     @_on_pp
     def take_meters(self) -> tuple[float, dict[str, object]]:
