@@ -217,6 +217,16 @@ def test_pp2_by_dp2_under_zero1_and_zero2_reproduces_single():
     _check({True: results}, specs)
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_pp2_by_tp2_by_dp2_reproduces_single_on_eight_ranks():
+    """The three axes at once on 8 ranks (stage outermost, tensor innermost), a tied embedding (summed between the
+    stages shard by shard, under zero2 before its reduce-scatter), with accumulation."""
+    specs = ["ddp:pp=2,tp=2,pp_schedule=1f1b,pp_microbatches=2", "zero2:pp=2,tp=2,pp_schedule=gpipe,pp_microbatches=2"]
+    results = run_pooled(equivalence, 8, specs, Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP, model=FOUR))[0]
+    _check({True: results}, specs)
+
+
 # ---------------------------------------------------------------- a run end to end
 
 
