@@ -230,12 +230,16 @@ def test_pp2_by_tp2_by_dp2_reproduces_single_on_eight_ranks():
 # ---------------------------------------------------------------- a run end to end
 
 
-def _resume(world: World, argv: list[str], run_dir: Path) -> str:
-    """What launch/run.py --resume does on each rank once the group is up; the final status."""
+def _resume(world: World, argv: list[str], run_dir: Path, resume: bool = True) -> str:
+    """What launch/run.py (--resume) does on each rank once the group is up; the final status."""
     cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--run-dir", str(run_dir)]))
     data_dir = prepare(cfg.data, progress=False)
     resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
-    return train(cfg, data_dir, run_dir, world, resume=True)["status"]
+    return train(cfg, data_dir, run_dir, world, resume=resume)["status"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 def _sent_bytes(world: World, spec: str, layers: int, accum: int) -> dict:
@@ -300,8 +304,7 @@ def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path
     assert "(theory 33%)" in first.stdout.splitlines()[1]  # the step line: bubble per stage
 
     def losses(run: str) -> list[float]:
-        return [r["loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
-                if "loss" in r]
+        return _losses(tmp_path / run)
 
     shapes = {name: p.shape for name, p in GPT(dataclasses.replace(TINY, vocab_size=512)).named_parameters()}
     ref = checkpoint.load_model(checkpoint.latest(tmp_path / "single"), shapes)
@@ -310,3 +313,76 @@ def test_torchrun_trains_in_two_stages_and_its_checkpoint_resumes(args, tmp_path
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(losses("single"), losses(run))), losses(run)
         whole = checkpoint.load_model(checkpoint.latest(tmp_path / run), shapes)
         assert max((whole[k] - ref[k]).abs().max().item() for k in ref) <= 1e-3
+
+
+def _saved_then_loaded(world: World, source: str, targets: list[str], run_dir: Path) -> list[bool]:
+    """A step under ``source``, its checkpoint loaded under each of ``targets`` and saved again: whether each holds
+    every entry (weights, moments, steps) of the first, bit for bit."""
+    from lab.training.train import train_step
+
+    def built(spec: str):
+        strategy = create(parse_spec(spec), world, Precision("cpu", False), LOOP)
+        strategy.build(lambda: GPT(FOUR), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
+        return strategy
+
+    strategy = built(source)
+    x, y = batch(Setup(model=FOUR), world.rank, 4)
+    train_step(strategy, world, [(x, y)], 1, 1e-2, 1.0)
+    saved = checkpoint.save(run_dir / "source", 1, world.rank, world.world_size, strategy.checkpoint_state(), {}, 1)
+    same = []
+    for i, spec in enumerate(targets):
+        strategy = built(spec)
+        checkpoint.load(saved, world.rank, world.world_size, strategy.checkpoint_state())
+        strategy.after_load()
+        again = checkpoint.save(run_dir / str(i), 1, world.rank, world.world_size, strategy.checkpoint_state(), {}, 1)
+        if world.is_main:
+            first, second = checkpoint.load_everything(saved), checkpoint.load_everything(again)
+            same.append(first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first))
+    return same
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["zero1", pytest.param("ddp:pp=2,tp=2,pp_microbatches=2", marks=pytest.mark.long)])
+def test_a_pipeline_checkpoint_loads_into_other_layouts_bit_for_bit(tmp_path, target):
+    """pp2×dp2 under zero2 (a tied embedding sharded on two stages: saved by the first, handed to the last after a
+    load) → pp1×dp4 under zero1, and pp2×tp2 (vocabulary rows and column blocks): every entry saved again is the
+    same bits (before, the save failed: DCP found the two stages' shards of the tied weight overlapping)."""
+    assert run_pooled(_saved_then_loaded, 4, "zero2:pp=2,pp_microbatches=2", [target], tmp_path) == [[True], [], [], []]
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_checkpoint_reshards_across_pipeline_and_data_layouts(args, tmp_path, capsys):
+    """pp2×dp2 (zero2, sharded within each stage) → pp1×dp4 (zero1) → one process, and back: one process → pp2×dp2;
+    each chain logs the losses of an uninterrupted one-process run (the same micro-batches, regrouped: within 1e-5)
+    and ends with its weights. Export and sample read the checkpoint the pp layout wrote: the weights one process
+    has after the same steps."""
+    from lab.commands.cli import export_main, run_main, sample_main
+
+    common = [*args, "--train.micro_batch", "2", "--train.checkpoint_every", "2", "--train.keep_checkpoints", "8"]
+    pp_dp = ["--strategy", "zero2", "--parallel.pp", "2", "--parallel.pp_microbatches", "2"]
+    there, back = tmp_path / "there", tmp_path / "back"
+    assert run_main([*common, "--run-dir", str(tmp_path / "single")]) == 0
+    assert run_pooled(_resume, 4, [*common, *pp_dp, "--train.stop_after", "2"], there, False) == ["stopped"] * 4
+    for run, out in ((there, "pp.pt"), (tmp_path / "single", "single.pt")):
+        assert export_main([str(run), "--checkpoint", str(run / "checkpoints" / "step-000002"),
+                            "--out", str(tmp_path / out)]) == 0
+    exported = [torch.load(tmp_path / out, weights_only=True)["model"] for out in ("pp.pt", "single.pt")]
+    assert exported[0].keys() == exported[1].keys()
+    assert max((exported[0][k] - exported[1][k]).abs().max().item() for k in exported[1]) <= 1e-4
+    capsys.readouterr()
+    assert sample_main([str(there), "--prompt", "The", "--tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert run_pooled(_resume, 4, [*common, "--strategy", "zero1", "--train.stop_after", "4"], there) == ["stopped"] * 4
+    assert run_main([*common, "--resume", "--run-dir", str(there)]) == 0
+    assert run_main([*common, "--train.stop_after", "2", "--run-dir", str(back)]) == 0
+    assert run_pooled(_resume, 4, [*common, *pp_dp], back) == ["completed"] * 4
+
+    reference = _losses(tmp_path / "single")
+    shapes = {name: p.shape for name, p in GPT(dataclasses.replace(TINY, vocab_size=512)).named_parameters()}
+    final = checkpoint.load_model(checkpoint.latest(tmp_path / "single"), shapes)
+    for run in (there, back):
+        assert len(_losses(run)) == len(reference) == 8
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(reference, _losses(run))), (run, _losses(run))
+        whole = checkpoint.load_model(checkpoint.latest(run), shapes)
+        assert max((whole[k] - final[k]).abs().max().item() for k in final) <= 1e-3

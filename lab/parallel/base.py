@@ -363,6 +363,8 @@ class Strategy:
         """Every weight and AdamW moment as ranges of the whole flattened tensors (``held_state`` through the
         tensor-parallel transform)."""
         state, self._after_load = self.tensor.checkpoint_state(self.held_state(), self.world)
+        state, handed_over = self.pipeline.checkpoint_state(state)
+        self._after_load = handed_over + self._after_load  # the stages' first: what they hand over is then whole
         return state
 
     @torch.no_grad()

@@ -40,6 +40,7 @@ differences, as accumulation has.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from lab.model.plan import PipelinePlan, plan_of
 from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
 from lab.parallel.comm import naming_axis
 from lab.parallel.mesh import World
+from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
 
 SCHEDULES = ("gpipe", "1f1b")
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
@@ -186,6 +188,10 @@ class Unpiped:
 
     def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
         return weights
+
+    def checkpoint_state(self, state: CheckpointState) -> tuple[CheckpointState, list[Callable[[], None]]]:
+        """``state`` as the checkpoint stores it, and what to do after a load (first)."""
+        return state, []
 
 
 class Pipeline(Unpiped):
@@ -409,6 +415,56 @@ class Pipeline(Unpiped):
         parts: list[dict] | None = [{} for _ in range(self.n)] if self.first else None
         dist.gather_object(weights, parts, dst=self.axis.global_rank(0), group=self.axis.group)
         return {k: v for part in parts for k, v in part.items()} if self.first else {}
+
+    @_on_pp
+    def checkpoint_state(self, state: CheckpointState) -> tuple[CheckpointState, list[Callable[[], None]]]:
+        """Every stage's entries in one order, where ``state`` holds this stage's: the checkpoint builds each entry a
+        rank holds a part of with a collective of every rank (``lab.runtime.checkpoint``), so a rank adds an empty
+        part of each such entry that another stage holds (a whole tensor is no collective: left to its holders). A
+        weight the first and the last stage both hold in parts is handed over by the first stage (the last stage's
+        parts are empty) and, after a load, sent from the rank of the first stage to the rank of the last that
+        holds the same part (the two stages lay it out alike)."""
+        kinds: list[dict[str, tuple] | None] = [None] * self.n
+        dist.all_gather_object(kinds, {key: _kind(value) for key, value in state.items()}, group=self.axis.group)
+        out: CheckpointState = {}
+        after_load = []
+        for key, kind in {k: v for stage in kinds for k, v in stage.items()}.items():  # in stage order
+            parts = kind[0] != "whole"
+            handed = parts and key in state and key.split("/")[1] in self.tied
+            if key in state and not (handed and self.last):
+                out[key] = state[key]
+            elif parts:
+                out[key] = Held(kind[1], 0, torch.empty(0)) if kind[0] == "flat" else Blocks(kind[1], [])
+            if handed:
+                after_load.append(functools.partial(self._hand_over, _views(state[key])))
+        return out, after_load
+
+    @_on_pp
+    @torch.no_grad()
+    def _hand_over(self, views: list[torch.Tensor]) -> None:
+        """The first stage's ``views`` (what it loaded of a tied weight) into the last stage's."""
+        for view in views:
+            if self.first:
+                dist.send(view.contiguous(), dst=self.axis.global_rank(self.n - 1), group=self.axis.group)
+            elif view.numel():
+                received = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+                dist.recv(received, src=self.axis.global_rank(0), group=self.axis.group)
+                view.copy_(received)
+
+
+def _kind(value: Held | Pieces | Blocks | torch.Tensor) -> tuple:
+    """What a stage tells the others of a checkpoint entry: whole, or parts of a flat tensor (its elements) or of a
+    2-D one (its shape)."""
+    if isinstance(value, torch.Tensor):
+        return ("whole",)
+    return ("blocks", value.shape) if isinstance(value, Blocks) else ("flat", value.numel)
+
+
+def _views(value: Held | Pieces | Blocks) -> list[torch.Tensor]:
+    """The live views of a checkpoint entry's parts."""
+    if isinstance(value, Held):
+        return [value.view]
+    return [view for _, view in value.pieces] if isinstance(value, Pieces) else [v for _, _, v in value.blocks]
 
 
 def _fractions(waits: torch.Tensor) -> list[float]:
