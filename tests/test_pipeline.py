@@ -29,7 +29,7 @@ from lab.data import load_tokenizer, prepare
 from lab.model import GPT
 from lab.measure.device import Precision
 from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
-from lab.parallel.pipeline import Pipeline, balanced_split, schedule
+from lab.parallel.pipeline import Pipeline, balanced_split, interleaved, schedule
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
 from lab.training.optim import adamw_factory, param_groups
@@ -66,6 +66,51 @@ def test_a_schedule_runs_each_microbatch_once_forward_before_backward(name, stag
         assert peak == (m if name == "gpipe" else min(stages - stage, m)), (stage, order)
 
 
+@pytest.mark.parametrize("stages, virtual, m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (3, 3, 6), (4, 1, 4)])
+def test_the_interleaved_schedule_runs_without_deadlock_and_in_matching_order(stages, virtual, m):
+    """Each rank runs each of its virtual stages' forwards and backwards once; executed in lockstep with sends that
+    do not block and receives that do (as ``Pipeline.train`` runs them), every rank finishes (no deadlock), and on
+    every link the receiver takes the messages in the order the sender sent them, activations and gradients
+    together (at pp 2 rank 1 sends rank 0 both: in-order matching holds even where tags are ignored, as NCCL's). A tick is one forward or backward of a virtual stage: the run takes 2 (m · V + p − 1)
+    ticks, whose idle 2 (p − 1) per rank last 1/V of 1F1B's (there a tick is a whole stage's). With V = 1 it is
+    1F1B."""
+    total = stages * virtual
+    orders = [interleaved(r, stages, m, virtual) for r in range(stages)]
+    for r, order in enumerate(orders):
+        assert sorted(order) == sorted((kind, v, i) for kind in "FB" for v in range(virtual) for i in range(m))
+        if virtual == 1:
+            assert [(kind, i) for kind, _, i in order] == schedule("1f1b", r, stages, m)
+    done, at, ticks = set(), [0] * stages, 0
+    sent: dict[tuple, list] = {}
+    received: dict[tuple, list] = {}
+
+    def ready(kind: str, stage: int, i: int) -> bool:
+        if kind == "F":
+            return stage == 0 or ("F", stage - 1, i) in done
+        return ("F", stage, i) in done and (stage == total - 1 or ("B", stage + 1, i) in done)
+
+    while any(at[r] < len(orders[r]) for r in range(stages)):
+        now = []
+        for r in range(stages):
+            if at[r] < len(orders[r]):
+                kind, v, i = orders[r][at[r]]
+                if ready(kind, r + v * stages, i):
+                    now.append((kind, r + v * stages, i))
+                    at[r] += 1
+        assert now, f"deadlock after {ticks} ticks at {at}"
+        for kind, stage, i in now:
+            done.add((kind, stage, i))
+            if (kind == "F" and stage < total - 1) or (kind == "B" and stage > 0):
+                link = (stage % stages, (stage + (1 if kind == "F" else -1)) % stages)
+                sent.setdefault(link, []).append((kind, stage, i))
+            if (kind == "F" and stage > 0) or (kind == "B" and stage < total - 1):
+                source = stage - 1 if kind == "F" else stage + 1
+                received.setdefault((source % stages, stage % stages), []).append((kind, source, i))
+        ticks += 1
+    assert sent == received
+    assert ticks == 2 * (m * virtual + stages - 1)  # the bubble: 2 (p − 1) slots of a virtual stage, 1/V of 1F1B's
+
+
 def test_stages_are_balanced_by_parameters():
     assert balanced_split([5] * 4, 2) == [range(0, 2), range(2, 4)]
     assert balanced_split([1, 1, 1, 1, 4], 2) == [range(0, 4), range(4, 5)]
@@ -99,6 +144,22 @@ def test_each_stage_holds_its_blocks_under_the_models_names(tied):
                                            f"({pipe.stage_params[0]:,} params); stage 1: blocks 2-3 + head")
 
 
+def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
+    """pp 2 × V 2 over 4 blocks: rank 0 holds virtual stages 0 and 2 (the embedding, blocks 0 and 2), rank 1 stages 1
+    and 3 (blocks 1 and 3, the head); the start line names each virtual stage's rank; the bubble's theory is
+    (p − 1)/(V · m + p − 1)."""
+    cfg = ParallelConfig(pp=2, pp_schedule="interleaved", pp_virtual=2, pp_microbatches=4)
+    for stage in range(2):
+        pipe = Pipeline(World(rank=stage, world_size=2, local_rank=stage, device=torch.device("cpu")), cfg, 1)
+        part = dict(pipe.splitting(lambda: GPT(FOUR))().named_parameters())
+        assert {name.split(".")[1] for name in part if name.startswith("blocks.")} == {str(stage), str(stage + 2)}
+        assert ("wpe.weight" in part) == (stage == 0) and ("norm_f.weight" in part) == (stage == 1)
+        assert pipe.theory == 1 / (2 * 4 + 1)
+    assert pipe.describe("single").startswith("single (pp 2, interleaved × 2, 4 microbatches: stage 0 (rank 0): "
+                                              "embedding + block 0 (")
+    assert "; stage 3 (rank 1): block 3 + head (" in pipe.describe("single")
+
+
 @pytest.mark.parametrize("options, world_size, message", [
     ({"pp": 3}, 4, r"parallel.tp × parallel.pp \(1 × 3\) must divide the world size \(4\)"),
     ({"pp": 2, "tp": 2}, 6, r"parallel.tp × parallel.pp \(2 × 2\) must divide the world size \(6\)"),
@@ -106,8 +167,13 @@ def test_each_stage_holds_its_blocks_under_the_models_names(tied):
     ({"pp": 4, "pp_microbatches": 2}, 4, r"1f1b needs at least parallel.pp \(4\) microbatches, got "
                                          r"parallel.pp_microbatches 2"),
     ({"pp": 2, "pp_microbatches": 3}, 2, r"parallel.pp_microbatches \(3\) must divide train.micro_batch \(4\)"),
-    ({"pp": 2, "pp_schedule": "1fib"}, 2, r"must be one of gpipe, 1f1b, got '1fib' \(did you mean 1f1b\?\)"),
+    ({"pp": 2, "pp_schedule": "1fib"}, 2, r"must be one of gpipe, 1f1b, interleaved, got '1fib' \(did you mean 1f1b\?\)"),
     ({"pp_schedule": "gpipe"}, 2, "parallel.pp_schedule has no effect with parallel.pp 1"),
+    ({"pp_virtual": 2}, 2, "parallel.pp_virtual has no effect with parallel.pp 1"),
+    ({"pp": 2, "pp_virtual": 2}, 2, "parallel.pp_virtual 2 needs parallel.pp_schedule interleaved"),
+    ({"pp": 2, "pp_virtual": 0, "pp_schedule": "interleaved"}, 2, "parallel.pp_virtual must be at least 1, got 0"),
+    ({"pp": 4, "pp_schedule": "interleaved", "pp_virtual": 2, "pp_microbatches": 2}, 4,
+     r"interleaved needs parallel.pp_microbatches a multiple of parallel.pp \(4\), got 2: microbatches go round"),
     ({"strategy": "deepspeed", "pp": 2}, 2, "strategy 'deepspeed' does not run with parallel.pp > 1: its engine "
                                             "owns the whole step"),
     ({"strategy": "zero3", "pp": 2}, 4, "strategy 'zero3' does not run with parallel.pp > 1: it gathers each unit's "
@@ -135,11 +201,14 @@ def test_a_pipeline_accepts_what_it_runs():
 
 @pytest.mark.parametrize("model, message", [
     (dict(n_layer=3), r"parallel.pp \(2\) must divide model.n_layer \(3\)"),
+    (dict(n_layer=6), r"parallel.pp × parallel.pp_virtual \(2 × 2\) must divide model.n_layer \(6\): virtual"),
     (dict(moe_experts=4), "parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses"),
 ])
 def test_models_the_pipeline_cannot_split_are_refused(model, message):
+    cfg = ParallelConfig(pp=2, pp_schedule="interleaved", pp_virtual=2) if model.get("n_layer") == 6 else \
+        ParallelConfig(pp=2)
     with pytest.raises(ConfigError, match=message):
-        validate_model(ParallelConfig(pp=2), dataclasses.replace(TINY, **model))
+        validate_model(cfg, dataclasses.replace(TINY, **model))
 
 
 def test_a_run_with_a_bad_pipeline_fails_in_one_line_before_any_rank_starts(capsys, tmp_path, args):
@@ -208,11 +277,22 @@ def test_pp4_pp2_by_dp2_and_pp2_by_tp2_reproduce_single_on_four_ranks():
 
 
 @pytest.mark.slow
+def test_interleaved_1f1b_at_pp2_with_two_virtual_stages_reproduces_single():
+    """Each rank holds two virtual stages (rank 0 the embedding with blocks 0 and 2, rank 1 blocks 1 and 3 with the
+    head), activations going round the two ranks twice."""
+    specs = ["single:pp=2,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=2",
+             "single:pp=2,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=4"]
+    _check(run_pooled(_both_heads, 2, specs, Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP, model=FOUR))[0],
+           specs)
+
+
+@pytest.mark.slow
 def test_pp2_by_dp2_under_zero1_and_zero2_reproduces_single():
     """2 stages × 2 data-parallel replicas, the optimizer states (zero1) and the gradients (zero2) sharded within a
     stage's replicas, with accumulation and a tied embedding, whose gradient is summed between the first and the
     last stage before it is reduce-scattered (without that sum this fails: checked)."""
-    specs = ["zero2:pp=2,pp_schedule=1f1b,pp_microbatches=2", "zero1:pp=2,pp_schedule=gpipe,pp_microbatches=2"]
+    specs = ["zero2:pp=2,pp_schedule=1f1b,pp_microbatches=2", "zero1:pp=2,pp_schedule=gpipe,pp_microbatches=2",
+             "zero2:pp=2,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=2"]
     results = run_pooled(equivalence, 4, specs, Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP, model=FOUR))[0]
     _check({True: results}, specs)
 

@@ -55,7 +55,7 @@ from lab.parallel.comm import naming_axis
 from lab.parallel.mesh import World
 from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
 _NOT_WIRED = {  # why a strategy does not run under a pipeline
     "zero3": "it gathers each unit's weights for one forward and frees them after one backward per micro-step, where "
@@ -77,7 +77,7 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
     """Raise ConfigError (one line) when ``cfg``'s pipeline cannot run under ``strategy`` (a Strategy class) with
     micro-steps of ``micro_batch`` sequences (and ``compile``: train.compile)."""
     if cfg.pp == 1:
-        for option in ("pp_microbatches", "pp_schedule"):
+        for option in ("pp_microbatches", "pp_schedule", "pp_virtual"):
             if getattr(cfg, option) != getattr(ParallelConfig(), option):
                 raise ConfigError(f"parallel.{option} has no effect with parallel.pp 1")
         return
@@ -106,6 +106,13 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
     if cfg.pp_schedule == "1f1b" and m < cfg.pp:
         raise ConfigError(f"parallel.pp_schedule 1f1b needs at least parallel.pp ({cfg.pp}) microbatches, got "
                           f"parallel.pp_microbatches {m} (use gpipe, or more microbatches)")
+    if cfg.pp_virtual < 1:
+        raise ConfigError(f"parallel.pp_virtual must be at least 1, got {cfg.pp_virtual}")
+    if cfg.pp_virtual > 1 and cfg.pp_schedule != "interleaved":
+        raise ConfigError(f"parallel.pp_virtual {cfg.pp_virtual} needs parallel.pp_schedule interleaved")
+    if cfg.pp_schedule == "interleaved" and m % cfg.pp:
+        raise ConfigError(f"parallel.pp_schedule interleaved needs parallel.pp_microbatches a multiple of parallel.pp "
+                          f"({cfg.pp}), got {m}: microbatches go round the stages in groups of pp")
 
 
 def balanced_split(sizes: list[int], parts: int) -> list[range]:
@@ -142,6 +149,25 @@ def schedule(name: str, stage: int, stages: int, m: int) -> list[tuple[str, int]
     for i in range(m - warm):
         order += [("F", warm + i), ("B", i)]
     return order + [("B", i) for i in range(m - warm, m)]
+
+
+def interleaved(stage: int, stages: int, m: int, virtual: int) -> list[tuple[str, int, int]]:
+    """The order stage ``stage`` of ``stages`` runs the forwards ("F", v, i) and backwards ("B", v, i) of its
+    ``virtual`` stages v (global stage ``stage + v · stages``) on ``m`` microbatches (a multiple of ``stages``), as
+    Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): microbatches in groups of ``stages`` go through virtual
+    stage 0, then 1, ... (backwards from the last virtual stage); a warm-up of 2 (stages − stage − 1) + (virtual − 1)
+    · stages forwards (one virtual stage: stages − stage − 1, as 1F1B), then one forward and one backward in turn."""
+    total = m * virtual
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        v = k // stages % virtual
+        return kind, (v if kind == "F" else virtual - 1 - v), k // (stages * virtual) * stages + k % stages
+
+    warm = min(stages - stage - 1 if virtual == 1 else 2 * (stages - stage - 1) + (virtual - 1) * stages, total)
+    order = [op("F", k) for k in range(warm)]
+    for k in range(total - warm):
+        order += [op("F", warm + k), op("B", k)]
+    return order + [op("B", k) for k in range(total - warm, total)]
 
 
 def on_axis(axis: World, cfg: ParallelConfig, accum_steps: int) -> Unpiped:
@@ -201,22 +227,31 @@ class Pipeline(Unpiped):
         self.axis, self.stage, self.n = axis, axis.rank, axis.world_size
         self.first, self.last = self.stage == 0, self.stage == self.n - 1
         self.schedule_name, self.m, self.accum_steps = cfg.pp_schedule, microbatches(cfg), accum_steps
+        self.virtual = cfg.pp_virtual  # stages per rank: this rank holds stages stage, stage + n, ...
         self.plan: PipelinePlan | None = None
-        self.runs: list[range] = []  # the blocks of each stage
+        self.runs: list[range] = []  # the blocks of each (virtual) stage
         self.stage_params: list[int] = []
         self.tied: list[str] = []  # parameters held by the first stage and the last
         self.wait_s = self.window_s = 0.0  # blocked on other stages; inside the schedule (since the last take)
         self.totals = torch.zeros(self.n, 2, dtype=torch.float64)  # per stage: seconds waited, seconds scheduled
         self.sent_bytes = self.sent_bytes_theory = 0  # activations and their gradients sent (since the last take)
-        self.theory = (self.n - 1) / (self.m + self.n - 1)  # the idle fraction of a flushed schedule, GPipe or 1F1B
+        # the idle fraction of a flushed schedule: (n − 1) idle slots of a virtual stage's time beside m · V of work
+        self.theory = (self.n - 1) / (self.virtual * self.m + self.n - 1)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def describe(self, layout: str) -> str:
-        stages = "; ".join(f"stage {s}: {'embedding + ' if s == 0 else ''}"
+        last = len(self.runs) - 1
+        stages = "; ".join(f"stage {s}{f' (rank {s % self.n})' if self.virtual > 1 else ''}: "
+                           f"{'embedding + ' if s == 0 else ''}"
                            f"{f'blocks {r.start}-{r.stop - 1}' if len(r) > 1 else f'block {r.start}'}"
-                           f"{' + head' if s == self.n - 1 else ''} ({p:,} params)"
+                           f"{' + head' if s == last else ''} ({p:,} params)"
                            for s, (r, p) in enumerate(zip(self.runs, self.stage_params)))
-        return f"{layout} (pp {self.n}, {self.schedule_name}, {self.m} microbatches: {stages})"
+        schedule_name = f"interleaved × {self.virtual}" if self.schedule_name == "interleaved" else self.schedule_name
+        return f"{layout} (pp {self.n}, {schedule_name}, {self.m} microbatches: {stages})"
+
+    def _stages(self) -> list[int]:
+        """The (virtual) stages this rank holds."""
+        return [self.stage + v * self.n for v in range(self.virtual)]
 
     # ------------------------------------------------------------ building
 
@@ -236,14 +271,15 @@ class Pipeline(Unpiped):
             return {id(p): p for name in names for p in model.get_submodule(name).parameters()}
 
         self.plan = plan
-        self.runs = balanced_split([sum(p.numel() for p in params([u]).values()) for u in plan.units], self.n)
+        self.runs = balanced_split([sum(p.numel() for p in params([u]).values()) for u in plan.units],
+                                   self.n * self.virtual)
         first, last = params(plan.first), params(plan.last)
         self.tied = [name for name, p in model.named_parameters() if id(p) in first and id(p) in last]
         self.stage_params = [sum(p.numel() for p in params([plan.units[i] for i in run]).values())
                              + (sum(p.numel() for p in first.values()) if s == 0 else 0)
-                             + (sum(p.numel() for p in last.values()) if s == self.n - 1 else 0)
+                             + (sum(p.numel() for p in last.values()) if s == len(self.runs) - 1 else 0)
                              for s, run in enumerate(self.runs)]
-        keep = {plan.units[i] for i in self.runs[self.stage]}
+        keep = {plan.units[i] for s in self._stages() for i in self.runs[s]}
         keep |= set(plan.first) if self.first else set()
         keep |= set(plan.last) if self.last else set()
         for name in [*plan.units, *plan.first, *plan.last]:
@@ -290,50 +326,61 @@ class Pipeline(Unpiped):
 
     # ------------------------------------------------------------ one micro-step
 
-    def _stage_forward(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, hidden: torch.Tensor | None
-                       ) -> torch.Tensor:
-        """This stage's part of the forward: from the tokens ``x`` (first stage) or the received ``hidden``, to the
-        loss against ``y`` (last stage) or the hidden state to send on."""
-        h = getattr(module, self.plan.embed)(x) if self.first else hidden
-        h = getattr(module, self.plan.run)(h, self.runs[self.stage])
-        return getattr(module, self.plan.head)(h, y) if self.last else h
+    def _stage_forward(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, hidden: torch.Tensor | None,
+                       stage: int) -> torch.Tensor:
+        """(Virtual) stage ``stage``'s part of the forward: from the tokens ``x`` (the first) or the received
+        ``hidden``, to the loss against ``y`` (the last) or the hidden state to send on."""
+        h = getattr(module, self.plan.embed)(x) if stage == 0 else hidden
+        h = getattr(module, self.plan.run)(h, self.runs[stage])
+        return getattr(module, self.plan.head)(h, y) if stage == len(self.runs) - 1 else h
 
     def _hidden(self, module: nn.Module, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
         dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
         return (*x.shape, self.plan.width), dtype
 
+    def _order(self) -> list[tuple[str, int, int]]:
+        """This rank's schedule as (kind, virtual stage, microbatch)."""
+        if self.schedule_name == "interleaved":
+            return interleaved(self.stage, self.n, self.m, self.virtual)
+        return [(kind, 0, i) for kind, i in schedule(self.schedule_name, self.stage, self.n, self.m)]
+
     def train(self, strategy: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the micro-step (x, y) in M microbatches by the schedule; its mean loss on every
-        stage, whose backward the loop still calls (``_Ran``)."""
+        stage, whose backward the loop still calls (``_Ran``). Activations go to the next rank (the last rank's to
+        the first, between virtual stages), their gradients to the previous one."""
         started = time.perf_counter()
         module, sync = strategy.module, strategy.syncing
         xs, ys = x.chunk(self.m), y.chunk(self.m)
-        shape, dtype = self._hidden(module, x)  # theory: b · s · h per boundary a stage has, forward and backward
-        self.sent_bytes_theory += (2 - self.first - self.last) * math.prod(shape) * dtype.itemsize
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        last, before, after = len(self.runs) - 1, (self.stage - 1) % self.n, (self.stage + 1) % self.n
+        shape, dtype = self._hidden(module, x)  # theory: b · s · h per boundary a rank's stages have, each direction
+        self.sent_bytes_theory += (2 * self.virtual - self.first - self.last) * math.prod(shape) * dtype.itemsize
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
         losses = []
-        for kind, i in schedule(self.schedule_name, self.stage, self.n, self.m):
+        order = self._order()
+        final = {v: k for k, (kind, v, _) in enumerate(order) if kind == "B"}  # each virtual stage's last backward
+        for k, (kind, v, i) in enumerate(order):
+            stage = self.stage + v * self.n
             if kind == "F":
                 hidden = None
-                if not self.first:
-                    hidden = self._receive(self._hidden(module, xs[i]), self.stage - 1, _FORWARD_TAG)
-                    inputs[i] = hidden.requires_grad_()
-                out = outputs[i] = self._stage_forward(module, xs[i], ys[i], hidden)
-                if self.last:
+                if stage > 0:
+                    hidden = self._receive(self._hidden(module, xs[i]), before, _FORWARD_TAG)
+                    inputs[v, i] = hidden.requires_grad_()
+                out = outputs[v, i] = self._stage_forward(module, xs[i], ys[i], hidden, stage)
+                if stage == last:
                     losses.append(out.detach())
                 else:
-                    self._send(out, self.stage + 1, _FORWARD_TAG)
+                    self._send(out, after, _FORWARD_TAG)
                 continue
-            strategy.syncing = sync and i == self.m - 1  # the data-parallel hooks sync on the last backward
-            out = outputs.pop(i)
-            if self.last:
+            strategy.syncing = sync and k == final[v]  # the data-parallel hooks sync on a stage's last backward
+            out = outputs.pop((v, i))
+            if stage == last:
                 strategy.tensor.backward(strategy.scaled(out / (self.m * self.accum_steps)))
             else:
-                grad = self._receive((tuple(out.shape), out.dtype), self.stage + 1, _BACKWARD_TAG)
+                grad = self._receive((tuple(out.shape), out.dtype), after, _BACKWARD_TAG)
                 torch.autograd.backward(out, grad)
-            if not self.first:
-                self._send(inputs.pop(i).grad, self.stage - 1, _BACKWARD_TAG)
+            if stage > 0:
+                self._send(inputs.pop((v, i)).grad, before, _BACKWARD_TAG)
         strategy.syncing = sync
         self._finish_sends()
         loss = torch.stack(losses).sum() / self.m if self.last else torch.zeros((), device=self.axis.device)
@@ -347,10 +394,13 @@ class Pipeline(Unpiped):
         """The loss of (x, y) through the stages in one piece (as ``single`` computes it), on every stage (its waits
         are not a training step's)."""
         training_wait_s, training_sent = self.wait_s, self.sent_bytes
-        hidden = None if self.first else self._receive(self._hidden(module, x), self.stage - 1, _FORWARD_TAG)
-        out = self._stage_forward(module, x, y, hidden)
-        if not self.last:
-            self._send(out, self.stage + 1, _FORWARD_TAG)
+        out = None
+        for stage in self._stages():
+            hidden = None if stage == 0 else self._receive(self._hidden(module, x), (self.stage - 1) % self.n,
+                                                           _FORWARD_TAG)
+            out = self._stage_forward(module, x, y, hidden, stage)
+            if stage != len(self.runs) - 1:
+                self._send(out, (self.stage + 1) % self.n, _FORWARD_TAG)
         self._finish_sends()
         loss = self._share_loss(out.float() if self.last else torch.zeros((), device=self.axis.device))
         self.wait_s, self.sent_bytes = training_wait_s, training_sent

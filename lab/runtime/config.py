@@ -162,8 +162,11 @@ class ParallelConfig:
     pp: int = _f(1, "pipeline-parallel degree: the model's blocks split into this many stages (embedding on the "
                     "first, final norm, head and loss on the last), point-to-point between them; the strategy runs "
                     "over the rest (data parallel)")
-    pp_schedule: str = _f("1f1b", "gpipe (every microbatch's forward, then every backward) or 1f1b (after a warm-up "
-                                  "of pp - stage - 1 forwards, one forward and one backward in turn), with pp > 1")
+    pp_schedule: str = _f("1f1b", "gpipe (every microbatch's forward, then every backward), 1f1b (after a warm-up "
+                                  "of pp - stage - 1 forwards, one forward and one backward in turn) or interleaved "
+                                  "(1f1b over pp_virtual stages per rank), with pp > 1")
+    pp_virtual: int = _f(1, "stages per rank under pp_schedule interleaved: the blocks split into pp × pp_virtual "
+                            "stages, rank r holding stages r, r + pp, ...")
     pp_microbatches: int | None = _f(None, "microbatches each micro-batch is cut into for the pipeline (must divide "
                                            "train.micro_batch; default: parallel.pp, the fewest 1f1b takes)")
 
