@@ -170,6 +170,10 @@ def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
     ({"pp": 2, "pp_schedule": "1fib"}, 2, r"must be one of gpipe, 1f1b, interleaved, got '1fib' \(did you mean 1f1b\?\)"),
     ({"pp_schedule": "gpipe"}, 2, "parallel.pp_schedule has no effect with parallel.pp 1"),
     ({"pp_virtual": 2}, 2, "parallel.pp_virtual has no effect with parallel.pp 1"),
+    ({"pp_impl": "torch"}, 2, "parallel.pp_impl has no effect with parallel.pp 1"),
+    ({"pp": 2, "pp_impl": "touch"}, 2, r"parallel.pp_impl must be one of lab, torch, got 'touch' \(did you mean torch"),
+    ({"pp": 2, "pp_impl": "torch"}, 4, "parallel.pp_impl torch runs under strategy single or ddp_naive without "
+                                       "parallel.tp only"),
     ({"pp": 2, "pp_virtual": 2}, 2, "parallel.pp_virtual 2 needs parallel.pp_schedule interleaved"),
     ({"pp": 2, "pp_virtual": 0, "pp_schedule": "interleaved"}, 2, "parallel.pp_virtual must be at least 1, got 0"),
     ({"pp": 4, "pp_schedule": "interleaved", "pp_virtual": 2, "pp_microbatches": 2}, 4,
@@ -284,6 +288,19 @@ def test_interleaved_1f1b_at_pp2_with_two_virtual_stages_reproduces_single():
              "single:pp=2,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=4"]
     _check(run_pooled(_both_heads, 2, specs, Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP, model=FOUR))[0],
            specs)
+
+
+@pytest.mark.slow
+def test_torch_pipelining_runs_the_same_stages_as_the_reference():
+    """``parallel.pp_impl torch``: the same split run by torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
+    and ScheduleInterleaved1F1B gives single's losses, gradient norms and weights at the tolerances the hand-rolled
+    schedules meet (a tied head: its gradients summed between the stages after the schedule's step)."""
+    specs = ["single:pp=2,pp_impl=torch,pp_schedule=gpipe,pp_microbatches=2",
+             "ddp_naive:pp=2,pp_impl=torch,pp_schedule=1f1b,pp_microbatches=2",
+             "single:pp=2,pp_impl=torch,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=2",
+             "single:pp=2,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=2"]
+    _check({True: run_pooled(equivalence, 2, specs, Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP,
+                                                          model=FOUR))[0]}, specs)
 
 
 @pytest.mark.slow

@@ -179,7 +179,8 @@ class Strategy:
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
     options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel",
-                                                   "pp", "pp_schedule", "pp_microbatches", "pp_virtual"})
+                                                   "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
+                                                   "pp_impl"})
     accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1

@@ -56,6 +56,7 @@ from lab.parallel.mesh import World
 from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+IMPLEMENTATIONS = ("lab", "torch")
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
 _NOT_WIRED = {  # why a strategy does not run under a pipeline
     "zero3": "it gathers each unit's weights for one forward and frees them after one backward per micro-step, where "
@@ -77,13 +78,20 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
     """Raise ConfigError (one line) when ``cfg``'s pipeline cannot run under ``strategy`` (a Strategy class) with
     micro-steps of ``micro_batch`` sequences (and ``compile``: train.compile)."""
     if cfg.pp == 1:
-        for option in ("pp_microbatches", "pp_schedule", "pp_virtual"):
+        for option in ("pp_microbatches", "pp_schedule", "pp_virtual", "pp_impl"):
             if getattr(cfg, option) != getattr(ParallelConfig(), option):
                 raise ConfigError(f"parallel.{option} has no effect with parallel.pp 1")
         return
     if cfg.pp_schedule not in SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.pp_schedule}'"
                           f"{did_you_mean(cfg.pp_schedule, SCHEDULES)}")
+    if cfg.pp_impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"parallel.pp_impl must be one of {', '.join(IMPLEMENTATIONS)}, got '{cfg.pp_impl}'"
+                          f"{did_you_mean(cfg.pp_impl, IMPLEMENTATIONS)}")
+    if cfg.pp_impl == "torch" and (strategy.name not in ("single", "ddp_naive") or cfg.tp > 1):
+        raise ConfigError("parallel.pp_impl torch runs under strategy single or ddp_naive without parallel.tp only: "
+                          "its schedule runs every microbatch's backward inside one call, where the other "
+                          "strategies' hooks (and the tensor split's) expect the lab's schedule")
     if strategy.name == "deepspeed":
         raise ConfigError("strategy 'deepspeed' does not run with parallel.pp > 1: its engine owns the whole step "
                           "(DeepSpeed's own PipelineEngine is not wired in); choose single, ddp_naive or ddp")
@@ -172,7 +180,9 @@ def interleaved(stage: int, stages: int, m: int, virtual: int) -> list[tuple[str
 
 def on_axis(axis: World, cfg: ParallelConfig, accum_steps: int) -> Unpiped:
     """The pipeline transform of ``cfg`` on ``axis`` (the mesh's pp axis): the identity on an axis of one."""
-    return Unpiped() if axis.world_size == 1 else Pipeline(axis, cfg, accum_steps)
+    if axis.world_size == 1:
+        return Unpiped()
+    return (TorchPipeline if cfg.pp_impl == "torch" else Pipeline)(axis, cfg, accum_steps)
 
 
 class Unpiped:
@@ -500,6 +510,70 @@ class Pipeline(Unpiped):
                 received = torch.empty(view.shape, dtype=view.dtype, device=view.device)
                 dist.recv(received, src=self.axis.global_rank(0), group=self.axis.group)
                 view.copy_(received)
+
+
+class TorchPipeline(Pipeline):
+    """The same stages run by ``torch.distributed.pipelining`` (``PipelineStage`` and ``ScheduleGPipe``,
+    ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``): the reference the hand-rolled schedules are compared with. Its
+    sends and receives happen inside the schedule's step, so neither the wait nor the bytes are metered; evaluation
+    runs the lab's forward through the stages."""
+
+    def __init__(self, axis: World, cfg: ParallelConfig, accum_steps: int):
+        super().__init__(axis, cfg, accum_steps)
+        self._runner = None  # the torch schedule, built at the first step (the stages' module exists then)
+
+    def describe(self, layout: str) -> str:
+        return super().describe(layout).replace(f"(pp {self.n}, ", f"(pp {self.n} torch.distributed.pipelining, ")
+
+    def _build(self, module: nn.Module) -> object:
+        from torch.distributed import pipelining
+
+        stages = [pipelining.PipelineStage(_TorchStage(self, module, s), s, len(self.runs), self.axis.device,
+                                           group=self.axis.group) for s in self._stages()]
+
+        def loss(hidden: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the head, then as the loop scales it
+            return getattr(module, self.plan.head)(hidden, y) / (self.m * self.accum_steps)
+
+        if self.schedule_name == "interleaved":
+            return pipelining.ScheduleInterleaved1F1B(stages, self.m, loss_fn=loss, scale_grads=False)
+        schedule_class = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[self.schedule_name]
+        return schedule_class(stages[0], self.m, loss_fn=loss, scale_grads=False)
+
+    @_on_pp
+    def train(self, strategy: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        if self._runner is None:
+            self._runner = self._build(strategy.module)
+        losses: list[torch.Tensor] = []
+        self._runner.step(*([x] if self.first else []), target=y if self.last else None, losses=losses)
+        loss = (torch.stack(losses).sum().detach() * self.accum_steps if self.last
+                else torch.zeros((), device=self.axis.device))
+        seed = strategy.scaled(torch.ones((), device=loss.device) / self.accum_steps).item()
+        loss = self._share_loss(loss)
+        self.window_s += time.perf_counter() - started
+        return _Ran.apply(torch.zeros((), requires_grad=True), loss, seed)
+
+    def take_meters(self) -> tuple[float, dict[str, object]]:
+        self.window_s = self.wait_s = 0.0
+        return 0.0, {}
+
+    def meters(self) -> dict[str, object]:
+        return {"pp_bubble_theory": self.theory}
+
+
+class _TorchStage(nn.Module):
+    """Virtual stage ``stage`` of the rank's model as torch's ``PipelineStage`` takes it: tokens (the first) or a
+    hidden state in, the hidden state after its blocks out (the last stage's head runs in the schedule's loss)."""
+
+    def __init__(self, pipeline: Pipeline, model: nn.Module, stage: int):
+        super().__init__()
+        self.pipeline, self.stage, self.model = pipeline, stage, model
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        plan = self.pipeline.plan
+        if self.stage == 0:
+            h = getattr(self.model, plan.embed)(h)
+        return getattr(self.model, plan.run)(h, self.pipeline.runs[self.stage])
 
 
 def _kind(value: Held | Pieces | Blocks | torch.Tensor) -> tuple:

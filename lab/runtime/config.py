@@ -165,6 +165,8 @@ class ParallelConfig:
     pp_schedule: str = _f("1f1b", "gpipe (every microbatch's forward, then every backward), 1f1b (after a warm-up "
                                   "of pp - stage - 1 forwards, one forward and one backward in turn) or interleaved "
                                   "(1f1b over pp_virtual stages per rank), with pp > 1")
+    pp_impl: str = _f("lab", "lab (the hand-rolled schedules) or torch (the same stages run by "
+                             "torch.distributed.pipelining's schedules: the reference), with pp > 1")
     pp_virtual: int = _f(1, "stages per rank under pp_schedule interleaved: the blocks split into pp × pp_virtual "
                             "stages, rank r holding stages r, r + pp, ...")
     pp_microbatches: int | None = _f(None, "microbatches each micro-batch is cut into for the pipeline (must divide "
