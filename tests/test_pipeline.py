@@ -71,9 +71,9 @@ def test_the_interleaved_schedule_runs_without_deadlock_and_in_matching_order(st
     """Each rank runs each of its virtual stages' forwards and backwards once; executed in lockstep with sends that
     do not block and receives that do (as ``Pipeline.train`` runs them), every rank finishes (no deadlock), and on
     every link the receiver takes the messages in the order the sender sent them, activations and gradients
-    together (at pp 2 rank 1 sends rank 0 both: in-order matching holds even where tags are ignored, as NCCL's). A tick is one forward or backward of a virtual stage: the run takes 2 (m · V + p − 1)
-    ticks, whose idle 2 (p − 1) per rank last 1/V of 1F1B's (there a tick is a whole stage's). With V = 1 it is
-    1F1B."""
+    together (at pp 2 rank 1 sends rank 0 both: in-order matching holds even where tags are ignored, as NCCL's).
+    A tick is one forward or backward of a virtual stage: the run takes 2 (m · V + p − 1) ticks, whose idle
+    2 (p − 1) per rank last 1/V of 1F1B's (there a tick is a whole stage's). With V = 1 it is 1F1B."""
     total = stages * virtual
     orders = [interleaved(r, stages, m, virtual) for r in range(stages)]
     for r, order in enumerate(orders):
@@ -167,7 +167,8 @@ def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
     ({"pp": 4, "pp_microbatches": 2}, 4, r"1f1b needs at least parallel.pp \(4\) microbatches, got "
                                          r"parallel.pp_microbatches 2"),
     ({"pp": 2, "pp_microbatches": 3}, 2, r"parallel.pp_microbatches \(3\) must divide train.micro_batch \(4\)"),
-    ({"pp": 2, "pp_schedule": "1fib"}, 2, r"must be one of gpipe, 1f1b, interleaved, got '1fib' \(did you mean 1f1b\?\)"),
+    ({"pp": 2, "pp_schedule": "1fib"}, 2,
+     r"must be one of gpipe, 1f1b, interleaved, got '1fib' \(did you mean 1f1b\?\)"),
     ({"pp_schedule": "gpipe"}, 2, "parallel.pp_schedule has no effect with parallel.pp 1"),
     ({"pp_virtual": 2}, 2, "parallel.pp_virtual has no effect with parallel.pp 1"),
     ({"pp_impl": "torch"}, 2, "parallel.pp_impl has no effect with parallel.pp 1"),

@@ -6,7 +6,8 @@ head and loss on the last. Each rank builds the whole model and keeps its stage'
 names (the others become None), so the initial weights are ``single``'s and a checkpoint stores the same entries
 whatever the layout. A tied embedding is one weight held by the first stage and the last: after the step's
 backward each sends the other its gradient and adds the one it receives (a + b on one, b + a on the other: the
-same bits), so both take the same update; the gradient norm counts it once.
+same bits), so both take the same update; the gradient norm counts it once. Under ``zero1`` / ``zero2`` the
+sum comes before the weight's reduce-scatter (the strategy holds its unit back until then: ``Zero.backward``).
 
 Each micro-step of the loop is cut into ``parallel.pp_microbatches`` M microbatches, run by a schedule of
 forwards (F) and backwards (B) on every stage (``schedule``):
@@ -14,7 +15,12 @@ forwards (F) and backwards (B) on every stage (``schedule``):
 - ``gpipe``: every microbatch's forward, then every backward (Huang et al. 2019); a stage holds M microbatches'
   activations at its peak;
 - ``1f1b``: stage s runs P − s − 1 forwards (warm-up), then one forward and one backward in turn, then the
-  remaining backwards (Narayanan et al. 2021, PipeDream-Flush); a stage holds at most P − s.
+  remaining backwards (Narayanan et al. 2021, PipeDream-Flush); a stage holds at most P − s;
+- ``interleaved``: the blocks in P · V virtual stages (``parallel.pp_virtual`` V), rank r holding r, r + P, ...;
+  1F1B over them in Megatron-LM's order (``interleaved``): the bubble shrinks V-fold.
+
+``parallel.pp_impl torch`` runs the same stages through ``torch.distributed.pipelining`` (``TorchPipeline``): the
+reference.
 
 Activations go forward and their gradients backward by ``isend`` / ``irecv`` over the pp group (sends are
 asynchronous and waited for at the end of the micro-step, receives block: the time spent blocked is the
@@ -24,13 +30,16 @@ pipelining. The loop's ``forward`` therefore runs the whole schedule, backwards 
 micro-step's loss (the mean over microbatches, sent from the last stage to every stage, so the loop's average
 over ranks is the loss); the loop's ``backward`` of it only checks that it seeds the gradient the schedule
 assumed (``_Ran``), and then the data-parallel strategy syncs the gradients as it always does. Its hooks see one
-backward per microbatch: the strategy's ``syncing`` is true only during the last microbatch's backward of a
-synced micro-step.
+backward per microbatch: the strategy's ``syncing`` is true only during each (virtual) stage's last backward of
+a synced micro-step.
 
 Under tensor parallelism (hand-rolled, without sequence parallelism) the tensor split is applied to the whole model
 first and each stage keeps its part: a stage boundary's hidden state is whole on every rank of the tensor group, and
 the pp group of a rank joins the ranks of the other stages with its tensor coordinate (a tied embedding's shard
 goes to the rank holding the same vocabulary rows).
+
+A checkpoint's entries are the model's whatever the layout; ``Pipeline.checkpoint_state`` makes every rank name
+every sharded entry (DCP builds each with a collective) and has the first stage alone save a tied weight.
 
 Against ``single`` the split changes no operation: with one microbatch per micro-step the losses and weights are
 the same bits (the tied weight's two gradients are added once either way). With M microbatches the batch's mean
