@@ -361,14 +361,18 @@ def _sent_bytes(world: World, spec: str, layers: int, accum: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, ranks, layers", [("single:pp=2,pp_schedule=1f1b,pp_microbatches=2", 2, 2),
-                                                 ("single:pp=4,pp_schedule=gpipe,pp_microbatches=4", 4, 4)])
+                                                 ("single:pp=4,pp_schedule=gpipe,pp_microbatches=4", 4, 4),
+                                                 ("single:pp=2,pp_schedule=interleaved,pp_virtual=2,"
+                                                  "pp_microbatches=2", 2, 4)])
 def test_the_bytes_sent_between_stages_are_b_s_h_per_boundary_and_direction(spec, ranks, layers):
     """Counted from the tensors each stage hands to isend; theory: each micro-step's batch × block size × width × 4
-    bytes, once per boundary a stage has and direction (the first and last stage one, a middle stage two)."""
+    bytes, once per boundary a rank's stages have and direction (the first and last stage one, a middle stage two;
+    interleaved, each of a rank's V virtual stages: 2 V − 1 on the first and last rank)."""
     accum = 2
     hidden = 4 * TINY.block_size * TINY.d_model * 4  # a micro-step's b · s · h in fp32
+    virtual = 2 if "pp_virtual=2" in spec else 1
     for r in run_pooled(_sent_bytes, ranks, spec, layers, accum):
-        boundaries = 1 if r["stage"] in (0, ranks - 1) else 2
+        boundaries = 2 * virtual - (r["stage"] == 0) - (r["stage"] == ranks - 1)
         assert r["sent"] == r["theory"] == accum * boundaries * hidden, (spec, r)
 
 

@@ -73,7 +73,7 @@ _NOT_WIRED = {  # why a strategy does not run under a pipeline
     "fsdp": "FSDP2 gathers and reshards around its root module's forward and reduce-scatters after each backward, "
             "where a stage runs M forwards and backwards outside that forward (not wired yet)",
     "torch_ddp": "DistributedDataParallel prepares its reducer in its own forward, which the stages bypass (they call "
-                 "the model's embed, run_blocks and output): its gradients would not be synced",
+                 "the model's embed, run_blocks and output)",
 }
 _on_pp = naming_axis("pp")  # a failed send or receive names the axis: a stage died or did not answer
 
