@@ -1,10 +1,10 @@
 """Step time and measured bubble against microbatches, per pipeline schedule, on 4 gloo ranks (issue 33).
 
-Run: ``.venv/bin/python benchmarks/bench_pipeline.py [--steps N] [--out benchmarks/pipeline]`` from the repository
-root (a few minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/bench_pipeline.py [--steps N] [--stages P] [--out benchmarks/pipeline]`` from the
+repository root (about a minute on 2 cores).
 
-A GPT of 8 blocks (width 64, block size 64, vocabulary 256, fp32, tied head) in 4 stages (``single:pp=4``: every
-rank a stage, no data parallelism), each micro-step of M sequences cut into M microbatches of one sequence, for
+A GPT of 8 blocks (width 64, block size 64, vocabulary 256, fp32, tied head) in P stages (default 4;
+``single:pp=P``: every rank a stage, no data parallelism), each micro-step of M sequences cut into M microbatches of one sequence, for
 M in 4, 8, 16, under each schedule: ``gpipe``, ``1f1b`` and ``interleaved`` with 2 virtual stages per rank, run by
 the lab's hand-rolled schedules and by ``torch.distributed.pipelining`` (``--parallel.pp_impl torch``). Per case it
 trains one step to warm up, then ``--steps`` steps through the loop's own ``train_step``, and records the median
@@ -35,16 +35,15 @@ from lab.training.optim import adamw_factory, param_groups
 from lab.training.train import train_step
 
 MODEL = ModelConfig(n_layer=8, n_head=2, d_model=64, block_size=64, vocab_size=256)
-STAGES = 4
 SCHEDULES = {"gpipe": "pp_schedule=gpipe", "1f1b": "pp_schedule=1f1b",
              "interleaved (V 2)": "pp_schedule=interleaved,pp_virtual=2"}
 MICROBATCHES = (4, 8, 16)
 IMPLS = ("lab", "torch")
 
 
-def theory(schedule: str, m: int) -> float:
+def theory(schedule: str, m: int, stages: int) -> float:
     virtual = 2 if schedule.startswith("interleaved") else 1
-    return (STAGES - 1) / (virtual * m + STAGES - 1)
+    return (stages - 1) / (virtual * m + stages - 1)
 
 
 def _case(world: World, spec: str, m: int, steps: int) -> dict:
@@ -73,13 +72,13 @@ def _all_cases(world: World, steps: int) -> list[dict]:
         for schedule, options in SCHEDULES.items():
             for m in MICROBATCHES:
                 load = os.getloadavg()[0]
-                spec = f"single:pp={STAGES},{options},pp_microbatches={m},pp_impl={impl}"
+                spec = f"single:pp={world.world_size},{options},pp_microbatches={m},pp_impl={impl}"
                 rows.append({"impl": impl, "schedule": schedule, "m": m, "load_avg": load,
-                             "theory": theory(schedule, m), **_case(world, spec, m, steps)})
+                             "theory": theory(schedule, m, world.world_size), **_case(world, spec, m, steps)})
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], stages: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +94,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(MICROBATCHES, [str(m) for m in MICROBATCHES])
     ax.set_xlabel("microbatches M")
     ax.set_ylabel("bubble (fraction of the step, mean over stages)")
-    ax.set_title(f"pp {STAGES} on gloo CPU ranks: measured vs (p-1)/(V·M+p-1)")
+    ax.set_title(f"pp {stages} on gloo CPU ranks: measured vs (p-1)/(V·M+p-1)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -114,18 +113,19 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per case (default: 4)")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages, one gloo rank each (default: 4)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/pipeline"), help="OUT.json, OUT.md, OUT.png")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows = run_ranks(_all_cases, STAGES, args.steps, timeout_s=120, deadline_s=3600)[0]
+    rows = run_ranks(_all_cases, args.stages, args.steps, timeout_s=120, deadline_s=3600)[0]
     header = (f"{os.cpu_count()} cores; {started}; GPT of 8 blocks, width 64, block size 64, vocabulary 256 "
-              f"({sum(p.numel() for p in GPT(MODEL).parameters()):,} parameters), fp32; pp {STAGES} on {STAGES} gloo "
-              f"ranks, microbatches of one sequence; {args.steps} timed steps per case after one warm-up")
+              f"({sum(p.numel() for p in GPT(MODEL).parameters()):,} parameters), fp32; pp {args.stages} on "
+              f"{args.stages} gloo ranks, microbatches of one sequence; {args.steps} timed steps per case after one warm-up")
     text = f"{header}\n\n{table(rows)}\n"
     print(text)
     write_atomic(args.out.with_suffix(".json"), json.dumps({"setup": header, "rows": rows}, indent=1))
     write_atomic(args.out.with_suffix(".md"), text)
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, args.stages, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
