@@ -4,8 +4,8 @@ Run: ``.venv/bin/python benchmarks/bench_pipeline.py [--steps N] [--stages P] [-
 repository root (about a minute on 2 cores).
 
 A GPT of 8 blocks (width 64, block size 64, vocabulary 256, fp32, tied head) in P stages (default 4;
-``single:pp=P``: every rank a stage, no data parallelism), each micro-step of M sequences cut into M microbatches of one sequence, for
-M in 4, 8, 16, under each schedule: ``gpipe``, ``1f1b`` and ``interleaved`` with 2 virtual stages per rank, run by
+``single:pp=P``: every rank a stage, no data parallelism), each micro-step of M sequences cut into M microbatches
+of one sequence, for M in 4, 8, 16, under each schedule: ``gpipe``, ``1f1b`` and ``interleaved`` with 2 virtual stages per rank, run by
 the lab's hand-rolled schedules and by ``torch.distributed.pipelining`` (``--parallel.pp_impl torch``). Per case it
 trains one step to warm up, then ``--steps`` steps through the loop's own ``train_step``, and records the median
 step time and (hand-rolled only: torch's sends and receives happen inside its step) the measured bubble: the
@@ -120,7 +120,8 @@ def main() -> None:
     rows = run_ranks(_all_cases, args.stages, args.steps, timeout_s=120, deadline_s=3600)[0]
     header = (f"{os.cpu_count()} cores; {started}; GPT of 8 blocks, width 64, block size 64, vocabulary 256 "
               f"({sum(p.numel() for p in GPT(MODEL).parameters()):,} parameters), fp32; pp {args.stages} on "
-              f"{args.stages} gloo ranks, microbatches of one sequence; {args.steps} timed steps per case after one warm-up")
+              f"{args.stages} gloo ranks, microbatches of one sequence; {args.steps} timed steps per case after one "
+              f"warm-up")
     text = f"{header}\n\n{table(rows)}\n"
     print(text)
     write_atomic(args.out.with_suffix(".json"), json.dumps({"setup": header, "rows": rows}, indent=1))
