@@ -95,6 +95,9 @@ def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
     if cfg.pp > 1 and model.n_layer % cfg.pp:
         raise ConfigError(f"parallel.pp ({cfg.pp}) must divide model.n_layer ({model.n_layer}): stages hold equal "
                           f"numbers of blocks")
+    if cfg.pp > 1 and model.n_layer % (cfg.pp * cfg.pp_virtual):
+        raise ConfigError(f"parallel.pp × parallel.pp_virtual ({cfg.pp} × {cfg.pp_virtual}) must divide model.n_layer "
+                          f"({model.n_layer}): virtual stages hold equal numbers of blocks")
     if cfg.pp > 1 and model.moe_experts:
         raise ConfigError("parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses between stages yet "
                           "(model.moe_experts); use pp 1")

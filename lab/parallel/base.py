@@ -183,7 +183,8 @@ class Strategy:
     name: ClassVar[str] = "base"
     # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
     options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel",
-                                                   "pp", "pp_schedule", "pp_microbatches", "ep"})
+                                                   "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
+                                                   "pp_impl", "ep"})
     accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
@@ -299,7 +300,8 @@ class Strategy:
         group and over the pipeline's stages (a weight two stages hold, once: ``pipeline.counts``, after its gradients
         are summed between them).
         """
-        self.pipeline.reduce_tied(self.module)
+        if not self.shards_gradients:  # a sharding strategy sums them before its reduce-scatter
+            self.pipeline.reduce_tied(self.module)
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for piece in self.holding():
             if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main) \
@@ -377,6 +379,8 @@ class Strategy:
         """Every weight and AdamW moment as ranges of the whole flattened tensors (``held_state`` through the
         tensor-parallel transform)."""
         state, self._after_load = self.tensor.checkpoint_state(self.held_state(), self.world)
+        state, handed_over = self.pipeline.checkpoint_state(state)
+        self._after_load = handed_over + self._after_load  # the stages' first: what they hand over is then whole
         return state
 
     @torch.no_grad()

@@ -6,7 +6,8 @@ head and loss on the last. Each rank builds the whole model and keeps its stage'
 names (the others become None), so the initial weights are ``single``'s and a checkpoint stores the same entries
 whatever the layout. A tied embedding is one weight held by the first stage and the last: after the step's
 backward each sends the other its gradient and adds the one it receives (a + b on one, b + a on the other: the
-same bits), so both take the same update; the gradient norm counts it once.
+same bits), so both take the same update; the gradient norm counts it once. Under ``zero1`` / ``zero2`` the
+sum comes before the weight's reduce-scatter (the strategy holds its unit back until then: ``Zero.backward``).
 
 Each micro-step of the loop is cut into ``parallel.pp_microbatches`` M microbatches, run by a schedule of
 forwards (F) and backwards (B) on every stage (``schedule``):
@@ -14,7 +15,12 @@ forwards (F) and backwards (B) on every stage (``schedule``):
 - ``gpipe``: every microbatch's forward, then every backward (Huang et al. 2019); a stage holds M microbatches'
   activations at its peak;
 - ``1f1b``: stage s runs P − s − 1 forwards (warm-up), then one forward and one backward in turn, then the
-  remaining backwards (Narayanan et al. 2021, PipeDream-Flush); a stage holds at most P − s.
+  remaining backwards (Narayanan et al. 2021, PipeDream-Flush); a stage holds at most P − s;
+- ``interleaved``: the blocks in P · V virtual stages (``parallel.pp_virtual`` V), rank r holding r, r + P, ...;
+  1F1B over them in Megatron-LM's order (``interleaved``): the bubble shrinks V-fold.
+
+``parallel.pp_impl torch`` runs the same stages through ``torch.distributed.pipelining`` (``TorchPipeline``): the
+reference.
 
 Activations go forward and their gradients backward by ``isend`` / ``irecv`` over the pp group (sends are
 asynchronous and waited for at the end of the micro-step, receives block: the time spent blocked is the
@@ -24,13 +30,16 @@ pipelining. The loop's ``forward`` therefore runs the whole schedule, backwards 
 micro-step's loss (the mean over microbatches, sent from the last stage to every stage, so the loop's average
 over ranks is the loss); the loop's ``backward`` of it only checks that it seeds the gradient the schedule
 assumed (``_Ran``), and then the data-parallel strategy syncs the gradients as it always does. Its hooks see one
-backward per microbatch: the strategy's ``syncing`` is true only during the last microbatch's backward of a
-synced micro-step.
+backward per microbatch: the strategy's ``syncing`` is true only during each (virtual) stage's last backward of
+a synced micro-step.
 
 Under tensor parallelism (hand-rolled, without sequence parallelism) the tensor split is applied to the whole model
 first and each stage keeps its part: a stage boundary's hidden state is whole on every rank of the tensor group, and
 the pp group of a rank joins the ranks of the other stages with its tensor coordinate (a tied embedding's shard
 goes to the rank holding the same vocabulary rows).
+
+A checkpoint's entries are the model's whatever the layout; ``Pipeline.checkpoint_state`` makes every rank name
+every sharded entry (DCP builds each with a collective) and has the first stage alone save a tied weight.
 
 Against ``single`` the split changes no operation: with one microbatch per micro-step the losses and weights are
 the same bits (the tied weight's two gradients are added once either way). With M microbatches the batch's mean
@@ -40,6 +49,7 @@ differences, as accumulation has.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -52,9 +62,19 @@ from lab.model.plan import PipelinePlan, plan_of
 from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
 from lab.parallel.comm import naming_axis
 from lab.parallel.mesh import World
+from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+IMPLEMENTATIONS = ("lab", "torch")
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
+_NOT_WIRED = {  # why a strategy does not run under a pipeline
+    "zero3": "it gathers each unit's weights for one forward and frees them after one backward per micro-step, where "
+             "a stage runs M microbatches' forwards and backwards interleaved (not wired yet)",
+    "fsdp": "FSDP2 gathers and reshards around its root module's forward and reduce-scatters after each backward, "
+            "where a stage runs M forwards and backwards outside that forward (not wired yet)",
+    "torch_ddp": "DistributedDataParallel prepares its reducer in its own forward, which the stages bypass (they call "
+                 "the model's embed, run_blocks and output)",
+}
 _on_pp = naming_axis("pp")  # a failed send or receive names the axis: a stage died or did not answer
 
 
@@ -67,20 +87,28 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
     """Raise ConfigError (one line) when ``cfg``'s pipeline cannot run under ``strategy`` (a Strategy class) with
     micro-steps of ``micro_batch`` sequences (and ``compile``: train.compile)."""
     if cfg.pp == 1:
-        for option in ("pp_microbatches", "pp_schedule"):
+        for option in ("pp_microbatches", "pp_schedule", "pp_virtual", "pp_impl"):
             if getattr(cfg, option) != getattr(ParallelConfig(), option):
                 raise ConfigError(f"parallel.{option} has no effect with parallel.pp 1")
         return
     if cfg.pp_schedule not in SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.pp_schedule}'"
                           f"{did_you_mean(cfg.pp_schedule, SCHEDULES)}")
+    if cfg.pp_impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"parallel.pp_impl must be one of {', '.join(IMPLEMENTATIONS)}, got '{cfg.pp_impl}'"
+                          f"{did_you_mean(cfg.pp_impl, IMPLEMENTATIONS)}")
+    if cfg.pp_impl == "torch" and (strategy.name not in ("single", "ddp_naive") or cfg.tp > 1):
+        raise ConfigError("parallel.pp_impl torch runs under strategy single or ddp_naive without parallel.tp only: "
+                          "its schedule runs every microbatch's backward inside one call, where the other "
+                          "strategies' hooks (and the tensor split's) expect the lab's schedule")
     if strategy.name == "deepspeed":
         raise ConfigError("strategy 'deepspeed' does not run with parallel.pp > 1: its engine owns the whole step "
                           "(DeepSpeed's own PipelineEngine is not wired in); choose single, ddp_naive or ddp")
     if not strategy.pipeline_parallel:
-        raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.pp > 1 yet: its gradient sync or "
-                          f"sharding expects one backward per micro-step, where a stage runs one per microbatch, "
-                          f"and is not wired to that yet; choose single, ddp_naive or ddp")
+        reason = _NOT_WIRED.get(strategy.name, "its gradient sync or sharding expects one backward per micro-step, "
+                                               "where a stage runs one per microbatch")
+        raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.pp > 1: {reason}; choose single, "
+                          f"ddp_naive, ddp, zero1 or zero2")
     if cfg.sequence_parallel or cfg.tp_impl == "torch":
         raise ConfigError("parallel.pp > 1 runs with the hand-rolled tensor parallelism without sequence parallelism "
                           "only, for now: stages send whole-sequence hidden states as plain tensors")
@@ -95,6 +123,13 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
     if cfg.pp_schedule == "1f1b" and m < cfg.pp:
         raise ConfigError(f"parallel.pp_schedule 1f1b needs at least parallel.pp ({cfg.pp}) microbatches, got "
                           f"parallel.pp_microbatches {m} (use gpipe, or more microbatches)")
+    if cfg.pp_virtual < 1:
+        raise ConfigError(f"parallel.pp_virtual must be at least 1, got {cfg.pp_virtual}")
+    if cfg.pp_virtual > 1 and cfg.pp_schedule != "interleaved":
+        raise ConfigError(f"parallel.pp_virtual {cfg.pp_virtual} needs parallel.pp_schedule interleaved")
+    if cfg.pp_schedule == "interleaved" and m % cfg.pp:
+        raise ConfigError(f"parallel.pp_schedule interleaved needs parallel.pp_microbatches a multiple of parallel.pp "
+                          f"({cfg.pp}), got {m}: microbatches go round the stages in groups of pp")
 
 
 def balanced_split(sizes: list[int], parts: int) -> list[range]:
@@ -133,9 +168,30 @@ def schedule(name: str, stage: int, stages: int, m: int) -> list[tuple[str, int]
     return order + [("B", i) for i in range(m - warm, m)]
 
 
+def interleaved(stage: int, stages: int, m: int, virtual: int) -> list[tuple[str, int, int]]:
+    """The order stage ``stage`` of ``stages`` runs the forwards ("F", v, i) and backwards ("B", v, i) of its
+    ``virtual`` stages v (global stage ``stage + v · stages``) on ``m`` microbatches (a multiple of ``stages``), as
+    Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): microbatches in groups of ``stages`` go through virtual
+    stage 0, then 1, ... (backwards from the last virtual stage); a warm-up of 2 (stages − stage − 1) + (virtual − 1)
+    · stages forwards (one virtual stage: stages − stage − 1, as 1F1B), then one forward and one backward in turn."""
+    total = m * virtual
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        v = k // stages % virtual
+        return kind, (v if kind == "F" else virtual - 1 - v), k // (stages * virtual) * stages + k % stages
+
+    warm = min(stages - stage - 1 if virtual == 1 else 2 * (stages - stage - 1) + (virtual - 1) * stages, total)
+    order = [op("F", k) for k in range(warm)]
+    for k in range(total - warm):
+        order += [op("F", warm + k), op("B", k)]
+    return order + [op("B", k) for k in range(total - warm, total)]
+
+
 def on_axis(axis: World, cfg: ParallelConfig, accum_steps: int) -> Unpiped:
     """The pipeline transform of ``cfg`` on ``axis`` (the mesh's pp axis): the identity on an axis of one."""
-    return Unpiped() if axis.world_size == 1 else Pipeline(axis, cfg, accum_steps)
+    if axis.world_size == 1:
+        return Unpiped()
+    return (TorchPipeline if cfg.pp_impl == "torch" else Pipeline)(axis, cfg, accum_steps)
 
 
 class Unpiped:
@@ -159,8 +215,13 @@ class Unpiped:
     def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
         return squares
 
+    tied: list[str] = []  # parameters held by the first stage and the last (none in one stage)
+
     def reduce_tied(self, module: nn.Module) -> None:
         """Sum the gradients of a weight two stages hold (nothing to do in one stage)."""
+
+    def sum_tied(self, grad_of: Callable[[str], torch.Tensor]) -> None:
+        """As ``reduce_tied``, on the gradients ``grad_of(name)`` returns (summed into them in place)."""
 
     def take_meters(self) -> tuple[float, dict[str, object]]:
         """Seconds this rank waited on the other stages since the last call, and the step's pipeline figures."""
@@ -173,6 +234,10 @@ class Unpiped:
     def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
         return weights
 
+    def checkpoint_state(self, state: CheckpointState) -> tuple[CheckpointState, list[Callable[[], None]]]:
+        """``state`` as the checkpoint stores it, and what to do after a load (first)."""
+        return state, []
+
 
 class Pipeline(Unpiped):
     """This rank's stage, its schedule, and the point-to-point traffic between stages."""
@@ -181,22 +246,31 @@ class Pipeline(Unpiped):
         self.axis, self.stage, self.n = axis, axis.rank, axis.world_size
         self.first, self.last = self.stage == 0, self.stage == self.n - 1
         self.schedule_name, self.m, self.accum_steps = cfg.pp_schedule, microbatches(cfg), accum_steps
+        self.virtual = cfg.pp_virtual  # stages per rank: this rank holds stages stage, stage + n, ...
         self.plan: PipelinePlan | None = None
-        self.runs: list[range] = []  # the blocks of each stage
+        self.runs: list[range] = []  # the blocks of each (virtual) stage
         self.stage_params: list[int] = []
         self.tied: list[str] = []  # parameters held by the first stage and the last
         self.wait_s = self.window_s = 0.0  # blocked on other stages; inside the schedule (since the last take)
         self.totals = torch.zeros(self.n, 2, dtype=torch.float64)  # per stage: seconds waited, seconds scheduled
         self.sent_bytes = self.sent_bytes_theory = 0  # activations and their gradients sent (since the last take)
-        self.theory = (self.n - 1) / (self.m + self.n - 1)  # the idle fraction of a flushed schedule, GPipe or 1F1B
+        # the idle fraction of a flushed schedule: (n − 1) idle slots of a virtual stage's time beside m · V of work
+        self.theory = (self.n - 1) / (self.virtual * self.m + self.n - 1)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def describe(self, layout: str) -> str:
-        stages = "; ".join(f"stage {s}: {'embedding + ' if s == 0 else ''}"
+        last = len(self.runs) - 1
+        stages = "; ".join(f"stage {s}{f' (rank {s % self.n})' if self.virtual > 1 else ''}: "
+                           f"{'embedding + ' if s == 0 else ''}"
                            f"{f'blocks {r.start}-{r.stop - 1}' if len(r) > 1 else f'block {r.start}'}"
-                           f"{' + head' if s == self.n - 1 else ''} ({p:,} params)"
+                           f"{' + head' if s == last else ''} ({p:,} params)"
                            for s, (r, p) in enumerate(zip(self.runs, self.stage_params)))
-        return f"{layout} (pp {self.n}, {self.schedule_name}, {self.m} microbatches: {stages})"
+        schedule_name = f"interleaved × {self.virtual}" if self.schedule_name == "interleaved" else self.schedule_name
+        return f"{layout} (pp {self.n}, {schedule_name}, {self.m} microbatches: {stages})"
+
+    def _stages(self) -> list[int]:
+        """The (virtual) stages this rank holds."""
+        return [self.stage + v * self.n for v in range(self.virtual)]
 
     # ------------------------------------------------------------ building
 
@@ -216,14 +290,15 @@ class Pipeline(Unpiped):
             return {id(p): p for name in names for p in model.get_submodule(name).parameters()}
 
         self.plan = plan
-        self.runs = balanced_split([sum(p.numel() for p in params([u]).values()) for u in plan.units], self.n)
+        self.runs = balanced_split([sum(p.numel() for p in params([u]).values()) for u in plan.units],
+                                   self.n * self.virtual)
         first, last = params(plan.first), params(plan.last)
         self.tied = [name for name, p in model.named_parameters() if id(p) in first and id(p) in last]
         self.stage_params = [sum(p.numel() for p in params([plan.units[i] for i in run]).values())
                              + (sum(p.numel() for p in first.values()) if s == 0 else 0)
-                             + (sum(p.numel() for p in last.values()) if s == self.n - 1 else 0)
+                             + (sum(p.numel() for p in last.values()) if s == len(self.runs) - 1 else 0)
                              for s, run in enumerate(self.runs)]
-        keep = {plan.units[i] for i in self.runs[self.stage]}
+        keep = {plan.units[i] for s in self._stages() for i in self.runs[s]}
         keep |= set(plan.first) if self.first else set()
         keep |= set(plan.last) if self.last else set()
         for name in [*plan.units, *plan.first, *plan.last]:
@@ -270,50 +345,61 @@ class Pipeline(Unpiped):
 
     # ------------------------------------------------------------ one micro-step
 
-    def _stage_forward(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, hidden: torch.Tensor | None
-                       ) -> torch.Tensor:
-        """This stage's part of the forward: from the tokens ``x`` (first stage) or the received ``hidden``, to the
-        loss against ``y`` (last stage) or the hidden state to send on."""
-        h = getattr(module, self.plan.embed)(x) if self.first else hidden
-        h = getattr(module, self.plan.run)(h, self.runs[self.stage])
-        return getattr(module, self.plan.head)(h, y) if self.last else h
+    def _stage_forward(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, hidden: torch.Tensor | None,
+                       stage: int) -> torch.Tensor:
+        """(Virtual) stage ``stage``'s part of the forward: from the tokens ``x`` (the first) or the received
+        ``hidden``, to the loss against ``y`` (the last) or the hidden state to send on."""
+        h = getattr(module, self.plan.embed)(x) if stage == 0 else hidden
+        h = getattr(module, self.plan.run)(h, self.runs[stage])
+        return getattr(module, self.plan.head)(h, y) if stage == len(self.runs) - 1 else h
 
     def _hidden(self, module: nn.Module, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
         dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
         return (*x.shape, self.plan.width), dtype
 
+    def _order(self) -> list[tuple[str, int, int]]:
+        """This rank's schedule as (kind, virtual stage, microbatch)."""
+        if self.schedule_name == "interleaved":
+            return interleaved(self.stage, self.n, self.m, self.virtual)
+        return [(kind, 0, i) for kind, i in schedule(self.schedule_name, self.stage, self.n, self.m)]
+
     def train(self, strategy: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the micro-step (x, y) in M microbatches by the schedule; its mean loss on every
-        stage, whose backward the loop still calls (``_Ran``)."""
+        stage, whose backward the loop still calls (``_Ran``). Activations go to the next rank (the last rank's to
+        the first, between virtual stages), their gradients to the previous one."""
         started = time.perf_counter()
         module, sync = strategy.module, strategy.syncing
         xs, ys = x.chunk(self.m), y.chunk(self.m)
-        shape, dtype = self._hidden(module, x)  # theory: b · s · h per boundary a stage has, forward and backward
-        self.sent_bytes_theory += (2 - self.first - self.last) * math.prod(shape) * dtype.itemsize
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        last, before, after = len(self.runs) - 1, (self.stage - 1) % self.n, (self.stage + 1) % self.n
+        shape, dtype = self._hidden(module, x)  # theory: b · s · h per boundary a rank's stages have, each direction
+        self.sent_bytes_theory += (2 * self.virtual - self.first - self.last) * math.prod(shape) * dtype.itemsize
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
         losses = []
-        for kind, i in schedule(self.schedule_name, self.stage, self.n, self.m):
+        order = self._order()
+        final = {v: k for k, (kind, v, _) in enumerate(order) if kind == "B"}  # each virtual stage's last backward
+        for k, (kind, v, i) in enumerate(order):
+            stage = self.stage + v * self.n
             if kind == "F":
                 hidden = None
-                if not self.first:
-                    hidden = self._receive(self._hidden(module, xs[i]), self.stage - 1, _FORWARD_TAG)
-                    inputs[i] = hidden.requires_grad_()
-                out = outputs[i] = self._stage_forward(module, xs[i], ys[i], hidden)
-                if self.last:
+                if stage > 0:
+                    hidden = self._receive(self._hidden(module, xs[i]), before, _FORWARD_TAG)
+                    inputs[v, i] = hidden.requires_grad_()
+                out = outputs[v, i] = self._stage_forward(module, xs[i], ys[i], hidden, stage)
+                if stage == last:
                     losses.append(out.detach())
                 else:
-                    self._send(out, self.stage + 1, _FORWARD_TAG)
+                    self._send(out, after, _FORWARD_TAG)
                 continue
-            strategy.syncing = sync and i == self.m - 1  # the data-parallel hooks sync on the last backward
-            out = outputs.pop(i)
-            if self.last:
+            strategy.syncing = sync and k == final[v]  # the data-parallel hooks sync on a stage's last backward
+            out = outputs.pop((v, i))
+            if stage == last:
                 strategy.tensor.backward(strategy.scaled(out / (self.m * self.accum_steps)))
             else:
-                grad = self._receive((tuple(out.shape), out.dtype), self.stage + 1, _BACKWARD_TAG)
+                grad = self._receive((tuple(out.shape), out.dtype), after, _BACKWARD_TAG)
                 torch.autograd.backward(out, grad)
-            if not self.first:
-                self._send(inputs.pop(i).grad, self.stage - 1, _BACKWARD_TAG)
+            if stage > 0:
+                self._send(inputs.pop((v, i)).grad, before, _BACKWARD_TAG)
         strategy.syncing = sync
         self._finish_sends()
         loss = torch.stack(losses).sum() / self.m if self.last else torch.zeros((), device=self.axis.device)
@@ -327,10 +413,13 @@ class Pipeline(Unpiped):
         """The loss of (x, y) through the stages in one piece (as ``single`` computes it), on every stage (its waits
         are not a training step's)."""
         training_wait_s, training_sent = self.wait_s, self.sent_bytes
-        hidden = None if self.first else self._receive(self._hidden(module, x), self.stage - 1, _FORWARD_TAG)
-        out = self._stage_forward(module, x, y, hidden)
-        if not self.last:
-            self._send(out, self.stage + 1, _FORWARD_TAG)
+        out = None
+        for stage in self._stages():
+            hidden = None if stage == 0 else self._receive(self._hidden(module, x), (self.stage - 1) % self.n,
+                                                           _FORWARD_TAG)
+            out = self._stage_forward(module, x, y, hidden, stage)
+            if stage != len(self.runs) - 1:
+                self._send(out, (self.stage + 1) % self.n, _FORWARD_TAG)
         self._finish_sends()
         loss = self._share_loss(out.float() if self.last else torch.zeros((), device=self.axis.device))
         self.wait_s, self.sent_bytes = training_wait_s, training_sent
@@ -344,21 +433,28 @@ class Pipeline(Unpiped):
     def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
         return self.axis.sum(squares)
 
-    @_on_pp
     @torch.no_grad()
     def reduce_tied(self, module: nn.Module) -> None:
+        def grad(name: str) -> torch.Tensor:
+            p = module.get_parameter(name)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            return p.grad
+        self.sum_tied(grad)
+
+    @_on_pp
+    @torch.no_grad()
+    def sum_tied(self, grad_of: Callable[[str], torch.Tensor]) -> None:
         if not (self.tied and (self.first or self.last)):
             return
         peer = self.axis.global_rank(self.n - 1 if self.first else 0)
         for name in self.tied:
-            p = module.get_parameter(name)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            theirs = torch.empty_like(p.grad)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, p.grad, peer, self.axis.group),
+            mine = grad_of(name)
+            theirs = torch.empty_like(mine)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, self.axis.group),
                                                 dist.P2POp(dist.irecv, theirs, peer, self.axis.group)]):
                 work.wait()
-            p.grad.add_(theirs)
+            mine.add_(theirs)
 
     @_on_pp
     def take_meters(self) -> tuple[float, dict[str, object]]:
@@ -388,6 +484,120 @@ class Pipeline(Unpiped):
         parts: list[dict] | None = [{} for _ in range(self.n)] if self.first else None
         dist.gather_object(weights, parts, dst=self.axis.global_rank(0), group=self.axis.group)
         return {k: v for part in parts for k, v in part.items()} if self.first else {}
+
+    @_on_pp
+    def checkpoint_state(self, state: CheckpointState) -> tuple[CheckpointState, list[Callable[[], None]]]:
+        """Every stage's entries in one order, where ``state`` holds this stage's: the checkpoint builds each entry a
+        rank holds a part of with a collective of every rank (``lab.runtime.checkpoint``), so a rank adds an empty
+        part of each such entry that another stage holds (a whole tensor is no collective: left to its holders). A
+        weight the first and the last stage both hold in parts is handed over by the first stage (the last stage's
+        parts are empty) and, after a load, sent from the rank of the first stage to the rank of the last that
+        holds the same part (the two stages lay it out alike)."""
+        kinds: list[dict[str, tuple] | None] = [None] * self.n
+        dist.all_gather_object(kinds, {key: _kind(value) for key, value in state.items()}, group=self.axis.group)
+        out: CheckpointState = {}
+        after_load = []
+        for key, kind in {k: v for stage in kinds for k, v in stage.items()}.items():  # in stage order
+            parts = kind[0] != "whole"
+            handed = parts and key in state and key.split("/")[1] in self.tied
+            if key in state and not (handed and self.last):
+                out[key] = state[key]
+            elif parts:
+                out[key] = Held(kind[1], 0, torch.empty(0)) if kind[0] == "flat" else Blocks(kind[1], [])
+            if handed:
+                after_load.append(functools.partial(self._hand_over, _views(state[key])))
+        return out, after_load
+
+    @_on_pp
+    @torch.no_grad()
+    def _hand_over(self, views: list[torch.Tensor]) -> None:
+        """The first stage's ``views`` (what it loaded of a tied weight) into the last stage's."""
+        for view in views:
+            if self.first:
+                dist.send(view.contiguous(), dst=self.axis.global_rank(self.n - 1), group=self.axis.group)
+            elif view.numel():
+                received = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+                dist.recv(received, src=self.axis.global_rank(0), group=self.axis.group)
+                view.copy_(received)
+
+
+class TorchPipeline(Pipeline):
+    """The same stages run by ``torch.distributed.pipelining`` (``PipelineStage`` and ``ScheduleGPipe``,
+    ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``): the reference the hand-rolled schedules are compared with. Its
+    sends and receives happen inside the schedule's step, so neither the wait nor the bytes are metered; evaluation
+    runs the lab's forward through the stages."""
+
+    def __init__(self, axis: World, cfg: ParallelConfig, accum_steps: int):
+        super().__init__(axis, cfg, accum_steps)
+        self._runner = None  # the torch schedule, built at the first step (the stages' module exists then)
+
+    def describe(self, layout: str) -> str:
+        return super().describe(layout).replace(f"(pp {self.n}, ", f"(pp {self.n} torch.distributed.pipelining, ")
+
+    def _build(self, module: nn.Module) -> object:
+        from torch.distributed import pipelining
+
+        stages = [pipelining.PipelineStage(_TorchStage(self, module, s), s, len(self.runs), self.axis.device,
+                                           group=self.axis.group) for s in self._stages()]
+
+        def loss(hidden: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the head, then as the loop scales it
+            return getattr(module, self.plan.head)(hidden, y) / (self.m * self.accum_steps)
+
+        if self.schedule_name == "interleaved":
+            return pipelining.ScheduleInterleaved1F1B(stages, self.m, loss_fn=loss, scale_grads=False)
+        schedule_class = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[self.schedule_name]
+        return schedule_class(stages[0], self.m, loss_fn=loss, scale_grads=False)
+
+    @_on_pp
+    def train(self, strategy: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        if self._runner is None:
+            self._runner = self._build(strategy.module)
+        losses: list[torch.Tensor] = []
+        self._runner.step(*([x] if self.first else []), target=y if self.last else None, losses=losses)
+        loss = (torch.stack(losses).sum().detach() * self.accum_steps if self.last
+                else torch.zeros((), device=self.axis.device))
+        seed = strategy.scaled(torch.ones((), device=loss.device) / self.accum_steps).item()
+        loss = self._share_loss(loss)
+        self.window_s += time.perf_counter() - started
+        return _Ran.apply(torch.zeros((), requires_grad=True), loss, seed)
+
+    def take_meters(self) -> tuple[float, dict[str, object]]:
+        self.window_s = self.wait_s = 0.0
+        return 0.0, {}
+
+    def meters(self) -> dict[str, object]:
+        return {"pp_bubble_theory": self.theory}
+
+
+class _TorchStage(nn.Module):
+    """Virtual stage ``stage`` of the rank's model as torch's ``PipelineStage`` takes it: tokens (the first) or a
+    hidden state in, the hidden state after its blocks out (the last stage's head runs in the schedule's loss)."""
+
+    def __init__(self, pipeline: Pipeline, model: nn.Module, stage: int):
+        super().__init__()
+        self.pipeline, self.stage, self.model = pipeline, stage, model
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        plan = self.pipeline.plan
+        if self.stage == 0:
+            h = getattr(self.model, plan.embed)(h)
+        return getattr(self.model, plan.run)(h, self.pipeline.runs[self.stage])
+
+
+def _kind(value: Held | Pieces | Blocks | torch.Tensor) -> tuple:
+    """What a stage tells the others of a checkpoint entry: whole, or parts of a flat tensor (its elements) or of a
+    2-D one (its shape)."""
+    if isinstance(value, torch.Tensor):
+        return ("whole",)
+    return ("blocks", value.shape) if isinstance(value, Blocks) else ("flat", value.numel)
+
+
+def _views(value: Held | Pieces | Blocks) -> list[torch.Tensor]:
+    """The live views of a checkpoint entry's parts."""
+    if isinstance(value, Held):
+        return [value.view]
+    return [view for _, view in value.pieces] if isinstance(value, Pieces) else [v for _, _, v in value.blocks]
 
 
 def _fractions(waits: torch.Tensor) -> list[float]:

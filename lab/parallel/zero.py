@@ -153,10 +153,12 @@ class Zero(Strategy):
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
         """Buckets of ``bucket_mb`` in backward order (reverse registration); stage 3 overrides."""
-        params, order = dict(module.named_parameters()), list(reversed(trainable))
+        params, tied = dict(module.named_parameters()), [n for n in trainable if n in self.pipeline.tied]
+        order = [n for n in reversed(trainable) if n not in tied]
         sizes = [params[name].numel() * params[name].element_size() for name in order]
         kinds = [self.experts.holds(params[name]) for name in order]  # an expert's unit is shared over edp
-        return [[order[i] for i in bucket] for bucket in buckets(sizes, self.cfg.bucket_mb * 2**20, kinds)]
+        return [[order[i] for i in bucket] for bucket in buckets(sizes, self.cfg.bucket_mb * 2**20, kinds)] + \
+            ([tied] if tied else [])  # last: launched once summed between the stages (``backward``)
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         group_of = {n: i for i, g in enumerate(groups) for n in g.names}
@@ -178,6 +180,8 @@ class Zero(Strategy):
                 unit.master = unit.shard.detach().to(HOST, copy=True)
         self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
         self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
+        # a weight the first and last stage hold: its unit waits for the sum of the two stages' gradients
+        self._held = len(self.units) - 1 if self.pipeline.tied and self.stage < 3 else None
         self._in_flight: deque[tuple[Unit, dist.Work | SummedOnWait]] = deque()  # launched, not yet settled
         self._spare: torch.Tensor | None = None  # the last settled unit's gradient buffer
         if self.stage >= 2:
@@ -237,7 +241,7 @@ class Zero(Strategy):
         self._missing[k] -= 1
         if self._missing[k] == 0:
             self._unit_done(unit)
-        if self.syncing:
+        if self.syncing and k != self._held:
             self._launches.arrived(k, eager=self.cfg.overlap)
             self._settle(in_flight=1)
 
@@ -256,6 +260,19 @@ class Zero(Strategy):
         unit.written = [False] * len(unit.params)
         memory.tag(buffer, "grads")
         return buffer
+
+    def _tied_gradient(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s whole gradient in its unit's flat buffer (zeroed if it got none), before the
+        reduce-scatter."""
+        k, i = self._unit_of[id(self.module.get_parameter(name))]
+        unit = self.units[k]
+        if unit.flat_grad is None:
+            unit.flat_grad = self._gradient_buffer(unit, unit.shard.dtype)
+        place = unit.flat_grad[unit.offsets[i]:unit.offsets[i] + unit.params[i].numel()]
+        if unit.written and not unit.written[i]:  # stages 2-3: no gradient came
+            place.zero_()
+            unit.written[i] = True
+        return place
 
     def _unit_done(self, unit: Unit) -> None:
         """All of a unit's gradients of this micro-step are in (stage 3 frees its weights here)."""
@@ -289,12 +306,19 @@ class Zero(Strategy):
                 self._spare = unit.flat_grad
                 unit.flat_grad = None
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss is divided by N before its backward (as ddp's), so the reduce-scattered sum is the average without
         a pass over the shards (with N a power of two the same bits as dividing the sum)."""
-        self.tensor.backward(loss / self.world.world_size)
+        return loss / self.world.world_size
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The micro-step's backward; on a synced one, a weight the pipeline's first and last stage hold gets the sum
+        of the two stages' gradients before it is reduce-scattered (its shards differ between the stages), then what
+        is left is launched and waited for."""
+        self.tensor.backward(self.scaled(loss))
         if not self.syncing:
             return
+        self.pipeline.sum_tied(self._tied_gradient)
         self._launches.finish()
         self._settle(in_flight=0)
         self._spare = None
@@ -386,12 +410,14 @@ class Zero(Strategy):
 class Zero1(Zero):
     name, stage = "zero1", 1
     expert_parallel = True
+    pipeline_parallel = True
 
 
 class Zero2(Zero):
     name, stage = "zero2", 2
     expert_parallel = True
     options = Zero.options | {"overlap"}
+    pipeline_parallel = True
 
 
 class Zero3(Zero):

@@ -165,8 +165,13 @@ class ParallelConfig:
     pp: int = _f(1, "pipeline-parallel degree: the model's blocks split into this many stages (embedding on the "
                     "first, final norm, head and loss on the last), point-to-point between them; the strategy runs "
                     "over the rest (data parallel)")
-    pp_schedule: str = _f("1f1b", "gpipe (every microbatch's forward, then every backward) or 1f1b (after a warm-up "
-                                  "of pp - stage - 1 forwards, one forward and one backward in turn), with pp > 1")
+    pp_schedule: str = _f("1f1b", "gpipe (every microbatch's forward, then every backward), 1f1b (after a warm-up "
+                                  "of pp - stage - 1 forwards, one forward and one backward in turn) or interleaved "
+                                  "(1f1b over pp_virtual stages per rank), with pp > 1")
+    pp_impl: str = _f("lab", "lab (the hand-rolled schedules) or torch (the same stages run by "
+                             "torch.distributed.pipelining's schedules: the reference), with pp > 1")
+    pp_virtual: int = _f(1, "stages per rank under pp_schedule interleaved: the blocks split into pp × pp_virtual "
+                            "stages, rank r holding stages r, r + pp, ...")
     ep: int = _f(1, "expert-parallel degree: groups of this many consecutive data-parallel ranks split every mixture "
                     "of experts' experts among them, tokens sent to their experts and back by all-to-all; the rest of "
                     "the model stays data parallel over every rank")
