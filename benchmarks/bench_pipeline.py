@@ -4,15 +4,15 @@ Run: ``.venv/bin/python benchmarks/bench_pipeline.py [--steps N] [--stages P] [-
 repository root (about a minute on 2 cores).
 
 A GPT of 8 blocks (width 64, block size 64, vocabulary 256, fp32, tied head) in P stages (default 4;
-``single:pp=P``: every rank a stage, no data parallelism), each micro-step of M sequences cut into M microbatches
-of one sequence, for M in 4, 8, 16, under each schedule: ``gpipe``, ``1f1b`` and ``interleaved`` with 2 virtual
-stages per rank, run by the lab's hand-rolled schedules and by ``torch.distributed.pipelining``
-(``--parallel.pp_impl torch``). Per case it trains one step to warm up, then ``--steps`` steps through the loop's own ``train_step``, and records the median
-step time and (hand-rolled only: torch's sends and receives happen inside its step) the measured bubble: the
-fraction of the schedule's time each stage spent blocked on a receive or an unfinished send, averaged over
-stages and steps, beside the theory (p − 1)/(V · M + p − 1). The machine's 1-minute load average is recorded
-before each case. Writes OUT.json, OUT.md (a Markdown table) and OUT.png (bubble vs M, one line per schedule,
-theory dashed).
+``single:pp=P``: every rank a stage, no data parallelism), each micro-step of M sequences cut into M microbatches of
+one sequence, for M in 4, 8, 16, under each schedule: ``gpipe``, ``1f1b`` and ``interleaved`` with 2 virtual stages
+per rank, run by the lab's hand-rolled schedules and by ``torch.distributed.pipelining`` (``--parallel.pp_impl
+torch``). Per case it trains one step to warm up, then ``--steps`` steps through the loop's own ``train_step``, and
+records the median step time and (hand-rolled only: torch's sends and receives happen inside its step) the measured
+bubble: the fraction of the schedule's time each stage spent blocked on a receive or an unfinished send, averaged
+over stages and steps, beside the theory (p − 1)/(V · M + p − 1). The machine's 1-minute load average is recorded
+before each case. Writes OUT.json, OUT.md (a Markdown table) and OUT.png (bubble vs M, one line per schedule, theory
+dashed).
 """
 
 from __future__ import annotations
