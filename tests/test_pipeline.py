@@ -513,3 +513,44 @@ def test_a_checkpoint_reshards_across_pipeline_and_data_layouts(args, tmp_path, 
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(reference, _losses(run))), (run, _losses(run))
         whole = checkpoint.load_model(checkpoint.latest(run), shapes)
         assert max((whole[k] - final[k]).abs().max().item() for k in final) <= 1e-3
+
+
+def _in_flight(world: World) -> dict:
+    """Per schedule (gpipe, 1f1b), one step of pp 2 with 8 microbatches of one sequence with the allocation meter
+    running: the pipeline's in-flight meter (measured, theory) and the allocation meter's peak of the schedule."""
+    from lab.measure import memory
+    from lab.training.train import train_step
+
+    model = dataclasses.replace(TINY, n_layer=2, block_size=64)
+    x, y = batch(Setup(model=model, micro_batch=8), 0, 8)
+    out = {}
+    for name in ("gpipe", "1f1b"):
+        meter = memory.Meter(world.device)
+        with meter.running():
+            strategy = create(parse_spec(f"single:pp=2,pp_schedule={name},pp_microbatches=8"), world,
+                              Precision("cpu", False), LoopSettings(micro_batch=8, accum_steps=1, grad_clip=1.0))
+            strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
+                           adamw_factory(TrainConfig(), world.device))
+            for _ in range(2):  # the second step holds the optimizer's states from its start, as every later step
+                train_step(strategy, world, [(x, y)], 1, 1e-3, 1.0)
+                peaks = meter.take_step_peaks()
+                layout = strategy.take_step_meters().layout
+        out[name] = {"measured": layout["pp_in_flight_bytes"], "theory": layout["pp_in_flight_bytes_theory"],
+                     "peak": peaks["forward"]}  # the schedule, backwards included, runs in the loop's forward phase
+    return out
+
+
+@pytest.mark.slow
+def test_1f1b_holds_the_activations_of_p_microbatches_where_gpipe_holds_m():
+    """The activation bytes held for microbatches awaiting their backward (saved-tensor hooks per microbatch's
+    forward, summed over the forwards outstanding): GPipe holds all 8 on both stages; 1F1B 2 on the first stage and 1
+    on the last (Narayanan et al. 2021). The allocation meter's peak of the schedule sees the same difference."""
+    runs = run_pooled(_in_flight, 2)[0]
+    gpipe, one_f_one_b = runs["gpipe"], runs["1f1b"]
+    per_microbatch = [b / 8 for b in gpipe["measured"]]
+    for stage, held in enumerate((2, 1)):
+        assert gpipe["measured"][stage] == pytest.approx(gpipe["theory"][stage], rel=0.01)
+        assert one_f_one_b["measured"][stage] == pytest.approx(held * per_microbatch[stage], rel=0.02)
+        assert one_f_one_b["measured"][stage] == pytest.approx(one_f_one_b["theory"][stage], rel=0.02)
+    saved = gpipe["measured"][0] - one_f_one_b["measured"][0]  # 6 microbatches' activations on the first stage
+    assert gpipe["peak"] - one_f_one_b["peak"] == pytest.approx(saved, rel=0.2), (gpipe, one_f_one_b)

@@ -96,6 +96,18 @@ class SavedBytes:
             yield
         self._largest = max(self._largest, self._current)
 
+    @property
+    def current(self) -> int:
+        """Bytes counted so far in the current ``counting`` context."""
+        return self._current
+
+    def fresh(self) -> int:
+        """Start a forward of its own inside the context (a pipeline's microbatch): storages it saves count even
+        where the allocator reuses the address of one an earlier forward saved and its backward freed; returns
+        ``current``."""
+        self._seen = set()
+        return self._current
+
     def take(self) -> int:
         largest, self._largest = self._largest, 0
         return largest

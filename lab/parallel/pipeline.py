@@ -254,6 +254,11 @@ class Pipeline(Unpiped):
         self.wait_s = self.window_s = 0.0  # blocked on other stages; inside the schedule (since the last take)
         self.totals = torch.zeros(self.n, 2, dtype=torch.float64)  # per stage: seconds waited, seconds scheduled
         self.sent_bytes = self.sent_bytes_theory = 0  # activations and their gradients sent (since the last take)
+        # activation bytes saved for microbatches whose backward has not run yet: their peak in the schedule, measured
+        # (the saved-tensor hooks' bytes of each microbatch's forward) and in theory (the most forwards the schedule
+        # has outstanding, times this rank's mean bytes per microbatch), since the last take and over the run
+        self.in_flight = self.in_flight_theory = 0.0
+        self.in_flight_run = torch.zeros(self.n, 2, dtype=torch.float64)
         # the idle fraction of a flushed schedule: (n − 1) idle slots of a virtual stage's time beside m · V of work
         self.theory = (self.n - 1) / (self.virtual * self.m + self.n - 1)
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
@@ -378,6 +383,8 @@ class Pipeline(Unpiped):
         losses = []
         order = self._order()
         final = {v: k for k, (kind, v, _) in enumerate(order) if kind == "B"}  # each virtual stage's last backward
+        saved: dict[tuple[int, int], int] = {}  # bytes each microbatch's forward saved, until its backward
+        in_flight = 0
         for k, (kind, v, i) in enumerate(order):
             stage = self.stage + v * self.n
             if kind == "F":
@@ -385,13 +392,17 @@ class Pipeline(Unpiped):
                 if stage > 0:
                     hidden = self._receive(self._hidden(module, xs[i]), before, _FORWARD_TAG)
                     inputs[v, i] = hidden.requires_grad_()
+                counted = strategy.saved.fresh()
                 out = outputs[v, i] = self._stage_forward(module, xs[i], ys[i], hidden, stage)
+                saved[v, i] = strategy.saved.current - counted
+                in_flight = max(in_flight, sum(saved.values()))
                 if stage == last:
                     losses.append(out.detach())
                 else:
                     self._send(out, after, _FORWARD_TAG)
                 continue
             strategy.syncing = sync and k == final[v]  # the data-parallel hooks sync on a stage's last backward
+            saved.pop((v, i))
             out = outputs.pop((v, i))
             if stage == last:
                 strategy.tensor.backward(strategy.scaled(out / (self.m * self.accum_steps)))
@@ -402,6 +413,9 @@ class Pipeline(Unpiped):
                 self._send(inputs.pop((v, i)).grad, before, _BACKWARD_TAG)
         strategy.syncing = sync
         self._finish_sends()
+        self.in_flight = max(self.in_flight, in_flight)
+        per_forward = strategy.saved.current / (len(xs) * self.virtual)  # this rank's mean, over its stages
+        self.in_flight_theory = max(self.in_flight_theory, outstanding(order) * per_forward)
         loss = torch.stack(losses).sum() / self.m if self.last else torch.zeros((), device=self.axis.device)
         seed = strategy.scaled(torch.ones((), device=loss.device) / self.accum_steps).item()
         loss = self._share_loss(loss)
@@ -462,18 +476,21 @@ class Pipeline(Unpiped):
         are gathered), per stage the fraction of the schedule's time it waited (the bubble, and the transfers),
         beside the theory (p − 1)/(m + p − 1), and the bytes this rank sent to its neighbours (activations forward,
         their gradients backward; evaluation's not counted) beside b · s · h per boundary and direction."""
-        mine = torch.tensor([self.wait_s, self.window_s], dtype=torch.float64)
+        mine = torch.tensor([self.wait_s, self.window_s, self.in_flight, self.in_flight_theory], dtype=torch.float64)
         sent = {"pp_sent_bytes": self.sent_bytes, "pp_sent_bytes_theory": self.sent_bytes_theory}
         wait, self.wait_s, self.window_s, self.sent_bytes, self.sent_bytes_theory = self.wait_s, 0.0, 0.0, 0, 0
+        self.in_flight = self.in_flight_theory = 0.0
         stages = [torch.zeros_like(mine) for _ in range(self.n)]
         dist.all_gather(stages, mine, group=self.axis.group)
         step = torch.stack(stages)
-        self.totals += step
+        self.totals += step[:, :2]
+        self.in_flight_run = torch.maximum(self.in_flight_run, step[:, 2:])
         return wait, {"pp_wait_s": step[:, 0].tolist(), "pp_bubble": _fractions(step), "pp_bubble_theory": self.theory,
-                      **sent}
+                      **sent, **_in_flight(step[:, 2:])}
 
     def meters(self) -> dict[str, object]:
-        return {"pp_bubble": _fractions(self.totals), "pp_bubble_theory": self.theory}
+        return {"pp_bubble": _fractions(self.totals), "pp_bubble_theory": self.theory,
+                **_in_flight(self.in_flight_run)}
 
     @_on_pp
     def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
@@ -598,6 +615,20 @@ def _views(value: Held | Pieces | Blocks) -> list[torch.Tensor]:
     if isinstance(value, Held):
         return [value.view]
     return [view for _, view in value.pieces] if isinstance(value, Pieces) else [v for _, _, v in value.blocks]
+
+
+def outstanding(order: list[tuple[str, int, int]]) -> int:
+    """The most forwards a schedule runs ahead of their backwards: GPipe's m, 1F1B's min(p − stage, m)."""
+    ahead = most = 0
+    for kind, *_ in order:
+        ahead += 1 if kind == "F" else -1
+        most = max(most, ahead)
+    return most
+
+
+def _in_flight(per_stage: torch.Tensor) -> dict[str, list[float]]:
+    """Per stage, the activation bytes held at once for microbatches awaiting their backward, measured and theory."""
+    return {"pp_in_flight_bytes": per_stage[:, 0].tolist(), "pp_in_flight_bytes_theory": per_stage[:, 1].tolist()}
 
 
 def _fractions(waits: torch.Tensor) -> list[float]:

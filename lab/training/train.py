@@ -300,8 +300,11 @@ def _bubble(rec: dict) -> str:
     if "pp_bubble" not in rec:
         return ""
     stages = " ".join(f"{100 * b:.0f}%" for b in rec["pp_bubble"])
+    held = " ".join(f"{b / 2**10:,.0f}" for b in rec.get("pp_in_flight_bytes", []))
+    theory = " ".join(f"{b / 2**10:,.0f}" for b in rec.get("pp_in_flight_bytes_theory", []))
     return (f" | bubble {stages} by stage (theory {100 * rec['pp_bubble_theory']:.0f}%) | p2p "
-            f"{rec['pp_sent_bytes'] / 2**10:,.0f} KiB (theory {rec['pp_sent_bytes_theory'] / 2**10:,.0f})")
+            f"{rec['pp_sent_bytes'] / 2**10:,.0f} KiB (theory {rec['pp_sent_bytes_theory'] / 2**10:,.0f})"
+            + (f" | activations in flight {held} KiB by stage (theory {theory})" if held else ""))
 
 
 def moe_record(strategy: Strategy, world: World, top_k: int) -> dict[str, float]:
