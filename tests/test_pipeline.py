@@ -305,6 +305,19 @@ def test_torch_pipelining_runs_the_same_stages_as_the_reference():
                                                           model=FOUR))[0]}, specs)
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_every_schedule_at_pp4_reproduces_single_by_hand_and_through_torch():
+    """Four stages of a model of 8 blocks: torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B (2 virtual
+    stages per rank), and the hand-rolled interleaved one, each gives single's losses, norms and weights."""
+    specs = ["single:pp=4,pp_impl=torch,pp_schedule=gpipe,pp_microbatches=4",
+             "single:pp=4,pp_impl=torch,pp_schedule=1f1b,pp_microbatches=4",
+             "single:pp=4,pp_impl=torch,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=4",
+             "single:pp=4,pp_schedule=interleaved,pp_virtual=2,pp_microbatches=4"]
+    setup = Setup(steps=3, accum=2, micro_batch=4, grad_clip=CLIP, model=dataclasses.replace(FOUR, n_layer=8))
+    _check({True: run_pooled(equivalence, 4, specs, setup)[0]}, specs)
+
+
 @pytest.mark.slow
 def test_pp2_by_dp2_under_zero1_and_zero2_reproduces_single():
     """2 stages × 2 data-parallel replicas, the optimizer states (zero1) and the gradients (zero2) sharded within a
