@@ -31,7 +31,8 @@ def test_benchmark_rejects_bad_arguments(capsys):
 @pytest.mark.slow
 def test_strategies_side_by_side_on_two_ranks(tmp_path):
     out = tmp_path / "parallel"
-    labels = ["single", "ddp_naive", "ddp:bucket_mb=1", "torch_ddp", "deepspeed:zero_stage=2,offload=optimizer"]
+    labels = ["single", "ddp_naive", "ddp:bucket_mb=1", "torch_ddp", "deepspeed:zero_stage=2,offload=optimizer",
+              "ddp_naive:pp=2,pp_microbatches=4"]
     proc = subprocess.run([sys.executable, "launch/bench.py", "--strategies", " ".join(labels),
                            "--nproc", "2", "--steps", "1", "--rounds", "1", "--warmup", "1", "--d-model", "64",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -52,8 +53,12 @@ def test_strategies_side_by_side_on_two_ranks(tmp_path):
                f"{r['tokens_per_s']:,.0f} | {ratio:.3f}× [{ratio:.3f}, {ratio:.3f}] |" in table
         assert 0 < r["cpu_time_s"] < 10 * r["step_time_s"]  # rank 0's process: compute and gloo's threads
         row = next(line for line in table.splitlines() if line.startswith(f"| {r['label']} |"))
-        assert r["minor_faults"] >= 0 and row.endswith(f"| {r['minor_faults']:,.0f} |")
+        assert r["minor_faults"] >= 0 and row.endswith(f"| {r['minor_faults']:,.0f} | - |")
     assert "round 1/1: ddp_naive" in proc.stdout  # progress while it runs
+    piped = rows[5]  # two stages: the bubble and the activations in flight per stage, beside theory
+    assert len(piped["pp_bubble"]) == 2 and piped["pp_in_flight_bytes"] == piped["pp_in_flight_bytes_theory"]
+    held = "/".join(f"{b / 1e6:.2f}" for b in piped["pp_in_flight_bytes"])
+    assert f"({100 * piped['pp_bubble_theory']:.0f}%) · {held} ({held}) |" in table
 
 
 def test_paired_ratio_cancels_a_drift_that_unpaired_medians_do_not():

@@ -306,8 +306,9 @@ def plot_strategies(rows: list[dict], path: Path) -> None:
 def format_strategies(rows: list[dict]) -> str:
     lines = ["| strategy | step ms | CPU ms/step, rank 0 | tokens/s | vs torch_ddp (tokens/s): paired median "
              "[95 % interval] | exposed comm ms | comm MB/step: counted / theory "
-             "| model states MB/rank: measured / theory | saved activations MB | page faults/step, rank 0 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model states MB/rank: measured / theory | saved activations MB | page faults/step, rank 0 "
+             "| pipeline: bubble by stage (theory) · activations in flight MB by stage (theory) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:  # bytes over both axes of the mesh (tensor-parallel ones where parallel.tp > 1)
         counted = sum(r["comm_bytes_per_step"].values()) + sum(r.get("tp_comm_bytes_per_step", {}).values())
         theory = (sum(r["comm_bytes_per_step_theory"].values())
@@ -319,8 +320,18 @@ def format_strategies(rows: list[dict]) -> str:
                      f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
                      f"{r['model_state_bytes']['total'] / 1e6:.2f} / "
                      f"{r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
-                     f"{r['activation_saved_bytes'] / 1e6:.1f} | {r['minor_faults']:,.0f} |")
+                     f"{r['activation_saved_bytes'] / 1e6:.1f} | {r['minor_faults']:,.0f} | {_pipeline_cell(r)} |")
     return "\n".join(lines)
+
+
+def _pipeline_cell(row: dict) -> str:
+    """A pipelined row's measured bubble and activations in flight per stage, each beside its theory; else '-'."""
+    if "pp_bubble" not in row:
+        return "-"
+    bubble = "/".join(f"{100 * b:.0f}%" for b in row["pp_bubble"])
+    held = "/".join(f"{b / 1e6:.2f}" for b in row["pp_in_flight_bytes"])
+    theory = "/".join(f"{b / 1e6:.2f}" for b in row["pp_in_flight_bytes_theory"])
+    return f"{bubble} ({100 * row['pp_bubble_theory']:.0f}%) · {held} ({theory})"
 
 
 def strategies(args: argparse.Namespace) -> int:
