@@ -103,7 +103,8 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
                           "strategies' hooks (and the tensor split's) expect the lab's schedule")
     if strategy.name == "deepspeed":
         raise ConfigError("strategy 'deepspeed' does not run with parallel.pp > 1: its engine owns the whole step "
-                          "(DeepSpeed's own PipelineEngine is not wired in); choose single, ddp_naive or ddp")
+                          "(DeepSpeed's own PipelineEngine is not wired in); choose single, ddp_naive, ddp, zero1 "
+                          "or zero2")
     if not strategy.pipeline_parallel:
         reason = _NOT_WIRED.get(strategy.name, "its gradient sync or sharding expects one backward per micro-step, "
                                                "where a stage runs one per microbatch")
