@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from lab.commands.cli import resolve_vocab, run_main
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
@@ -238,6 +239,15 @@ def test_checkpoints_resume_across_ep_degrees(args, tmp_path):
     assert " | a2a " in format_step(rec, 8, 0.0)
     summary = json.loads((tmp_path / "ep" / "summary.json").read_text())
     assert summary["ep_a2a_bytes_per_step"] == rec["ep_a2a_bytes"] and summary["resumed_from_step"] == 4
+    # export and sample read the checkpoint the ep layout wrote, as they read single's
+    from lab.commands.cli import export_main, sample_main
+
+    for run in ("ep", "single"):
+        assert export_main([str(tmp_path / run), "--out", str(tmp_path / f"{run}.pt")]) == 0
+    exported = [torch.load(tmp_path / f"{run}.pt", weights_only=True)["model"] for run in ("ep", "single")]
+    assert exported[0].keys() == exported[1].keys()
+    assert max((exported[0][k] - exported[1][k]).abs().max().item() for k in exported[1]) <= 1e-4
+    assert sample_main([str(tmp_path / "ep"), "--prompt", "The", "--tokens", "5", "--temperature", "0"]) == 0
     assert summary["moe_last_step"]["moe_tokens_per_expert"] == rec["moe_tokens_per_expert"]
     for run in ("ep", "ep-then-single", "single-then-ep"):  # the held-out loss, evaluated through the exchanges too
         final = json.loads((tmp_path / run / "summary.json").read_text())["final_eval_loss"]
