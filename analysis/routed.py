@@ -167,10 +167,28 @@ def fit_routed(runs: pd.DataFrame, n_resamples: int = 200, seed: int = 0, level:
     per_token = runs["flops_per_token"].to_numpy(float) / runs["params_active"].to_numpy(float)
     f = {c: float(np.median(per_token[group == i])) for i, c in enumerate(configurations)}
     rmse = float(np.sqrt(np.mean((_log_loss(theta, group, x, y, k) - log_loss) ** 2)))
-    notes = []
+    fit = RoutedFit(configurations, theta, np.array(samples), f, len(runs), rmse, level)
     if DENSE not in configurations:
-        notes.append("no dense runs: multipliers are relative to the first configuration")
-    return RoutedFit(configurations, theta, np.array(samples), f, len(runs), rmse, level, notes)
+        fit.notes.append("no dense runs: multipliers are relative to the first configuration")
+    loose = [name for name in fit.named() if name != "L_inf" and _spread(fit, name) > LOOSE_SPREAD]
+    if loose:
+        fit.notes.append(f"{', '.join(loose)}: the {100 * level:.0f} % interval spans more than a factor "
+                         f"{LOOSE_SPREAD:g}: these runs do not pin the power terms down, so losses far outside "
+                         f"their budgets are guesses (the multipliers, ratios of A's fitted on the same runs, "
+                         f"have intervals of their own)")
+    return fit
+
+
+LOOSE_SPREAD = 10.0  # a parameter whose interval's ends differ by more than this factor is not pinned down
+
+
+def _spread(fit: RoutedFit, name: str) -> float:
+    """The ratio of a named parameter's interval ends (exponents: of 1 + the value, as a loss term's power moves)."""
+    iv = fit.interval_of(lambda th: fit.named(th)[name])
+    if iv is None:
+        return 1.0
+    lo, hi = (1 + iv[0], 1 + iv[1]) if name in ("alpha", "beta") else iv
+    return float("inf") if lo <= 0 else hi / lo
 
 
 def plan_budgets(fit: RoutedFit, budgets: list[float]) -> list[dict]:

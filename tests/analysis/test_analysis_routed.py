@@ -42,6 +42,10 @@ def test_the_law_recovers_the_parameters_that_made_its_runs_within_its_intervals
     assert fit.multiplier("E8 k1 G1") == pytest.approx((400 / 250) ** (1 / ALPHA), rel=0.05)
     exact = fit_routed(law_runs(noise=0.0), n_resamples=0)
     assert exact.rmse_log < 1e-6 and exact.named()["alpha"] == pytest.approx(ALPHA, rel=1e-4)
+    assert not fit.notes  # every interval within a factor 10
+    runs = law_runs(noise=0.05)  # noisier runs over a 10-fold corner of the grid: the power terms are loose
+    loose = fit_routed(runs[(runs.params_active <= 1.1e5) & (runs.tokens <= 2.2e7)], n_resamples=30)
+    assert any("interval spans more than a factor 10" in note for note in loose.notes), loose.notes
 
 
 def test_the_plan_is_each_configurations_compute_optimum_and_marks_the_lowest():
@@ -82,3 +86,18 @@ def test_the_command_writes_the_law_the_plan_and_a_figure(tmp_path, capsys):
     assert main(["routed", str(dense_only), "--out", str(tmp_path / "no")]) == 2
     assert capsys.readouterr().err.startswith("error: all 20 runs have one routing configuration (dense)")
     assert not (tmp_path / "no").exists()
+
+
+def test_on_the_recorded_default_moe_sweep_both_routings_beat_dense_at_equal_active_compute():
+    """sweeps/tiny_moe.toml's 45 runs (2026-11-26): each routing's multiplier over dense is above 1 with its interval,
+    and at every budget the lowest loss of each routing is below dense's; the power terms are flagged as loose."""
+    from pathlib import Path
+
+    runs = pd.read_csv(Path(__file__).parent / "data" / "moe-sweep.csv")
+    fit = fit_routed(runs, n_resamples=100)
+    for config in ("E4 k1 G1", "E8 k2 G2"):
+        lo, _ = fit.interval_of(lambda th, c=config: fit.multiplier(c, theta=th))
+        assert fit.multiplier(config) > 1 and lo > 1, (config, fit.multiplier(config), lo)
+    best = runs.groupby(["budget", "moe_experts"])["loss"].min().unstack()
+    assert (best[4] < best[0]).all() and (best[8] < best[0]).all()
+    assert any("interval spans more than a factor 10" in note for note in fit.notes)
