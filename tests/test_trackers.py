@@ -138,3 +138,12 @@ def test_an_off_track_warning_reaches_tensorboard_once_even_across_a_resume(tmp_
 
 def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_trackers_get_the_router_and_the_expert_exchange_figures_of_each_step():
+    from lab.training.trackers import RECORD_KEYS, numbers
+
+    rec = {"step": 3, "loss": 2.5, "moe_router_entropy": 1.2, "ep_a2a_bytes": 524288, "ep_a2a_bytes_theory": 524288.0,
+           "moe_tokens_per_expert": [10, 12], "pp_bubble": [0.4, 0.2]}
+    assert numbers(rec, RECORD_KEYS) == {"loss": 2.5, "moe_router_entropy": 1.2, "ep_a2a_bytes": 524288,
+                                         "ep_a2a_bytes_theory": 524288.0}  # lists stay in the metrics file

@@ -23,7 +23,8 @@ from lab.runtime.extras import extra_of, installed
 
 RECORD_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_time_s", "compute_time_s", "step_time_s",
                "mem_peak_bytes", "skipped_steps", "tokens", "eval_loss", "expected_loss", "deviation",
-               "moe_load_max_over_mean", "moe_dropped_tokens", "moe_dropped_fraction", "moe_router_entropy")
+               "moe_load_max_over_mean", "moe_dropped_tokens", "moe_dropped_fraction", "moe_router_entropy",
+               "ep_a2a_bytes", "ep_a2a_bytes_theory")
 EVAL_KEYS = ("eval_loss", "expected_loss", "deviation")  # under eval/, the others under train/
 
 
