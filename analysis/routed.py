@@ -42,6 +42,11 @@ def configuration(experts: int, top_k: int, granularity: int) -> str:
     return DENSE if experts == 0 else f"E{experts} k{top_k} G{granularity}"
 
 
+def labels_of(runs: pd.DataFrame) -> pd.Series:
+    """Each run's configuration label (columns moe_experts, moe_top_k, moe_granularity)."""
+    return runs.apply(lambda r: configuration(int(r.moe_experts), int(r.moe_top_k), int(r.moe_granularity)), axis=1)
+
+
 @dataclass
 class RoutedFit:
     """The fitted law, its bootstrap samples and what it predicts per configuration."""
@@ -133,8 +138,7 @@ def check_runs(runs: pd.DataFrame) -> None:
     missing = [c for c in REQUIRED if c not in runs.columns]
     if missing:
         raise RoutedError(f"the runs lack column(s) {', '.join(missing)} (export them with python -m sweeps export)")
-    labels = runs.apply(lambda r: configuration(int(r.moe_experts), int(r.moe_top_k), int(r.moe_granularity)),
-                        axis=1)
+    labels = labels_of(runs)
     if labels.nunique() < 2:
         raise RoutedError(f"all {len(runs)} runs have one routing configuration ({labels.iloc[0]}); the routed law "
                           f"compares two or more (dense among them)")
@@ -150,8 +154,7 @@ def check_runs(runs: pd.DataFrame) -> None:
 def fit_routed(runs: pd.DataFrame, n_resamples: int = 200, seed: int = 0, level: float = 0.95) -> RoutedFit:
     """Fit the law to ``runs`` (columns ``REQUIRED``), with bootstrap intervals over runs within configurations."""
     check_runs(runs)
-    labels = runs.apply(lambda r: configuration(int(r.moe_experts), int(r.moe_top_k), int(r.moe_granularity)),
-                        axis=1).to_numpy()
+    labels = labels_of(runs).to_numpy()
     configurations = sorted(set(labels), key=lambda c: (c != DENSE, c))
     k = len(configurations)
     group = np.array([configurations.index(c) for c in labels])
@@ -266,8 +269,7 @@ def figure(fit: RoutedFit, runs: pd.DataFrame, budgets: list[float]):
     import matplotlib.pyplot as plt
 
     fig, (parity, frontier) = plt.subplots(1, 2, figsize=(11, 4.5))
-    labels = runs.apply(lambda r: configuration(int(r.moe_experts), int(r.moe_top_k), int(r.moe_granularity)),
-                        axis=1)
+    labels = labels_of(runs)
     grid = np.geomspace(min([*budgets, runs["flops"].min()]), max([*budgets, runs["flops"].max()]), 40)
     for i, config in enumerate(fit.configurations):
         part = runs[labels == config]

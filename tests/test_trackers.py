@@ -103,8 +103,8 @@ def off_track(folder: Path) -> tuple[str, ...]:
     from analysis.curves import CurveFit, from_named
 
     law = CurveFit(theta=from_named({"E": 1.0, "B": 1.0, "beta": 0.5, "A": 0.1, "alpha": 0.5, "C": 1e-9,
-                                     "lambda": 0.5}), thetas=None, converged=True, rmse_log_loss=0.0, n_runs=1,
-                   n_points=1, level=0.95)
+                                     "lambda": 0.5, "K": 1e-9, "tau": 1.0}),
+                   thetas=None, converged=True, rmse_log_loss=0.0, n_runs=1, n_points=1, level=0.95)
     (folder / "curves.json").write_text(json.dumps({"fit": law.to_dict()}))
     return "--train.eval_every", "1", "--train.checkpoint_every", "0", "--train.expect", str(folder / "curves.json")
 

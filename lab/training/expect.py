@@ -23,8 +23,9 @@ from lab.runtime.files import read_json
 
 OFF_TRACK_EVALS = 3
 WIDEN = 2.0
-CURVE_LAW = "L(N, s) = E + (B/N^beta + A/S1(s))^alpha - C*S2(s), S1 and S2 in steps at the configured peak rate"
-CURVE_THETA = ("log E", "log B", "beta", "log A", "alpha", "log C", "log(1 - lambda)")
+CURVE_LAW = ("L(N, s) = E + (B/N^beta + A/S1(s))^alpha - C*S2(s) + K*exp(-S1(s)/tau), S1 and S2 in steps at the "
+             "configured peak rate")
+CURVE_THETA = ("log E", "log B", "beta", "log A", "alpha", "log C", "log(1 - lambda)", "log K", "log tau")
 # approach 3's forms (analysis.forms) by their named parameters, as fit.json and bootstrap.csv hold them
 POINT_FORMS: dict[str, tuple[str, ...]] = {"chinchilla": ("E", "A", "B", "alpha", "beta"),
                                            "kaplan-e": ("E", "N_c", "D_c", "alpha_N", "alpha_D"),
@@ -53,12 +54,13 @@ def areas(lr: np.ndarray, lam: float) -> tuple[np.ndarray, np.ndarray]:
 def curve_loss(theta: np.ndarray, params: float, lr: np.ndarray, steps: np.ndarray, peak: float = 0.0) -> np.ndarray:
     """``CURVE_LAW`` (theta in ``CURVE_THETA`` order) at 1-based ``steps`` of a run of ``params`` with rates ``lr``, its
     areas counted in steps at ``peak`` (the configured peak rate; 0: the largest rate of ``lr``)."""
-    log_e, log_b, beta, log_a, alpha, log_c, log_gap = (float(v) for v in theta)
+    log_e, log_b, beta, log_a, alpha, log_c, log_gap, log_k, log_tau = (float(v) for v in theta)
     lr = np.asarray(lr, float)
     s1, s2 = areas(lr / (peak or lr.max()), 1.0 - math.exp(log_gap))
     idx = np.asarray(steps, int) - 1
     inner = math.exp(log_b - beta * math.log(params)) + math.exp(log_a) / s1[idx]
-    return math.exp(log_e) + inner ** alpha - math.exp(log_c) * s2[idx]
+    transient = np.exp(log_k - s1[idx] / math.exp(log_tau))
+    return math.exp(log_e) + inner ** alpha - math.exp(log_c) * s2[idx] + transient
 
 
 def point_loss(form: str, p: dict, n: float, d: float) -> np.ndarray:

