@@ -424,7 +424,7 @@ def figure(fit: CurveFit, fitted: list[Curve], held: list[Curve]):
         top.scatter(c.steps, c.loss, color=colour, s=6, marker="x" if c in held else "o")
         bottom.plot(c.steps, 100 * relative_errors(fit, c), color=colour, ls=style, lw=1.6 if c in held else 0.7)
     top.set(xscale="log", yscale="log", ylabel="loss (nats per token)",
-            title="L(N, s) = E + (B/N^beta + A/S1)^alpha - C S2 + K exp(-S1/tau) (after Tissue et al. 2024)")
+            title="L(N, s) = E + (B/N^beta + A/S1)^alpha - C S2 + K exp(-S1/tau)\n(after Tissue et al. 2024)")
     bottom.axhline(0, color="black", lw=0.6)
     bottom.set(xscale="log", xlabel="step", ylabel="predicted - observed (%)")
     handles = [Line2D([], [], color="grey", ls="-", marker="o", ms=3, label=f"fitted ({len(fitted)} runs)")]

@@ -6,9 +6,10 @@ Run the two sweeps first (the same end points; the second with ``[sweep] cooldow
     python -m sweeps run benchmarks/cooldowns-branched.toml --folder runs/bench/branched
     python benchmarks/bench_cooldowns.py runs/bench/separate runs/bench/branched [--reference SWEEP]
 
-It prints, per end point, N, D, C and the final eval loss of the separate WSD run and of the branch (and of a
-``--reference`` sweep's run of that name, e.g. the default sweep's cosine runs), then the FLOPs each sweep spent
-(the parents' stable phases and the branches' cooldowns, from the runs' own summaries).
+It prints, per end point, N, D, C and the final eval loss of the separate run and of the branch (and of a
+``--reference`` sweep's run of that name, e.g. the default sweep's cosine runs), then the FLOPs each side spent
+(the separate runs of those end points; the parents' stable phases and the branches' cooldowns), from the runs' own
+summaries. The separate folder may be any sweep with runs of the same names (the default sweep itself, cosine).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> None:
     separate, branched = finished(args.separate), finished(args.branched)
     reference = finished(args.reference) if args.reference else {}
     ends = [n for n, s in branched.items() if s["role"] == "sweep" and n in separate]
-    print(f"| end point | N | D | C | separate WSD | branch | branch − separate |"
+    print(f"| end point | N | D | C | separate | branch | branch − separate |"
           f"{' reference |' if reference else ''}")
     print(f"|---|---:|---:|---:|---:|---:|---:|{'---:|' if reference else ''}")
     diffs = []
@@ -59,7 +60,7 @@ def main() -> None:
         mean = sum(diffs) / len(diffs)
         print(f"\nbranches: {len(diffs)}, loss difference branch − separate: mean {mean:+.4f}, "
               f"min {min(diffs):+.4f}, max {max(diffs):+.4f}")
-    for label, runs in (("separate", separate), ("branched", branched)):
+    for label, runs in (("separate", {n: separate[n] for n in ends}), ("branched", branched)):
         print(f"{label}: {len(runs)} runs, {spent(runs):.4g} FLOPs trained")
 
 

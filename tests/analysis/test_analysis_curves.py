@@ -67,14 +67,14 @@ def _recorded_curves() -> tuple[list[Curve], np.ndarray]:
 
 def test_the_default_sweeps_curves_predict_its_largest_budget():
     """Fitted on the sweep's 55 runs up to 1e12 FLOPs, the law predicts each of the 7 curves at 2e12 within 2.5 %
-    mean relative error (measured 1.1-2.2 %; the first extension, E + B/N^beta + A S1^-alpha - C S2 with absolute
-    areas, missed them by 1.9-9.9 %, benchmarks/curves-heldout.md)."""
+    mean relative error, five of them within 1.1 % (measured 0.42-2.35 %; without the early transient 1.1-2.2 %; the
+    first extension, E + B/N^beta + A S1^-alpha - C S2 with absolute areas, 1.9-9.9 %; benchmarks/curves-heldout.md)."""
     curves, flops = _recorded_curves()
     fit = fit_curves([c for c, f in zip(curves, flops) if f < 1.5e12], n_bootstrap=0)
-    assert fit.converged and fit.n_runs == 55 and fit.rmse_log_loss < 0.02
+    assert fit.converged and fit.n_runs == 55 and fit.rmse_log_loss < 0.016
     held = [c for c, f in zip(curves, flops) if f > 1.5e12]
-    errors = [float(np.mean(np.abs(relative_errors(fit, c)))) for c in held]
-    assert len(held) == 7 and max(errors) < 0.025, errors
+    errors = sorted(float(np.mean(np.abs(relative_errors(fit, c)))) for c in held)
+    assert len(held) == 7 and errors[-1] < 0.025 and errors[4] < 0.011, errors
 
 
 def test_every_size_starts_on_one_curve_with_its_own_tuned_rate():
