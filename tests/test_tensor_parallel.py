@@ -153,6 +153,35 @@ def test_the_resource_check_divides_what_tp_divides():
     assert estimate((split + whole) / 2, tp=2).memory_bytes == split
 
 
+def test_the_resource_check_divides_what_pp_and_ep_divide():
+    """Per process, pp 2 holds the fullest stage and ep 2 half the routed experts: a memory budget between each
+    estimate and the whole model's refuses the whole model and admits the split one (before, the check counted
+    the whole model under pp and ep)."""
+    from lab.runtime.config import RunConfig
+    from lab.measure.device import Peak
+    from lab.training.train import check_resources
+
+    world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
+    precision = Precision("cpu", False)
+
+    def estimate(available: float, model=MODERN, **parallel: object) -> float:
+        cfg = RunConfig(model=model, parallel=ParallelConfig(strategy="ddp", **parallel))
+        return check_resources(cfg, world, precision, peak, MODERN.vocab_size, available).memory_bytes
+
+    activations = accounting.activation_bytes(MODERN, TrainConfig().micro_batch, 4)
+    whole, staged = estimate(1e12), estimate(1e12, pp=2)
+    stage = accounting.model_state_bytes(accounting.stage_params(MODERN, 2), "ddp", 2, "fp32").total
+    assert staged == pytest.approx(stage + activations, rel=1e-12) and staged < whole
+    moe = dataclasses.replace(MODERN, moe_experts=4, moe_top_k=1)
+    full, split = estimate(1e12, moe), estimate(1e12, moe, ep=2)
+    half = accounting.model_state_bytes(accounting.routed_expert_params(moe) / 2, "ddp", 2, "fp32").total
+    assert full - split == pytest.approx(half, rel=1e-12)  # ddp keeps every state: ep 2 drops half the experts'
+    for smaller, larger, model, split_by in ((staged, whole, MODERN, {"pp": 2}), (split, full, moe, {"ep": 2})):
+        with pytest.raises(ConfigError, match="GiB per process"):
+            estimate((smaller + larger) / 2, model)
+        assert estimate((smaller + larger) / 2, model, **split_by) == smaller
+
+
 # ---------------------------------------------------------------- equivalence with single
 
 

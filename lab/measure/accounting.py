@@ -161,6 +161,22 @@ def param_counts(cfg: ModelShape) -> ParamCounts:
                        embedding=embedding, head=head, position=position, inactive=inactive)
 
 
+def stage_params(cfg: ModelShape, pp: int) -> float:
+    """Parameters of the fullest of ``pp`` pipeline stages: its share of the blocks and the embedding, or the head
+    (tied: a copy); ``param_counts(cfg).total`` at ``pp`` 1."""
+    counts = param_counts(cfg)
+    if pp == 1:
+        return float(counts.total)
+    head = counts.head or counts.embedding - counts.position
+    return counts.non_embedding / pp + max(counts.embedding, head)
+
+
+def routed_expert_params(cfg: ModelShape) -> int:
+    """Parameters of the routed experts of every layer (0 when dense): what expert parallelism splits."""
+    experts = moe_experts(cfg)
+    return cfg.n_layer * experts * mlp_params(cfg, expert_width(cfg)) if experts else 0
+
+
 def _norm_params(cfg: ModelShape) -> int:
     return cfg.d_model * (2 if cfg.arch == "gpt2" and uses_bias(cfg) else 1)  # RMSNorm has no bias
 

@@ -84,15 +84,6 @@ class Layout:
                 "dp exposed": self.dp_exposed_s}
 
 
-def _stage_params(cfg: ModelShape, pp: int) -> float:
-    """Parameters of the fullest stage: its share of the blocks and the embedding, or the head (tied: a copy)."""
-    counts = accounting.param_counts(cfg)
-    if pp == 1:
-        return float(counts.total)
-    head = counts.head or counts.embedding - counts.position
-    return counts.non_embedding / pp + max(counts.embedding, head)
-
-
 def cost(cfg: ModelShape, tp: int, pp: int, stage: str, micro_batch: int, batch_tokens: float, cluster: Cluster,
          checkpointing: bool = False) -> Layout:
     """The costs of one layout (tp must split the model, pp divide its layers and tp · pp the GPUs)."""
@@ -108,7 +99,7 @@ def cost(cfg: ModelShape, tp: int, pp: int, stage: str, micro_batch: int, batch_
     pp_bytes = 0.0 if pp == 1 else 2 * m * boundary  # a middle stage: activations on, gradients back
     pp_link = cluster.inter if cluster.n_gpus // pp >= cluster.gpus_per_node else cluster.intra
     dp_link = cluster.inter if tp * dp > cluster.gpus_per_node else cluster.intra
-    params = _stage_params(cfg, pp) / tp
+    params = accounting.stage_params(cfg, pp) / tp
     sent = accounting.comm_bytes_per_step(params, stage, dp, BYTES_PER_VALUE)
     dp_bytes = sum(sent.values()) + (m - 1) * sent["all_gather"] * (stage == "zero3")
     dp_s = dp_bytes / dp_link
