@@ -9,10 +9,9 @@ At step s of a run of N parameters whose learning rate at step i is eta_i, its c
   the learning rate lowers the loss, taking effect over about 1 / (1 - lambda) steps. As in the paper the drops count
   from the peak on (the warm-up's rises are no annealing), and lambda is fitted (the paper: about 0.999);
 - K exp(-S1 / tau), the early transient: a model first learns the symbols' frequencies and their commonest pairs, a
-  fast drop that no power of S1 follows. On the default sweep (byte-level one-layer models) it is about 0.3 nats
-  fading over about 340 peak-rate steps; without it the first evals after warm-up were predicted 2-8 % high and the
-  fit bent its power to reach them, missing the held-out runs' later curves by up to 2 % (with it, 0.4-1 % for all
-  but the two widest; ``benchmarks/curves-heldout.md``).
+  fast drop that no power of S1 follows. On the default sweep's byte-level one-layer models it is about 0.3-0.4
+  nats fading over about 320-340 peak-rate steps; without it the first evals after warm-up were predicted 2-8 % high
+  and the fit bent its power to reach them (``benchmarks/curves-heldout.md``).
 
 Tissue et al. fit L0 + A S1^-alpha - C S2 per model size. Across sizes, this law joins the size and the area as
 Kaplan et al. (2020) join N and D, inside one power: early in a run (A / S1 large) every size follows the same curve

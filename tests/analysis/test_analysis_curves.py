@@ -65,6 +65,7 @@ def _recorded_curves() -> tuple[list[Curve], np.ndarray]:
     return curves, np.array(flops)
 
 
+@pytest.mark.slow  # a fit of several seconds: in `make test`, not the edit loop
 def test_the_default_sweeps_curves_predict_its_largest_budget():
     """Fitted on the sweep's 55 runs up to 1e12 FLOPs, the law predicts each of the 7 curves at 2e12 within 2.5 %
     mean relative error, five of them within 1.1 % (measured 0.42-2.35 %; without the early transient 1.1-2.2 %; the
@@ -109,6 +110,7 @@ def test_a_curves_law_of_another_form_is_refused(tmp_path):
         watcher(tmp_path / "curves.json", 1e4, schedule_lr("cosine", 1e-2, 100), 512)
 
 
+@pytest.mark.slow  # a fit of several seconds: in `make test`, not the edit loop
 def test_fit_recovers_the_law_and_predicts_another_schedule():
     curves = [_curve(n, kind, steps) for n, steps in SIZES for kind in ("cosine", "constant", "wsd")]
     fit = fit_curves(curves, n_bootstrap=0)

@@ -29,6 +29,7 @@ def law_runs(noise: float, seed: int = 1, configs: dict = A) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+@pytest.mark.slow  # a fit of several seconds: in `make test`, not the edit loop
 def test_the_law_recovers_the_parameters_that_made_its_runs_within_its_intervals():
     fit = fit_routed(law_runs(noise=0.003), n_resamples=60)
     named = fit.named()
@@ -88,6 +89,7 @@ def test_the_command_writes_the_law_the_plan_and_a_figure(tmp_path, capsys):
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.slow  # a fit of several seconds: in `make test`, not the edit loop
 def test_on_the_recorded_default_moe_sweep_both_routings_beat_dense_at_equal_active_compute():
     """sweeps/tiny_moe.toml's 45 runs (2026-11-26): each routing's multiplier over dense is above 1 with its interval,
     and at every budget the lowest loss of each routing is below dense's; the power terms are flagged as loose."""
