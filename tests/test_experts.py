@@ -110,9 +110,10 @@ def _exchanges(world: World, spec: str, accum: int) -> dict:
     mine = strategy.module.take_router_counts()[:, :MOE.moe_experts]  # [layer, expert]: this rank's assignments
     everyone = world.sum(mine)
     ep, per = parallel.ep, MOE.moe_experts // parallel.ep
-    held = range(strategy.experts.rank * per, (strategy.experts.rank + 1) * per)
+    experts = next(t for t in strategy.transforms if t.name == "ep")
+    held = range(experts.rank * per, (experts.rank + 1) * per)
     elsewhere = [e for e in range(MOE.moe_experts) if e not in held]
-    group = strategy.experts.axis.sum(mine)  # the expert group's assignments
+    group = experts.axis.sum(mine)  # the expert group's assignments
     rows = mine[:, elsewhere].sum() + (group - mine)[:, list(held)].sum()  # sent away, and sent back
     forwards = 1 if parallel.activation_checkpointing == "none" else 2
     counted = (forwards + 1) * rows.item() * MOE.d_model * 4 + forwards * accum * MOE.n_layer * per * (ep - 1) * 8

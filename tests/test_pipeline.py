@@ -29,7 +29,8 @@ from lab.data import load_tokenizer, prepare
 from lab.model import GPT
 from lab.measure.device import Precision
 from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
-from lab.parallel.pipeline import Pipeline, balanced_split, interleaved, schedule
+from lab.parallel.axes.pipeline import Pipeline, interleaved, schedule
+from lab.measure.accounting import stage_units as balanced_split
 from lab.runtime import checkpoint
 from lab.runtime.checkpoint import Held
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
@@ -118,6 +119,12 @@ def test_stages_are_balanced_by_parameters():
     assert balanced_split([3, 1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 4)]  # ties: the later runs longer
 
 
+def _staged(pipe: Pipeline, model: GPT) -> GPT:
+    """``model`` cut to the stages ``pipe`` holds."""
+    pipe.split(model, model.parallel_plan())
+    return model
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_each_stage_holds_its_blocks_under_the_models_names(tied):
     """Stage s of 2 keeps blocks 2s and 2s + 1, the first the embedding, the last the final norm and head (a tied
@@ -129,7 +136,7 @@ def test_each_stage_holds_its_blocks_under_the_models_names(tied):
     for stage in range(2):
         pipe = Pipeline(World(rank=stage, world_size=2, local_rank=stage, device=torch.device("cpu")),
                         ParallelConfig(pp=2), accum_steps=1)
-        part = dict(pipe.splitting(lambda: GPT(model))().named_parameters())
+        part = dict(_staged(pipe, GPT(model)).named_parameters())
         held.append(part)
         blocks = {name.split(".")[1] for name in part if name.startswith("blocks.")}
         assert blocks == {str(2 * stage), str(2 * stage + 1)}
@@ -137,7 +144,8 @@ def test_each_stage_holds_its_blocks_under_the_models_names(tied):
         assert ("wte.weight" in part) == (tied or stage == 0) and ("lm_head.weight" in part) == (not tied and stage)
         assert all(torch.equal(p, whole[name]) for name, p in part.items())
         assert pipe.tied == (["wte.weight"] if tied else [])
-        assert pipe.counts("wte.weight") == (stage == 0 or not tied)  # untied: only stage 0 holds it
+        replicas = pipe.replicas("wte.weight")  # counted by the first of the stages that hold it
+        assert (replicas is None or replicas.is_first) == (stage == 0 or not tied)  # untied: only stage 0 holds it
     assert held[0].keys() | held[1].keys() == whole.keys()
     assert sum(pipe.stage_params) == sum(p.numel() for p in whole.values()) + (whole["wte.weight"].numel() if tied
                                                                                  else 0)
@@ -152,7 +160,7 @@ def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
     cfg = ParallelConfig(pp=2, pp_schedule="interleaved", pp_virtual=2, pp_microbatches=4)
     for stage in range(2):
         pipe = Pipeline(World(rank=stage, world_size=2, local_rank=stage, device=torch.device("cpu")), cfg, 1)
-        part = dict(pipe.splitting(lambda: GPT(FOUR))().named_parameters())
+        part = dict(_staged(pipe, GPT(FOUR)).named_parameters())
         assert {name.split(".")[1] for name in part if name.startswith("blocks.")} == {str(stage), str(stage + 2)}
         assert ("wpe.weight" in part) == (stage == 0) and ("norm_f.weight" in part) == (stage == 1)
         assert pipe.theory == 1 / (2 * 4 + 1)

@@ -3,7 +3,7 @@
 A step of B tokens runs on n = pp · dp · tp GPUs. Each data-parallel replica runs m = B / (dp · b · s)
 micro-batches of b sequences of s tokens through pp stages of L / pp blocks (1F1B), and each block is split
 tp ways (Megatron-LM's tensor parallelism with sequence parallelism). pp is the outermost axis and tp the
-innermost, as the lab's mesh orders them (``lab.parallel.mesh.AXES``): tp stays within a node, a data-parallel
+innermost, as the lab's mesh orders them (``lab.parallel.layout.AXES``): tp stays within a node, a data-parallel
 group spans nodes when tp · dp GPUs fill more than one, and a stage's neighbour sits n / pp GPUs away.
 
 Time, a model and not a measurement (every term is printed beside the total):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from lab.measure import accounting
-from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
+from lab.runtime.config import ConfigError, ModelConfig, did_you_mean
 from lab.model.plan import ColumnSplit, ExpertPlan, ParallelPlan, PipelinePlan, TensorPlan
 
 ARCHS = ("gpt2", "modern")
@@ -87,34 +87,6 @@ def validate_moe(cfg: ModelConfig) -> None:
     problem = accounting.moe_shape_problem(cfg)
     if problem is not None:
         raise ConfigError(problem)
-
-
-def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
-    """Raise ConfigError (one line) when ``parallel.tp``, ``parallel.pp`` or ``parallel.ep`` cannot split the model's
-    layers evenly (its plan)."""
-    if cfg.pp > 1 and model.n_layer % cfg.pp:
-        raise ConfigError(f"parallel.pp ({cfg.pp}) must divide model.n_layer ({model.n_layer}): stages hold equal "
-                          f"numbers of blocks")
-    if cfg.pp > 1 and model.n_layer % (cfg.pp * cfg.pp_virtual):
-        raise ConfigError(f"parallel.pp × parallel.pp_virtual ({cfg.pp} × {cfg.pp_virtual}) must divide model.n_layer "
-                          f"({model.n_layer}): virtual stages hold equal numbers of blocks")
-    if cfg.pp > 1 and model.moe_experts:
-        raise ConfigError("parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses between stages yet "
-                          "(model.moe_experts); use pp 1")
-    if cfg.ep > 1 and not model.moe_experts:
-        raise ConfigError(f"parallel.ep ({cfg.ep}) splits a mixture of experts: set model.moe_experts")
-    if cfg.ep > 1 and model.moe_experts % cfg.ep:
-        raise ConfigError(f"parallel.ep ({cfg.ep}) must divide model.moe_experts ({model.moe_experts}): every rank of "
-                          f"an expert-parallel group holds as many experts")
-    if cfg.tp == 1:
-        return
-    if model.moe_experts:
-        raise ConfigError("parallel.tp > 1 cannot split a mixture of experts yet (model.moe_experts); use tp 1")
-    problem = accounting.tensor_parallel_split_problem(model, cfg.tp, cfg.sequence_parallel)
-    if problem is not None:
-        raise ConfigError(problem)
-    if cfg.tp_impl == "torch" and model.vocab_size is not None and accounting.padded_vocab(model) != model.vocab_size:
-        raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set model.pad_vocab_to 1")
 
 
 # ---------------------------------------------------------------- rotary positions
@@ -223,7 +195,7 @@ class MoE(nn.Module):
         self.shared = MLP(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # [E + 3]: assignments per expert, dropped, entropy sum, tokens
-        # rows per expert -> their outputs, when the experts live elsewhere (expert parallelism: lab.parallel.experts)
+        # rows per expert -> their outputs, when the experts live elsewhere (expert parallelism: lab.parallel.axes.experts)
         self.exchange: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -406,9 +378,13 @@ class GPT(nn.Module):
         return [block.mlp for block in self.blocks if block is not None and isinstance(block.mlp, MoE)]
 
     def take_router_counts(self) -> torch.Tensor | None:
-        """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``), or None (dense)."""
-        layers = self.moe_layers()
-        return torch.stack([moe.take_counts() for moe in layers]) if layers else None
+        """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``; zeros for a block this
+        model does not hold, a pipeline stage's other blocks), or None (dense)."""
+        if not self.cfg.moe_experts:
+            return None
+        device = self.norm_f.weight.device if self.norm_f is not None else next(self.parameters()).device
+        return torch.stack([block.mlp.take_counts() if block is not None else
+                            torch.zeros(self.cfg.moe_experts + 3, device=device) for block in self.blocks])
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         """Final norm and head: logits, or the mean cross-entropy against ``targets``."""
@@ -435,7 +411,7 @@ class GPT(nn.Module):
             column[f"blocks.{i}.attn.qkv"] = ColumnSplit((heads * head_dim, kv * head_dim, kv * head_dim),
                                                          (heads, kv, kv))
             row.append(f"blocks.{i}.attn.proj")
-            if isinstance(block.mlp, MLP):  # a mixture of experts is not split (validate_split refuses tp > 1)
+            if isinstance(block.mlp, MLP):  # a mixture of experts is not split by tensor parallelism
                 column[f"blocks.{i}.mlp.up"] = ColumnSplit((ff, ff) if block.mlp.gated else (ff,))
                 row.append(f"blocks.{i}.mlp.down")
             norms += [f"blocks.{i}.norm1", f"blocks.{i}.norm2"]

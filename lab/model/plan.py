@@ -91,7 +91,7 @@ class PipelinePlan:
 class ExpertPlan:
     """The model's mixture-of-experts layers (module names): each holds ``count`` experts as ``<layer>.experts.<i>``
     and runs them through its ``exchange`` attribute when that is set: a callable from the rows each expert gets
-    (a list of ``count`` tensors) to their outputs, which expert parallelism sets (``lab.parallel.experts``).
+    (a list of ``count`` tensors) to their outputs, which expert parallelism sets (``lab.parallel.axes.experts``).
     ``config``: the model's configuration, for the all-to-all formula in ``lab.measure.accounting``."""
 
     layers: list[str]

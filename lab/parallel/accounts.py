@@ -87,18 +87,29 @@ class Accounts:
 
     # ------------------------------------------------------------ theory
 
+    def param_counts(self) -> dict[int, int]:
+        """Ψ by data-parallel group (its size): the model's parameters (a tied weight once, frozen ones included) as
+        this rank holds them before the data axis shards them (under tensor parallelism its shards; under expert
+        parallelism its experts, over the ranks holding the same ones)."""
+        out: dict[int, int] = {}
+        for piece in self.strategy.holding():
+            n = self.strategy.world_of(piece.name).world_size
+            out[n] = out.get(n, 0) + piece.numel
+        return out
+
     def param_count(self) -> int:
-        """Ψ: the model's parameters (a tied weight once, frozen ones included); under tensor parallelism this rank's
-        shards."""
-        return sum(piece.numel for piece in self.strategy.holding())
+        """Ψ: every parameter this rank's data-parallel groups hold between them."""
+        return sum(self.param_counts().values())
 
-    def comm_elements(self) -> int:
-        """Ψ for the communication formula: the elements each gradient sync moves (every trainable one)."""
-        return sum(p.numel() for p in self.strategy.trainable)
-
-    def expert_comm_elements(self) -> int:
-        """The part of ``comm_elements`` that experts split by ``parallel.ep`` make (synced over their own ranks)."""
-        return self.strategy.experts.expert_elements(self.strategy.trainable)
+    def comm_elements(self) -> dict[int, int]:
+        """Ψ for the communication formula by data-parallel group (its size): the elements each gradient sync moves
+        (every trainable one)."""
+        out: dict[int, int] = {}
+        for name, p in self.strategy.module.named_parameters():
+            if p.requires_grad:
+                n = self.strategy.world_of(name).world_size
+                out[n] = out.get(n, 0) + p.numel()
+        return out
 
     @property
     def world_size(self) -> int:
@@ -107,29 +118,22 @@ class Accounts:
     offloaded: ClassVar[bool] = False  # whether its theory places the optimizer states on the host
 
     def theory_states(self) -> accounting.StateBytes:
-        """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``); this rank's
-        experts split by ``parallel.ep`` are sharded over the ranks holding them."""
-        s = self.strategy
-        experts = s.experts.expert_elements(s.trainable)
-        theory = accounting.model_state_bytes(self.param_count() - experts, self.state_layout, self.world_size, "fp32",
-                                              self.offloaded)
-        if not experts:
-            return theory
-        split = accounting.model_state_bytes(experts, self.state_layout, s.experts.edp.world_size, "fp32",
-                                             self.offloaded)
-        return accounting.StateBytes(theory.params + split.params, theory.grads + split.grads,
-                                     theory.optimizer + split.optimizer, self.offloaded)
+        """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``), each
+        data-parallel group's parameters sharded over its ranks (an expert's over those holding it)."""
+        parts = [accounting.model_state_bytes(count, self.state_layout, n, "fp32", self.offloaded)
+                 for n, count in self.param_counts().items()]
+        return accounting.StateBytes(sum(p.params for p in parts), sum(p.grads for p in parts),
+                                     sum(p.optimizer for p in parts), self.offloaded)
 
     def theory_comm(self) -> dict[str, float]:
-        """Bytes this rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
+        """Bytes this rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``), each data-parallel
+        group's over its ranks."""
+        theory = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         if self.comm_layout is None:
-            return dict.fromkeys(accounting.COLLECTIVES, 0.0)
-        s = self.strategy
-        experts = self.expert_comm_elements()  # averaged over the ranks holding them (parallel.ep)
-        theory = accounting.comm_bytes_per_step(self.comm_elements() - experts, self.comm_layout, self.world_size)
-        if experts:
-            on_edp = accounting.comm_bytes_per_step(experts, self.comm_layout, s.experts.edp.world_size)
-            theory = {kind: n + on_edp[kind] for kind, n in theory.items()}
+            return theory
+        for n, count in self.comm_elements().items():
+            for kind, sent in accounting.comm_bytes_per_step(count, self.comm_layout, n).items():
+                theory[kind] += sent
         return theory
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
@@ -165,9 +169,7 @@ class Accounts:
             "comm_bytes_per_step": dict(self.last_comm_bytes),
             "comm_bytes_per_step_theory": self.theory_comm(),
             "activation_saved_bytes": self.most_saved,
-            **s.tensor.meters(s.plan, s.loop.micro_batch, s.loop.accum_steps),
-            **s.pipeline.meters(),
-            **s.experts.meters(),
+            **{k: v for transform in s.transforms for k, v in transform.meters().items()},
         }
 
 
@@ -185,7 +187,7 @@ class Bucketed(Accounts):
 
 
 class Zero(Accounts):
-    """The hand-rolled ZeRO stages (``lab.parallel.zero``): the flat units' layout."""
+    """The hand-rolled ZeRO stages (``lab.parallel.data.zero``): the flat units' layout."""
 
     @classmethod
     def state_row(cls, strategy: type[Strategy], cfg: ParallelConfig) -> str:
@@ -210,12 +212,12 @@ class Zero(Accounts):
                  if on_host and piece.grad is not None and piece.grad.device.type == "cpu"]
         return grads, [u.master for u in s.units if u.master is not None]
 
-    def comm_elements(self) -> int:
-        """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""
-        return sum(u.padded for u in self.strategy.units)
-
-    def expert_comm_elements(self) -> int:
-        return sum(u.padded for u in self.strategy.units if u.comm is not self.strategy.comm)
+    def comm_elements(self) -> dict[int, int]:
+        """Ψ as the flat layout sends it: each unit rounded up to a multiple of its group's size."""
+        out: dict[int, int] = {}
+        for u in self.strategy.units:
+            out[u.comm.world_size] = out.get(u.comm.world_size, 0) + u.padded
+        return out
 
     @property
     def width(self) -> int:
@@ -249,8 +251,9 @@ class Zero3(Zero):
         s = self.strategy
         theory = super().theory_comm()
         kept = s.root_size() + (s.forward_order[-1].padded if s.forward_order else 0)
-        theory["all_gather"] = s.loop.accum_steps * self.width * accounting.ring_elements_sent(
-            "all_gather", 2 * self.comm_elements() - kept, self.world_size)
+        theory["all_gather"] = s.loop.accum_steps * self.width * sum(
+            accounting.ring_elements_sent("all_gather", 2 * count - (kept if n == self.world_size else 0), n)
+            for n, count in self.comm_elements().items())
         return theory
 
     def pool_bytes(self) -> float:
@@ -279,10 +282,14 @@ class FSDP(Accounts):
     def comm_row(self) -> str | None:
         return "zero3" if self.strategy.cfg.reshard_after_forward else "zero2"
 
-    def comm_elements(self) -> int:
-        """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of the world size."""
-        n = self.world_size
-        return sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in self.strategy.trainable)
+    def comm_elements(self) -> dict[int, int]:
+        """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of its group's size."""
+        out: dict[int, int] = {}
+        for name, p in self.strategy.module.named_parameters():
+            if p.requires_grad:
+                n = self.strategy.world_of(name).world_size
+                out[n] = out.get(n, 0) + -(-p.shape[0] // n) * n * (p.numel() // p.shape[0])
+        return out
 
 
 class DeepSpeed(Accounts):
@@ -312,5 +319,5 @@ class DeepSpeed(Accounts):
         return accounting.StateBytes(params=storage_bytes(weights), grads=s.grad_bytes or 0,
                                      optimizer=storage_bytes(moments + masters), offload=s.cfg.offload != "none")
 
-    def comm_elements(self) -> int:
-        return sum(getattr(p, "ds_numel", p.numel()) for p in self.strategy.trainable)
+    def comm_elements(self) -> dict[int, int]:
+        return {self.world_size: sum(getattr(p, "ds_numel", p.numel()) for p in self.strategy.trainable)}

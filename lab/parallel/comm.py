@@ -95,6 +95,11 @@ class Comm:
         self._totals = CommTotals()
         self._paused = False
 
+    @property
+    def rank(self) -> int:
+        """This rank's place in the group."""
+        return dist.get_rank(self.group) if self.world_size > 1 else 0
+
     # ------------------------------------------------------------ bookkeeping
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:

@@ -134,32 +134,16 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
                     available_bytes: float, local_world_size: int = 1) -> Estimate:
     """Refuse a run whose states and activations cannot fit, or that could not finish within MAX_DAYS.
 
-    Memory: the strategy's model states (``accounting.model_state_bytes``, fp32 widths) plus one
-    micro-batch's activations (``accounting.activation_bytes`` with a fused attention kernel: a
-    lower bound) per process; processes on one CPU host share its available memory. Under
-    ``parallel.tp`` a process holds its group's shards (``accounting.tensor_parallel_params``), which the
-    strategy shards over the data-parallel replicas, and its share of the activations (split tp ways inside
-    attention and the MLP; with sequence parallelism also the norms' inputs). Under ``parallel.pp`` it holds
-    the fullest stage (``accounting.stage_params``; with tp, that share of tp's split) and, under 1F1B, about
-    one micro-batch's activations of every layer (the first stage's pp in flight, of L / pp layers each).
-    Under ``parallel.ep`` it holds 1 / ep of the routed experts, sharded over the dp / ep replicas that share
-    them. Time: the run's FLOPs over the peak of all its devices.
+    Memory: what one process holds under the layout (``Layout.share``: its model states, fp32 widths, and
+    ``Layout.activation_bytes``, one micro-batch's activations with a fused attention kernel: a lower bound);
+    processes on one CPU host share its available memory. Time: the run's FLOPs over the peak of all its devices.
     """
     shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
-    tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
-    sequence_parallel = cfg.parallel.sequence_parallel
-    params = accounting.tensor_parallel_params(shape, tp)
-    if pp > 1:  # the fullest stage's share of what tp leaves each rank
-        params *= accounting.stage_params(shape, pp) / accounting.param_counts(shape).total
     strategy_cls = parallel.strategy_class(cfg.parallel.strategy)
-    layout = strategy_cls.accounting.state_row(strategy_cls, cfg.parallel)
-    replicas = parallel.data_replica(cfg.parallel, 0, world.world_size)[1]
-    routed = accounting.routed_expert_params(shape) if ep > 1 else 0
-    states = accounting.model_state_bytes(params - routed, layout, replicas, "fp32").total
-    if routed:
-        states += accounting.model_state_bytes(routed / ep, layout, replicas // ep, "fp32").total
-    activations = accounting.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes, tp=tp,
-                                              sequence_parallel=sequence_parallel)
+    layout = parallel.Layout.of(cfg.parallel, world.world_size, strategy_cls)
+    states = layout.share(shape, strategy_cls.accounting.state_row(strategy_cls, cfg.parallel)).states.total
+    activations = layout.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes,
+                                          sequence_parallel=cfg.parallel.sequence_parallel)
     share = available_bytes / (local_world_size if world.device.type == "cpu" else 1)
     if states + activations > share:
         raise ConfigError(f"this run needs about {(states + activations) / 2**30:,.1f} GiB per process "

@@ -66,9 +66,11 @@ from lab.runtime import compat
 from lab.runtime.checkpoint import overlap
 from lab.model.plan import segments
 from lab.parallel import accounts
-from lab.parallel.base import ModelFactory, ParamGroup, Piece, Strategy, set_lr
+from lab.parallel.axes import GroupReplicas
+from lab.parallel.base import ParamGroup, Piece, Strategy, set_lr
+from lab.parallel.layout import World
 from lab.parallel.comm import Comm, Exchange, InOrder, SummedOnWait, buckets
-from lab.parallel.ddp import broadcast_from_rank0
+from lab.parallel.data.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
 
@@ -145,6 +147,10 @@ class Zero(Strategy):
     shards_gradients = True
     accounting = accounts.Zero
 
+    def held_apart(self) -> set[str]:
+        """Parameters the transforms complete after the sync (a weight two pipeline stages hold)."""
+        return {name for transform in self.transforms for name in transform.held_apart()}
+
     @property
     def offloaded(self) -> bool:
         return self.cfg.offload == "optimizer"
@@ -152,13 +158,15 @@ class Zero(Strategy):
     # ------------------------------------------------------------ layout
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
-        """Buckets of ``bucket_mb`` in backward order (reverse registration); stage 3 overrides."""
-        params, tied = dict(module.named_parameters()), [n for n in trainable if n in self.pipeline.tied]
-        order = [n for n in reversed(trainable) if n not in tied]
+        """Buckets of ``bucket_mb`` in backward order (reverse registration), each over one data-parallel group (an
+        expert's is over its holders); a parameter a transform completes after the sync (``held_apart``) is a unit
+        alone, laid out alike on every rank that holds it. Stage 3 overrides."""
+        params, apart = dict(module.named_parameters()), self.held_apart()
+        order = [n for n in reversed(trainable) if n not in apart]
         sizes = [params[name].numel() * params[name].element_size() for name in order]
-        kinds = [self.experts.holds(params[name]) for name in order]  # an expert's unit is shared over edp
+        kinds = [id(self.comm_of(name)) for name in order]
         return [[order[i] for i in bucket] for bucket in buckets(sizes, self.cfg.bucket_mb * 2**20, kinds)] + \
-            ([tied] if tied else [])  # last: launched once summed between the stages (``backward``)
+            [[name] for name in trainable if name in apart]
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         group_of = {n: i for i, g in enumerate(groups) for n in g.names}
@@ -171,17 +179,15 @@ class Zero(Strategy):
         params = dict(module.named_parameters())
         self.units = []
         for names in self._unit_names(module, trainable):
-            sharing = self.experts.edp if self.experts.holds(params[names[0]]) else self.world
-            self.units.append(make_unit(names, params, group_of, sharing.rank, sharing.world_size))
-            self.units[-1].comm = self.comm_of(params[names[0]])
+            comm = self.comm_of(names[0])
+            self.units.append(make_unit(names, params, group_of, comm.rank, comm.world_size))
+            self.units[-1].comm = comm
         for unit in self.units:
             self._place(unit)
             if self.offloaded:
                 unit.master = unit.shard.detach().to(HOST, copy=True)
         self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
         self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
-        # a weight the first and last stage hold: its unit waits for the sum of the two stages' gradients
-        self._held = len(self.units) - 1 if self.pipeline.tied and self.stage < 3 else None
         self._in_flight: deque[tuple[Unit, dist.Work | SummedOnWait]] = deque()  # launched, not yet settled
         self._spare: torch.Tensor | None = None  # the last settled unit's gradient buffer
         if self.stage >= 2:
@@ -241,7 +247,7 @@ class Zero(Strategy):
         self._missing[k] -= 1
         if self._missing[k] == 0:
             self._unit_done(unit)
-        if self.syncing and k != self._held:
+        if self.syncing:
             self._launches.arrived(k, eager=self.cfg.overlap)
             self._settle(in_flight=1)
 
@@ -260,19 +266,6 @@ class Zero(Strategy):
         unit.written = [False] * len(unit.params)
         memory.tag(buffer, "grads")
         return buffer
-
-    def _tied_gradient(self, name: str) -> torch.Tensor:
-        """Parameter ``name``'s whole gradient in its unit's flat buffer (zeroed if it got none), before the
-        reduce-scatter."""
-        k, i = self._unit_of[id(self.module.get_parameter(name))]
-        unit = self.units[k]
-        if unit.flat_grad is None:
-            unit.flat_grad = self._gradient_buffer(unit, unit.shard.dtype)
-        place = unit.flat_grad[unit.offsets[i]:unit.offsets[i] + unit.params[i].numel()]
-        if unit.written and not unit.written[i]:  # stages 2-3: no gradient came
-            place.zero_()
-            unit.written[i] = True
-        return place
 
     def _unit_done(self, unit: Unit) -> None:
         """All of a unit's gradients of this micro-step are in (stage 3 frees its weights here)."""
@@ -301,7 +294,7 @@ class Zero(Strategy):
         buffer, until the backward ends)."""
         while self._in_flight and (len(self._in_flight) > in_flight or self._in_flight[0][1].is_completed()):
             unit, work = self._in_flight.popleft()
-            self.comm.wait(work)
+            unit.comm.wait(work)
             if self.stage > 1:
                 self._spare = unit.flat_grad
                 unit.flat_grad = None
@@ -311,14 +304,8 @@ class Zero(Strategy):
         a pass over the shards (with N a power of two the same bits as dividing the sum)."""
         return loss / self.world.world_size
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """The micro-step's backward; on a synced one, a weight the pipeline's first and last stage hold gets the sum
-        of the two stages' gradients before it is reduce-scattered (its shards differ between the stages), then what
-        is left is launched and waited for."""
-        self.tensor.backward(self.scaled(loss))
-        if not self.syncing:
-            return
-        self.pipeline.sum_tied(self._tied_gradient)
+    def sync_gradients(self) -> None:
+        """Launch what the backward's hooks left (stage 1: everything) and wait for every reduce-scatter."""
         self._launches.finish()
         self._settle(in_flight=0)
         self._spare = None
@@ -364,14 +351,15 @@ class Zero(Strategy):
                 a, b = unit.in_chunk(unit.rank, offset, size)
                 if a >= b:  # empty views: the shards' bytes still count
                     grad = None if unit.grad_shard is None else unit.grad_shard[:0]
-                    out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True))
+                    out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True, shape=tuple(shape)))
                     continue
                 first = max(lo for lo in starts[id(unit)] if lo <= a)  # the optimizer's piece that holds it
                 grad = None if unit.grad_shard is None else unit.grad_shard[a:b]
                 moments = self.optimizer.state.get(piece_at[(id(unit), first)]) or None
                 out.append(Piece(name, size, a + unit.rank * unit.chunk - offset, unit.shard[a:b], grad, moments,
-                                 a - first, sharded=True))
-        return out + [Piece(name, p.numel(), 0, p.detach().view(-1)) for name, p in self.module.named_parameters()
+                                 a - first, sharded=True, shape=tuple(shape)))
+        return out + [Piece(name, p.numel(), 0, p.detach().view(-1), shape=tuple(p.shape),
+                            replicas=GroupReplicas(self.world)) for name, p in self.module.named_parameters()
                       if not p.requires_grad]
 
     @torch.no_grad()
@@ -384,40 +372,16 @@ class Zero(Strategy):
                 with unit.comm.paused():
                     unit.comm.all_gather(unit.flat, unit.shard)
 
-    @torch.no_grad()
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight under the model's names on rank 0 (stage 3 gathers unit by unit)."""
-        out = {}
-        for unit in self.units:
-            with self.comm.paused():
-                flat = self._gathered_copy(unit)
-            if self.world.is_main:
-                for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets, strict=True):
-                    out[name] = flat[offset:offset + math.prod(shape)].view(shape).cpu().clone()
-        if not self.world.is_main:
-            return {}
-        first: dict[int, str] = {}  # a tied weight's other names: copies of its first
-        alias = {n: first.setdefault(id(p), n) for n, p in self.module.named_parameters(remove_duplicate=False)}
-        for name, value in self.module.state_dict().items():
-            if name not in out:
-                out[name] = out[alias[name]].clone() if alias.get(name) in out else value.detach().cpu().clone()
-        return out
-
-    def _gathered_copy(self, unit: Unit) -> torch.Tensor:
-        return unit.flat
-
 
 class Zero1(Zero):
     name, stage = "zero1", 1
-    expert_parallel = True
-    pipeline_parallel = True
+    shards = "optimizer"
 
 
 class Zero2(Zero):
     name, stage = "zero2", 2
-    expert_parallel = True
     options = Zero.options | {"overlap"}
-    pipeline_parallel = True
+    shards = "gradients"
 
 
 class Zero3(Zero):
@@ -427,17 +391,17 @@ class Zero3(Zero):
     accounting = accounts.Zero3
     options = Zero.options - {"bucket_mb"} | {"overlap"}
     compiles = False
-
-    def make_module(self, model_factory: ModelFactory) -> nn.Module:
-        """Build on the meta device: nothing is allocated until each rank fills its own chunks (``wrap``)."""
-        with torch.device("meta"):
-            return model_factory()
+    shards = "weights"
+    builds_on_meta = True  # nothing is allocated until each rank fills its own chunks (``wrap``)
 
     def _initial_value(self, name: str) -> torch.Tensor:
-        """The plan's initial value of ``name`` on this rank's device, added to the digest of the initial values."""
+        """The plan's initial value of ``name`` on this rank's device, added to the digest of the initial values of
+        the ranks that hold the same ones (``world_of``)."""
         value = self.plan.initial_value(name).detach().to(self.world.device)
-        self._initial.update(name.encode())
-        self._initial.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        world = self.world_of(name)
+        digest = self._initial.setdefault(id(world.group), (world, hashlib.sha256()))[1]
+        digest.update(name.encode())
+        digest.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         return value
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
@@ -458,7 +422,7 @@ class Zero3(Zero):
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         """Fill buffers and frozen parameters whole, then this rank's chunks (``_place``); a digest of every initial
         value is compared across ranks."""
-        self._initial = hashlib.sha256()
+        self._initial: dict[int, tuple[World, object]] = {}
         for name, _ in list(module.named_buffers()):  # assigned, not .data: a meta tensor's cannot take a real one
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner), attr, self._initial_value(name))
@@ -467,7 +431,8 @@ class Zero3(Zero):
                 owner, _, attr = name.rpartition(".")
                 setattr(module.get_submodule(owner), attr, nn.Parameter(self._initial_value(name), requires_grad=False))
         module = super().wrap(module, groups)
-        self.world.check_same(self._initial.hexdigest(), "the initial weights (the plan's initial_value)")
+        for world, digest in self._initial.values():
+            world.check_same(digest.hexdigest(), "the initial weights (the plan's initial_value)")
         in_pieces = {n for _, names in self._segments for n in names}
         self._root = self.units[-1] if self.units and self.units[-1].names[0] not in in_pieces else None
         unit_of = {name: unit for unit in self.units for name in unit.names}
@@ -488,7 +453,7 @@ class Zero3(Zero):
     def _place(self, unit: Unit) -> None:
         """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
         storage is empty at rest (it borrows a pool buffer's memory while gathered: ``_lend``)."""
-        r, module = self.world.rank, self.module
+        r, module = unit.rank, self.module
         unit.shard = torch.zeros(unit.chunk, device=self.world.device)
         memory.tag(unit.shard, "params")
         unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
@@ -514,7 +479,7 @@ class Zero3(Zero):
 
     def _start_gather(self, unit: Unit, async_op: bool) -> None:
         self._lend(unit)
-        unit.gathering = self.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
+        unit.gathering = unit.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
         unit.gathered = True
 
     def _gather(self, unit: Unit | None) -> None:
@@ -524,7 +489,7 @@ class Zero3(Zero):
         if not unit.gathered:
             self._start_gather(unit, async_op=False)
         if unit.gathering is not None:
-            self.comm.wait(unit.gathering)
+            unit.comm.wait(unit.gathering)
             unit.gathering = None
 
     def _prefetch(self, unit: Unit | None) -> None:
@@ -538,7 +503,7 @@ class Zero3(Zero):
         if unit is None or not unit.gathered:
             return
         if unit.gathering is not None:
-            self.comm.wait(unit.gathering)
+            unit.comm.wait(unit.gathering)
             unit.gathering = None
         self._take_back(unit)
         unit.gathered = False
@@ -614,14 +579,9 @@ class Zero3(Zero):
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.comm.paused():
+        with self.uncounted():
             self._gather(self._root)
             try:
                 return super().eval_loss(x, y)
             finally:
                 self._free(self._root)
-
-    def _gathered_copy(self, unit: Unit) -> torch.Tensor:
-        flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
-        self.comm.all_gather(flat, unit.shard)
-        return flat

@@ -14,7 +14,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -52,10 +51,8 @@ class TorchDDP(Strategy):
         self.model.require_backward_grad_sync = sync  # what DistributedDataParallel.no_sync toggles
         return super().forward(x, y, sync=sync)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.tensor.backward(loss)
-        if self.syncing:
-            self.comm.add_wait(max(0.0, self._done - self._launched))
+    def sync_gradients(self) -> None:
+        self.comm.add_wait(max(0.0, self._done - self._launched))
 
 
 class FSDP(Strategy):
@@ -73,11 +70,9 @@ class FSDP(Strategy):
     name = "fsdp"
     options = Strategy.options | {"offload", "reshard_after_forward"}
     shards_gradients = True
+    shards = "weights"
+    builds_on_meta = True
     accounting = accounts.FSDP
-
-    def make_module(self, model_factory):
-        with torch.device("meta"):
-            return model_factory()
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
@@ -103,7 +98,7 @@ class FSDP(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         with self.comm.counting_torch():
-            self.tensor.backward(loss)
+            super().backward(loss)
 
     def _start(self, param: nn.Parameter) -> int:
         """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk
@@ -120,17 +115,5 @@ class FSDP(Strategy):
                 moments = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in moments.items()}
             grad = None if p.grad is None else p.grad.to_local().reshape(-1)
             out.append(Piece(name, p.numel(), self._start(p), p.detach().to_local().view(-1), grad, moments,
-                             sharded=True))
+                             sharded=True, shape=tuple(p.shape)))
         return out
-
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        # gathered on the host of global rank 0 alone when the data axis is the world; on a mesh the data axis's first
-        # rank of every tensor-parallel rank needs its shards, so there everyone gathers them and the first moves them
-        # to the host
-        offload = self.world.world_size == self.everyone.world_size
-        with self.comm.paused():
-            full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True,
-                                                                              cpu_offload=offload))
-        if not self.world.is_main:
-            return {}
-        return full if offload else {k: v.detach().cpu().clone() for k, v in full.items()}
