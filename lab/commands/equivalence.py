@@ -39,6 +39,7 @@ from lab.runtime.files import write_atomic
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate
+from lab.parallel.axes.pipeline import microbatches
 from lab.commands.ranks import RankFailed, run_ranks
 from lab.training.train import StepPlan, train_step
 
@@ -100,11 +101,12 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
     return trace
 
 
-def reference(world: World, setup: Setup, model_factory=None, replicas: int | None = None) -> Trace:
+def reference(world: World, setup: Setup, model_factory=None, replicas: int | None = None, split: int = 1) -> Trace:
     """``single`` on this process alone, accumulating the micro-batches of every data-parallel replica (by default
-    every rank) in order."""
+    every rank) in order, each cut in ``split`` (a pipeline's microbatches: a mixture of experts balances each one)."""
     alone = World(rank=0, world_size=1, local_rank=0, device=world.device)
-    return train_tiny(alone, dataclasses.replace(setup, accum=setup.accum * (replicas or world.world_size)),
+    return train_tiny(alone, dataclasses.replace(setup, accum=setup.accum * (replicas or world.world_size) * split,
+                                                 micro_batch=setup.micro_batch // split),
                       ParallelConfig(strategy="single"), model_factory)
 
 
@@ -135,14 +137,15 @@ def compare(ref: Trace, got: Trace) -> Comparison:
 
 def equivalence(world: World, specs: list[str], setup: Setup) -> dict[str, Comparison]:
     """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank)."""
-    refs: dict[int, Trace] = {}
+    refs: dict[tuple[int, int], Trace] = {}
     out = {}
     for spec in specs:
         parallel = parse_spec(spec)
         replicas = data_replica(parallel, world.rank, world.world_size)[1]
-        if replicas not in refs:
-            refs[replicas] = reference(world, setup, replicas=replicas)
-        ref = refs[replicas]
+        key = replicas, microbatches(parallel) if parallel.pp > 1 else 1
+        if key not in refs:
+            refs[key] = reference(world, setup, replicas=replicas, split=key[1])
+        ref = refs[key]
         trace = ref if spec == "single" else train_tiny(world, setup, parallel)
         if world.is_main:
             out[spec] = compare(ref, trace)

@@ -26,6 +26,7 @@ The training loss adds the Switch load-balancing loss and the router z-loss (``G
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable
@@ -373,6 +374,12 @@ class GPT(nn.Module):
             x = self.blocks[i](x, rope)
         return x
 
+    def aux_loss(self, indices: range) -> torch.Tensor | None:
+        """The auxiliary losses the mixture-of-experts layers of blocks ``indices`` left in their last forward, summed
+        in order (None for a dense model): what a pipeline stage adds to its part of the loss."""
+        losses = [self.blocks[i].mlp.aux_loss for i in indices if isinstance(self.blocks[i].mlp, MoE)]
+        return functools.reduce(torch.add, losses) if losses else None
+
     def moe_layers(self) -> list[MoE]:
         """The blocks' mixture-of-experts MLPs (none in a dense model)."""
         return [block.mlp for block in self.blocks if block is not None and isinstance(block.mlp, MoE)]
@@ -423,7 +430,8 @@ class GPT(nn.Module):
         pipeline = PipelinePlan(embed="embed", run="run_blocks", head="output",
                                 units=[f"blocks.{i}" for i in range(len(self.blocks))],
                                 first=["wte"] + ([] if self.wpe is None else ["wpe"]),
-                                last=["norm_f", "wte" if self.lm_head is None else "lm_head"], width=cfg.d_model)
+                                last=["norm_f", "wte" if self.lm_head is None else "lm_head"], width=cfg.d_model,
+                                aux_loss="aux_loss")
         moe = [f"blocks.{i}.mlp" for i, block in held if isinstance(block.mlp, MoE)]
         experts = ExpertPlan(layers=moe, count=cfg.moe_experts, config=cfg) if moe else None
         return ParallelPlan(units=[f"blocks.{i}" for i, _ in held], initial_value=self.initial_value,

@@ -76,7 +76,9 @@ class PipelinePlan:
     run of them on each stage), then ``head`` on the last. The three are names of the model's methods: ``embed``
     maps tokens to the hidden state [b, t, ``width``], ``run`` takes it through the units with the given indices,
     ``head`` maps it and the targets to the loss. ``first`` and ``last`` name the modules ``embed`` and ``head``
-    use; a parameter of both (a tied embedding) lives on the first stage and the last."""
+    use; a parameter of both (a tied embedding) lives on the first stage and the last. ``aux_loss``, when set, names
+    the method that gives the auxiliary losses the units with the given indices left in their last training forward
+    (a mixture of experts' balance losses; None when there are none), which each stage adds to the loss."""
 
     embed: str
     run: str
@@ -85,6 +87,7 @@ class PipelinePlan:
     first: list[str]
     last: list[str]
     width: int
+    aux_loss: str | None = None
 
 
 @dataclass(frozen=True)

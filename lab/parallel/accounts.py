@@ -250,7 +250,7 @@ class Zero3(Zero):
         gathered from the forward (the root unit and the last block unit)."""
         s = self.strategy
         theory = super().theory_comm()
-        kept = s.root_size() + (s.forward_order[-1].padded if s.forward_order else 0)
+        kept = s.root_size() + (sum(u.padded for u in s.forward_order[-1]) if s.forward_order else 0)
         theory["all_gather"] = s.loop.accum_steps * self.width * sum(
             accounting.ring_elements_sent("all_gather", 2 * count - (kept if n == self.world_size else 0), n)
             for n, count in self.comm_elements().items())

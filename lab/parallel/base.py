@@ -317,8 +317,10 @@ class Strategy:
         for transform in self.transforms:
             transform.complete_gradients(grad_of)
 
-    def autograd(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-        """The autograd pass of ``loss`` (seeded with ``grad``), in the contexts the transforms need."""
+    def autograd(self, loss: torch.Tensor | list[torch.Tensor],
+                 grad: torch.Tensor | list[torch.Tensor | None] | None = None) -> None:
+        """The autograd pass of ``loss`` (seeded with ``grad``; or of several at once), in the contexts the transforms
+        need."""
         with contextlib.ExitStack() as stack:
             for transform in self.transforms:
                 stack.enter_context(transform.autograd())
@@ -347,8 +349,13 @@ class Strategy:
                 squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
         norm = self.everyone.sum(squares).sqrt()
         if max_norm > 0:
-            params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            by_mesh: dict[int, list[torch.Tensor]] = {}  # DTensors of different meshes (FSDP's experts) apart
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+            for params in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     def step(self, lr: float) -> None:

@@ -77,6 +77,11 @@ class Transform:
         """What the strategy's forward calls, given what it would call without this transform."""
         return model
 
+    def entry_points(self) -> list[str]:
+        """The model's methods this transform calls in place of its forward (a strategy that hooks the forward hooks
+        these too)."""
+        return []
+
     def autograd(self) -> contextlib.AbstractContextManager:
         """The context the autograd pass of a loss runs in."""
         return contextlib.nullcontext()

@@ -232,6 +232,9 @@ class Pipeline(Transform):
     def running(self, strategy: object, model: nn.Module) -> nn.Module:
         return _Staged(self, strategy, model)
 
+    def entry_points(self) -> list[str]:
+        return [self.plan.embed, self.plan.run, self.plan.head]
+
     # ------------------------------------------------------------ point to point
 
     @_on_pp
@@ -260,9 +263,10 @@ class Pipeline(Transform):
 
     @_on_pp
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``loss`` on every stage."""
+        """The sum of every stage's part of the loss (the last stage's, and the others' auxiliary losses: zeros when
+        they have none, so the sum is the last stage's bits), on every stage."""
         started = time.perf_counter()
-        dist.broadcast(loss, src=self.axis.global_rank(self.n - 1), group=self.axis.group)
+        dist.all_reduce(loss, group=self.axis.group)
         self.wait_s += time.perf_counter() - started
         return loss
 
@@ -298,7 +302,8 @@ class Pipeline(Transform):
         self.sent_bytes_theory += (2 * self.virtual - self.first - self.last) * math.prod(shape) * dtype.itemsize
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
-        losses = []
+        extras: dict[tuple[int, int], torch.Tensor | None] = {}  # a stage's auxiliary losses, added to its backward
+        losses = []  # the last stage's losses and the other stages' auxiliary ones, per microbatch
         order = self._order()
         final = {v: k for k, (kind, v, _) in enumerate(order) if kind == "B"}  # each virtual stage's last backward
         saved: dict[tuple[int, int], int] = {}  # bytes each microbatch's forward saved, until its backward
@@ -311,22 +316,30 @@ class Pipeline(Transform):
                     hidden = self._receive(self._hidden(module, xs[i]), before, _FORWARD_TAG)
                     inputs[v, i] = hidden.requires_grad_()
                 counted = strategy.saved.fresh()
-                out = outputs[v, i] = self._stage_forward(module, xs[i], ys[i], hidden, stage)
+                out = self._stage_forward(module, xs[i], ys[i], hidden, stage)
+                extra = extras[v, i] = self._aux_loss(module, stage)
                 saved[v, i] = strategy.saved.current - counted
                 in_flight = max(in_flight, sum(saved.values()))
                 if stage == last:
+                    out = out if extra is None else out + extra
                     losses.append(out.detach())
                 else:
                     self._send(out, after, _FORWARD_TAG)
+                    if extra is not None:
+                        losses.append(extra.detach())
+                outputs[v, i] = out
                 continue
             strategy.syncing = sync and k == final[v]  # the data-parallel hooks sync on a stage's last backward
             saved.pop((v, i))
-            out = outputs.pop((v, i))
+            out, extra = outputs.pop((v, i)), extras.pop((v, i))
             if stage == last:
                 strategy.autograd(strategy.scaled(out / (self.m * self.accum_steps)))
             else:
                 grad = self._receive((tuple(out.shape), out.dtype), after, _BACKWARD_TAG)
-                strategy.autograd(out, grad)
+                if extra is None:
+                    strategy.autograd(out, grad)
+                else:
+                    strategy.autograd([out, strategy.scaled(extra / (self.m * self.accum_steps))], [grad, None])
             if stage > 0:
                 self._send(inputs.pop((v, i)).grad, before, _BACKWARD_TAG)
         strategy.syncing = sync
@@ -334,11 +347,15 @@ class Pipeline(Transform):
         self.in_flight = max(self.in_flight, in_flight)
         per_forward = strategy.saved.current / (len(xs) * self.virtual)  # this rank's mean, over its stages
         self.in_flight_theory = max(self.in_flight_theory, outstanding(order) * per_forward)
-        loss = torch.stack(losses).sum() / self.m if self.last else torch.zeros((), device=self.axis.device)
+        loss = torch.stack(losses).sum() / self.m if losses else torch.zeros((), device=self.axis.device)
         seed = strategy.scaled(torch.ones((), device=loss.device) / self.accum_steps).item()
         loss = self._share_loss(loss)
         self.window_s += time.perf_counter() - started
         return _Ran.apply(torch.zeros((), requires_grad=True), loss, seed)
+
+    def _aux_loss(self, module: nn.Module, stage: int) -> torch.Tensor | None:
+        """The auxiliary losses (a mixture of experts' balance losses) of the blocks stage ``stage`` just ran."""
+        return getattr(module, self.plan.aux_loss)(self.runs[stage]) if self.plan.aux_loss else None
 
     @torch.no_grad()
     def evaluate(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lab.parallel import accounts
 from lab.parallel.base import ParamGroup, Piece, Strategy
+from lab.parallel.data.ddp import broadcast_from_rank0
+from lab.parallel.layout import World
 from lab.runtime import compat
 
 
@@ -30,10 +32,16 @@ class TorchDDP(Strategy):
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
+        # weights averaged over other ranks than the data axis (an expert's holders) are synced by hand
+        self._apart = [(name, p) for name, p in module.named_parameters() if self.world_of(name) is not self.world]
+        if self._apart:
+            compat.ddp_ignore(module, [name for name, _ in self._apart])
+            broadcast_from_rank0(self, module)
         ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_mb,
                                       process_group=self.world.group, **compat.ddp_without_buffer_sync())
         ddp.register_comm_hook(state=None, hook=self._all_reduce)
         self._launched = self._done = 0.0
+        self._ddp = ddp
         return ddp
 
     def _all_reduce(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -51,8 +59,20 @@ class TorchDDP(Strategy):
         self.model.require_backward_grad_sync = sync  # what DistributedDataParallel.no_sync toggles
         return super().forward(x, y, sync=sync)
 
+    def autograd(self, loss, grad=None) -> None:
+        """Where a transform calls the model's methods in place of DDP's forward (a pipeline stage), the reducer is
+        readied for the micro-step's last backward here, as DDP's forward would have."""
+        if self.syncing and self.model is not self._ddp:
+            compat.ddp_expect_backward(self._ddp)
+        super().autograd(loss, grad)
+
     def sync_gradients(self) -> None:
         self.comm.add_wait(max(0.0, self._done - self._launched))
+        for name, p in self._apart:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.comm_of(name).all_reduce(p.grad)
+            p.grad.div_(self.world.world_size)
 
 
 class FSDP(Strategy):
@@ -78,10 +98,20 @@ class FSDP(Strategy):
         mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
         offload = self.cfg.offload == "optimizer"
         policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
+        for name, world in self._held_apart(module):  # sharded over their own ranks, averaged over the data axis
+            sub = module.get_submodule(name)
+            fully_shard(sub, mesh=world.device_mesh, reshard_after_forward=self.cfg.reshard_after_forward,
+                        offload_policy=policy)
+            sub.set_gradient_divide_factor(self.world.world_size)
+            # summed, then divided: gloo has no pre-scaled sum (on one rank FSDP only divides, and would twice)
+            sub.set_force_sum_reduction_for_comms(world.world_size > 1)
         for name in self.plan.units:
             fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward,
                         offload_policy=policy)
         fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
+        for transform in self.transforms:  # methods called in place of the forward (a pipeline stage's) gather too
+            for method in transform.entry_points():
+                register_fsdp_forward_method(module, method)
         module.to_empty(device=torch.device("cpu") if offload else self.world.device)
         with torch.no_grad():
             for name, p in module.named_parameters():
@@ -91,20 +121,38 @@ class FSDP(Strategy):
                 b.copy_(self.plan.initial_value(name))
         return module
 
+    def _held_apart(self, module: nn.Module) -> list[tuple[str, World]]:
+        """The largest submodules with a forward whose weights all average over other ranks than the data axis (a
+        transform's: an expert's holders), with those ranks."""
+        found: list[tuple[str, World]] = []
+        for name, sub in module.named_modules():
+            if type(sub).forward is nn.Module.forward:  # a container (ModuleList): its children are sharded
+                continue
+            worlds = {id(w): w for w in (self.world_of(f"{name}.{n}" if name else n)
+                                         for n, _ in sub.named_parameters())}
+            if len(worlds) == 1 and next(iter(worlds.values())) is not self.world and \
+                    not any(name.startswith(f"{outer}.") for outer, _ in found):
+                found.append((name, next(iter(worlds.values()))))
+        return found
+
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         self.module.set_requires_gradient_sync(sync)
         with self.comm.counting_torch():
             return super().forward(x, y, sync=sync)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def autograd(self, loss, grad=None) -> None:
+        """A pipeline stage runs several backwards per micro-step: gradients reduce-scatter on the last of them
+        (``syncing``) only."""
+        self.module.set_requires_gradient_sync(self.syncing)
         with self.comm.counting_torch():
-            super().backward(loss)
+            super().autograd(loss, grad)
 
-    def _start(self, param: nn.Parameter) -> int:
+    def _start(self, name: str, param: nn.Parameter) -> int:
         """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk
-        does)."""
-        rows, n = param.shape[0], self.world.world_size
-        return min(self.world.rank * -(-rows // n), rows) * (param.numel() // rows)
+        does, over ``world_of(name)``)."""
+        world = self.world_of(name)
+        rows, n = param.shape[0], world.world_size
+        return min(world.rank * -(-rows // n), rows) * (param.numel() // rows)
 
     def holding(self) -> list[Piece]:
         """Each parameter's rows on this rank (the DTensors' local parts): weights, gradients and moments."""
@@ -114,6 +162,6 @@ class FSDP(Strategy):
             if moments is not None:
                 moments = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in moments.items()}
             grad = None if p.grad is None else p.grad.to_local().reshape(-1)
-            out.append(Piece(name, p.numel(), self._start(p), p.detach().to_local().view(-1), grad, moments,
+            out.append(Piece(name, p.numel(), self._start(name, p), p.detach().to_local().view(-1), grad, moments,
                              sharded=True, shape=tuple(p.shape)))
         return out

@@ -389,7 +389,7 @@ class Zero3(Zero):
 
     name, stage = "zero3", 3
     accounting = accounts.Zero3
-    options = Zero.options - {"bucket_mb"} | {"overlap"}
+    options = Zero.options - {"bucket_mb"} | {"overlap", "reshard_after_forward"}
     compiles = False
     shards = "weights"
     builds_on_meta = True  # nothing is allocated until each rank fills its own chunks (``wrap``)
@@ -405,19 +405,28 @@ class Zero3(Zero):
         return value
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
-        """The pieces of the plan's units (``lab.model.plan.segments``), then the root unit (the rest, and any
-        parameter two pieces share, as a tied weight), in the order gradients complete."""
+        """The pieces of the plan's units (``lab.model.plan.segments``), each one unit per data-parallel group (an
+        expert's weights over their holders), then the root units: the rest (and any parameter two pieces share, as
+        a tied weight), and each parameter a transform completes after the sync alone; in the order gradients
+        complete."""
         canonical = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         pieces = []
         for names in segments(module, self.plan):
             mods = [module.get_submodule(n) for n in names]
             pieces.append((mods, list(dict.fromkeys(id(p) for m in mods for p in m.parameters() if p.requires_grad))))
         holders = Counter(i for _, ids in pieces for i in ids)
-        self._segments = [(mods, [canonical[i] for i in ids if holders[i] == 1]) for mods, ids in pieces]
-        self._segments = [(mods, names) for mods, names in self._segments if names]  # frozen throughout: no unit
-        in_pieces = {n for _, names in self._segments for n in names}
-        root = [n for n in trainable if n not in in_pieces]
-        return [names for _, names in reversed(self._segments)] + ([root] if root else [])
+        self._segments: list[tuple[list[nn.Module], list[list[str]]]] = []
+        for mods, ids in pieces:
+            by_group: dict[int, list[str]] = {}
+            for name in (canonical[i] for i in ids if holders[i] == 1):
+                by_group.setdefault(id(self.comm_of(name)), []).append(name)
+            if by_group:  # frozen throughout: no unit
+                self._segments.append((mods, list(by_group.values())))
+        in_pieces = {n for _, units in self._segments for names in units for n in names}
+        apart = self.held_apart()
+        rest = [n for n in trainable if n not in in_pieces and n not in apart]
+        self._root_names = ([rest] if rest else []) + [[n] for n in trainable if n in apart]
+        return [names for _, units in reversed(self._segments) for names in units] + self._root_names
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         """Fill buffers and frozen parameters whole, then this rank's chunks (``_place``); a digest of every initial
@@ -433,22 +442,21 @@ class Zero3(Zero):
         module = super().wrap(module, groups)
         for world, digest in self._initial.values():
             world.check_same(digest.hexdigest(), "the initial weights (the plan's initial_value)")
-        in_pieces = {n for _, names in self._segments for n in names}
-        self._root = self.units[-1] if self.units and self.units[-1].names[0] not in in_pieces else None
         unit_of = {name: unit for unit in self.units for name in unit.names}
-        self.forward_order = [unit_of[names[0]] for _, names in self._segments]
-        sizes = [u.padded for u in self.forward_order]
+        self._roots = [unit_of[names[0]] for names in self._root_names]
+        self.forward_order = [[unit_of[names[0]] for names in units] for _, units in self._segments]
+        sizes = [sum(u.padded for u in segment) for segment in self.forward_order]
         self.pool_budget = self.root_size() + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
         self._spares: dict[int, list[torch.Tensor]] = {}  # idle pool buffers by their number of elements
         self._pooled = 0  # elements in pool buffers, idle or lent
-        for modules, names in self._segments:
-            unit = unit_of[names[0]]
-            modules[0].register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
-            modules[-1].register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
+        for (modules, _), segment in zip(self._segments, self.forward_order, strict=True):
+            modules[0].register_forward_pre_hook(lambda mod, args, seg=segment: self._before_forward(seg))
+            modules[-1].register_forward_hook(lambda mod, args, out, seg=segment: self._after_forward(seg, out))
         return module
 
     def root_size(self) -> int:
-        return 0 if self._root is None else self._root.padded
+        """Elements of the root units (gathered for the whole forward and backward)."""
+        return sum(u.padded for u in self._roots)
 
     def _place(self, unit: Unit) -> None:
         """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
@@ -482,31 +490,32 @@ class Zero3(Zero):
         unit.gathering = unit.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
         unit.gathered = True
 
-    def _gather(self, unit: Unit | None) -> None:
-        """The unit's weights, now: waits for its prefetch, or gathers them."""
-        if unit is None:
-            return
-        if not unit.gathered:
-            self._start_gather(unit, async_op=False)
-        if unit.gathering is not None:
-            unit.comm.wait(unit.gathering)
-            unit.gathering = None
+    def _gather(self, units: list[Unit]) -> None:
+        """The units' weights, now: waits for their prefetch, or gathers them."""
+        for unit in units:
+            if not unit.gathered:
+                self._start_gather(unit, async_op=False)
+            if unit.gathering is not None:
+                unit.comm.wait(unit.gathering)
+                unit.gathering = None
 
-    def _prefetch(self, unit: Unit | None) -> None:
-        """Launch the unit's all-gather asynchronously (it overlaps the compute until ``_gather`` waits)."""
-        if unit is not None and not unit.gathered:
-            self._start_gather(unit, async_op=True)
+    def _prefetch(self, units: list[Unit]) -> None:
+        """Launch the units' all-gathers asynchronously (they overlap the compute until ``_gather`` waits)."""
+        for unit in units:
+            if not unit.gathered:
+                self._start_gather(unit, async_op=True)
 
-    def _free(self, unit: Unit | None) -> None:
+    def _free(self, units: list[Unit]) -> None:
         """Release the gathered weights: the storage goes back to the allocator (saved views of it stay valid
         and see the weights again once the unit is gathered for its backward)."""
-        if unit is None or not unit.gathered:
-            return
-        if unit.gathering is not None:
-            unit.comm.wait(unit.gathering)
-            unit.gathering = None
-        self._take_back(unit)
-        unit.gathered = False
+        for unit in units:
+            if not unit.gathered:
+                continue
+            if unit.gathering is not None:
+                unit.comm.wait(unit.gathering)
+                unit.gathering = None
+            self._take_back(unit)
+            unit.gathered = False
 
     def _lend(self, unit: Unit) -> None:
         """Give flat's storage memory for the whole unit: an idle pool buffer's of its size (its pages stay mapped
@@ -538,50 +547,50 @@ class Zero3(Zero):
         self._spares[unit.padded].append(unit.lent)
         unit.lent = None
 
-    def _next(self, unit: Unit, step: int) -> Unit | None:
-        """The block unit ``step`` places after ``unit`` in the forward order (None past either end)."""
-        i = self.forward_order.index(unit) + step
-        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+    def _next(self, segment: list[Unit], step: int) -> list[Unit]:
+        """The units of the piece ``step`` places after ``segment`` in the forward order (none past either end)."""
+        i = self.forward_order.index(segment) + step
+        return self.forward_order[i] if 0 <= i < len(self.forward_order) else []
 
-    def _before_forward(self, unit: Unit) -> None:
-        self._gather(unit)
+    def _before_forward(self, segment: list[Unit]) -> None:
+        self._gather(segment)
         if not compat.in_backward():  # not a recomputation inside the backward
-            self._prefetch(self._next(unit, +1))
+            self._prefetch(self._next(segment, +1))
 
-    def _after_forward(self, unit: Unit, out: torch.Tensor) -> None:
+    def _after_forward(self, segment: list[Unit], out: torch.Tensor) -> None:
         if compat.in_backward():  # a recomputation inside the backward: keep them
             return
         if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda grad: (self._before_backward(unit), grad)[1])
-            if unit is self.forward_order[-1]:  # the backward starts with it: kept, not gathered again
+            out.register_hook(lambda grad: (self._before_backward(segment), grad)[1])
+            if segment is self.forward_order[-1] or not self.cfg.reshard_after_forward:  # kept for the backward
                 return
-        self._free(unit)
+        self._free(segment)
 
-    def _before_backward(self, unit: Unit) -> None:
-        self._gather(unit)
-        self._prefetch(self._next(unit, -1))
+    def _before_backward(self, segment: list[Unit]) -> None:
+        self._gather(segment)
+        self._prefetch(self._next(segment, -1))
 
     def _unit_done(self, unit: Unit) -> None:
-        self._free(unit)
+        if unit not in self._roots and self.cfg.reshard_after_forward:  # the roots stay for the micro-step
+            self._free([unit])
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
-        self._gather(self._root)
-        self._prefetch(self.forward_order[0] if self.forward_order else None)
+        self._gather(self._roots)
+        self._prefetch(self.forward_order[0] if self.forward_order else [])
         loss = super().forward(x, y, sync=sync)
         if not (torch.is_grad_enabled() and loss.requires_grad):  # else kept for the backward, which starts with it
-            self._free(self._root)
+            self._free(self._roots)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
-        for unit in self.units:  # units with a parameter unused in this micro-step are still gathered
-            self._free(unit)
+        self._free(self.units)  # units with a parameter unused in this micro-step are still gathered
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.uncounted():
-            self._gather(self._root)
+            self._gather(self._roots)
             try:
                 return super().eval_loss(x, y)
             finally:
-                self._free(self._root)
+                self._free(self._roots)
