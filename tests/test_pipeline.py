@@ -190,11 +190,6 @@ def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
      r"interleaved needs parallel.pp_microbatches a multiple of parallel.pp \(4\), got 2: microbatches go round"),
     ({"strategy": "deepspeed", "pp": 2}, 2, "strategy 'deepspeed' does not run with parallel.pp > 1: its engine "
                                             "owns the whole step"),
-    ({"strategy": "zero3", "pp": 2}, 4, "strategy 'zero3' does not run with parallel.pp > 1: it gathers each unit's "
-                                        "weights for one forward"),
-    ({"strategy": "fsdp", "pp": 2}, 4, "strategy 'fsdp' does not run with parallel.pp > 1: FSDP2 gathers"),
-    ({"strategy": "torch_ddp", "pp": 2}, 4, "strategy 'torch_ddp' does not run with parallel.pp > 1: "
-                                            "DistributedDataParallel prepares its reducer in its own forward"),
     ({"pp": 2, "tp": 2, "sequence_parallel": True}, 4, "parallel.pp > 1 runs with the hand-rolled tensor "
                                                         "parallelism without sequence parallelism only"),
     ({"pp": 2, "tp": 2, "tp_impl": "torch"}, 4, "parallel.pp > 1 runs with the hand-rolled tensor parallelism"),
@@ -210,13 +205,15 @@ def test_a_pipeline_accepts_what_it_runs():
     validate(ParallelConfig(pp=2), 2, LOOP)  # single over one replica per stage
     validate(ParallelConfig(strategy="ddp_naive", pp=2, pp_schedule="gpipe", pp_microbatches=1), 4, LOOP)
     validate(ParallelConfig(strategy="zero2", pp=2), 4, LOOP)
+    for strategy in ("zero3", "fsdp", "torch_ddp"):  # every data-parallel strategy runs the stages
+        validate(ParallelConfig(strategy=strategy, pp=2), 4, LOOP)
     validate_model(ParallelConfig(pp=4), FOUR)
+    validate_model(ParallelConfig(pp=2), dataclasses.replace(TINY, moe_experts=4))  # a mixture of experts in stages
 
 
 @pytest.mark.parametrize("model, message", [
     (dict(n_layer=3), r"parallel.pp \(2\) must divide model.n_layer \(3\)"),
     (dict(n_layer=6), r"parallel.pp × parallel.pp_virtual \(2 × 2\) must divide model.n_layer \(6\): virtual"),
-    (dict(moe_experts=4), "parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses"),
 ])
 def test_models_the_pipeline_cannot_split_are_refused(model, message):
     cfg = ParallelConfig(pp=2, pp_schedule="interleaved", pp_virtual=2) if model.get("n_layer") == 6 else \
@@ -232,10 +229,10 @@ def test_a_run_with_a_bad_pipeline_fails_in_one_line_before_any_rank_starts(caps
                      "--run-dir", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: parallel.pp (2) must divide model.n_layer (3): stages hold equal numbers of blocks"]
-    assert run_main([*args, "--nproc-per-node", "2", "--parallel.pp", "2", "--strategy", "zero3",
+    assert run_main([*args, "--nproc-per-node", "2", "--parallel.pp", "2", "--strategy", "deepspeed",
                      "--run-dir", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[0].startswith(
-        "error: strategy 'zero3' does not run with parallel.pp > 1: ")
+        "error: strategy 'deepspeed' does not run with parallel.pp > 1: ")
     assert not (tmp_path / "r").exists()
 
 

@@ -66,6 +66,7 @@ class Trace:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]  # the final weights (rank 0), under the model's names
+    meters: dict = dataclasses.field(default_factory=dict)  # this rank's accounts and the last step's record
 
 
 def loop_settings(setup: Setup) -> LoopSettings:
@@ -96,8 +97,9 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
         result = train_step(strategy, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
         trace.losses.append(result.loss)
         trace.grad_norms.append(result.grad_norm)
-        strategy.take_step_meters()
+        step_record = strategy.take_step_meters().layout
     trace.params = strategy.full_state_dict()
+    trace.meters = strategy.accounts.meters() | {"step": step_record}
     return trace
 
 
@@ -135,9 +137,11 @@ def compare(ref: Trace, got: Trace) -> Comparison:
                       ref.losses == got.losses, all(torch.equal(ref.params[k], got.params[k]) for k in ref.params))
 
 
-def equivalence(world: World, specs: list[str], setup: Setup) -> dict[str, Comparison]:
-    """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank)."""
-    refs: dict[tuple[int, int], Trace] = {}
+def equivalence(world: World, specs: list[str], setup: Setup, refs: dict | None = None,
+                traces: dict | None = None) -> dict[str, Comparison]:
+    """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank); ``refs`` keeps
+    the references between calls of one setup, ``traces`` gets this rank's trace of each."""
+    refs = {} if refs is None else refs
     out = {}
     for spec in specs:
         parallel = parse_spec(spec)
@@ -149,6 +153,8 @@ def equivalence(world: World, specs: list[str], setup: Setup) -> dict[str, Compa
         trace = ref if spec == "single" else train_tiny(world, setup, parallel)
         if world.is_main:
             out[spec] = compare(ref, trace)
+        if traces is not None:
+            traces[spec] = trace
     return out
 
 

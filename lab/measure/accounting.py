@@ -469,28 +469,32 @@ def comm_elements_per_step(params: float, strategy: str, n_devices: int) -> floa
 
 
 def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: int, tp: int,
-                               sequence_parallel: bool = False, bytes_per_element: float = 4.0) -> dict[str, float]:
+                               sequence_parallel: bool = False, bytes_per_element: float = 4.0,
+                               layers: TensorLayers | None = None) -> dict[str, float]:
     """Bytes each rank sends per optimizer step over its tensor-parallel group of ``tp`` ranks, by collective.
 
-    Per micro-step of b sequences of s tokens, width h (Megatron-LM): every block all-reduces b·s·h
-    twice forward (attention output, MLP down) and twice backward (the inputs of QKV and MLP up);
-    the vocabulary-parallel embedding once forward and the head's input once backward; the loss
-    three times b·s (row max, sum of exponentials, target logit). With sequence parallelism each
-    all-reduce of b·s·h becomes an all-gather and a reduce-scatter (the same bytes), and the
-    gradients of the whole weights that act on sequence shards (norms, the row-parallel biases,
-    learned positions) are all-reduced once per micro-step. With fewer key/value heads than ``tp`` (GQA,
-    replicated), each block's key and value rows' gradients are all-reduced once per micro-step, every part
-    in its own slot (``n_kv_head`` slots of one head's rows).
+    Per micro-step of b sequences of s tokens, width h (Megatron-LM): every row-parallel layer all-reduces its
+    output, b·s·h, forward (attention output, MLP down) and every column-parallel layer its input's gradient
+    backward (QKV, MLP up): four per dense block, two per mixture-of-experts block (its MLP is not split); the
+    vocabulary-parallel embedding once forward and the head's input once backward; the loss three times b·s (row
+    max, sum of exponentials, target logit). With sequence parallelism each all-reduce of b·s·h becomes an
+    all-gather and a reduce-scatter (the same bytes), and the gradients of the whole weights that act on sequence
+    shards (norms, the row-parallel biases, learned positions) are all-reduced once per micro-step. With fewer
+    key/value heads than ``tp`` (GQA, replicated), each block's key and value rows' gradients are all-reduced once
+    per backward, every part in its own slot (``n_kv_head`` slots of one head's rows). ``layers`` says what this
+    rank holds and runs (a pipeline stage's share; by default the whole model).
     """
     out = dict.fromkeys(COLLECTIVES, 0.0)
     if tp == 1:
         return out
+    dense = 0 if moe_experts(cfg) else cfg.n_layer
+    held = layers or TensorLayers(cfg.n_layer + dense, cfg.n_layer + dense, cfg.n_layer, True, True, 1)
     activations = micro_batch * cfg.block_size * cfg.d_model
-    big = (4 * cfg.n_layer + 2) * activations  # elements all-reduced (or gathered and reduce-scattered)
-    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * micro_batch * cfg.block_size, tp)
+    big = (held.column + held.row + held.embeds + held.head) * activations  # elements all-reduced (or gathered...)
+    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * micro_batch * cfg.block_size, tp) if held.head else 0.0
     if kv_heads(cfg) < tp:
-        replicated = cfg.n_layer * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
-        out["all_reduce"] += ring_elements_sent("all_reduce", replicated, tp)
+        replicated = held.attention * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
+        out["all_reduce"] += held.backwards * ring_elements_sent("all_reduce", replicated, tp)
     if sequence_parallel:
         norms = 2 * cfg.n_layer + 1
         on_shards = norms * cfg.d_model * (2 if _norm_has_bias(cfg) else 1)
@@ -502,6 +506,20 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     else:
         out["all_reduce"] += ring_elements_sent("all_reduce", big, tp)
     return {k: v * accum_steps * bytes_per_element for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class TensorLayers:
+    """What one rank of a tensor-parallel group holds and runs: column- and row-parallel layers, attention layers (the
+    key/value rows), whether it runs the embedding and the head (a pipeline's first and last stage), and backwards
+    per micro-step (a pipeline's microbatches)."""
+
+    column: int
+    row: int
+    attention: int
+    embeds: bool
+    head: bool
+    backwards: int
 
 
 def _norm_has_bias(cfg: ModelShape) -> bool:

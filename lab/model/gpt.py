@@ -169,6 +169,14 @@ class MLP(nn.Module):
         return self.down(h)
 
 
+class Experts(nn.ModuleList):
+    """A mixture of experts' routed experts, run in one call: each ``(index, rows)`` through expert ``index`` apart
+    (a strategy that gathers a module's weights around its forward gathers them once for every call)."""
+
+    def forward(self, calls: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        return [self[index](rows) for index, rows in calls]
+
+
 class MoE(nn.Module):
     """Token-choice top-k mixture of experts (Shazeer et al. 2017; Switch, Fedus et al. 2021).
 
@@ -192,7 +200,7 @@ class MoE(nn.Module):
         self.normalize_gates = cfg.moe_top_k > 1 if cfg.moe_normalize_gates is None else cfg.moe_normalize_gates
         width = accounting.expert_width(cfg)
         self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg, width) for _ in range(self.n_experts))
+        self.experts = Experts(MLP(cfg, width) for _ in range(self.n_experts))
         self.shared = MLP(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # [E + 3]: assignments per expert, dropped, entropy sum, tokens
@@ -209,8 +217,7 @@ class MoE(nn.Module):
         kept = self.kept(choice)
         assigned = [torch.where((choice == e) & kept) for e in range(self.n_experts)]  # (token, slot) per expert
         rows = [flat[token] for token, _ in assigned]
-        outputs = (self.exchange(rows) if self.exchange is not None
-                   else [expert(r) for expert, r in zip(self.experts, rows)])
+        outputs = self.exchange(rows) if self.exchange is not None else self.experts(list(enumerate(rows)))
         out = torch.zeros_like(flat)
         for (token, slot), y in zip(assigned, outputs):
             out.index_add_(0, token, (y * gate[token, slot, None]).to(out.dtype))
@@ -374,6 +381,13 @@ class GPT(nn.Module):
             x = self.blocks[i](x, rope)
         return x
 
+    def stage(self, x: torch.Tensor, targets: torch.Tensor | None, indices: range, first: bool, last: bool
+              ) -> torch.Tensor:
+        """A pipeline stage's part of the forward: tokens ``x`` embedded (``first``) or a hidden state, through the
+        blocks ``indices``, to the loss against ``targets`` (``last``) or the hidden state to send on."""
+        h = self.run_blocks(self.embed(x) if first else x, indices)
+        return self.output(h, targets) if last else h
+
     def aux_loss(self, indices: range) -> torch.Tensor | None:
         """The auxiliary losses the mixture-of-experts layers of blocks ``indices`` left in their last forward, summed
         in order (None for a dense model): what a pipeline stage adds to its part of the loss."""
@@ -427,7 +441,7 @@ class GPT(nn.Module):
                             final_norm="norm_f", sequence_norms=norms + ["norm_f"],
                             positions=None if self.wpe is None else "wpe", vocab_size=self.vocab_size,
                             logit_divisor=self.width, split_heads=self._split_heads, config=cfg)
-        pipeline = PipelinePlan(embed="embed", run="run_blocks", head="output",
+        pipeline = PipelinePlan(embed="embed", run="run_blocks", head="output", stage="stage",
                                 units=[f"blocks.{i}" for i in range(len(self.blocks))],
                                 first=["wte"] + ([] if self.wpe is None else ["wpe"]),
                                 last=["norm_f", "wte" if self.lm_head is None else "lm_head"], width=cfg.d_model,

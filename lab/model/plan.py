@@ -75,7 +75,9 @@ class PipelinePlan:
     """How the model runs as a pipeline: ``embed`` on the first stage, then the ``units`` in order (a consecutive
     run of them on each stage), then ``head`` on the last. The three are names of the model's methods: ``embed``
     maps tokens to the hidden state [b, t, ``width``], ``run`` takes it through the units with the given indices,
-    ``head`` maps it and the targets to the loss. ``first`` and ``last`` name the modules ``embed`` and ``head``
+    ``head`` maps it and the targets to the loss; ``stage`` (tokens or a hidden state, targets, unit indices, whether
+    it is the first stage, whether the last) runs a stage's part of the three in one call, what a stage runs in place
+    of the forward. ``first`` and ``last`` name the modules ``embed`` and ``head``
     use; a parameter of both (a tied embedding) lives on the first stage and the last. ``aux_loss``, when set, names
     the method that gives the auxiliary losses the units with the given indices left in their last training forward
     (a mixture of experts' balance losses; None when there are none), which each stage adds to the loss."""
@@ -83,6 +85,7 @@ class PipelinePlan:
     embed: str
     run: str
     head: str
+    stage: str
     units: list[str]
     first: list[str]
     last: list[str]

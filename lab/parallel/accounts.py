@@ -246,14 +246,26 @@ class Zero3(Zero):
     """Stage 3 adds the gather pool and the weights gathered twice a micro-step."""
 
     def theory_comm(self) -> dict[str, float]:
-        """The weights are gathered twice in every micro-step, not once a step, less what the backward finds still
-        gathered from the forward (the root unit and the last block unit)."""
+        """The weights are gathered again and again (``Strategy.reshards``): each piece of the model's units twice per
+        forward and backward (M of each per micro-step under a pipeline), the root units once a micro-step, less
+        what one backward finds still gathered from its forward (without a pipeline, the root and the last piece);
+        or, kept gathered, every unit once a step."""
         s = self.strategy
         theory = super().theory_comm()
-        kept = s.root_size() + (sum(u.padded for u in s.forward_order[-1]) if s.forward_order else 0)
+        pieces = {id(u) for segment in s.forward_order for u in segment}
+        last = {id(u) for u in s.forward_order[-1]} if s.forward_order else set()
+        elements: dict[int, float] = {}
+        for u in s.units:
+            if not s.reshards:
+                times = 1 / s.loop.accum_steps  # once a step
+            elif s.microbatches > 1:
+                times = 2 * s.microbatches if id(u) in pieces else 1
+            else:
+                times = 1 if id(u) not in pieces or id(u) in last else 2
+            n = u.comm.world_size
+            elements[n] = elements.get(n, 0.0) + times * u.padded
         theory["all_gather"] = s.loop.accum_steps * self.width * sum(
-            accounting.ring_elements_sent("all_gather", 2 * count - (kept if n == self.world_size else 0), n)
-            for n, count in self.comm_elements().items())
+            accounting.ring_elements_sent("all_gather", count, n) for n, count in elements.items())
         return theory
 
     def pool_bytes(self) -> float:
@@ -280,16 +292,38 @@ class FSDP(Accounts):
         return "zero3"
 
     def comm_row(self) -> str | None:
-        return "zero3" if self.strategy.cfg.reshard_after_forward else "zero2"
+        return "zero3" if self.strategy.reshards else "zero2"
+
+    def _sharded(self) -> list[tuple[int, int, bool]]:
+        """(elements as FSDP sends them: each parameter's first dimension padded to a multiple of its group's size,
+        the group's size, whether it keeps its gathered weights from its forward to its backward) of every module
+        ``fully_shard`` was applied to."""
+        s, out, seen = self.strategy, [], set()
+        for name, world, kept in s.shards:
+            module, n = s.module.get_submodule(name) if name else s.module, world.world_size
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            seen |= {id(p) for p in params}
+            out.append((sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in params), n, kept))
+        return out
 
     def comm_elements(self) -> dict[int, int]:
-        """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of its group's size."""
+        """Ψ as FSDP sends it, by group size."""
         out: dict[int, int] = {}
-        for name, p in self.strategy.module.named_parameters():
-            if p.requires_grad:
-                n = self.strategy.world_of(name).world_size
-                out[n] = out.get(n, 0) + -(-p.shape[0] // n) * n * (p.numel() // p.shape[0])
+        for elements, n, _ in self._sharded():
+            out[n] = out.get(n, 0) + elements
         return out
+
+    def theory_comm(self) -> dict[str, float]:
+        """The reduce-scatter once a step; the all-gathers as FSDP2 runs them: reshards (``Strategy.reshards``), each
+        module gathered for every forward and backward (M of each a micro-step under a pipeline), or once per forward
+        where it keeps them until its backward (an expert); else every module once a step."""
+        s = self.strategy
+        theory = super().theory_comm()
+        steps, m = s.loop.accum_steps, s.microbatches
+        theory["all_gather"] = 4 * sum(
+            (steps * m * (1 if kept else 2) if s.reshards else 1) * accounting.ring_elements_sent("all_gather", e, n)
+            for e, n, kept in self._sharded())
+        return theory
 
 
 class DeepSpeed(Accounts):

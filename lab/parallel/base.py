@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -214,6 +215,18 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.syncing = True  # whether this micro-step's backward synchronises gradients (forward sets it)
         self.accounts = self.accounting(self)
+
+    @property
+    def microbatches(self) -> int:
+        """Forwards and backwards of the model's units per micro-step (a pipeline's microbatches)."""
+        return math.prod(t.microbatches() for t in self.transforms)
+
+    @property
+    def reshards(self) -> bool:
+        """Whether gathered weights are freed after each forward and backward (``parallel.reshard_after_forward``;
+        by default yes, but not under a pipeline, whose stage would gather them again for every microbatch)."""
+        setting = self.cfg.reshard_after_forward
+        return self.microbatches == 1 if setting is None else setting
 
     def describe(self) -> str:
         """The strategy as the run's start line names it, with each transform's part of the layout."""

@@ -153,8 +153,11 @@ class ParallelConfig:
                             "parameters (deepspeed)")
     deepspeed_config: str | None = _f(None, "a DeepSpeed JSON file passed through to the engine; it may repeat the "
                                             "values the lab owns but not contradict them (deepspeed)")
-    reshard_after_forward: bool = _f(True, "free gathered weights after each block's forward and gather them "
-                                           "again for its backward (fsdp; false: keep them, ZeRO-2-like)")
+    reshard_after_forward: bool | None = _f(None, "free gathered weights after each block's forward and gather them "
+                                                  "again for its backward (zero3, fsdp); false: keep them gathered "
+                                                  "until the step's last backward (one gather a step, ZeRO-2-like "
+                                                  "memory); default: true, false under a pipeline (torchtitan's "
+                                                  "policy: no gather per microbatch)")
     tp: int = _f(1, "tensor-parallel degree: groups of this many consecutive ranks split every block's matmuls, "
                     "the embedding and the loss (Megatron style); the strategy runs over the rest (data parallel)")
     tp_impl: str = _f("lab", "lab (hand-rolled tensor parallelism) or torch (the reference: DTensor's "

@@ -77,6 +77,10 @@ class Transform:
         """What the strategy's forward calls, given what it would call without this transform."""
         return model
 
+    def microbatches(self) -> int:
+        """How many forwards and backwards of the model's units one micro-step of the loop runs."""
+        return 1
+
     def entry_points(self) -> list[str]:
         """The model's methods this transform calls in place of its forward (a strategy that hooks the forward hooks
         these too)."""

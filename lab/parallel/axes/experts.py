@@ -91,7 +91,7 @@ class ExpertParallel(Transform):
                     moe.experts[e] = None
                 else:
                     self._renamed[f"{layer}.experts.{e}."] = f"{layer}.experts.{e - self.local.start}."
-            moe.exchange = functools.partial(self._exchange, [moe.experts[e] for e in self.local])
+            moe.exchange = functools.partial(self._exchange, moe.experts)
 
     def holds(self, name: str) -> bool:
         """Whether parameter ``name`` is one of this rank's experts' weights."""
@@ -111,16 +111,17 @@ class ExpertParallel(Transform):
 
     # ------------------------------------------------------------ the exchanges
 
-    def _exchange(self, experts: list[nn.Module], rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _exchange(self, experts: nn.Module, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each expert's rows (this rank's tokens, one tensor per expert of the layer) to the ranks holding the
-        experts, through them, and back: each expert's outputs, in the order its rows came."""
-        per = len(experts)
+        experts, through them (``experts``, in one call: each source rank's rows apart), and back: each expert's
+        outputs, in the order its rows came."""
+        per = len(self.local)
         counts = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=rows[0].device)
         arriving = self.all_to_all(counts, [per] * self.n, [per] * self.n).tolist()  # [source, local expert]
         sent = counts.view(self.n, per).sum(dim=1).tolist()
         received = [sum(arriving[s * per:(s + 1) * per]) for s in range(self.n)]
         inputs = _Exchange.apply(torch.cat(rows), sent, received, self).split(arriving)
-        outputs = [experts[j](inputs[s * per + j]) for s in range(self.n) for j in range(per)]
+        outputs = experts([(self.local[j], inputs[s * per + j]) for s in range(self.n) for j in range(per)])
         back = _Exchange.apply(torch.cat(outputs), received, sent, self)
         return list(back.split(counts.tolist()))
 

@@ -233,7 +233,10 @@ class Pipeline(Transform):
         return _Staged(self, strategy, model)
 
     def entry_points(self) -> list[str]:
-        return [self.plan.embed, self.plan.run, self.plan.head]
+        return [self.plan.stage]
+
+    def microbatches(self) -> int:
+        return self.m
 
     # ------------------------------------------------------------ point to point
 
@@ -276,9 +279,8 @@ class Pipeline(Transform):
                        stage: int) -> torch.Tensor:
         """(Virtual) stage ``stage``'s part of the forward: from the tokens ``x`` (the first) or the received
         ``hidden``, to the loss against ``y`` (the last) or the hidden state to send on."""
-        h = getattr(module, self.plan.embed)(x) if stage == 0 else hidden
-        h = getattr(module, self.plan.run)(h, self.runs[stage])
-        return getattr(module, self.plan.head)(h, y) if stage == len(self.runs) - 1 else h
+        return getattr(module, self.plan.stage)(x if stage == 0 else hidden, y, self.runs[stage], stage == 0,
+                                                stage == len(self.runs) - 1)
 
     def _hidden(self, module: nn.Module, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
         dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype

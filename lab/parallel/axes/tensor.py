@@ -245,6 +245,8 @@ class TensorParallel(Transform):
         self.comm = Comm(self.n, self.world.group, axis="tp")  # a failure names the axis
         self.splits: dict[str, Split] = {}  # parameter name → how it is cut
         self.plan: TensorPlan | None = None
+        self.model: nn.Module | None = None
+        self.backwards = 1  # per micro-step (a pipeline's microbatches: set by ``running``)
         self._last_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         self._whole = GroupReplicas(self.world)
 
@@ -255,7 +257,7 @@ class TensorParallel(Transform):
     def split(self, model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
         if plan.tensor is None:
             raise ConfigError(f"parallel.tp > 1: the model ({type(model).__name__}) declares no tensor plan")
-        self.plan = plan.tensor
+        self.plan, self.model = plan.tensor, model
         self.parallelize(model, plan)
         return dataclasses.replace(plan, initial_value=model.initial_value)
 
@@ -446,6 +448,10 @@ class TensorParallel(Transform):
         return [(lo, hi) for a, b in ranges for k_lo, k_hi in kept for lo, hi in [overlap((a, b), (k_lo, k_hi))]
                 if lo < hi]
 
+    def running(self, strategy: object, model: nn.Module) -> nn.Module:
+        self.backwards = strategy.microbatches
+        return model
+
     def replicas(self, name: str) -> GroupReplicas | None:
         """Every rank of the group holds a weight the split leaves whole."""
         return self._whole if name not in self.splits else None
@@ -472,10 +478,29 @@ class TensorParallel(Transform):
 
     def meters(self) -> dict[str, object]:
         """The group's bytes of the last step, and the bytes this rank sends per optimizer step over the group, by
-        collective, in theory (ring convention)."""
+        collective, in theory (ring convention) for the layers it holds (``held_layers``)."""
         theory = accounting.tensor_parallel_comm_bytes(self.plan.config, self.loop.micro_batch, self.loop.accum_steps,
-                                                       self.n, self.sequence_parallel)
+                                                       self.n, self.sequence_parallel, layers=self.held_layers())
         return {"tp_comm_bytes_per_step": dict(self._last_bytes), "tp_comm_bytes_per_step_theory": theory}
+
+    def held_layers(self) -> accounting.TensorLayers:
+        """What this rank holds of the split: where a later transform dropped layers (a pipeline stage), the column-
+        and row-parallel ones left, whether it runs the embedding (it holds it, and not merely as the head of the last
+        stage of several) and the head (it holds the final norm)."""
+        def held(name: str) -> bool:
+            try:
+                return self.model.get_submodule(name) is not None
+            except AttributeError:
+                return False
+
+        column = [name for name in self.plan.column if held(name)]
+        row = [name for name in self.plan.row if held(name)]
+        head = held(self.plan.final_norm)
+        tied_head = self.plan.head_weight.rpartition(".")[0] == self.plan.embedding
+        staged = len(column) < len(self.plan.column)
+        embeds = held(self.plan.embedding) and not (head and tied_head and staged)
+        attention = sum(1 for name in column if self.splits[f"{name}.weight"].shared)
+        return accounting.TensorLayers(len(column), len(row), attention, embeds, head, self.backwards)
 
     def paused(self) -> contextlib.AbstractContextManager:
         return self.comm.paused()

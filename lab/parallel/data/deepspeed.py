@@ -223,8 +223,8 @@ class DeepSpeed(Strategy):
     offload_modes = ("none", "optimizer", "all")
     accounting = accounts.DeepSpeed
     shards = "optimizer"
-    owns_step = ("its engine owns the whole step and the whole world's group (DeepSpeed's own pipeline, tensor and "
-                 "expert engines are not wired in); choose single, ddp_naive, ddp, torch_ddp, zero1-3 or fsdp")
+    owns_step = ("its engine owns the whole step over the whole world (DeepSpeed's own pipeline and tensor engines are "
+                 "not wired in); choose any other strategy")
 
     def describe(self) -> str:
         return f"{self.name} (ZeRO stage {self.cfg.zero_stage})"

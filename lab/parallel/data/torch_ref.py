@@ -41,7 +41,7 @@ class TorchDDP(Strategy):
                                       process_group=self.world.group, **compat.ddp_without_buffer_sync())
         ddp.register_comm_hook(state=None, hook=self._all_reduce)
         self._launched = self._done = 0.0
-        self._ddp = ddp
+        self._ddp, self._readied = ddp, False
         return ddp
 
     def _all_reduce(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -62,11 +62,13 @@ class TorchDDP(Strategy):
     def autograd(self, loss, grad=None) -> None:
         """Where a transform calls the model's methods in place of DDP's forward (a pipeline stage), the reducer is
         readied for the micro-step's last backward here, as DDP's forward would have."""
-        if self.syncing and self.model is not self._ddp:
+        if self.syncing and self.model is not self._ddp and not self._readied:  # once, for the step's last backward
             compat.ddp_expect_backward(self._ddp)
+            self._readied = True
         super().autograd(loss, grad)
 
     def sync_gradients(self) -> None:
+        self._readied = False
         self.comm.add_wait(max(0.0, self._done - self._launched))
         for name, p in self._apart:
             if p.grad is None:
@@ -80,8 +82,8 @@ class FSDP(Strategy):
     ZeRO stages.
 
     Built on the meta device and materialised shard by shard from the plan's ``initial_value``.
-    ``parallel.reshard_after_forward`` true frees each block's gathered weights after its forward
-    (ZeRO-3-like); false keeps them until its backward (ZeRO-2-like traffic, more memory).
+    ``parallel.reshard_after_forward`` (``reshards``) true frees each block's gathered weights after its forward and
+    its backward (ZeRO-3-like); false keeps them until the step's last backward (ZeRO-2-like traffic, more memory).
     ``parallel.offload optimizer`` applies ``CPUOffloadPolicy``: sharded weights, gradients and
     optimizer states live on the host. Gradient sync on the last accumulation micro-step only
     (``set_requires_gradient_sync``). Traffic is counted by wrapping the collectives FSDP calls.
@@ -98,17 +100,22 @@ class FSDP(Strategy):
         mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
         offload = self.cfg.offload == "optimizer"
         policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
+        # every module fully_shard was applied to, whether it keeps its gathered weights from its forward to its
+        # backward, the root last
+        self.shards: list[tuple[str, World, bool]] = []
         for name, world in self._held_apart(module):  # sharded over their own ranks, averaged over the data axis
             sub = module.get_submodule(name)
-            fully_shard(sub, mesh=world.device_mesh, reshard_after_forward=self.cfg.reshard_after_forward,
-                        offload_policy=policy)
+            fully_shard(sub, mesh=world.device_mesh, reshard_after_forward=self.reshards, offload_policy=policy)
             sub.set_gradient_divide_factor(self.world.world_size)
             # summed, then divided: gloo has no pre-scaled sum (on one rank FSDP only divides, and would twice)
             sub.set_force_sum_reduction_for_comms(world.world_size > 1)
+            self.shards.append((name, world, not self.reshards))
         for name in self.plan.units:
-            fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward,
+            fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=self.reshards,
                         offload_policy=policy)
-        fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, offload_policy=policy)
+            self.shards.append((name, self.world, not self.reshards))
+        fully_shard(module, mesh=mesh, reshard_after_forward=self.reshards, offload_policy=policy)
+        self.shards.append(("", self.world, not self.reshards))
         for transform in self.transforms:  # methods called in place of the forward (a pipeline stage's) gather too
             for method in transform.entry_points():
                 register_fsdp_forward_method(module, method)
@@ -144,6 +151,8 @@ class FSDP(Strategy):
         """A pipeline stage runs several backwards per micro-step: gradients reduce-scatter on the last of them
         (``syncing``) only."""
         self.module.set_requires_gradient_sync(self.syncing)
+        if not self.reshards:  # gathered weights kept until the step's last backward
+            self.module.set_reshard_after_backward(self.syncing)
         with self.comm.counting_torch():
             super().autograd(loss, grad)
 

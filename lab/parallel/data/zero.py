@@ -54,6 +54,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -450,7 +451,7 @@ class Zero3(Zero):
         self._spares: dict[int, list[torch.Tensor]] = {}  # idle pool buffers by their number of elements
         self._pooled = 0  # elements in pool buffers, idle or lent
         for (modules, _), segment in zip(self._segments, self.forward_order, strict=True):
-            modules[0].register_forward_pre_hook(lambda mod, args, seg=segment: self._before_forward(seg))
+            modules[0].register_forward_pre_hook(lambda mod, args, seg=segment: self._before_forward(seg, args))
             modules[-1].register_forward_hook(lambda mod, args, out, seg=segment: self._after_forward(seg, out))
         return module
 
@@ -552,17 +553,24 @@ class Zero3(Zero):
         i = self.forward_order.index(segment) + step
         return self.forward_order[i] if 0 <= i < len(self.forward_order) else []
 
-    def _before_forward(self, segment: list[Unit]) -> None:
+    def _before_forward(self, segment: list[Unit], args: tuple) -> tuple | None:
         self._gather(segment)
-        if not compat.in_backward():  # not a recomputation inside the backward
-            self._prefetch(self._next(segment, +1))
+        if compat.in_backward():  # a recomputation inside the backward
+            return None
+        self._prefetch(self._next(segment, +1))
+        if self.reshards and self.microbatches > 1 and torch.is_grad_enabled() and args[0].requires_grad:
+            # several backwards a micro-step: each frees the piece once its gradient passed the piece's input
+            return (_AfterBackward.apply(args[0], lambda: self._free(segment)), *args[1:])
+        return None
 
     def _after_forward(self, segment: list[Unit], out: torch.Tensor) -> None:
         if compat.in_backward():  # a recomputation inside the backward: keep them
             return
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(lambda grad: (self._before_backward(segment), grad)[1])
-            if segment is self.forward_order[-1] or not self.cfg.reshard_after_forward:  # kept for the backward
+            if not self.reshards:  # kept until the step's last backward
+                return
+            if self.microbatches == 1 and segment is self.forward_order[-1]:  # the backward starts with it: kept
                 return
         self._free(segment)
 
@@ -571,7 +579,7 @@ class Zero3(Zero):
         self._prefetch(self._next(segment, -1))
 
     def _unit_done(self, unit: Unit) -> None:
-        if unit not in self._roots and self.cfg.reshard_after_forward:  # the roots stay for the micro-step
+        if unit not in self._roots and self.reshards and self.microbatches == 1:  # the roots stay for the micro-step
             self._free([unit])
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
@@ -584,7 +592,8 @@ class Zero3(Zero):
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
-        self._free(self.units)  # units with a parameter unused in this micro-step are still gathered
+        if self.reshards or self.syncing:  # units with a parameter unused in this micro-step are still gathered
+            self._free(self.units)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -594,3 +603,17 @@ class Zero3(Zero):
                 return super().eval_loss(x, y)
             finally:
                 self._free(self._roots)
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity forward; once the gradient reaches this input, ``then()`` (a piece's weights are no longer needed)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, then: Callable[[], None]) -> torch.Tensor:
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.then()
+        return grad, None
