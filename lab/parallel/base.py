@@ -483,6 +483,18 @@ class Strategy:
         self._after_load = [after[key] for key in state if key in after]
         return state
 
+    def held_state(self) -> CheckpointState:
+        """Every weight and AdamW moment, flattened, as this rank holds it (``holding``): the views
+        ``checkpoint_state`` places in the whole tensors."""
+        self.materialize_states()
+        state: CheckpointState = {}
+        for piece in self.holding():
+            for key, view in piece.views():
+                state[key] = Held(piece.numel, piece.lo if view.numel() else 0, view) if piece.sharded else view
+            if piece.moments is not None:
+                state[f"optim/{piece.name}/step"] = piece.moments["step"]
+        return state
+
     def _share_loaded(self, name: str, replicas: list[Replicas], lo: int, view: torch.Tensor) -> None:
         for group in replicas:
             group.share(view)
