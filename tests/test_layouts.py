@@ -165,3 +165,36 @@ def test_a_checkpoint_moves_between_layouts_every_weight_and_moment_intact(tmp_p
     assert _same(zero3, zero2) and _same(zero2, single)
     stored = checkpoint.load_everything(checkpoint.latest(single))
     assert {f"optim/{n}/exp_avg" for n, _ in GPT(MOE).named_parameters()} <= stored.keys()
+
+
+# ---------------------------------------------------------------- the experts' exchanges beside other axes
+
+
+def _exchanged(world: World, spec: str) -> dict:
+    """One step under ``spec``: the bytes this rank's exchanges sent, and the bytes its router's counts imply (rows
+    to the experts on other ranks and back, forward and backward, plus each microbatch's count exchange)."""
+    parallel = parse_spec(spec)
+    strategy = _built(world, spec)
+    replica, replicas = Layout.of(parallel, world.world_size).data_replica(world.rank)
+    x, y = batch(Setup(model=MOE), 0, 4 * replicas)
+    strategy.module.take_router_counts()
+    train_step(strategy, world, [(x[4 * replica:4 * replica + 4], y[4 * replica:4 * replica + 4])], 1, 1e-2, 1.0)
+    sent = strategy.take_step_meters().layout["ep_a2a_bytes"]
+    experts = next(t for t in strategy.transforms if t.name == "ep")
+    mine = strategy.module.take_router_counts()[:, :MOE.moe_experts]  # [layer, expert]: this rank's assignments
+    group = experts.axis.sum(mine)
+    held = list(experts.local)
+    elsewhere = [e for e in range(MOE.moe_experts) if e not in held]
+    rows = mine[:, elsewhere].sum() + (group - mine)[:, held].sum()
+    layers = sum(1 for block in strategy.module.blocks if block is not None)
+    counts = strategy.microbatches * layers * len(held) * (experts.n - 1) * 8
+    return {"sent": sent, "implied": 2 * rows.item() * MOE.d_model * 4 + counts}
+
+
+@pytest.mark.slow
+def test_the_exchanges_send_what_the_routing_implies_beside_tp_and_pp():
+    """ep 2 with tp 2 (each tensor rank exchanges with its expert group at its own tensor coordinate) and with pp 2 (each
+    stage's layers, every microbatch): the all-to-all bytes measured equal those the router's counts imply."""
+    for spec in ("ddp:ep=2,tp=2", "zero2:ep=2,pp=2,pp_microbatches=2"):
+        for got in run_pooled(_exchanged, 4, spec):
+            assert got["sent"] == got["implied"] and got["sent"] > 0, (spec, got)

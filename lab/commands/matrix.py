@@ -172,6 +172,23 @@ def run(cells: list[Layout], deadline_s: float = 1800.0) -> list[Row]:
     return rows
 
 
+def summary(rows: list[Row]) -> str:
+    """Per strategy: the layouts trained (and on how many ranks), how many held their tolerance and their meters, the
+    worst differences over them, and the refused ones."""
+    lines = ["| strategy | layouts trained | ranks | within tolerance | worst loss | worst grad norm | worst weight | "
+             "refused |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for name in STRATEGIES:
+        mine = [r for r in rows if r.layout.strategy == name]
+        ran = [r for r in mine if r.refused is None]
+        if not mine:
+            continue
+        ranks = ", ".join(str(n) for n in sorted({r.layout.ranks for r in ran})) or "-"
+        worst = [max((getattr(r, k) for r in ran), default=0.0) for k in ("loss", "grad_norm", "params")]
+        lines.append(f"| {name} | {len(ran)} | {ranks} | {sum(r.passed for r in ran)} | {worst[0]:.1e} | "
+                     f"{worst[1]:.1e} | {worst[2]:.1e} | {len(mine) - len(ran)} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[Row]) -> str:
     lines = ["| strategy | dp | tp | pp | ep | ranks | model | arch | loss | grad norm | max abs weight | s | result |",
              "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|"]
@@ -220,8 +237,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab matrix") -> i
     ran = sum(row.refused is None for row in rows)
     print(f"{ran} trained, {len(rows) - ran} refused, {len(failed)} outside tolerance, "
           f"{time.perf_counter() - started:.0f} s", flush=True)
+    print(summary(rows), flush=True)
     if args.out:
-        write_atomic(Path(args.out), markdown(rows))
+        write_atomic(Path(args.out), f"{summary(rows)}\n{markdown(rows)}")
     return 1 if failed else 0
 
 

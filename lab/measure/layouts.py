@@ -15,8 +15,9 @@ Time, a model and not a measurement (every term is printed beside the total):
   the lab's does), overlapped with the backward (2/3 of the compute): only what exceeds it counts.
 Bytes are bf16 (2 per value); links run at ``intra`` bytes/s within a node and ``inter`` between nodes.
 
-Memory per GPU, the fullest stage: its blocks plus the embedding (first stage) or the final norm and an
-untied head (last; a tied head is a second copy of the embedding), split tp ways, as model states under
+Memory per GPU, the fullest stage (``accounting.rank_params``, the share the lab's runs hold): its blocks plus the
+embedding (first stage) or the final norm and the head (last; a tied head is a second copy of the embedding), split
+tp ways, as model states under
 the ZeRO stage over dp (``accounting.model_state_bytes``, 16 B per parameter in mixed precision); and its
 activations (``accounting.activation_bytes``): 1F1B keeps min(pp, m) micro-batches in flight on the first
 stage, one (with its logits) on the last.
@@ -99,7 +100,7 @@ def cost(cfg: ModelShape, tp: int, pp: int, stage: str, micro_batch: int, batch_
     pp_bytes = 0.0 if pp == 1 else 2 * m * boundary  # a middle stage: activations on, gradients back
     pp_link = cluster.inter if cluster.n_gpus // pp >= cluster.gpus_per_node else cluster.intra
     dp_link = cluster.inter if tp * dp > cluster.gpus_per_node else cluster.intra
-    params = accounting.stage_params(cfg, pp) / tp
+    params = accounting.rank_params(cfg, tp, pp)[0]  # the fullest stage's share of one rank (the lab's own split)
     sent = accounting.comm_bytes_per_step(params, stage, dp, BYTES_PER_VALUE)
     dp_bytes = sum(sent.values()) + (m - 1) * sent["all_gather"] * (stage == "zero3")
     dp_s = dp_bytes / dp_link

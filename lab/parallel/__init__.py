@@ -27,6 +27,7 @@ from lab.parallel.data.deepspeed import DeepSpeed
 from lab.parallel.data.single import Single
 from lab.parallel.data.torch_ref import FSDP, TorchDDP
 from lab.parallel.data.zero import Zero1, Zero2, Zero3
+from lab.parallel.layout import OPTIONS as layout_options
 from lab.parallel.layout import Layout, LoopSettings, World, refuse_model
 from lab.runtime import compat
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
@@ -68,7 +69,7 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
             raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{value}'"
                               f"{did_you_mean(value, allowed)}")
     for option in changed_options(cfg):
-        if option not in cls.options:
+        if option not in cls.options | layout_options:
             users = [name for name, c in STRATEGIES.items() if option in c.options]
             raise ConfigError(f"parallel.{option} has no effect under strategy '{cls.name}' "
                               f"(it applies to: {', '.join(users) or 'no strategy'})")

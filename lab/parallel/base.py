@@ -171,10 +171,8 @@ class Strategy:
     """Plain replicated training: every rank holds the whole model (what ``single`` runs)."""
 
     name: ClassVar[str]
-    # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
-    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel",
-                                                   "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
-                                                   "pp_impl", "ep"})
+    # [parallel] options it reads, beyond strategy, timeout_s and the layout's (``lab.parallel.layout.OPTIONS``)
+    options: ClassVar[frozenset[str]] = frozenset()
     accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
@@ -441,6 +439,13 @@ class Strategy:
     def _handed_over(self, piece: Piece) -> bool:
         """Whether this rank is the first of every group holding the same values of ``piece``."""
         return all(r.is_first for r in self._replicas(piece))
+
+    def sum_token_figures(self, figures: torch.Tensor) -> torch.Tensor:
+        """Per-token figures (a router's counts) summed over every rank of the run, each token once (a rank whose
+        tokens another rank also runs adds nothing)."""
+        if not all(t.sees_own_tokens() for t in self.transforms):
+            figures = torch.zeros_like(figures)
+        return self.everyone.sum(figures)
 
     @torch.no_grad()
     def params_finite(self) -> bool:

@@ -38,6 +38,9 @@ from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first: stages and data replicas span nodes, the tensor axis stays in one
 MESH_DIMS = ("pp", "edp", "ep", "cp", "tp")  # the device mesh's dimensions (dp = edp × ep)
+# the [parallel] options of the layout, which every strategy runs with (one that owns the step refuses the axes)
+OPTIONS = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel", "pp", "pp_schedule",
+                     "pp_microbatches", "pp_virtual", "pp_impl", "ep"})
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,7 @@ def moe_record(strategy: Strategy, world: World, top_k: int) -> dict[str, float]
     empty for a dense model. Every rank calls it at the same steps (an all-reduce)."""
     take = getattr(strategy.module, "take_router_counts", None)
     counts = take() if take is not None else None
-    return {} if counts is None else router_meters(world.sum(counts).cpu(), top_k)
+    return {} if counts is None else router_meters(strategy.sum_token_figures(counts).cpu(), top_k)
 
 
 # ---------------------------------------------------------------- one step

@@ -124,6 +124,10 @@ class Transform:
     def after_load(self, name: str, lo: int, view: torch.Tensor) -> None:
         """What follows a load of this rank's elements [lo, lo + len(view)) of ``name`` beyond sharing replicas."""
 
+    def sees_own_tokens(self) -> bool:
+        """Whether this rank's per-token figures (a router's counts) are its own, not another rank's copy."""
+        return True
+
     def take_meters(self) -> AxisMeters:
         """This step's figures (once per step: every rank calls it)."""
         return AxisMeters()

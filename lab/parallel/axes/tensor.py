@@ -452,6 +452,10 @@ class TensorParallel(Transform):
         self.backwards = strategy.microbatches
         return model
 
+    def sees_own_tokens(self) -> bool:
+        """Every rank of the group runs the same tokens (without sequence parallelism): the first counts them."""
+        return self.rank == 0 or self.sequence_parallel
+
     def replicas(self, name: str) -> GroupReplicas | None:
         """Every rank of the group holds a weight the split leaves whole."""
         return self._whole if name not in self.splits else None

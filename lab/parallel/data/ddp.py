@@ -33,8 +33,8 @@ from lab.parallel.comm import Comm, InOrder, buckets
 
 
 def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step); an expert split by
-    ``parallel.ep``, the first rank's of those holding it."""
+    """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step); a parameter
+    averaged over other ranks than the data axis (``comm_of``), the first rank's of those."""
     with torch.no_grad():
         for name, tensor in module.named_parameters():
             comm = strategy.comm_of(name)

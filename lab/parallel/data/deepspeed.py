@@ -223,8 +223,7 @@ class DeepSpeed(Strategy):
     offload_modes = ("none", "optimizer", "all")
     accounting = accounts.DeepSpeed
     shards = "optimizer"
-    owns_step = ("its engine owns the whole step over the whole world (DeepSpeed's own pipeline and tensor engines are "
-                 "not wired in); choose any other strategy")
+    owns_step = "its engine owns the whole step over the whole world; choose any other strategy"
 
     def describe(self) -> str:
         return f"{self.name} (ZeRO stage {self.cfg.zero_stage})"

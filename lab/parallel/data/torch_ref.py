@@ -32,7 +32,7 @@ class TorchDDP(Strategy):
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
-        # weights averaged over other ranks than the data axis (an expert's holders) are synced by hand
+        # weights averaged over other ranks than the data axis (``comm_of``) are synced by hand
         self._apart = [(name, p) for name, p in module.named_parameters() if self.world_of(name) is not self.world]
         if self._apart:
             compat.ddp_ignore(module, [name for name, _ in self._apart])
@@ -60,8 +60,8 @@ class TorchDDP(Strategy):
         return super().forward(x, y, sync=sync)
 
     def autograd(self, loss, grad=None) -> None:
-        """Where a transform calls the model's methods in place of DDP's forward (a pipeline stage), the reducer is
-        readied for the micro-step's last backward here, as DDP's forward would have."""
+        """Where a transform calls the model's methods in place of DDP's forward, the reducer is readied for the
+        step's last backward here, as DDP's forward would have."""
         if self.syncing and self.model is not self._ddp and not self._readied:  # once, for the step's last backward
             compat.ddp_expect_backward(self._ddp)
             self._readied = True
@@ -116,7 +116,7 @@ class FSDP(Strategy):
             self.shards.append((name, self.world, not self.reshards))
         fully_shard(module, mesh=mesh, reshard_after_forward=self.reshards, offload_policy=policy)
         self.shards.append(("", self.world, not self.reshards))
-        for transform in self.transforms:  # methods called in place of the forward (a pipeline stage's) gather too
+        for transform in self.transforms:  # methods a transform calls in place of the forward gather too
             for method in transform.entry_points():
                 register_fsdp_forward_method(module, method)
         module.to_empty(device=torch.device("cpu") if offload else self.world.device)
@@ -130,7 +130,7 @@ class FSDP(Strategy):
 
     def _held_apart(self, module: nn.Module) -> list[tuple[str, World]]:
         """The largest submodules with a forward whose weights all average over other ranks than the data axis (a
-        transform's: an expert's holders), with those ranks."""
+        transform's), with those ranks."""
         found: list[tuple[str, World]] = []
         for name, sub in module.named_modules():
             if type(sub).forward is nn.Module.forward:  # a container (ModuleList): its children are sharded
@@ -148,7 +148,7 @@ class FSDP(Strategy):
             return super().forward(x, y, sync=sync)
 
     def autograd(self, loss, grad=None) -> None:
-        """A pipeline stage runs several backwards per micro-step: gradients reduce-scatter on the last of them
+        """A transform may run several backwards per micro-step: gradients reduce-scatter on the last of them
         (``syncing``) only."""
         self.module.set_requires_gradient_sync(self.syncing)
         if not self.reshards:  # gathered weights kept until the step's last backward

@@ -98,7 +98,7 @@ class Unit:
     gathering: dist.Work | Exchange | None = None  # stage 3: the prefetch's all-gather, until waited
     lent: torch.Tensor | None = None  # stage 3: the pool's buffer whose memory flat's storage holds while gathered
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
-    rank: int = 0  # this rank's place among those sharing the unit (the data axis; an expert's: edp)
+    rank: int = 0  # this rank's place among those sharing the unit (the data axis, or a transform's: ``comm_of``)
     comm: Comm | None = None  # their collectives
 
     def in_chunk(self, rank: int, offset: int, size: int) -> tuple[int, int]:
@@ -149,7 +149,7 @@ class Zero(Strategy):
     accounting = accounts.Zero
 
     def held_apart(self) -> set[str]:
-        """Parameters the transforms complete after the sync (a weight two pipeline stages hold)."""
+        """Parameters the transforms complete after the sync (a weight two ranks of another axis hold)."""
         return {name for transform in self.transforms for name in transform.held_apart()}
 
     @property
@@ -160,7 +160,7 @@ class Zero(Strategy):
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
         """Buckets of ``bucket_mb`` in backward order (reverse registration), each over one data-parallel group (an
-        expert's is over its holders); a parameter a transform completes after the sync (``held_apart``) is a unit
+        transform may name another); a parameter a transform completes after the sync (``held_apart``) is a unit
         alone, laid out alike on every rank that holds it. Stage 3 overrides."""
         params, apart = dict(module.named_parameters()), self.held_apart()
         order = [n for n in reversed(trainable) if n not in apart]
@@ -407,7 +407,7 @@ class Zero3(Zero):
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
         """The pieces of the plan's units (``lab.model.plan.segments``), each one unit per data-parallel group (an
-        expert's weights over their holders), then the root units: the rest (and any parameter two pieces share, as
+        transform may name another), then the root units: the rest (and any parameter two pieces share, as
         a tied weight), and each parameter a transform completes after the sync alone; in the order gradients
         complete."""
         canonical = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
