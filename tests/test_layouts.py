@@ -198,3 +198,22 @@ def test_the_exchanges_send_what_the_routing_implies_beside_tp_and_pp():
     for spec in ("ddp:ep=2,tp=2", "zero2:ep=2,pp=2,pp_microbatches=2"):
         for got in run_pooled(_exchanged, 4, spec):
             assert got["sent"] == got["implied"] and got["sent"] > 0, (spec, got)
+
+
+# ---------------------------------------------------------------- the code's shape
+
+
+def test_no_data_parallel_strategy_names_an_axis():
+    """The strategies (``lab/parallel/data/``) and the base they loop in name no axis: each axis lives in its own file
+    of ``lab/parallel/axes/`` and answers the ``Transform`` protocol; an axis that is off is absent from the list,
+    not a stand-in."""
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "lab" / "parallel"
+    axis = re.compile(r"\b(pipeline|pipelined|experts?|tensor[- ]parallel\w*|tp|pp|ep|cp|context[- ]parallel\w*)\b",
+                      re.IGNORECASE)
+    for path in [*sorted((root / "data").glob("*.py")), root / "base.py"]:
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        found = [m.group(0) for m in axis.finditer(code)]
+        assert not found, (path.name, found[:5])
+    assert not re.search(r"class (Unsplit|Unpiped)\b", "".join(p.read_text() for p in root.rglob("*.py")))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -224,8 +225,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab matrix") -> i
         print("error: --max-ranks must be at least 2", file=sys.stderr)
         return 2
     cells = layouts(args.max_ranks, strategies, models, archs)
-    print(f"{len(cells)} layouts on up to {args.max_ranks} gloo ranks, each against single "
-          f"({SETUP.steps} steps of {SETUP.accum} micro-steps, clipped at {SETUP.grad_clip})", flush=True)
+    header = (f"{len(cells)} layouts on up to {args.max_ranks} gloo ranks, each against single ({SETUP.steps} steps of "
+              f"{SETUP.accum} micro-steps, clipped at {SETUP.grad_clip}); {time.strftime('%Y-%m-%d')}, "
+              f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start")
+    print(header, flush=True)
     print(HEADER, flush=True)
     started = time.perf_counter()
     try:
@@ -235,11 +238,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab matrix") -> i
         return 1
     failed = [row for row in rows if row.refused is None and not row.passed]
     ran = sum(row.refused is None for row in rows)
-    print(f"{ran} trained, {len(rows) - ran} refused, {len(failed)} outside tolerance, "
-          f"{time.perf_counter() - started:.0f} s", flush=True)
+    footer = (f"{ran} trained, {len(rows) - ran} refused, {len(failed)} outside tolerance, "
+              f"{time.perf_counter() - started:.0f} s (load {os.getloadavg()[0]:.1f} at the end)")
+    print(footer, flush=True)
     print(summary(rows), flush=True)
     if args.out:
-        write_atomic(Path(args.out), f"{summary(rows)}\n{markdown(rows)}")
+        write_atomic(Path(args.out), f"`{prog} {' '.join(argv or sys.argv[1:])}`: {header}; {footer}.\n\n"
+                                     f"{summary(rows)}\n{markdown(rows)}")
     return 1 if failed else 0
 
 

@@ -15,7 +15,7 @@ and the run directory. The loop's side, in order::
     strategy.eval_loss(x, y); strategy.checkpoint_state() (+ after_load()); strategy.full_state_dict()
     strategy.accounts.meters()                                      # model-state and comm bytes vs theory
 
-A strategy is a data-parallel placement over the layout's data axis (``lab.parallel.layout``: dp × cp) that loops
+A strategy is a data-parallel placement over the layout's data axis (``lab.parallel.layout``) that loops
 over the layout's transforms (``lab.parallel.axes``), in their order, for everything the axes change: building
 (each transform's ``split``, then ``wrap``, then each one's ``running``), the start line, the autograd pass, the
 global gradient norm, meters, evaluation, checkpoint state and export. It never names an axis.
@@ -40,7 +40,7 @@ A new data-parallel strategy overrides what differs from plain replicated traini
 (placement), ``forward`` and ``backward`` (gradient sync; ``scaled`` when it scales the loss before the autograd
 pass), ``step`` and ``zero_grad``, ``holding`` (when it shards) and ``restore_derived`` (when weights derive from
 shards); and it names the ``accounting`` it is measured against (``lab.parallel.accounts``). Its gradient sync
-averages each parameter over ``comm_of(p)`` (the data axis, or the ranks a transform says: an expert's holders).
+averages each parameter over ``comm_of(name)`` (the data axis, or the ranks a transform names for it).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
 @dataclass(frozen=True)
 class Piece:
     """What this rank holds of one parameter: elements [lo, lo + len(weight)) of the flattened local weight of
-    ``numel`` elements and ``shape`` (under tensor parallelism, this rank's shard), the same elements of its gradient,
+    ``numel`` elements and ``shape`` (where a transform splits it, this rank's part), the same elements of its gradient,
     and the AdamW state whose tensors hold them from element ``moments_lo`` on. ``sharded``: the ranks of the data
     axis hold different ranges (every rank then hands over its range, possibly empty); else ``replicas`` are the
     data-parallel ranks holding it whole too."""
@@ -216,13 +216,14 @@ class Strategy:
 
     @property
     def microbatches(self) -> int:
-        """Forwards and backwards of the model's units per micro-step (a pipeline's microbatches)."""
+        """Forwards and backwards of the model's units per micro-step (``Transform.microbatches``)."""
         return math.prod(t.microbatches() for t in self.transforms)
 
     @property
     def reshards(self) -> bool:
         """Whether gathered weights are freed after each forward and backward (``parallel.reshard_after_forward``;
-        by default yes, but not under a pipeline, whose stage would gather them again for every microbatch)."""
+        by default yes, but not where a transform runs several microbatches a micro-step, each of which would gather
+        them again)."""
         setting = self.cfg.reshard_after_forward
         return self.microbatches == 1 if setting is None else setting
 
@@ -269,7 +270,7 @@ class Strategy:
 
     def world_of(self, name: str) -> World:
         """The ranks parameter ``name``'s gradient is averaged over: the data axis, or those a transform names (an
-        expert's holders)."""
+        transform names for it)."""
         return self._data_group(name)[0]
 
     def comm_of(self, name: str) -> Comm:
@@ -301,7 +302,7 @@ class Strategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients of ``loss``; on a synced micro-step the data-parallel strategy syncs them (``sync_gradients``)
-        and the transforms finish what that leaves partial (a weight two pipeline stages hold): complete when it
+        and the transforms finish what that leaves partial (a weight two ranks of another axis hold): complete when it
         returns."""
         self.autograd(self.scaled(loss))
         if self.syncing:
@@ -338,14 +339,14 @@ class Strategy:
             torch.autograd.backward(loss, grad)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """What the autograd pass of ``loss`` starts from (a pipeline's last stage scales each microbatch's so)."""
+        """What the autograd pass of ``loss`` starts from (a transform that runs microbatches scales each one's so)."""
         return loss
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
 
         Each rank adds the squares of the gradient it holds (``holding``) where it is the first of the ranks holding
-        the same values (``_handed_over``), over the parts each transform lets it count (a tensor-parallel weight's
+        the same values (``_handed_over``), over the parts each transform lets it count (a split weight's
         replicated rows once); one sum over every rank of the run gives the norm.
         """
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
@@ -360,7 +361,7 @@ class Strategy:
                 squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
         norm = self.everyone.sum(squares).sqrt()
         if max_norm > 0:
-            by_mesh: dict[int, list[torch.Tensor]] = {}  # DTensors of different meshes (FSDP's experts) apart
+            by_mesh: dict[int, list[torch.Tensor]] = {}  # DTensors of different meshes (FSDP over two groups) apart
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:

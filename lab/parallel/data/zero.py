@@ -39,6 +39,16 @@ with the trainable weights, so every rank starts from the same values).
   the root unit and the last block unit stay gathered into it (their pool buffers would lie idle
   meanwhile) instead of being freed and
   gathered again. The optimizer updates the shards in place, so no all-gather follows the step.
+  Where a transform runs several forwards and backwards a micro-step (a stage's microbatches,
+  ``Strategy.microbatches``), each piece is freed after each forward and once its gradient has passed
+  its input in each backward (``_AfterBackward``): 2M gathers a micro-step. With
+  ``parallel.reshard_after_forward`` false (the default then) every unit stays gathered from its first use to the
+  step's last backward: one gather a step.
+
+Every unit holds the parameters of one data-parallel group (``comm_of``): its ranks share it (a
+transform may average some parameters over other ranks than the data axis). A parameter a transform
+completes after the sync (``held_apart``: summed between two ranks of another axis) is a unit alone,
+laid out alike wherever it is held, so the two ranks add the same shard.
 
 On the non-final micro-steps of an accumulation nothing is sent: gradients accumulate whole in
 the units' flat buffers (zero2 and zero3 then hold a whole gradient until the last micro-step).
