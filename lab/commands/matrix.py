@@ -1,11 +1,12 @@
-"""The matrix of layouts: every data-parallel strategy × tp × pp × ep that fits on a few gloo ranks, each trained a
-few steps against single.
+"""The matrix of layouts: every data-parallel strategy × tp × pp × ep × cp that fits on a few gloo ranks, each trained
+a few steps against single.
 
     python -m lab matrix [--max-ranks 8] [--models dense,moe] [--archs gpt2,modern] [--strategies zero3,fsdp]
 
 Each layout is data parallel over dp ∈ {1, 2} replicas (expert parallelism carved out of them), tensor parallel over
-tp ∈ {1, 2}, pipelined over pp ∈ {1, 2} stages and expert parallel over ep ∈ {1, 2} (a mixture of experts only), on
-dp · tp · pp ranks. The tiny GPT (2 blocks, width 32, 4 experts with top-2 routing for ``moe``) trains 3 steps of 2
+tp ∈ {1, 2}, pipelined over pp ∈ {1, 2} stages, expert parallel over ep ∈ {1, 2} (a mixture of experts only) and
+context parallel over cp ∈ {1, 2} (a dense model: each sequence's tokens in two shards, ring attention), on
+dp · tp · pp · cp ranks. The tiny GPT (2 blocks, width 32, 4 experts with top-2 routing for ``moe``) trains 3 steps of 2
 micro-steps, clipped (so a wrong global norm changes the weights), under the layout and under ``single``
 accumulating the same micro-batches (a pipeline's microbatches: ``lab.commands.equivalence``). A row gives the
 largest relative difference of the logged loss and of the gradient norm over the steps, the largest absolute
@@ -50,14 +51,16 @@ class Layout:
     ep: int
     model: str  # dense or moe
     arch: str
+    cp: int = 1
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def spec(self) -> str:
-        options = [f"{axis}={n}" for axis, n in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if n > 1]
+        options = [f"{axis}={n}" for axis, n in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("cp", self.cp))
+                   if n > 1]
         return f"{self.strategy}:{','.join(options)}" if options else self.strategy
 
     def model_config(self) -> ModelConfig:
@@ -96,22 +99,26 @@ def meter_problems(meters: dict) -> list[str]:
         if abs(held - theory) > 0.05 * theory:
             out.append(f"model_state_bytes.{part} {held:.0f} B, theory {theory:.0f}")
     step = meters["step"]
-    if "pp_sent_bytes" in step and step["pp_sent_bytes"] != step["pp_sent_bytes_theory"]:
-        out.append(f"pp_sent_bytes {step['pp_sent_bytes']:.0f}, theory {step['pp_sent_bytes_theory']:.0f}")
+    for sent in ("pp_sent_bytes", "cp_kv_bytes"):
+        if sent in step and step[sent] != step[f"{sent}_theory"]:
+            out.append(f"{sent} {step[sent]:.0f}, theory {step[f'{sent}_theory']:.0f}")
     return out
 
 
-def layouts(max_ranks: int, strategies: list[str], models: list[str], archs: list[str]) -> list[Layout]:
-    """Every cell: strategy × dp × tp × pp × ep (ep ≤ dp, a mixture of experts only) on 2 to ``max_ranks`` ranks."""
+def layouts(max_ranks: int, strategies: list[str], models: list[str], archs: list[str],
+            cps: tuple[int, ...] = (1, 2)) -> list[Layout]:
+    """Every cell: strategy × dp × tp × pp × ep × cp (ep ≤ dp, a mixture of experts only; cp a dense model only) on 2 to
+    ``max_ranks`` ranks."""
     out = []
+    degrees = [(dp, tp, pp, ep, cp) for dp in (1, 2) for tp in (1, 2) for pp in (1, 2) for ep in (1, 2) for cp in cps]
     for strategy in strategies:
-        for dp, tp, pp, ep in ((dp, tp, pp, ep) for dp in (1, 2) for tp in (1, 2) for pp in (1, 2) for ep in (1, 2)):
-            if ep > dp or not 2 <= dp * tp * pp <= max_ranks or (strategy == "single" and dp > 1):
+        for dp, tp, pp, ep, cp in degrees:
+            if ep > dp or not 2 <= dp * tp * pp * cp <= max_ranks or (strategy == "single" and dp * cp > 1):
                 continue
             for model in models:
                 for arch in archs:
-                    if ep == 1 or model == "moe":
-                        out.append(Layout(strategy, dp, tp, pp, ep, model, arch))
+                    if (ep == 1 or model == "moe") and (cp == 1 or model == "dense"):
+                        out.append(Layout(strategy, dp, tp, pp, ep, model, arch, cp))
     return out
 
 
@@ -149,13 +156,14 @@ def _run(world: World, cells: list[Layout]) -> list[Row]:
     return rows
 
 
-HEADER = (f"{'strategy':<10} {'dp':>2} {'tp':>2} {'pp':>2} {'ep':>2} {'ranks':>5} {'model':<5} {'arch':<6} "
+HEADER = (f"{'strategy':<10} {'dp':>2} {'tp':>2} {'pp':>2} {'ep':>2} {'cp':>2} {'ranks':>5} {'model':<5} {'arch':<6} "
           f"{'loss':>9} {'grad norm':>9} {'|Δw|':>9} {'s':>5}  result")
 
 
 def format_row(row: Row) -> str:
     c = row.layout
-    head = (f"{c.strategy:<10} {c.dp:>2} {c.tp:>2} {c.pp:>2} {c.ep:>2} {c.ranks:>5} {c.model:<5} {c.arch:<6} ")
+    head = (f"{c.strategy:<10} {c.dp:>2} {c.tp:>2} {c.pp:>2} {c.ep:>2} {c.cp:>2} {c.ranks:>5} {c.model:<5} "
+            f"{c.arch:<6} ")
     if row.refused is not None:
         return head + f"{'':>9} {'':>9} {'':>9} {'':>5}  refused: {row.refused}"
     return head + (f"{row.loss:>9.2e} {row.grad_norm:>9.2e} {row.params:>9.2e} {row.seconds:>5.1f}  "
@@ -191,12 +199,12 @@ def summary(rows: list[Row]) -> str:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| strategy | dp | tp | pp | ep | ranks | model | arch | loss | grad norm | max abs weight | s | result |",
-             "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| strategy | dp | tp | pp | ep | cp | ranks | model | arch | loss | grad norm | max abs weight | s | "
+             "result |", "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|"]
     for row in sorted(rows, key=lambda r: (list(STRATEGIES).index(r.layout.strategy), r.layout.ranks, r.layout.tp,
-                                           r.layout.pp, r.layout.ep, r.layout.model, r.layout.arch)):
+                                           r.layout.pp, r.layout.ep, r.layout.cp, r.layout.model, r.layout.arch)):
         c = row.layout
-        cells = [c.strategy, c.dp, c.tp, c.pp, c.ep, c.ranks, c.model, c.arch]
+        cells = [c.strategy, c.dp, c.tp, c.pp, c.ep, c.cp, c.ranks, c.model, c.arch]
         if row.refused is not None:
             cells += ["", "", "", "", f"refused: {row.refused}"]
         else:
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab matrix") -> i
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategy names")
     p.add_argument("--models", default="dense,moe", help="dense, moe or both")
     p.add_argument("--archs", default="gpt2,modern", help="gpt2, modern or both")
+    p.add_argument("--cp", default="1,2", help="context-parallel degrees: 1, 2 or both")
     p.add_argument("--out", help="also write the table as Markdown to this file")
     args = p.parse_args(argv)
     strategies, models, archs = (text.split(",") for text in (args.strategies, args.models, args.archs))
@@ -224,7 +233,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab matrix") -> i
     if args.max_ranks < 2:
         print("error: --max-ranks must be at least 2", file=sys.stderr)
         return 2
-    cells = layouts(args.max_ranks, strategies, models, archs)
+    try:
+        cps = tuple(int(n) for n in args.cp.split(","))
+    except ValueError:
+        cps = ()
+    if not cps or any(n not in (1, 2) for n in cps):
+        print(f"error: --cp takes 1, 2 or both, got '{args.cp}'", file=sys.stderr)
+        return 2
+    cells = layouts(args.max_ranks, strategies, models, archs, cps)
     header = (f"{len(cells)} layouts on up to {args.max_ranks} gloo ranks, each against single ({SETUP.steps} steps of "
               f"{SETUP.accum} micro-steps, clipped at {SETUP.grad_clip}); {time.strftime('%Y-%m-%d')}, "
               f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start")

@@ -489,9 +489,10 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
         return out
     dense = 0 if moe_experts(cfg) else cfg.n_layer
     held = layers or TensorLayers(cfg.n_layer + dense, cfg.n_layer + dense, cfg.n_layer, True, True, 1)
-    activations = micro_batch * cfg.block_size * cfg.d_model
+    tokens = micro_batch * cfg.block_size * held.token_share
+    activations = tokens * cfg.d_model
     big = (held.column + held.row + held.embeds + held.head) * activations  # elements all-reduced (or gathered...)
-    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * micro_batch * cfg.block_size, tp) if held.head else 0.0
+    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * tokens, tp) if held.head else 0.0
     if kv_heads(cfg) < tp:
         replicated = held.attention * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
         out["all_reduce"] += held.backwards * ring_elements_sent("all_reduce", replicated, tp)
@@ -511,8 +512,8 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
 @dataclass(frozen=True)
 class TensorLayers:
     """What one rank of a tensor-parallel group holds and runs: column- and row-parallel layers, attention layers (the
-    key/value rows), whether it runs the embedding and the head (a pipeline's first and last stage), and backwards
-    per micro-step (a pipeline's microbatches)."""
+    key/value rows), whether it runs the embedding and the head (a pipeline's first and last stage), backwards per
+    micro-step (a pipeline's microbatches) and the share of each sequence's tokens (a context-parallel shard's)."""
 
     column: int
     row: int
@@ -520,6 +521,7 @@ class TensorLayers:
     embeds: bool
     head: bool
     backwards: int
+    token_share: float = 1.0
 
 
 def _norm_has_bias(cfg: ModelShape) -> bool:

@@ -38,7 +38,7 @@ from einops import rearrange
 
 from lab.measure import accounting
 from lab.runtime.config import ConfigError, ModelConfig, did_you_mean
-from lab.model.plan import ColumnSplit, ExpertPlan, ParallelPlan, PipelinePlan, TensorPlan
+from lab.model.plan import ColumnSplit, ContextPlan, ExpertPlan, ParallelPlan, PipelinePlan, TensorPlan
 
 ARCHS = ("gpt2", "modern")
 PARAMETRIZATIONS = ("standard", "mup")
@@ -131,6 +131,8 @@ class Attention(nn.Module):
         self.rotary = cfg.arch == "modern"
         # None: torch's 1/√d_head; μP's 1/d_head keeps the scores' scale as heads widen.
         self.scale = 1.0 / self.head_dim if cfg.parametrization == "mup" else None
+        # (q, k, v, scale) -> output, when the keys live elsewhere (context parallelism: lab.parallel.axes.context)
+        self.attend: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -143,8 +145,11 @@ class Attention(nn.Module):
         if self.rotary:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv_head != self.n_head, scale=self.scale)
+        if self.attend is not None:
+            y = self.attend(q, k, v, self.scale)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                               enable_gqa=self.n_kv_head != self.n_head, scale=self.scale)
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -307,6 +312,7 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         # Tied: the head multiplies by the embedding table itself (one parameter, owned by one module).
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, padded, bias=False)
+        self.positions: torch.Tensor | None = None  # the tokens' global positions when they are a shard's
         if cfg.arch == "modern":
             self.register_buffer("rope_cos", torch.empty(cfg.block_size, accounting.head_dim(cfg) // 2),
                                  persistent=False)
@@ -371,12 +377,14 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(self.positions if self.positions is not None else torch.arange(T, device=idx.device))
         return self.drop(x)
 
     def run_blocks(self, x: torch.Tensor, indices: range) -> torch.Tensor:
         """The hidden state ``x`` through the blocks ``indices``, in order."""
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "modern" else None
+        if rope is not None and self.positions is not None:
+            rope = (rope[0][self.positions], rope[1][self.positions])
         for i in indices:
             x = self.blocks[i](x, rope)
         return x
@@ -448,8 +456,15 @@ class GPT(nn.Module):
                                 aux_loss="aux_loss")
         moe = [f"blocks.{i}.mlp" for i, block in held if isinstance(block.mlp, MoE)]
         experts = ExpertPlan(layers=moe, count=cfg.moe_experts, config=cfg) if moe else None
+        context = ContextPlan(attention=[f"blocks.{i}.attn" for i, _ in held], positions="positions",
+                              length=cfg.block_size, kv_values=self._kv_values)
         return ParallelPlan(units=[f"blocks.{i}" for i, _ in held], initial_value=self.initial_value,
-                            head="output", tensor=tensor, pipeline=pipeline, experts=experts)
+                            head="output", tensor=tensor, pipeline=pipeline, experts=experts, context=context)
+
+    def _kv_values(self) -> int:
+        """Key and value values per token of one attention layer as it is now (its share after a split of heads)."""
+        attention = next(block.attn for block in self.blocks if block is not None)
+        return 2 * attention.n_kv_head * attention.head_dim
 
     def _split_heads(self, n: int) -> None:
         """Each attention now holds 1/n of the query heads and of the key/value heads (at least one)."""

@@ -12,6 +12,7 @@ The transforms never name a model's attributes. They read a ``ParallelPlan``:
   cannot.
 - ``pipeline``: how the model runs as a pipeline of stages (``PipelinePlan``); None when it cannot.
 - ``experts``: its mixtures of experts, which expert parallelism splits (``ExpertPlan``); None for a dense model.
+- ``context``: how it runs a shard of each sequence's tokens (``ContextPlan``); None when it cannot.
 
 A model declares its plan with a ``parallel_plan()`` method; any other ``nn.Module`` gets
 ``default_plan``: its children that hold parameters are the units (those sharing a parameter with
@@ -94,6 +95,21 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True)
+class ContextPlan:
+    """How the model runs a shard of each sequence's tokens (context parallelism): ``attention`` names the modules
+    whose ``attend`` attribute, when set, replaces their attention core (a callable of the queries, keys and values
+    [b, heads, tokens, head_dim] and the score scale, to the outputs); ``positions`` the model's attribute holding the
+    global positions of the tokens it runs (None: 0, 1, ...), which its learned positions and rotary tables index;
+    ``length`` the sequence's tokens; ``kv_values`` the key and value values per token one attention layer holds now
+    (after a tensor-parallel split: its share)."""
+
+    attention: list[str]
+    positions: str
+    length: int
+    kv_values: Callable[[], int]
+
+
+@dataclass(frozen=True)
 class ExpertPlan:
     """The model's mixture-of-experts layers (module names): each holds ``count`` experts as ``<layer>.experts.<i>``
     and runs them through its ``exchange`` attribute when that is set: a callable from the rows each expert gets
@@ -113,6 +129,7 @@ class ParallelPlan:
     tensor: TensorPlan | None = None
     pipeline: PipelinePlan | None = None
     experts: ExpertPlan | None = None
+    context: ContextPlan | None = None
 
 
 def plan_of(module: nn.Module, factory: Callable[[], nn.Module]) -> ParallelPlan:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lab.measure.device import Precision
 from lab.parallel import axes
-from lab.parallel.axes import activations, experts, pipeline, tensor
+from lab.parallel.axes import activations, context, experts, pipeline, tensor
 from lab.parallel.base import (
     ModelFactory,
     OptimizerFactory,
@@ -60,6 +60,7 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
     if cfg.tp_impl == "torch" and cfg.tp == 1:
         raise ConfigError("parallel.tp_impl torch (the DTensor reference) needs parallel.tp > 1")
     pipeline.check_options(cfg, loop.micro_batch)
+    context.check_options(cfg)
     if not cfg.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
     if not cfg.bucket_mb > 0:
@@ -98,6 +99,7 @@ def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSe
 def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """Raise ConfigError (one line) when the model's layers cannot be split as ``cfg`` asks."""
     refuse_model(cfg, model)
+    context.check_options(cfg, model.block_size)
 
 
 def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:

@@ -220,6 +220,11 @@ class Strategy:
         return math.prod(t.microbatches() for t in self.transforms)
 
     @property
+    def token_share(self) -> float:
+        """The fraction of each sequence's tokens this rank runs (``Transform.token_share``)."""
+        return math.prod(t.token_share() for t in self.transforms)
+
+    @property
     def reshards(self) -> bool:
         """Whether gathered weights are freed after each forward and backward (``parallel.reshard_after_forward``;
         by default yes, but not where a transform runs several microbatches a micro-step, each of which would gather
@@ -246,7 +251,7 @@ class Strategy:
         groups = param_group_rule(module)
         self.world.check_same(layout_digest(module, self.local_name), "the model (parameter names and shapes)")
         model = self.wrap(module, groups)
-        for transform in self.transforms:
+        for transform in reversed(self.transforms):  # the first transform's wrapper outermost
             model = transform.running(self, model)
         self.model = model
         self.optimizer = optimizer_factory(self.optimizer_groups(groups))

@@ -40,7 +40,7 @@ AXES = ("pp", "dp", "cp", "tp")  # outermost first: stages and data replicas spa
 MESH_DIMS = ("pp", "edp", "ep", "cp", "tp")  # the device mesh's dimensions (dp = edp × ep)
 # the [parallel] options of the layout, which every strategy runs with (one that owns the step refuses the axes)
 OPTIONS = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel", "pp", "pp_schedule",
-                     "pp_microbatches", "pp_virtual", "pp_impl", "ep"})
+                     "pp_microbatches", "pp_virtual", "pp_impl", "ep", "cp", "cp_split", "cp_impl"})
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,8 @@ class Layout:
            loop: LoopSettings | None = None) -> Layout:
         """The layout ``cfg`` asks for on ``world_size`` ranks; ConfigError (one line) when its degrees cannot split
         them, or (given the strategy's class and the loop's settings) when they cannot run together."""
-        cp = 1
-        for axis, degree in (("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep)):
+        cp = cfg.cp
+        for axis, degree in (("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep), ("cp", cfg.cp)):
             if degree < 1:
                 raise ConfigError(f"parallel.{axis} must be at least 1, got {degree}")
         if world_size % cfg.tp:
@@ -150,6 +150,9 @@ class Layout:
         if world_size % (cfg.tp * cfg.pp):
             raise ConfigError(f"parallel.tp × parallel.pp ({cfg.tp} × {cfg.pp}) must divide the world size "
                               f"({world_size})")
+        if world_size % (cfg.tp * cfg.pp * cp):
+            raise ConfigError(f"parallel.tp × parallel.pp × parallel.cp ({cfg.tp} × {cfg.pp} × {cp}) must divide the "
+                              f"world size ({world_size})")
         dp = world_size // (cfg.tp * cfg.pp * cp)
         if dp % cfg.ep:
             raise ConfigError(f"parallel.ep ({cfg.ep}) must divide the data-parallel ranks ({dp} = world size / "
@@ -183,7 +186,7 @@ class Layout:
     def refuse(self, cfg: ParallelConfig, strategy: type, loop: LoopSettings) -> None:
         """Raise ConfigError (one line) for axes, a strategy and loop settings that do not run together: every refusal
         of the matrix (data-parallel strategy × tp × pp × ep) is here."""
-        split = [name for name in ("tp", "pp", "ep") if getattr(self, name) > 1]
+        split = [name for name in ("tp", "pp", "ep", "cp") if getattr(self, name) > 1]
         if split and strategy.owns_step:
             raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.{split[0]} > 1: "
                               f"{strategy.owns_step}")
@@ -203,6 +206,16 @@ class Layout:
         if loop.compile and self.pp > 1:
             raise ConfigError("train.compile with parallel.pp > 1 is not supported yet: a stage runs the model's embed, "
                               "run_blocks and output, not the compiled forward; set train.compile false")
+        if self.cp > 1 and strategy.max_world_size == 1:
+            raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.cp > 1: the cp ranks' gradients "
+                              f"are averaged over the data axis; choose a data-parallel strategy (ddp, zero1-3, fsdp)")
+        if self.cp > 1 and (cfg.sequence_parallel or cfg.tp_impl == "torch" or cfg.pp_impl == "torch"):
+            raise ConfigError("parallel.cp > 1 runs with the hand-rolled tensor parallelism without sequence "
+                              "parallelism and the hand-rolled pipeline only: the references and sequence shards "
+                              "expect whole sequences")
+        if loop.compile and self.cp > 1:
+            raise ConfigError("train.compile with parallel.cp > 1 is not supported yet: the ring's sends are not "
+                              "traced; set train.compile false")
         if loop.compile and self.ep > 1:
             raise ConfigError("train.compile with parallel.ep > 1 is not supported yet: the exchanges' split sizes are "
                               "read on the host mid-forward; set train.compile false")
@@ -292,6 +305,12 @@ def refuse_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     if cfg.pp > 1 and model.n_layer % (cfg.pp * cfg.pp_virtual):
         raise ConfigError(f"parallel.pp × parallel.pp_virtual ({cfg.pp} × {cfg.pp_virtual}) must divide "
                           f"model.n_layer ({model.n_layer}): virtual stages hold equal numbers of blocks")
+    if cfg.cp > 1 and model.moe_experts:
+        raise ConfigError("parallel.cp > 1 cannot shard a mixture of experts' tokens (the router balances whole "
+                          "sequences, as single does); use cp 1")
+    if cfg.cp > 1 and model.dropout:
+        raise ConfigError(f"parallel.cp > 1 runs without dropout (ring attention has none), got model.dropout "
+                          f"{model.dropout}")
     if cfg.ep > 1 and not model.moe_experts:
         raise ConfigError(f"parallel.ep ({cfg.ep}) splits a mixture of experts: set model.moe_experts")
     if cfg.ep > 1 and model.moe_experts % cfg.ep:

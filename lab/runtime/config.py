@@ -178,6 +178,13 @@ class ParallelConfig:
     ep: int = _f(1, "expert-parallel degree: groups of this many consecutive data-parallel ranks split every mixture "
                     "of experts' experts among them, tokens sent to their experts and back by all-to-all; the rest of "
                     "the model stays data parallel over every rank")
+    cp: int = _f(1, "context-parallel degree: each sequence's tokens split over this many ranks (inside the data "
+                    "axis's replicas), attention run as a ring passing key/value blocks; the strategy averages over "
+                    "dp × cp")
+    cp_split: str = _f("zigzag", "zigzag (each rank two chunks of 2·cp: the causal work balanced) or contiguous (one "
+                                 "chunk of cp each: the last rank does most), with cp > 1")
+    cp_impl: str = _f("ring", "ring (key/value blocks passed around the ring, by hand) or allgather (every rank gathers "
+                              "all keys and values: the reference), with cp > 1")
     pp_microbatches: int | None = _f(None, "microbatches each micro-batch is cut into for the pipeline (must divide "
                                            "train.micro_batch; default: parallel.pp, the fewest 1f1b takes)")
 

@@ -1,7 +1,8 @@
 """The transforms of a layout, as one protocol in one ordered list.
 
 ``transforms`` lists what a layout applies to the model, in the order it applies them: tensor (``tensor.py``) →
-expert (``experts.py``) → pipeline cut (``pipeline.py``) → activation checkpointing (``activations.py``) → compile;
+context (``context.py``) → expert (``experts.py``) → pipeline cut (``pipeline.py``) → activation checkpointing
+(``activations.py``) → compile;
 the data-parallel strategy's placement (``lab.parallel.data``) comes last and loops over the list. An axis of one
 rank, or a feature that is off, is absent from the list.
 
@@ -74,12 +75,17 @@ class Transform:
         return name
 
     def running(self, strategy: object, model: nn.Module) -> nn.Module:
-        """What the strategy's forward calls, given what it would call without this transform."""
+        """What the strategy's forward calls, given what the later transforms made it call (the first transform's is
+        the outermost: it sees the step's batch first)."""
         return model
 
     def microbatches(self) -> int:
         """How many forwards and backwards of the model's units one micro-step of the loop runs."""
         return 1
+
+    def token_share(self) -> float:
+        """The fraction of each sequence's tokens this rank runs."""
+        return 1.0
 
     def entry_points(self) -> list[str]:
         """The model's methods this transform calls in place of its forward (a strategy that hooks the forward hooks
@@ -171,11 +177,13 @@ class Compile(Transform):
 
 def transforms(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object) -> list[Transform]:
     """The transforms ``cfg`` asks for on ``mesh``, in the order they apply (the data-parallel placement follows)."""
-    from lab.parallel.axes import activations, experts, pipeline, tensor
+    from lab.parallel.axes import activations, context, experts, pipeline, tensor
 
     out: list[Transform] = []
     if mesh.tp.world_size > 1:
         out.append(tensor.on_axis(mesh, cfg, loop))
+    if mesh.cp.world_size > 1:
+        out.append(context.ContextParallel(mesh.cp, cfg, loop))
     if mesh.ep.world_size > 1:
         out.append(experts.ExpertParallel(mesh, cfg, loop))
     if mesh.pp.world_size > 1:

@@ -247,6 +247,7 @@ class TensorParallel(Transform):
         self.plan: TensorPlan | None = None
         self.model: nn.Module | None = None
         self.backwards = 1  # per micro-step (a pipeline's microbatches: set by ``running``)
+        self.token_share_of_rank = 1.0  # of each sequence's tokens (a context-parallel shard's: set by ``running``)
         self._last_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         self._whole = GroupReplicas(self.world)
 
@@ -449,7 +450,7 @@ class TensorParallel(Transform):
                 if lo < hi]
 
     def running(self, strategy: object, model: nn.Module) -> nn.Module:
-        self.backwards = strategy.microbatches
+        self.backwards, self.token_share_of_rank = strategy.microbatches, strategy.token_share
         return model
 
     def sees_own_tokens(self) -> bool:
@@ -504,7 +505,8 @@ class TensorParallel(Transform):
         staged = len(column) < len(self.plan.column)
         embeds = held(self.plan.embedding) and not (head and tied_head and staged)
         attention = sum(1 for name in column if self.splits[f"{name}.weight"].shared)
-        return accounting.TensorLayers(len(column), len(row), attention, embeds, head, self.backwards)
+        return accounting.TensorLayers(len(column), len(row), attention, embeds, head, self.backwards,
+                                       self.token_share_of_rank)
 
     def paused(self) -> contextlib.AbstractContextManager:
         return self.comm.paused()

@@ -56,13 +56,14 @@ class TorchDDP(Strategy):
         return work.get_future().then(finished)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
-        self.model.require_backward_grad_sync = sync  # what DistributedDataParallel.no_sync toggles
+        self._ddp.require_backward_grad_sync = sync  # what DistributedDataParallel.no_sync toggles
         return super().forward(x, y, sync=sync)
 
     def autograd(self, loss, grad=None) -> None:
         """Where a transform calls the model's methods in place of DDP's forward, the reducer is readied for the
         step's last backward here, as DDP's forward would have."""
-        if self.syncing and self.model is not self._ddp and not self._readied:  # once, for the step's last backward
+        bypassed = any(t.entry_points() for t in self.transforms)
+        if self.syncing and bypassed and not self._readied:  # once, for the step's last backward
             compat.ddp_expect_backward(self._ddp)
             self._readied = True
         super().autograd(loss, grad)
