@@ -35,9 +35,8 @@ def test_one_record_places_every_rank_on_every_axis():
     """pp 2 × dp 2 × tp 2 with ep 2 carved out of dp: tensor groups are consecutive ranks, then data, then stages."""
     layout = Layout.of(ParallelConfig(tp=2, pp=2, ep=2), 8)
     assert (layout.pp, layout.dp, layout.tp, layout.ep) == (2, 2, 2, 2)
-    assert [layout.coordinates(r) for r in (0, 1, 2, 5)] == [
-        {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0, "edp": 0}, {"pp": 0, "dp": 0, "cp": 0, "tp": 1, "ep": 0, "edp": 0},
-        {"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 1, "edp": 0}, {"pp": 1, "dp": 0, "cp": 0, "tp": 1, "ep": 0, "edp": 0}]
+    place = [(c["pp"], c["dp"], c["tp"], c["ep"], c["edp"]) for c in map(layout.coordinates, (0, 1, 2, 5))]
+    assert place == [(0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 1, 0, 1, 0), (1, 0, 1, 0, 0)]
     assert [layout.data_replica(r) for r in (0, 3, 6)] == [(0, 2), (1, 2), (1, 2)]
     zero = Layout.of(ParallelConfig(strategy="zero2", tp=2), 4, strategy_class("zero2"))
     assert (zero.dp_shard, zero.dp_replicate) == (2, 1)
@@ -193,8 +192,8 @@ def _exchanged(world: World, spec: str) -> dict:
 
 @pytest.mark.slow
 def test_the_exchanges_send_what_the_routing_implies_beside_tp_and_pp():
-    """ep 2 with tp 2 (each tensor rank exchanges with its expert group at its own tensor coordinate) and with pp 2 (each
-    stage's layers, every microbatch): the all-to-all bytes measured equal those the router's counts imply."""
+    """ep 2 with tp 2 (each tensor rank exchanges with its expert group at its own tensor coordinate) and with pp 2
+    (each stage's layers, every microbatch): the all-to-all bytes measured equal those the router's counts imply."""
     for spec in ("ddp:ep=2,tp=2", "zero2:ep=2,pp=2,pp_microbatches=2"):
         for got in run_pooled(_exchanged, 4, spec):
             assert got["sent"] == got["implied"] and got["sent"] > 0, (spec, got)

@@ -533,7 +533,7 @@ def _norm_has_bias(cfg: ModelShape) -> bool:
 
 
 def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, checkpointing: bool = False,
-                     flash: bool = True, tp: int = 1, sequence_parallel: bool = False) -> float:
+                     flash: bool = True, tp: int = 1, sequence_parallel: bool = False, cp: int = 1) -> float:
     """Bytes of activations one rank keeps for the backward pass of one micro-batch: an estimate.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4),
@@ -554,6 +554,10 @@ def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, 
     checkpointed layer inputs; the column-parallel layers keep the input they were given, gathered whole
     (s·b·h·(2·p + (14·p + 2)/tp); Megatron-LM keeps the shard and gathers it again in the backward: 34/t).
 
+    Context parallelism over ``cp`` ranks (``lab.parallel.axes.context``) gives each rank s/cp of every
+    sequence's tokens: every term is a token's, so each falls cp-fold (the ring's key/value blocks in flight
+    are transient: ``activation_peak_bytes``).
+
     Assumptions: GPT-2-style blocks (GELU MLP of width 4h, full multi-head attention, dropout masks
     counted even at dropout 0); SwiGLU, GQA or another d_ff shift the count somewhat. Embedding
     output, final norm, temporaries and the allocator's slack are left out.
@@ -566,7 +570,20 @@ def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, 
     if not flash:
         layer += a * s * s * b * (2 * p + 1) / tp
     kept = cfg.n_layer * p * s * b * h / on_shards + layer if checkpointing else cfg.n_layer * layer
-    return float(kept + 4 * s * b * padded_vocab(cfg) / tp)
+    return float(kept + 4 * s * b * padded_vocab(cfg) / tp) / cp
+
+
+def activation_peak_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 4, tp: int = 1, cp: int = 1
+                          ) -> float:
+    """The most activation bytes one rank holds during a step's forward and backward, an estimate: what the layers
+    keep for the backward (``activation_bytes``), the final norm's input and output (2·p·s·b·h), and at the backward's
+    start the loss's gradient beside the log-softmax it saved (4·s·b·V fp32); under context parallelism cp-fold
+    less, plus the ring's two key/value blocks in flight (a received one and the next; 2·2·kv·d_head·p per token of
+    a shard)."""
+    s, b, h = cfg.block_size, micro_batch, cfg.d_model
+    extra = 2 * bytes_per_act * s * b * h / tp + 4 * s * b * padded_vocab(cfg) / tp
+    ring = 4 * kv_heads(cfg) * head_dim(cfg) * bytes_per_act * s * b / tp if cp > 1 else 0.0
+    return activation_bytes(cfg, micro_batch, bytes_per_act, tp=tp, cp=cp) + (extra + ring) / cp
 
 
 def autocast_weight_bytes(cfg: ModelShape, tp: int = 1) -> float:

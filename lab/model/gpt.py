@@ -148,7 +148,8 @@ class Attention(nn.Module):
         if self.attend is not None:
             y = self.attend(q, k, v, self.scale)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0,
                                                enable_gqa=self.n_kv_head != self.n_head, scale=self.scale)
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
@@ -209,7 +210,7 @@ class MoE(nn.Module):
         self.shared = MLP(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # [E + 3]: assignments per expert, dropped, entropy sum, tokens
-        # rows per expert -> their outputs, when the experts live elsewhere (expert parallelism: lab.parallel.axes.experts)
+        # rows per expert -> their outputs, when the experts live elsewhere (lab.parallel.axes.experts)
         self.exchange: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

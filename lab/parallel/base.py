@@ -178,7 +178,7 @@ class Strategy:
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
     compiles: ClassVar[bool] = True  # whether it can train a torch.compile'd model (train.compile)
-    shards: ClassVar[str] = "nothing"  # what the data axis's ranks hold parts of: nothing, optimizer, gradients, weights
+    shards: ClassVar[str] = "nothing"  # what the data axis's ranks hold parts of: optimizer, gradients, weights
     shards_gradients: ClassVar[bool] = False  # whether the data axis's ranks hold different parts of the gradient
     builds_on_meta: ClassVar[bool] = False  # whether it builds the model on the meta device and fills its shards
     owns_step: ClassVar[str | None] = None  # why it runs with no other axis (an engine that owns the whole step)

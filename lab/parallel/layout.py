@@ -191,8 +191,8 @@ class Layout:
             raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.{split[0]} > 1: "
                               f"{strategy.owns_step}")
         if self.pp > 1 and cfg.pp_impl == "torch" and (strategy.name not in ("single", "ddp_naive") or self.tp > 1):
-            raise ConfigError("parallel.pp_impl torch runs under strategy single or ddp_naive without parallel.tp only: "
-                              "its schedule runs every microbatch's backward inside one call, where the other "
+            raise ConfigError("parallel.pp_impl torch runs under strategy single or ddp_naive without parallel.tp "
+                              "only: its schedule runs every microbatch's backward inside one call, where the other "
                               "strategies' hooks (and the tensor split's) expect the lab's schedule")
         if self.pp > 1 and cfg.pp_impl == "torch" and self.ep > 1:
             raise ConfigError("parallel.pp_impl torch runs without parallel.ep: its stages carry no mixture of "
@@ -204,8 +204,8 @@ class Layout:
             raise ConfigError("parallel.ep > 1 runs with the hand-rolled tensor parallelism only (tp_impl lab): the "
                               "DTensor reference splits no mixture of experts")
         if loop.compile and self.pp > 1:
-            raise ConfigError("train.compile with parallel.pp > 1 is not supported yet: a stage runs the model's embed, "
-                              "run_blocks and output, not the compiled forward; set train.compile false")
+            raise ConfigError("train.compile with parallel.pp > 1 is not supported yet: a stage runs the model's "
+                              "embed, run_blocks and output, not the compiled forward; set train.compile false")
         if self.cp > 1 and strategy.max_world_size == 1:
             raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.cp > 1: the cp ranks' gradients "
                               f"are averaged over the data axis; choose a data-parallel strategy (ddp, zero1-3, fsdp)")
@@ -282,10 +282,11 @@ class Layout:
     def activation_bytes(self, model: ModelConfig, micro_batch: int, bytes_per_value: int,
                          sequence_parallel: bool = False, checkpointing: bool = False) -> float:
         """One micro-batch's activations of every layer on one rank (``accounting.activation_bytes``: split tp ways
-        inside attention and the MLP; with sequence parallelism also the norms' inputs). Under a pipeline a stage
-        holds about that much: L / pp layers each for the pp microbatches 1F1B's first stage keeps in flight."""
+        inside attention and the MLP; with sequence parallelism also the norms' inputs; cp-fold less, a shard of the
+        tokens). Under a pipeline a stage holds about that much: L / pp layers each for the pp microbatches 1F1B's
+        first stage keeps in flight."""
         return accounting.activation_bytes(model, micro_batch, bytes_per_value, checkpointing=checkpointing,
-                                           tp=self.tp, sequence_parallel=sequence_parallel)
+                                           tp=self.tp, sequence_parallel=sequence_parallel, cp=self.cp)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,8 @@ class TrainConfig:
     device: str = _f("auto", "auto, cpu or cuda")
     dtype: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
     compile: bool = _f(False, "torch.compile the model")
+    memory_budget: float = _f(0.0, "GiB one process may hold (the start-of-run memory check refuses a run whose "
+                                    "estimate exceeds it); 0: the machine's memory, shared by its processes")
     memory_meter: bool = _f(False, "on the CPU, measure the peak bytes of each phase by tracking every tensor "
                                    "allocation (about 9 %% slower steps on an 85M model, twice as slow on a tiny one; "
                                    "CUDA reads its allocator's peak always)")
@@ -183,8 +185,8 @@ class ParallelConfig:
                     "dp × cp")
     cp_split: str = _f("zigzag", "zigzag (each rank two chunks of 2·cp: the causal work balanced) or contiguous (one "
                                  "chunk of cp each: the last rank does most), with cp > 1")
-    cp_impl: str = _f("ring", "ring (key/value blocks passed around the ring, by hand) or allgather (every rank gathers "
-                              "all keys and values: the reference), with cp > 1")
+    cp_impl: str = _f("ring", "ring (key/value blocks passed around the ring, by hand) or allgather (every rank "
+                              "gathers all keys and values: the reference), with cp > 1")
     pp_microbatches: int | None = _f(None, "microbatches each micro-batch is cut into for the pipeline (must divide "
                                            "train.micro_batch; default: parallel.pp, the fewest 1f1b takes)")
 

@@ -104,7 +104,7 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
         if not 0 <= getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(cfg.train, name)}")
     for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints", "seed", "grad_clip",
-                 "weight_decay", "peak_flops"):
+                 "memory_budget", "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
     if cfg.train.expect:  # a law that cannot be read is refused before any work
@@ -149,7 +149,9 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
         raise ConfigError(f"this run needs about {(states + activations) / 2**30:,.1f} GiB per process "
                           f"({states / 2**30:,.1f} GiB model states + {activations / 2**30:,.1f} GiB activations of "
                           f"micro_batch {cfg.train.micro_batch} × block_size {shape.block_size}) but "
-                          f"{share / 2**30:,.1f} GiB is available; lower train.micro_batch or the model's size")
+                          f"{share / 2**30:,.1f} GiB is available; lower train.micro_batch or the model's size, or "
+                          f"split them over more ranks (parallel.cp splits every sequence, parallel.tp and pp the "
+                          f"model)")
     flops = accounting.flops_per_token(shape) * step_plan(cfg, world.world_size).total_steps * cfg.train.batch_tokens
     fastest = flops / (peak.flops * world.world_size)
     if fastest > MAX_DAYS * 86_400:

@@ -2,12 +2,13 @@
 
 ``parallel.pp P`` cuts the model along its plan (``lab.model.plan.PipelinePlan``): the blocks into P runs of
 consecutive blocks balanced by parameters (``lab.measure.accounting.stage_units``, the split's one statement), the
-embedding on the first stage, the final norm, head and loss on the last. Each rank builds the whole model and keeps its stage's modules, under the model's own
-names (the others become None), so the initial weights are ``single``'s and a checkpoint stores the same entries
-whatever the layout. A tied embedding is one weight held by the first stage and the last: after the step's
-backward each sends the other its gradient and adds the one it receives (a + b on one, b + a on the other: the
-same bits), so both take the same update; the gradient norm counts it once. A sharding strategy lays such a weight
-out alone (``held_apart``), so both stages hold the same part of it and sum those after the reduce-scatter.
+embedding on the first stage, the final norm, head and loss on the last. Each rank builds the whole model and keeps
+its stage's modules, under the model's own names (the others become None), so the initial weights are ``single``'s
+and a checkpoint stores the same entries whatever the layout. A tied embedding is one weight held by the first stage
+and the last: after the step's backward each sends the other its gradient and adds the one it receives (a + b on
+one, b + a on the other: the same bits), so both take the same update; the gradient norm counts it once. A sharding
+strategy lays such a weight out alone (``held_apart``), so both stages hold the same part of it and sum those after
+the reduce-scatter.
 
 Each micro-step of the loop is cut into ``parallel.pp_microbatches`` M microbatches, run by a schedule of
 forwards (F) and backwards (B) on every stage (``schedule``):
