@@ -146,12 +146,11 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
                                           sequence_parallel=cfg.parallel.sequence_parallel)
     share = available_bytes / (local_world_size if world.device.type == "cpu" else 1)
     if states + activations > share:
-        raise ConfigError(f"this run needs about {(states + activations) / 2**30:,.1f} GiB per process "
-                          f"({states / 2**30:,.1f} GiB model states + {activations / 2**30:,.1f} GiB activations of "
-                          f"micro_batch {cfg.train.micro_batch} × block_size {shape.block_size}) but "
-                          f"{share / 2**30:,.1f} GiB is available; lower train.micro_batch or the model's size, or "
-                          f"split them over more ranks (parallel.cp splits every sequence, parallel.tp and pp the "
-                          f"model)")
+        raise ConfigError(f"this run needs about {_size(states + activations)} per process ({_size(states)} model "
+                          f"states + {_size(activations)} activations of micro_batch {cfg.train.micro_batch} × "
+                          f"block_size {shape.block_size}) but {_size(share)} is available; lower train.micro_batch or "
+                          f"the model's size, or split them over more ranks (parallel.cp splits every sequence, "
+                          f"parallel.tp and pp the model)")
     flops = accounting.flops_per_token(shape) * step_plan(cfg, world.world_size).total_steps * cfg.train.batch_tokens
     fastest = flops / (peak.flops * world.world_size)
     if fastest > MAX_DAYS * 86_400:
@@ -159,6 +158,11 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
                           f"{fastest / 86_400 / 365:.3g} years on {world.world_size} × {peak.flops:.3g} FLOP/s even at "
                           f"100% MFU (the limit is {MAX_DAYS} days)")
     return Estimate(states + activations, share, fastest / ESTIMATE_MFU)
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, three significant digits (a tiny run's shows too)."""
+    return f"{n / 2**30:,.3g} GiB"
 
 
 def checkpoint_steps(cfg: RunConfig, total_steps: int) -> frozenset[int]:
