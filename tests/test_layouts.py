@@ -24,7 +24,7 @@ from lab.training.optim import adamw_factory, param_groups
 from lab.training.train import train_step
 from pool import run_pooled
 
-MOE = dataclasses.replace(TINY, n_layer=4, moe_experts=4, moe_top_k=2)
+MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2)
 LOOP = LoopSettings(micro_batch=4, accum_steps=1, grad_clip=1.0)
 
 
@@ -119,7 +119,7 @@ def test_the_matrix_refuses_only_what_owns_the_step():
     """Every refusal left in the matrix is DeepSpeed's engine with another axis, said before any rank starts."""
     refused = [cell for cell in matrix.layouts(8, list(matrix.STRATEGIES), ["dense", "moe"], ["gpt2"])
                if matrix.refusal(cell) is not None]
-    assert refused and all(cell.strategy == "deepspeed" and (cell.tp, cell.pp, cell.ep) != (1, 1, 1)
+    assert refused and all(cell.strategy == "deepspeed" and (cell.tp, cell.pp, cell.ep, cell.cp) != (1, 1, 1, 1)
                            for cell in refused)
 
 
