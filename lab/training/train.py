@@ -641,9 +641,9 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),
         **strategy.accounts.meters(),
         "peak_bytes": outcome.peak_bytes,
-        "peak_bytes_theory": strategy.accounts.peak_bytes_theory(accounting.activation_bytes(
-            cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
-            checkpointing=cfg.parallel.activation_checkpointing == "full", tp=cfg.parallel.tp,
-            sequence_parallel=cfg.parallel.sequence_parallel),
+        "peak_bytes_theory": strategy.accounts.peak_bytes_theory(parallel.Layout.of(cfg.parallel, world.world_size)
+            .activation_bytes(cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
+                              sequence_parallel=cfg.parallel.sequence_parallel,
+                              checkpointing=cfg.parallel.activation_checkpointing == "full"),
             accounting.autocast_weight_bytes(cfg.model, cfg.parallel.tp) if strategy.precision.bf16 else 0.0),
     }
