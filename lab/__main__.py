@@ -29,6 +29,7 @@ COMMANDS = {
     "bench-gpu": ("lab.commands.bench_gpu", "main", "what only a CUDA GPU shows: bf16, compile, NCCL, allocator "
                   "peaks, MFU"),
     "equivalence": ("lab.commands.equivalence", "main", "check strategies reproduce single's losses and weights"),
+    "matrix": ("lab.commands.matrix", "main", "every strategy × tp × pp × ep layout on a few ranks against single"),
     "mup-check": ("lab.commands.mup", "main", "μP's coordinate check: activation scales across widths, as a table "
                   "and figure"),
     "peak": ("lab.measure.device", "peak_main", "this CPU's matmul peak (the MFU denominator): show, or --remeasure"),

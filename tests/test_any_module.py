@@ -76,7 +76,7 @@ def test_every_data_parallel_strategy_trains_a_module_that_is_not_a_gpt_as_one_p
 def readme_strategy() -> str:
     """The worked example of a new strategy in the README, as written there."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("```python\n# lab/parallel/flat.py") + len("```python\n")
+    start = text.index("```python\n# lab/parallel/data/flat.py") + len("```python\n")
     return text[start:text.index("```", start)]
 
 

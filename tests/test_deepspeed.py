@@ -21,7 +21,7 @@ from lab.commands.equivalence import Setup, batch, equivalence, loop_settings
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
-from lab.parallel.deepspeed import engine_config
+from lab.parallel.data.deepspeed import engine_config
 from pool import run_pooled
 from lab.training.train import train_step
 from test_checkpoints import _train, final_weights, tree  # noqa: F401 (tree: the tiny run's config, a fixture)

@@ -43,12 +43,11 @@ LOOP = LoopSettings(micro_batch=4, accum_steps=1, grad_clip=1.0)
 @pytest.mark.parametrize("options, world_size, message", [
     ({"ep": 0}, 2, "parallel.ep must be at least 1, got 0"),
     ({"ep": 3}, 4, r"parallel.ep \(3\) must divide the data-parallel ranks \(4 = world size / \(tp · pp\)\)"),
-    ({"ep": 2, "tp": 2}, 4, "parallel.ep > 1 does not run with parallel.tp or parallel.pp > 1 yet"),
-    ({"ep": 2, "pp": 2}, 4, "parallel.ep > 1 does not run with parallel.tp or parallel.pp > 1 yet"),
-    ({"ep": 2, "strategy": "zero3"}, 2, "strategy 'zero3' does not run with parallel.ep > 1 yet: it syncs or shards "
-                                        "every gradient over one group"),
-    ({"ep": 2, "strategy": "fsdp"}, 2, "strategy 'fsdp' does not run with parallel.ep > 1 yet"),
-    ({"ep": 2, "strategy": "deepspeed"}, 2, "strategy 'deepspeed' does not run with parallel.ep > 1 yet"),
+    ({"ep": 2, "strategy": "deepspeed"}, 2, "strategy 'deepspeed' does not run with parallel.ep > 1: its engine "
+                                            "owns the whole step"),
+    ({"ep": 2, "tp": 2, "tp_impl": "torch"}, 4, r"parallel.ep > 1 runs with the hand-rolled tensor parallelism only"),
+    ({"ep": 2, "pp": 2, "pp_impl": "torch", "strategy": "single"}, 4, "parallel.pp_impl torch runs without "
+                                                                      "parallel.ep"),
     ({"ep": 2, "compile": True}, 2, "train.compile with parallel.ep > 1 is not supported yet"),
 ])
 def test_expert_parallelism_is_validated_up_front(options, world_size, message):
@@ -59,8 +58,14 @@ def test_expert_parallelism_is_validated_up_front(options, world_size, message):
         validate_model(ParallelConfig(ep=3), MOE)
     with pytest.raises(ConfigError, match=r"parallel.ep \(2\) splits a mixture of experts: set model.moe_experts"):
         validate_model(ParallelConfig(ep=2), TINY)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel cannot split a mixture of experts' tokens"):
+        validate_model(ParallelConfig(ep=2, tp=2, sequence_parallel=True), MOE)
     validate(ParallelConfig(strategy="ddp_naive", ep=2), 4, LOOP)
+    for strategy in ("zero3", "fsdp", "torch_ddp"):  # every data-parallel strategy, and with tp and pp
+        validate(ParallelConfig(strategy=strategy, ep=2, tp=2), 4, LOOP)
+        validate(ParallelConfig(strategy=strategy, ep=2, pp=2), 4, LOOP)
     validate_model(ParallelConfig(ep=4), MOE)
+    validate_model(ParallelConfig(ep=2, tp=2, pp=2), MOE)
 
 
 def test_a_run_with_bad_expert_parallelism_fails_in_one_line_before_any_rank_starts(capsys, tmp_path, args):
@@ -69,10 +74,10 @@ def test_a_run_with_bad_expert_parallelism_fails_in_one_line_before_any_rank_sta
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: parallel.ep (2) must divide model.moe_experts (3): every rank of an expert-parallel group holds as "
         "many experts"]
-    assert run_main([*run[:-6], "--model.moe_experts", "4", "--parallel.ep", "2", "--strategy", "zero3",
+    assert run_main([*run[:-6], "--model.moe_experts", "4", "--parallel.ep", "2", "--strategy", "deepspeed",
                      "--run-dir", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[0].startswith(
-        "error: strategy 'zero3' does not run with parallel.ep > 1 yet")
+        "error: strategy 'deepspeed' does not run with parallel.ep > 1: its engine owns the whole step")
     assert not (tmp_path / "r").exists()
 
 
@@ -110,9 +115,10 @@ def _exchanges(world: World, spec: str, accum: int) -> dict:
     mine = strategy.module.take_router_counts()[:, :MOE.moe_experts]  # [layer, expert]: this rank's assignments
     everyone = world.sum(mine)
     ep, per = parallel.ep, MOE.moe_experts // parallel.ep
-    held = range(strategy.experts.rank * per, (strategy.experts.rank + 1) * per)
+    experts = next(t for t in strategy.transforms if t.name == "ep")
+    held = range(experts.rank * per, (experts.rank + 1) * per)
     elsewhere = [e for e in range(MOE.moe_experts) if e not in held]
-    group = strategy.experts.axis.sum(mine)  # the expert group's assignments
+    group = experts.axis.sum(mine)  # the expert group's assignments
     rows = mine[:, elsewhere].sum() + (group - mine)[:, list(held)].sum()  # sent away, and sent back
     forwards = 1 if parallel.activation_checkpointing == "none" else 2
     counted = (forwards + 1) * rows.item() * MOE.d_model * 4 + forwards * accum * MOE.n_layer * per * (ep - 1) * 8

@@ -271,9 +271,10 @@ def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(arg
 
 
 def _axis_timeouts(world: World) -> list[float]:
-    from lab.parallel import mesh
+    from lab.parallel import Layout
 
-    axes, experts = mesh.build(world, ParallelConfig(tp=2)), mesh.build(world, ParallelConfig(ep=2))
+    n = world.world_size
+    axes, experts = (Layout.of(ParallelConfig(tp=2), n).mesh(world), Layout.of(ParallelConfig(ep=2), n).mesh(world))
     return [axis.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for axis in (axes.dp, axes.tp, experts.ep, experts.edp)]
 

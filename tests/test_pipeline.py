@@ -29,7 +29,8 @@ from lab.data import load_tokenizer, prepare
 from lab.model import GPT
 from lab.measure.device import Precision
 from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
-from lab.parallel.pipeline import Pipeline, balanced_split, interleaved, schedule
+from lab.parallel.axes.pipeline import Pipeline, interleaved, schedule
+from lab.measure.accounting import stage_units as balanced_split
 from lab.runtime import checkpoint
 from lab.runtime.checkpoint import Held
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
@@ -118,6 +119,12 @@ def test_stages_are_balanced_by_parameters():
     assert balanced_split([3, 1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 4)]  # ties: the later runs longer
 
 
+def _staged(pipe: Pipeline, model: GPT) -> GPT:
+    """``model`` cut to the stages ``pipe`` holds."""
+    pipe.split(model, model.parallel_plan())
+    return model
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_each_stage_holds_its_blocks_under_the_models_names(tied):
     """Stage s of 2 keeps blocks 2s and 2s + 1, the first the embedding, the last the final norm and head (a tied
@@ -129,7 +136,7 @@ def test_each_stage_holds_its_blocks_under_the_models_names(tied):
     for stage in range(2):
         pipe = Pipeline(World(rank=stage, world_size=2, local_rank=stage, device=torch.device("cpu")),
                         ParallelConfig(pp=2), accum_steps=1)
-        part = dict(pipe.splitting(lambda: GPT(model))().named_parameters())
+        part = dict(_staged(pipe, GPT(model)).named_parameters())
         held.append(part)
         blocks = {name.split(".")[1] for name in part if name.startswith("blocks.")}
         assert blocks == {str(2 * stage), str(2 * stage + 1)}
@@ -137,7 +144,8 @@ def test_each_stage_holds_its_blocks_under_the_models_names(tied):
         assert ("wte.weight" in part) == (tied or stage == 0) and ("lm_head.weight" in part) == (not tied and stage)
         assert all(torch.equal(p, whole[name]) for name, p in part.items())
         assert pipe.tied == (["wte.weight"] if tied else [])
-        assert pipe.counts("wte.weight") == (stage == 0 or not tied)  # untied: only stage 0 holds it
+        replicas = pipe.replicas("wte.weight")  # counted by the first of the stages that hold it
+        assert (replicas is None or replicas.is_first) == (stage == 0 or not tied)  # untied: only stage 0 holds it
     assert held[0].keys() | held[1].keys() == whole.keys()
     assert sum(pipe.stage_params) == sum(p.numel() for p in whole.values()) + (whole["wte.weight"].numel() if tied
                                                                                  else 0)
@@ -152,7 +160,7 @@ def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
     cfg = ParallelConfig(pp=2, pp_schedule="interleaved", pp_virtual=2, pp_microbatches=4)
     for stage in range(2):
         pipe = Pipeline(World(rank=stage, world_size=2, local_rank=stage, device=torch.device("cpu")), cfg, 1)
-        part = dict(pipe.splitting(lambda: GPT(FOUR))().named_parameters())
+        part = dict(_staged(pipe, GPT(FOUR)).named_parameters())
         assert {name.split(".")[1] for name in part if name.startswith("blocks.")} == {str(stage), str(stage + 2)}
         assert ("wpe.weight" in part) == (stage == 0) and ("norm_f.weight" in part) == (stage == 1)
         assert pipe.theory == 1 / (2 * 4 + 1)
@@ -182,11 +190,6 @@ def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
      r"interleaved needs parallel.pp_microbatches a multiple of parallel.pp \(4\), got 2: microbatches go round"),
     ({"strategy": "deepspeed", "pp": 2}, 2, "strategy 'deepspeed' does not run with parallel.pp > 1: its engine "
                                             "owns the whole step"),
-    ({"strategy": "zero3", "pp": 2}, 4, "strategy 'zero3' does not run with parallel.pp > 1: it gathers each unit's "
-                                        "weights for one forward"),
-    ({"strategy": "fsdp", "pp": 2}, 4, "strategy 'fsdp' does not run with parallel.pp > 1: FSDP2 gathers"),
-    ({"strategy": "torch_ddp", "pp": 2}, 4, "strategy 'torch_ddp' does not run with parallel.pp > 1: "
-                                            "DistributedDataParallel prepares its reducer in its own forward"),
     ({"pp": 2, "tp": 2, "sequence_parallel": True}, 4, "parallel.pp > 1 runs with the hand-rolled tensor "
                                                         "parallelism without sequence parallelism only"),
     ({"pp": 2, "tp": 2, "tp_impl": "torch"}, 4, "parallel.pp > 1 runs with the hand-rolled tensor parallelism"),
@@ -202,13 +205,15 @@ def test_a_pipeline_accepts_what_it_runs():
     validate(ParallelConfig(pp=2), 2, LOOP)  # single over one replica per stage
     validate(ParallelConfig(strategy="ddp_naive", pp=2, pp_schedule="gpipe", pp_microbatches=1), 4, LOOP)
     validate(ParallelConfig(strategy="zero2", pp=2), 4, LOOP)
+    for strategy in ("zero3", "fsdp", "torch_ddp"):  # every data-parallel strategy runs the stages
+        validate(ParallelConfig(strategy=strategy, pp=2), 4, LOOP)
     validate_model(ParallelConfig(pp=4), FOUR)
+    validate_model(ParallelConfig(pp=2), dataclasses.replace(TINY, moe_experts=4))  # a mixture of experts in stages
 
 
 @pytest.mark.parametrize("model, message", [
     (dict(n_layer=3), r"parallel.pp \(2\) must divide model.n_layer \(3\)"),
     (dict(n_layer=6), r"parallel.pp × parallel.pp_virtual \(2 × 2\) must divide model.n_layer \(6\): virtual"),
-    (dict(moe_experts=4), "parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses"),
 ])
 def test_models_the_pipeline_cannot_split_are_refused(model, message):
     cfg = ParallelConfig(pp=2, pp_schedule="interleaved", pp_virtual=2) if model.get("n_layer") == 6 else \
@@ -224,10 +229,10 @@ def test_a_run_with_a_bad_pipeline_fails_in_one_line_before_any_rank_starts(caps
                      "--run-dir", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: parallel.pp (2) must divide model.n_layer (3): stages hold equal numbers of blocks"]
-    assert run_main([*args, "--nproc-per-node", "2", "--parallel.pp", "2", "--strategy", "zero3",
+    assert run_main([*args, "--nproc-per-node", "2", "--parallel.pp", "2", "--strategy", "deepspeed",
                      "--run-dir", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[0].startswith(
-        "error: strategy 'zero3' does not run with parallel.pp > 1: ")
+        "error: strategy 'deepspeed' does not run with parallel.pp > 1: ")
     assert not (tmp_path / "r").exists()
 
 

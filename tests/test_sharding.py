@@ -19,7 +19,7 @@ from lab.commands.equivalence import TINY, Setup, batch, compare, equivalence, r
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, parse_spec
-from lab.parallel.activations import SavedBytes, apply
+from lab.parallel.axes.activations import SavedBytes, apply
 from lab.parallel.comm import Comm
 from pool import run_pooled
 from lab.training.train import train_step

@@ -26,7 +26,7 @@ from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate, validate_model
 from pool import run_pooled
-from lab.parallel.tensor import Split
+from lab.parallel.axes.tensor import Split
 
 MODERN = ModelConfig(arch="modern", n_layer=2, n_head=4, n_kv_head=2, d_model=32, block_size=32, vocab_size=96)
 ARCHS = {"gpt2": TINY, "modern": MODERN}
@@ -117,7 +117,7 @@ def test_a_split_takes_assembles_and_places_every_element_once(shape, dim, block
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_the_parameters_a_rank_holds_under_tp_are_counted_in_theory(model, tp):
     """``accounting.tensor_parallel_params`` is what each rank of the hand-rolled split holds (built on meta)."""
-    from lab.parallel.tensor import TensorParallel
+    from lab.parallel.axes.tensor import TensorParallel
 
     for rank in range(tp):
         with torch.device("meta"):

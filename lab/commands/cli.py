@@ -244,9 +244,10 @@ def _preflight(args: argparse.Namespace,
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
     precision = resolve_precision(cfg.train.dtype, world.device)
+    budget = cfg.train.memory_budget * 2**30
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
-                               vocab, available_memory_bytes(world.device),
-                               ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)))
+                               vocab, budget or available_memory_bytes(world.device),
+                               1 if budget else ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)))
     return cfg, world, run_dir, mode, estimate
 
 

@@ -39,6 +39,7 @@ from lab.runtime.files import write_atomic
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate
+from lab.parallel.axes.pipeline import microbatches
 from lab.commands.ranks import RankFailed, run_ranks
 from lab.training.train import StepPlan, train_step
 
@@ -65,6 +66,7 @@ class Trace:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]  # the final weights (rank 0), under the model's names
+    meters: dict = dataclasses.field(default_factory=dict)  # this rank's accounts and the last step's record
 
 
 def loop_settings(setup: Setup) -> LoopSettings:
@@ -95,16 +97,18 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
         result = train_step(strategy, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
         trace.losses.append(result.loss)
         trace.grad_norms.append(result.grad_norm)
-        strategy.take_step_meters()
+        step_record = strategy.take_step_meters().layout
     trace.params = strategy.full_state_dict()
+    trace.meters = strategy.accounts.meters() | {"step": step_record}
     return trace
 
 
-def reference(world: World, setup: Setup, model_factory=None, replicas: int | None = None) -> Trace:
+def reference(world: World, setup: Setup, model_factory=None, replicas: int | None = None, split: int = 1) -> Trace:
     """``single`` on this process alone, accumulating the micro-batches of every data-parallel replica (by default
-    every rank) in order."""
+    every rank) in order, each cut in ``split`` (a pipeline's microbatches: a mixture of experts balances each one)."""
     alone = World(rank=0, world_size=1, local_rank=0, device=world.device)
-    return train_tiny(alone, dataclasses.replace(setup, accum=setup.accum * (replicas or world.world_size)),
+    return train_tiny(alone, dataclasses.replace(setup, accum=setup.accum * (replicas or world.world_size) * split,
+                                                 micro_batch=setup.micro_batch // split),
                       ParallelConfig(strategy="single"), model_factory)
 
 
@@ -133,19 +137,24 @@ def compare(ref: Trace, got: Trace) -> Comparison:
                       ref.losses == got.losses, all(torch.equal(ref.params[k], got.params[k]) for k in ref.params))
 
 
-def equivalence(world: World, specs: list[str], setup: Setup) -> dict[str, Comparison]:
-    """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank)."""
-    refs: dict[int, Trace] = {}
+def equivalence(world: World, specs: list[str], setup: Setup, refs: dict | None = None,
+                traces: dict | None = None) -> dict[str, Comparison]:
+    """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank); ``refs`` keeps
+    the references between calls of one setup, ``traces`` gets this rank's trace of each."""
+    refs = {} if refs is None else refs
     out = {}
     for spec in specs:
         parallel = parse_spec(spec)
         replicas = data_replica(parallel, world.rank, world.world_size)[1]
-        if replicas not in refs:
-            refs[replicas] = reference(world, setup, replicas=replicas)
-        ref = refs[replicas]
+        key = replicas, microbatches(parallel) if parallel.pp > 1 else 1
+        if key not in refs:
+            refs[key] = reference(world, setup, replicas=replicas, split=key[1])
+        ref = refs[key]
         trace = ref if spec == "single" else train_tiny(world, setup, parallel)
         if world.is_main:
             out[spec] = compare(ref, trace)
+        if traces is not None:
+            traces[spec] = trace
     return out
 
 

@@ -208,9 +208,9 @@ def _cluster(args: argparse.Namespace) -> layouts.Cluster:
                            args.inter_gbps * 1e9, args.mfu)
 
 
-def _layout_row(r: layouts.Layout) -> list[str]:
+def _layout_row(r: layouts.Layout, cp: bool) -> list[str]:
     return [r.name, r.stage, str(r.microbatches), _gb(r.states), _gb(r.activations), _gb(r.memory),
-            "yes" if r.fits else "no", *(f"{t:.3f}" for t in r.terms().values()), f"{r.step_s:.3f}"]
+            "yes" if r.fits else "no", *(f"{t:.3f}" for t in r.terms(cp).values()), f"{r.step_s:.3f}"]
 
 
 def _versus(other: layouts.Layout, choice: layouts.Layout) -> str:
@@ -227,11 +227,18 @@ def _versus(other: layouts.Layout, choice: layouts.Layout) -> str:
 
 
 def _mesh(args: argparse.Namespace) -> str:
-    """Every tp × pp × dp layout and data-parallel stage for the model on ``--n-gpus``, with memory per GPU and a
+    """Every tp × cp × pp × dp layout and data-parallel stage for the model on ``--n-gpus``, with memory per GPU and a
     step's time by cause (``lab.measure.layouts``); the choice is the fastest layout that fits."""
     cfg = _mesh_shape(args)
     cluster = _cluster(args)
-    rows, refused = layouts.layouts(cfg, args.micro_batch, args.batch_tokens, cluster, args.checkpointing)
+    rows, refused = layouts.layouts(cfg, args.micro_batch, args.batch_tokens, cluster, args.checkpointing, args.max_cp)
+    context = ""
+    if not any(r.fits for r in rows) and args.max_cp == 1:  # the sequence itself may be what does not fit
+        rows, refused = layouts.layouts(cfg, args.micro_batch, args.batch_tokens, cluster, args.checkpointing,
+                                        cluster.gpus_per_node)
+        context = ("nothing fits without splitting the sequence: context parallelism (cp, the ring within a node) "
+                   "priced too")
+    with_cp = any(r.cp > 1 for r in rows)
     params = accounting.param_counts(cfg).total
     rows.sort(key=lambda r: (not r.fits, r.step_s))
     shown = rows if args.show == 0 else rows[:args.show]
@@ -241,8 +248,10 @@ def _mesh(args: argparse.Namespace) -> str:
              f"{args.intra_gbps:g} GB/s within a node and {args.inter_gbps:g} GB/s between nodes; bf16 with fp32 "
              f"master weights (16 B/param), 1F1B, tp with sequence parallelism. Seconds per step by cause, on paper "
              f"(lab/measure/layouts.py); 'dp exposed' is the data-parallel traffic the backward does not hide",
+             *([context] if context else []),
              _table(["layout", "stage", "m", "states", "activations", "total", "fits", "compute", "bubble", "tp",
-                     "pp", "dp exposed", "step s"], [_layout_row(r) for r in shown], left=2)]
+                     *(["cp"] if with_cp else []), "pp", "dp exposed", "step s"],
+                    [_layout_row(r, with_cp) for r in shown], left=2)]
     if len(shown) < len(rows):
         lines.append(f"... and {len(rows) - len(shown)} slower or not fitting (--show 0 lists all)")
     lines += [f"not possible: {r}" for r in refused]
@@ -250,7 +259,8 @@ def _mesh(args: argparse.Namespace) -> str:
     if choice is None:
         raise PlanError(f"no layout of {args.n_gpus} × {args.gpu} holds {args.preset} at micro-batch "
                         f"{args.micro_batch}; lower --micro-batch, add --checkpointing or more GPUs")
-    options = " ".join(f"--parallel.{axis} {n}" for axis, n in (("tp", choice.tp), ("pp", choice.pp)) if n > 1)
+    options = " ".join(f"--parallel.{axis} {n}" for axis, n in (("tp", choice.tp), ("cp", choice.cp),
+                                                                  ("pp", choice.pp)) if n > 1)
     lines.append(f"choice: {choice.name}, {choice.stage} ({options + ' ' if options else ''}--strategy "
                  f"{choice.stage}): the fastest layout that fits, {choice.step_s:.3f} s per step, "
                  f"{_gb(choice.memory)} per GPU")
@@ -348,7 +358,7 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     m.add_argument("--naive-attention", action="store_true", help="store the s×s attention matrices (no flash)")
     m.set_defaults(run=_memory)
 
-    g = sub.add_parser("mesh", help="choose tp × pp × dp and the data-parallel stage for a model (and say why)")
+    g = sub.add_parser("mesh", help="choose tp × cp × pp × dp and the data-parallel stage for a model (and say why)")
     g.add_argument("--preset", required=True, help="a model preset (lab.runtime.config.PRESETS), e.g. llama3-70b")
     g.add_argument("--vocab", type=_count, help="vocabulary size (default: the preset's)")
     g.add_argument("--seq-len", type=_count, help="tokens per sequence (default: the preset's block size)")
@@ -362,6 +372,9 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     g.add_argument("--usable", type=_fraction, default=USABLE, help=USABLE_HELP)
     g.add_argument("--mfu", type=_fraction, default=0.5, help="the compute's share of the peak (default: 0.5)")
     g.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
+    g.add_argument("--max-cp", type=_count, default=1,
+                   help="price context parallelism up to this degree (default: 1, and up to a node's GPUs when nothing "
+                        "fits without it)")
     g.add_argument("--intra-gbps", type=_positive, default=450.0,
                    help="GB/s one GPU sends within a node (default: 450, NVLink 4 one way)")
     g.add_argument("--inter-gbps", type=_positive, default=50.0,

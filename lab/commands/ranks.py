@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lab.parallel.mesh import World
+from lab.parallel.layout import World
 from lab.runtime.loopback import listen_on_loopback
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -161,14 +162,70 @@ def param_counts(cfg: ModelShape) -> ParamCounts:
                        embedding=embedding, head=head, position=position, inactive=inactive)
 
 
+def stage_units(sizes: Sequence[float], parts: int) -> list[range]:
+    """The pipeline's split, stated once: units of ``sizes`` (their parameters, in order) cut into ``parts``
+    consecutive runs, none empty, whose largest sum is the smallest possible (among equal ones, the one whose later
+    runs are longest). The first stage also holds the embedding, the last the final norm and head."""
+    n = len(sizes)
+    prefix = [0.0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: the smallest largest run over cuts of the first i units into k runs; cut[k][i]: where its last starts
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    runs, end = [], n
+    for k in range(parts, 0, -1):
+        runs.append(range(cut[k][end], end))
+        end = cut[k][end]
+    return runs[::-1]
+
+
+def block_params(cfg: ModelShape, tp: int = 1) -> tuple[int, int]:
+    """(parameters of one block on each rank of a tensor-parallel group of ``tp``, of which routed experts): the
+    query heads, the MLP's hidden units (their rows, biases and down-projection columns) and the attention output's
+    columns split ``tp`` ways; the key/value heads too, or, when fewer than ``tp``, one per rank (replicated); norms,
+    row-parallel biases and a mixture of experts (router, experts, shared experts) whole."""
+    d, b, hd = cfg.d_model, int(uses_bias(cfg)), head_dim(cfg)
+    queries, kv = cfg.n_head // tp, max(kv_heads(cfg) // tp, 1)
+    attention = (queries + 2 * kv) * hd * (d + b) + d * queries * hd + d * b
+    experts, routed = moe_experts(cfg), 0
+    if experts:
+        width, shared = expert_width(cfg), cfg.moe_shared_experts
+        routed = experts * mlp_params(cfg, width)
+        mlp = d * experts + routed + (mlp_params(cfg, shared * width) if shared else 0)
+    else:
+        hidden = ffn_width(cfg) // tp
+        mlp = (2 if cfg.arch == "modern" else 1) * hidden * (d + b) + d * hidden + d * b
+    return 2 * _norm_params(cfg) + attention + mlp, routed
+
+
+def rank_params(cfg: ModelShape, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[float, float]:
+    """(parameters, of which routed experts) one rank of the fullest pipeline stage holds: its blocks
+    (``stage_units``) split ``tp`` ways (``block_params``) with 1 / ``ep`` of their routed experts, plus the
+    embedding's vocabulary rows (split ``tp`` ways) and learned positions on the first stage, the final norm and the
+    head's rows on the last (a tied head: a copy of the embedding's, one weight in a single stage)."""
+    block, routed = block_params(cfg, tp)
+    per_block = block - routed + routed / ep
+    rows = padded_vocab(cfg) // tp * cfg.d_model
+    first = rows + (0 if cfg.arch == "modern" else cfg.block_size * cfg.d_model)
+    last = _norm_params(cfg) + (rows if not cfg.tie_embeddings or pp > 1 else 0)
+    runs = stage_units([per_block] * cfg.n_layer, pp)
+    stages = [(len(run) * per_block + (first if s == 0 else 0) + (last if s == pp - 1 else 0), len(run) * routed / ep)
+              for s, run in enumerate(runs)]
+    return max(stages)
+
+
 def stage_params(cfg: ModelShape, pp: int) -> float:
-    """Parameters of the fullest of ``pp`` pipeline stages: its share of the blocks and the embedding, or the head
-    (tied: a copy); ``param_counts(cfg).total`` at ``pp`` 1."""
-    counts = param_counts(cfg)
-    if pp == 1:
-        return float(counts.total)
-    head = counts.head or counts.embedding - counts.position
-    return counts.non_embedding / pp + max(counts.embedding, head)
+    """Parameters of the fullest of ``pp`` pipeline stages (``rank_params``); ``param_counts(cfg).total`` at ``pp``
+    1."""
+    return rank_params(cfg, pp=pp)[0]
 
 
 def routed_expert_params(cfg: ModelShape) -> int:
@@ -182,7 +239,7 @@ def _norm_params(cfg: ModelShape) -> int:
 
 
 def tensor_parallel_split_problem(cfg: ModelShape, tp: int, sequence_parallel: bool) -> str | None:
-    """Why ``tp`` ranks cannot split ``cfg``'s layers evenly (``lab.parallel.tensor``), or None when they can."""
+    """Why ``tp`` ranks cannot split ``cfg``'s layers evenly (``lab.parallel.axes.tensor``), or None when they can."""
     if tp == 1:
         return None
     kv = kv_heads(cfg)
@@ -200,22 +257,9 @@ def tensor_parallel_split_problem(cfg: ModelShape, tp: int, sequence_parallel: b
 
 
 def tensor_parallel_params(cfg: ModelShape, tp: int) -> int:
-    """Parameters each rank of a tensor-parallel group of ``tp`` holds (``lab.parallel.tensor``): the query heads,
-    the MLP's hidden units (their rows, biases and down-projection columns), the attention output's columns and
-    the vocabulary rows split ``tp`` ways; the key/value heads too, or, when fewer than ``tp``, one per rank
-    (replicated); norms, learned positions and the row-parallel biases whole. ``param_counts`` at ``tp`` 1."""
-    if tp == 1:
-        return param_counts(cfg).total
-    d, b = cfg.d_model, int(uses_bias(cfg))
-    kv = max(kv_heads(cfg) // tp, 1)
-    columns = (cfg.n_head // tp + 2 * kv) * head_dim(cfg)  # this rank's QKV rows
-    hidden = ffn_width(cfg) // tp
-    up = (2 if cfg.arch == "modern" else 1) * hidden
-    block = 2 * _norm_params(cfg) + columns * (d + b) + d * (cfg.n_head // tp) * head_dim(cfg) + up * (d + b) \
-        + d * hidden + 2 * d * b
-    position = 0 if cfg.arch == "modern" else cfg.block_size * d
-    vocabulary = padded_vocab(cfg) // tp * d * (1 if cfg.tie_embeddings else 2)
-    return cfg.n_layer * block + _norm_params(cfg) + position + vocabulary
+    """Parameters each rank of a tensor-parallel group of ``tp`` holds (``lab.parallel.axes.tensor``; ``rank_params``):
+    ``param_counts`` at ``tp`` 1."""
+    return int(rank_params(cfg, tp=tp)[0])
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -425,28 +469,33 @@ def comm_elements_per_step(params: float, strategy: str, n_devices: int) -> floa
 
 
 def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: int, tp: int,
-                               sequence_parallel: bool = False, bytes_per_element: float = 4.0) -> dict[str, float]:
+                               sequence_parallel: bool = False, bytes_per_element: float = 4.0,
+                               layers: TensorLayers | None = None) -> dict[str, float]:
     """Bytes each rank sends per optimizer step over its tensor-parallel group of ``tp`` ranks, by collective.
 
-    Per micro-step of b sequences of s tokens, width h (Megatron-LM): every block all-reduces b·s·h
-    twice forward (attention output, MLP down) and twice backward (the inputs of QKV and MLP up);
-    the vocabulary-parallel embedding once forward and the head's input once backward; the loss
-    three times b·s (row max, sum of exponentials, target logit). With sequence parallelism each
-    all-reduce of b·s·h becomes an all-gather and a reduce-scatter (the same bytes), and the
-    gradients of the whole weights that act on sequence shards (norms, the row-parallel biases,
-    learned positions) are all-reduced once per micro-step. With fewer key/value heads than ``tp`` (GQA,
-    replicated), each block's key and value rows' gradients are all-reduced once per micro-step, every part
-    in its own slot (``n_kv_head`` slots of one head's rows).
+    Per micro-step of b sequences of s tokens, width h (Megatron-LM): every row-parallel layer all-reduces its
+    output, b·s·h, forward (attention output, MLP down) and every column-parallel layer its input's gradient
+    backward (QKV, MLP up): four per dense block, two per mixture-of-experts block (its MLP is not split); the
+    vocabulary-parallel embedding once forward and the head's input once backward; the loss three times b·s (row
+    max, sum of exponentials, target logit). With sequence parallelism each all-reduce of b·s·h becomes an
+    all-gather and a reduce-scatter (the same bytes), and the gradients of the whole weights that act on sequence
+    shards (norms, the row-parallel biases, learned positions) are all-reduced once per micro-step. With fewer
+    key/value heads than ``tp`` (GQA, replicated), each block's key and value rows' gradients are all-reduced once
+    per backward, every part in its own slot (``n_kv_head`` slots of one head's rows). ``layers`` says what this
+    rank holds and runs (a pipeline stage's share; by default the whole model).
     """
     out = dict.fromkeys(COLLECTIVES, 0.0)
     if tp == 1:
         return out
-    activations = micro_batch * cfg.block_size * cfg.d_model
-    big = (4 * cfg.n_layer + 2) * activations  # elements all-reduced (or gathered and reduce-scattered)
-    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * micro_batch * cfg.block_size, tp)
+    dense = 0 if moe_experts(cfg) else cfg.n_layer
+    held = layers or TensorLayers(cfg.n_layer + dense, cfg.n_layer + dense, cfg.n_layer, True, True, 1)
+    tokens = micro_batch * cfg.block_size * held.token_share
+    activations = tokens * cfg.d_model
+    big = (held.column + held.row + held.embeds + held.head) * activations  # elements all-reduced (or gathered...)
+    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * tokens, tp) if held.head else 0.0
     if kv_heads(cfg) < tp:
-        replicated = cfg.n_layer * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
-        out["all_reduce"] += ring_elements_sent("all_reduce", replicated, tp)
+        replicated = held.attention * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
+        out["all_reduce"] += held.backwards * ring_elements_sent("all_reduce", replicated, tp)
     if sequence_parallel:
         norms = 2 * cfg.n_layer + 1
         on_shards = norms * cfg.d_model * (2 if _norm_has_bias(cfg) else 1)
@@ -460,6 +509,21 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     return {k: v * accum_steps * bytes_per_element for k, v in out.items()}
 
 
+@dataclass(frozen=True)
+class TensorLayers:
+    """What one rank of a tensor-parallel group holds and runs: column- and row-parallel layers, attention layers (the
+    key/value rows), whether it runs the embedding and the head (a pipeline's first and last stage), backwards per
+    micro-step (a pipeline's microbatches) and the share of each sequence's tokens (a context-parallel shard's)."""
+
+    column: int
+    row: int
+    attention: int
+    embeds: bool
+    head: bool
+    backwards: int
+    token_share: float = 1.0
+
+
 def _norm_has_bias(cfg: ModelShape) -> bool:
     """LayerNorm with a bias (gpt2 with biases); RMSNorm has none."""
     return cfg.arch == "gpt2" and uses_bias(cfg)
@@ -469,7 +533,7 @@ def _norm_has_bias(cfg: ModelShape) -> bool:
 
 
 def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, checkpointing: bool = False,
-                     flash: bool = True, tp: int = 1, sequence_parallel: bool = False) -> float:
+                     flash: bool = True, tp: int = 1, sequence_parallel: bool = False, cp: int = 1) -> float:
     """Bytes of activations one rank keeps for the backward pass of one micro-batch: an estimate.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4),
@@ -483,12 +547,16 @@ def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, 
     that term. Full activation checkpointing keeps each layer's input (p·s·b·h) plus one layer's
     full activations while it is recomputed. The fp32 logits for the loss add 4·s·b·V.
 
-    Tensor parallelism over ``tp`` ranks (``lab.parallel.tensor``) splits the 12 values inside attention
+    Tensor parallelism over ``tp`` ranks (``lab.parallel.axes.tensor``) splits the 12 values inside attention
     and the MLP (Q, K, V, attention output, the MLP's 4h and 4h), the s×s term and the logits tp ways;
     the norms' inputs, the two column-parallel inputs and the masks stay whole (s·b·h·(4·p + 2 + 12·p/tp),
     Korthikanti's 10 + 24/t). Sequence parallelism also splits the norms' inputs, the masks and the
     checkpointed layer inputs; the column-parallel layers keep the input they were given, gathered whole
     (s·b·h·(2·p + (14·p + 2)/tp); Megatron-LM keeps the shard and gathers it again in the backward: 34/t).
+
+    Context parallelism over ``cp`` ranks (``lab.parallel.axes.context``) gives each rank s/cp of every
+    sequence's tokens: every term is a token's, so each falls cp-fold (the ring's key/value blocks in flight
+    are transient: ``activation_peak_bytes``).
 
     Assumptions: GPT-2-style blocks (GELU MLP of width 4h, full multi-head attention, dropout masks
     counted even at dropout 0); SwiGLU, GQA or another d_ff shift the count somewhat. Embedding
@@ -502,7 +570,20 @@ def activation_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 2, 
     if not flash:
         layer += a * s * s * b * (2 * p + 1) / tp
     kept = cfg.n_layer * p * s * b * h / on_shards + layer if checkpointing else cfg.n_layer * layer
-    return float(kept + 4 * s * b * padded_vocab(cfg) / tp)
+    return float(kept + 4 * s * b * padded_vocab(cfg) / tp) / cp
+
+
+def activation_peak_bytes(cfg: ModelShape, micro_batch: int, bytes_per_act: int = 4, tp: int = 1, cp: int = 1
+                          ) -> float:
+    """The most activation bytes one rank holds during a step's forward and backward, an estimate: what the layers
+    keep for the backward (``activation_bytes``), the final norm's input and output (2·p·s·b·h), and at the backward's
+    start the loss's gradient beside the log-softmax it saved (4·s·b·V fp32); under context parallelism cp-fold
+    less, plus the ring's two key/value blocks in flight (a received one and the next; 2·2·kv·d_head·p per token of
+    a shard)."""
+    s, b, h = cfg.block_size, micro_batch, cfg.d_model
+    extra = 2 * bytes_per_act * s * b * h / tp + 4 * s * b * padded_vocab(cfg) / tp
+    ring = 4 * kv_heads(cfg) * head_dim(cfg) * bytes_per_act * s * b / tp if cp > 1 else 0.0
+    return activation_bytes(cfg, micro_batch, bytes_per_act, tp=tp, cp=cp) + (extra + ring) / cp
 
 
 def autocast_weight_bytes(cfg: ModelShape, tp: int = 1) -> float:

@@ -26,6 +26,7 @@ The training loss adds the Switch load-balancing loss and the router z-loss (``G
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable
@@ -36,8 +37,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from lab.measure import accounting
-from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
-from lab.model.plan import ColumnSplit, ExpertPlan, ParallelPlan, PipelinePlan, TensorPlan
+from lab.runtime.config import ConfigError, ModelConfig, did_you_mean
+from lab.model.plan import ColumnSplit, ContextPlan, ExpertPlan, ParallelPlan, PipelinePlan, TensorPlan
 
 ARCHS = ("gpt2", "modern")
 PARAMETRIZATIONS = ("standard", "mup")
@@ -89,34 +90,6 @@ def validate_moe(cfg: ModelConfig) -> None:
         raise ConfigError(problem)
 
 
-def validate_split(model: ModelConfig, cfg: ParallelConfig) -> None:
-    """Raise ConfigError (one line) when ``parallel.tp``, ``parallel.pp`` or ``parallel.ep`` cannot split the model's
-    layers evenly (its plan)."""
-    if cfg.pp > 1 and model.n_layer % cfg.pp:
-        raise ConfigError(f"parallel.pp ({cfg.pp}) must divide model.n_layer ({model.n_layer}): stages hold equal "
-                          f"numbers of blocks")
-    if cfg.pp > 1 and model.n_layer % (cfg.pp * cfg.pp_virtual):
-        raise ConfigError(f"parallel.pp × parallel.pp_virtual ({cfg.pp} × {cfg.pp_virtual}) must divide model.n_layer "
-                          f"({model.n_layer}): virtual stages hold equal numbers of blocks")
-    if cfg.pp > 1 and model.moe_experts:
-        raise ConfigError("parallel.pp > 1 cannot carry a mixture of experts' auxiliary losses between stages yet "
-                          "(model.moe_experts); use pp 1")
-    if cfg.ep > 1 and not model.moe_experts:
-        raise ConfigError(f"parallel.ep ({cfg.ep}) splits a mixture of experts: set model.moe_experts")
-    if cfg.ep > 1 and model.moe_experts % cfg.ep:
-        raise ConfigError(f"parallel.ep ({cfg.ep}) must divide model.moe_experts ({model.moe_experts}): every rank of "
-                          f"an expert-parallel group holds as many experts")
-    if cfg.tp == 1:
-        return
-    if model.moe_experts:
-        raise ConfigError("parallel.tp > 1 cannot split a mixture of experts yet (model.moe_experts); use tp 1")
-    problem = accounting.tensor_parallel_split_problem(model, cfg.tp, cfg.sequence_parallel)
-    if problem is not None:
-        raise ConfigError(problem)
-    if cfg.tp_impl == "torch" and model.vocab_size is not None and accounting.padded_vocab(model) != model.vocab_size:
-        raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set model.pad_vocab_to 1")
-
-
 # ---------------------------------------------------------------- rotary positions
 
 
@@ -158,6 +131,8 @@ class Attention(nn.Module):
         self.rotary = cfg.arch == "modern"
         # None: torch's 1/√d_head; μP's 1/d_head keeps the scores' scale as heads widen.
         self.scale = 1.0 / self.head_dim if cfg.parametrization == "mup" else None
+        # (q, k, v, scale) -> output, when the keys live elsewhere (context parallelism: lab.parallel.axes.context)
+        self.attend: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -170,8 +145,12 @@ class Attention(nn.Module):
         if self.rotary:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv_head != self.n_head, scale=self.scale)
+        if self.attend is not None:
+            y = self.attend(q, k, v, self.scale)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0,
+                                               enable_gqa=self.n_kv_head != self.n_head, scale=self.scale)
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -194,6 +173,14 @@ class MLP(nn.Module):
         else:
             h = F.gelu(h, approximate="tanh")
         return self.down(h)
+
+
+class Experts(nn.ModuleList):
+    """A mixture of experts' routed experts, run in one call: each ``(index, rows)`` through expert ``index`` apart
+    (a strategy that gathers a module's weights around its forward gathers them once for every call)."""
+
+    def forward(self, calls: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        return [self[index](rows) for index, rows in calls]
 
 
 class MoE(nn.Module):
@@ -219,11 +206,11 @@ class MoE(nn.Module):
         self.normalize_gates = cfg.moe_top_k > 1 if cfg.moe_normalize_gates is None else cfg.moe_normalize_gates
         width = accounting.expert_width(cfg)
         self.router = nn.Linear(cfg.d_model, self.n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg, width) for _ in range(self.n_experts))
+        self.experts = Experts(MLP(cfg, width) for _ in range(self.n_experts))
         self.shared = MLP(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # [E + 3]: assignments per expert, dropped, entropy sum, tokens
-        # rows per expert -> their outputs, when the experts live elsewhere (expert parallelism: lab.parallel.experts)
+        # rows per expert -> their outputs, when the experts live elsewhere (lab.parallel.axes.experts)
         self.exchange: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,8 +223,7 @@ class MoE(nn.Module):
         kept = self.kept(choice)
         assigned = [torch.where((choice == e) & kept) for e in range(self.n_experts)]  # (token, slot) per expert
         rows = [flat[token] for token, _ in assigned]
-        outputs = (self.exchange(rows) if self.exchange is not None
-                   else [expert(r) for expert, r in zip(self.experts, rows)])
+        outputs = self.exchange(rows) if self.exchange is not None else self.experts(list(enumerate(rows)))
         out = torch.zeros_like(flat)
         for (token, slot), y in zip(assigned, outputs):
             out.index_add_(0, token, (y * gate[token, slot, None]).to(out.dtype))
@@ -327,6 +313,7 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         # Tied: the head multiplies by the embedding table itself (one parameter, owned by one module).
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, padded, bias=False)
+        self.positions: torch.Tensor | None = None  # the tokens' global positions when they are a shard's
         if cfg.arch == "modern":
             self.register_buffer("rope_cos", torch.empty(cfg.block_size, accounting.head_dim(cfg) // 2),
                                  persistent=False)
@@ -391,24 +378,43 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(self.positions if self.positions is not None else torch.arange(T, device=idx.device))
         return self.drop(x)
 
     def run_blocks(self, x: torch.Tensor, indices: range) -> torch.Tensor:
         """The hidden state ``x`` through the blocks ``indices``, in order."""
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "modern" else None
+        if rope is not None and self.positions is not None:
+            rope = (rope[0][self.positions], rope[1][self.positions])
         for i in indices:
             x = self.blocks[i](x, rope)
         return x
+
+    def stage(self, x: torch.Tensor, targets: torch.Tensor | None, indices: range, first: bool, last: bool
+              ) -> torch.Tensor:
+        """A pipeline stage's part of the forward: tokens ``x`` embedded (``first``) or a hidden state, through the
+        blocks ``indices``, to the loss against ``targets`` (``last``) or the hidden state to send on."""
+        h = self.run_blocks(self.embed(x) if first else x, indices)
+        return self.output(h, targets) if last else h
+
+    def aux_loss(self, indices: range) -> torch.Tensor | None:
+        """The auxiliary losses the mixture-of-experts layers of blocks ``indices`` left in their last forward, summed
+        in order (None for a dense model): what a pipeline stage adds to its part of the loss."""
+        losses = [self.blocks[i].mlp.aux_loss for i in indices if isinstance(self.blocks[i].mlp, MoE)]
+        return functools.reduce(torch.add, losses) if losses else None
 
     def moe_layers(self) -> list[MoE]:
         """The blocks' mixture-of-experts MLPs (none in a dense model)."""
         return [block.mlp for block in self.blocks if block is not None and isinstance(block.mlp, MoE)]
 
     def take_router_counts(self) -> torch.Tensor | None:
-        """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``), or None (dense)."""
-        layers = self.moe_layers()
-        return torch.stack([moe.take_counts() for moe in layers]) if layers else None
+        """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``; zeros for a block this
+        model does not hold, a pipeline stage's other blocks), or None (dense)."""
+        if not self.cfg.moe_experts:
+            return None
+        device = self.norm_f.weight.device if self.norm_f is not None else next(self.parameters()).device
+        return torch.stack([block.mlp.take_counts() if block is not None else
+                            torch.zeros(self.cfg.moe_experts + 3, device=device) for block in self.blocks])
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         """Final norm and head: logits, or the mean cross-entropy against ``targets``."""
@@ -435,7 +441,7 @@ class GPT(nn.Module):
             column[f"blocks.{i}.attn.qkv"] = ColumnSplit((heads * head_dim, kv * head_dim, kv * head_dim),
                                                          (heads, kv, kv))
             row.append(f"blocks.{i}.attn.proj")
-            if isinstance(block.mlp, MLP):  # a mixture of experts is not split (validate_split refuses tp > 1)
+            if isinstance(block.mlp, MLP):  # a mixture of experts is not split by tensor parallelism
                 column[f"blocks.{i}.mlp.up"] = ColumnSplit((ff, ff) if block.mlp.gated else (ff,))
                 row.append(f"blocks.{i}.mlp.down")
             norms += [f"blocks.{i}.norm1", f"blocks.{i}.norm2"]
@@ -444,14 +450,22 @@ class GPT(nn.Module):
                             final_norm="norm_f", sequence_norms=norms + ["norm_f"],
                             positions=None if self.wpe is None else "wpe", vocab_size=self.vocab_size,
                             logit_divisor=self.width, split_heads=self._split_heads, config=cfg)
-        pipeline = PipelinePlan(embed="embed", run="run_blocks", head="output",
+        pipeline = PipelinePlan(embed="embed", run="run_blocks", head="output", stage="stage",
                                 units=[f"blocks.{i}" for i in range(len(self.blocks))],
                                 first=["wte"] + ([] if self.wpe is None else ["wpe"]),
-                                last=["norm_f", "wte" if self.lm_head is None else "lm_head"], width=cfg.d_model)
+                                last=["norm_f", "wte" if self.lm_head is None else "lm_head"], width=cfg.d_model,
+                                aux_loss="aux_loss")
         moe = [f"blocks.{i}.mlp" for i, block in held if isinstance(block.mlp, MoE)]
         experts = ExpertPlan(layers=moe, count=cfg.moe_experts, config=cfg) if moe else None
+        context = ContextPlan(attention=[f"blocks.{i}.attn" for i, _ in held], positions="positions",
+                              length=cfg.block_size, kv_values=self._kv_values)
         return ParallelPlan(units=[f"blocks.{i}" for i, _ in held], initial_value=self.initial_value,
-                            head="output", tensor=tensor, pipeline=pipeline, experts=experts)
+                            head="output", tensor=tensor, pipeline=pipeline, experts=experts, context=context)
+
+    def _kv_values(self) -> int:
+        """Key and value values per token of one attention layer as it is now (its share after a split of heads)."""
+        attention = next(block.attn for block in self.blocks if block is not None)
+        return 2 * attention.n_kv_head * attention.head_dim
 
     def _split_heads(self, n: int) -> None:
         """Each attention now holds 1/n of the query heads and of the key/value heads (at least one)."""

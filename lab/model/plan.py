@@ -12,6 +12,7 @@ The transforms never name a model's attributes. They read a ``ParallelPlan``:
   cannot.
 - ``pipeline``: how the model runs as a pipeline of stages (``PipelinePlan``); None when it cannot.
 - ``experts``: its mixtures of experts, which expert parallelism splits (``ExpertPlan``); None for a dense model.
+- ``context``: how it runs a shard of each sequence's tokens (``ContextPlan``); None when it cannot.
 
 A model declares its plan with a ``parallel_plan()`` method; any other ``nn.Module`` gets
 ``default_plan``: its children that hold parameters are the units (those sharing a parameter with
@@ -75,23 +76,44 @@ class PipelinePlan:
     """How the model runs as a pipeline: ``embed`` on the first stage, then the ``units`` in order (a consecutive
     run of them on each stage), then ``head`` on the last. The three are names of the model's methods: ``embed``
     maps tokens to the hidden state [b, t, ``width``], ``run`` takes it through the units with the given indices,
-    ``head`` maps it and the targets to the loss. ``first`` and ``last`` name the modules ``embed`` and ``head``
-    use; a parameter of both (a tied embedding) lives on the first stage and the last."""
+    ``head`` maps it and the targets to the loss; ``stage`` (tokens or a hidden state, targets, unit indices, whether
+    it is the first stage, whether the last) runs a stage's part of the three in one call, what a stage runs in place
+    of the forward. ``first`` and ``last`` name the modules ``embed`` and ``head``
+    use; a parameter of both (a tied embedding) lives on the first stage and the last. ``aux_loss``, when set, names
+    the method that gives the auxiliary losses the units with the given indices left in their last training forward
+    (a mixture of experts' balance losses; None when there are none), which each stage adds to the loss."""
 
     embed: str
     run: str
     head: str
+    stage: str
     units: list[str]
     first: list[str]
     last: list[str]
     width: int
+    aux_loss: str | None = None
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """How the model runs a shard of each sequence's tokens (context parallelism): ``attention`` names the modules
+    whose ``attend`` attribute, when set, replaces their attention core (a callable of the queries, keys and values
+    [b, heads, tokens, head_dim] and the score scale, to the outputs); ``positions`` the model's attribute holding the
+    global positions of the tokens it runs (None: 0, 1, ...), which its learned positions and rotary tables index;
+    ``length`` the sequence's tokens; ``kv_values`` the key and value values per token one attention layer holds now
+    (after a tensor-parallel split: its share)."""
+
+    attention: list[str]
+    positions: str
+    length: int
+    kv_values: Callable[[], int]
 
 
 @dataclass(frozen=True)
 class ExpertPlan:
     """The model's mixture-of-experts layers (module names): each holds ``count`` experts as ``<layer>.experts.<i>``
     and runs them through its ``exchange`` attribute when that is set: a callable from the rows each expert gets
-    (a list of ``count`` tensors) to their outputs, which expert parallelism sets (``lab.parallel.experts``).
+    (a list of ``count`` tensors) to their outputs, which expert parallelism sets (``lab.parallel.axes.experts``).
     ``config``: the model's configuration, for the all-to-all formula in ``lab.measure.accounting``."""
 
     layers: list[str]
@@ -107,6 +129,7 @@ class ParallelPlan:
     tensor: TensorPlan | None = None
     pipeline: PipelinePlan | None = None
     experts: ExpertPlan | None = None
+    context: ContextPlan | None = None
 
 
 def plan_of(module: nn.Module, factory: Callable[[], nn.Module]) -> ParallelPlan:

@@ -1,29 +1,36 @@
-"""Parallelism strategies behind one interface (``base.Strategy``), chosen by name (``--strategy``)."""
+"""Parallelism: a layout (``layout.py``: every axis's degree, the mesh) and a strategy chosen by name (``--strategy``)
+that places the model over the data axis and loops over the layout's transforms (``axes/``).
+
+    layout.py, comm.py          the ground: degrees, refusals, the mesh, counted collectives
+    axes/                       tensor, experts, pipeline, activation checkpointing: the transforms, in one list
+    base.py, accounts.py        the strategy that loops over the list, and what it costs
+    data/                       the data-parallel strategies: single, ddp, zero, torch's, DeepSpeed
+"""
 
 from __future__ import annotations
 
-from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
-from lab.runtime import compat
 from lab.measure.device import Precision
-from lab.model import validate_split
-from lab.parallel import activations, experts, mesh, pipeline, tensor
+from lab.parallel import axes
+from lab.parallel.axes import activations, context, experts, pipeline, tensor
 from lab.parallel.base import (
-    LoopSettings,
     ModelFactory,
     OptimizerFactory,
     ParamGroup,
     ParamGroupRule,
     Strategy,
-    changed_options,
     backend_for,
+    changed_options,
     join_group_of_one,
 )
-from lab.parallel.mesh import World
-from lab.parallel.ddp import BucketedDDP, NaiveDDP
-from lab.parallel.deepspeed import DeepSpeed
-from lab.parallel.single import Single
-from lab.parallel.torch_ref import FSDP, TorchDDP
-from lab.parallel.zero import Zero1, Zero2, Zero3
+from lab.parallel.data.ddp import BucketedDDP, NaiveDDP
+from lab.parallel.data.deepspeed import DeepSpeed
+from lab.parallel.data.single import Single
+from lab.parallel.data.torch_ref import FSDP, TorchDDP
+from lab.parallel.data.zero import Zero1, Zero2, Zero3
+from lab.parallel.layout import OPTIONS as layout_options
+from lab.parallel.layout import Layout, LoopSettings, World, refuse_model
+from lab.runtime import compat
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, NaiveDDP, BucketedDDP, TorchDDP, Zero1,
                                                                    Zero2, Zero3, FSDP, DeepSpeed)}
@@ -42,22 +49,18 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[Strategy]:
-    """Check the [parallel] section for ``world_size`` processes under the loop's ``loop`` settings (the
-    strategy runs over the data-parallel ranks: ``world_size / (parallel.tp · parallel.pp)``); return the
-    strategy's class."""
+    """Check the [parallel] section for ``world_size`` processes under the loop's ``loop`` settings: the layout's
+    degrees and refusals (``Layout.of``), each axis's own options, then the strategy's; return the strategy's class."""
     compat.check()
     cls = strategy_class(cfg.strategy)
-    replicas = mesh.data_size(cfg, world_size)
-    if cfg.tp > 1 and not cls.tensor_parallel:
-        raise ConfigError(f"strategy '{cls.name}' does not run with parallel.tp > 1 (its engine takes the whole "
-                          f"world); choose ddp, torch_ddp, zero1-3 or fsdp")
-    pipeline.check(cfg, cls, loop.micro_batch, loop.compile)
-    experts.check(cfg, cls, loop.compile)
+    layout = Layout.of(cfg, world_size, cls, loop)
     if cfg.tp_impl not in tensor.IMPLEMENTATIONS:
         raise ConfigError(f"parallel.tp_impl must be one of {', '.join(tensor.IMPLEMENTATIONS)}, got '{cfg.tp_impl}'"
                           f"{did_you_mean(cfg.tp_impl, tensor.IMPLEMENTATIONS)}")
     if cfg.tp_impl == "torch" and cfg.tp == 1:
         raise ConfigError("parallel.tp_impl torch (the DTensor reference) needs parallel.tp > 1")
+    pipeline.check_options(cfg, loop.micro_batch)
+    context.check_options(cfg)
     if not cfg.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {cfg.timeout_s}")
     if not cfg.bucket_mb > 0:
@@ -67,11 +70,11 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
             raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{value}'"
                               f"{did_you_mean(value, allowed)}")
     for option in changed_options(cfg):
-        if option not in cls.options:
+        if option not in cls.options | layout_options:
             users = [name for name, c in STRATEGIES.items() if option in c.options]
             raise ConfigError(f"parallel.{option} has no effect under strategy '{cls.name}' "
                               f"(it applies to: {', '.join(users) or 'no strategy'})")
-    cls.validate(cfg, replicas, loop)
+    cls.validate(cfg, layout.dp * layout.cp, loop)
     return cls
 
 
@@ -87,24 +90,24 @@ def parse_spec(text: str) -> ParallelConfig:
 
 
 def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
-    """The strategy ``cfg`` names, validated and constructed (not yet built) on the world's mesh (collective when
-    ``parallel.tp`` or ``parallel.pp`` > 1: every rank calls it): it runs over the data axis, its tensor-parallel
-    transform over the tensor axis, its pipeline over the pp axis."""
+    """The strategy ``cfg`` names, validated and constructed (not yet built) on the layout's mesh (collective when an
+    axis besides dp is split: every rank calls it)."""
     cls = validate(cfg, world.world_size, loop)
-    return cls(mesh.build(world, cfg), cfg, precision, loop)
+    return cls(Layout.of(cfg, world.world_size, cls, loop).mesh(world), cfg, precision, loop)
 
 
 def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """Raise ConfigError (one line) when the model's layers cannot be split as ``cfg`` asks."""
-    validate_split(model, cfg)
+    refuse_model(cfg, model)
+    context.check_options(cfg, model.block_size)
 
 
 def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
     """(which, how many): the data-parallel replica global rank ``rank`` belongs to, among how many. The ranks of
     a replica read the same sequences (and draw the same dropout masks)."""
-    return mesh.data_rank(cfg, rank, world_size), mesh.data_size(cfg, world_size)
+    return Layout.of(cfg, world_size).data_replica(rank)
 
 
-__all__ = ["STRATEGIES", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule", "Strategy",
-           "World", "backend_for", "create", "data_replica", "join_group_of_one", "parse_spec", "register",
-           "strategy_class", "validate", "validate_model"]
+__all__ = ["STRATEGIES", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule",
+           "Strategy", "World", "axes", "backend_for", "create", "data_replica", "experts", "join_group_of_one",
+           "parse_spec", "register", "strategy_class", "validate", "validate_model"]

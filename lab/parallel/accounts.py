@@ -87,18 +87,29 @@ class Accounts:
 
     # ------------------------------------------------------------ theory
 
+    def param_counts(self) -> dict[int, int]:
+        """Ψ by data-parallel group (its size): the model's parameters (a tied weight once, frozen ones included) as
+        this rank holds them before the data axis shards them (under tensor parallelism its shards; under expert
+        parallelism its experts, over the ranks holding the same ones)."""
+        out: dict[int, int] = {}
+        for piece in self.strategy.holding():
+            n = self.strategy.world_of(piece.name).world_size
+            out[n] = out.get(n, 0) + piece.numel
+        return out
+
     def param_count(self) -> int:
-        """Ψ: the model's parameters (a tied weight once, frozen ones included); under tensor parallelism this rank's
-        shards."""
-        return sum(piece.numel for piece in self.strategy.holding())
+        """Ψ: every parameter this rank's data-parallel groups hold between them."""
+        return sum(self.param_counts().values())
 
-    def comm_elements(self) -> int:
-        """Ψ for the communication formula: the elements each gradient sync moves (every trainable one)."""
-        return sum(p.numel() for p in self.strategy.trainable)
-
-    def expert_comm_elements(self) -> int:
-        """The part of ``comm_elements`` that experts split by ``parallel.ep`` make (synced over their own ranks)."""
-        return self.strategy.experts.expert_elements(self.strategy.trainable)
+    def comm_elements(self) -> dict[int, int]:
+        """Ψ for the communication formula by data-parallel group (its size): the elements each gradient sync moves
+        (every trainable one)."""
+        out: dict[int, int] = {}
+        for name, p in self.strategy.module.named_parameters():
+            if p.requires_grad:
+                n = self.strategy.world_of(name).world_size
+                out[n] = out.get(n, 0) + p.numel()
+        return out
 
     @property
     def world_size(self) -> int:
@@ -107,29 +118,22 @@ class Accounts:
     offloaded: ClassVar[bool] = False  # whether its theory places the optimizer states on the host
 
     def theory_states(self) -> accounting.StateBytes:
-        """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``); this rank's
-        experts split by ``parallel.ep`` are sharded over the ranks holding them."""
-        s = self.strategy
-        experts = s.experts.expert_elements(s.trainable)
-        theory = accounting.model_state_bytes(self.param_count() - experts, self.state_layout, self.world_size, "fp32",
-                                              self.offloaded)
-        if not experts:
-            return theory
-        split = accounting.model_state_bytes(experts, self.state_layout, s.experts.edp.world_size, "fp32",
-                                             self.offloaded)
-        return accounting.StateBytes(theory.params + split.params, theory.grads + split.grads,
-                                     theory.optimizer + split.optimizer, self.offloaded)
+        """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``), each
+        data-parallel group's parameters sharded over its ranks (an expert's over those holding it)."""
+        parts = [accounting.model_state_bytes(count, self.state_layout, n, "fp32", self.offloaded)
+                 for n, count in self.param_counts().items()]
+        return accounting.StateBytes(sum(p.params for p in parts), sum(p.grads for p in parts),
+                                     sum(p.optimizer for p in parts), self.offloaded)
 
     def theory_comm(self) -> dict[str, float]:
-        """Bytes this rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``)."""
+        """Bytes this rank sends per step in theory (``lab.measure.accounting.comm_bytes_per_step``), each data-parallel
+        group's over its ranks."""
+        theory = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         if self.comm_layout is None:
-            return dict.fromkeys(accounting.COLLECTIVES, 0.0)
-        s = self.strategy
-        experts = self.expert_comm_elements()  # averaged over the ranks holding them (parallel.ep)
-        theory = accounting.comm_bytes_per_step(self.comm_elements() - experts, self.comm_layout, self.world_size)
-        if experts:
-            on_edp = accounting.comm_bytes_per_step(experts, self.comm_layout, s.experts.edp.world_size)
-            theory = {kind: n + on_edp[kind] for kind, n in theory.items()}
+            return theory
+        for n, count in self.comm_elements().items():
+            for kind, sent in accounting.comm_bytes_per_step(count, self.comm_layout, n).items():
+                theory[kind] += sent
         return theory
 
     def theory_in_flight(self, states: accounting.StateBytes) -> tuple[float, float, float]:
@@ -165,9 +169,7 @@ class Accounts:
             "comm_bytes_per_step": dict(self.last_comm_bytes),
             "comm_bytes_per_step_theory": self.theory_comm(),
             "activation_saved_bytes": self.most_saved,
-            **s.tensor.meters(s.plan, s.loop.micro_batch, s.loop.accum_steps),
-            **s.pipeline.meters(),
-            **s.experts.meters(),
+            **{k: v for transform in s.transforms for k, v in transform.meters().items()},
         }
 
 
@@ -185,7 +187,7 @@ class Bucketed(Accounts):
 
 
 class Zero(Accounts):
-    """The hand-rolled ZeRO stages (``lab.parallel.zero``): the flat units' layout."""
+    """The hand-rolled ZeRO stages (``lab.parallel.data.zero``): the flat units' layout."""
 
     @classmethod
     def state_row(cls, strategy: type[Strategy], cfg: ParallelConfig) -> str:
@@ -210,12 +212,12 @@ class Zero(Accounts):
                  if on_host and piece.grad is not None and piece.grad.device.type == "cpu"]
         return grads, [u.master for u in s.units if u.master is not None]
 
-    def comm_elements(self) -> int:
-        """Ψ as the flat layout sends it: each unit rounded up to a multiple of the world size."""
-        return sum(u.padded for u in self.strategy.units)
-
-    def expert_comm_elements(self) -> int:
-        return sum(u.padded for u in self.strategy.units if u.comm is not self.strategy.comm)
+    def comm_elements(self) -> dict[int, int]:
+        """Ψ as the flat layout sends it: each unit rounded up to a multiple of its group's size."""
+        out: dict[int, int] = {}
+        for u in self.strategy.units:
+            out[u.comm.world_size] = out.get(u.comm.world_size, 0) + u.padded
+        return out
 
     @property
     def width(self) -> int:
@@ -244,13 +246,26 @@ class Zero3(Zero):
     """Stage 3 adds the gather pool and the weights gathered twice a micro-step."""
 
     def theory_comm(self) -> dict[str, float]:
-        """The weights are gathered twice in every micro-step, not once a step, less what the backward finds still
-        gathered from the forward (the root unit and the last block unit)."""
+        """The weights are gathered again and again (``Strategy.reshards``): each piece of the model's units twice per
+        forward and backward (M of each per micro-step under a pipeline), the root units once a micro-step, less
+        what one backward finds still gathered from its forward (without a pipeline, the root and the last piece);
+        or, kept gathered, every unit once a step."""
         s = self.strategy
         theory = super().theory_comm()
-        kept = s.root_size() + (s.forward_order[-1].padded if s.forward_order else 0)
-        theory["all_gather"] = s.loop.accum_steps * self.width * accounting.ring_elements_sent(
-            "all_gather", 2 * self.comm_elements() - kept, self.world_size)
+        pieces = {id(u) for segment in s.forward_order for u in segment}
+        last = {id(u) for u in s.forward_order[-1]} if s.forward_order else set()
+        elements: dict[int, float] = {}
+        for u in s.units:
+            if not s.reshards:
+                times = 1 / s.loop.accum_steps  # once a step
+            elif s.microbatches > 1:
+                times = 2 * s.microbatches if id(u) in pieces else 1
+            else:
+                times = 1 if id(u) not in pieces or id(u) in last else 2
+            n = u.comm.world_size
+            elements[n] = elements.get(n, 0.0) + times * u.padded
+        theory["all_gather"] = s.loop.accum_steps * self.width * sum(
+            accounting.ring_elements_sent("all_gather", count, n) for n, count in elements.items())
         return theory
 
     def pool_bytes(self) -> float:
@@ -277,12 +292,38 @@ class FSDP(Accounts):
         return "zero3"
 
     def comm_row(self) -> str | None:
-        return "zero3" if self.strategy.cfg.reshard_after_forward else "zero2"
+        return "zero3" if self.strategy.reshards else "zero2"
 
-    def comm_elements(self) -> int:
-        """Ψ as FSDP sends it: each parameter's first dimension padded to a multiple of the world size."""
-        n = self.world_size
-        return sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in self.strategy.trainable)
+    def _sharded(self) -> list[tuple[int, int, bool]]:
+        """(elements as FSDP sends them: each parameter's first dimension padded to a multiple of its group's size,
+        the group's size, whether it keeps its gathered weights from its forward to its backward) of every module
+        ``fully_shard`` was applied to."""
+        s, out, seen = self.strategy, [], set()
+        for name, world, kept in s.shards:
+            module, n = s.module.get_submodule(name) if name else s.module, world.world_size
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            seen |= {id(p) for p in params}
+            out.append((sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in params), n, kept))
+        return out
+
+    def comm_elements(self) -> dict[int, int]:
+        """Ψ as FSDP sends it, by group size."""
+        out: dict[int, int] = {}
+        for elements, n, _ in self._sharded():
+            out[n] = out.get(n, 0) + elements
+        return out
+
+    def theory_comm(self) -> dict[str, float]:
+        """The reduce-scatter once a step; the all-gathers as FSDP2 runs them: reshards (``Strategy.reshards``), each
+        module gathered for every forward and backward (M of each a micro-step under a pipeline), or once per forward
+        where it keeps them until its backward (an expert); else every module once a step."""
+        s = self.strategy
+        theory = super().theory_comm()
+        steps, m = s.loop.accum_steps, s.microbatches
+        theory["all_gather"] = 4 * sum(
+            (steps * m * (1 if kept else 2) if s.reshards else 1) * accounting.ring_elements_sent("all_gather", e, n)
+            for e, n, kept in self._sharded())
+        return theory
 
 
 class DeepSpeed(Accounts):
@@ -312,5 +353,5 @@ class DeepSpeed(Accounts):
         return accounting.StateBytes(params=storage_bytes(weights), grads=s.grad_bytes or 0,
                                      optimizer=storage_bytes(moments + masters), offload=s.cfg.offload != "none")
 
-    def comm_elements(self) -> int:
-        return sum(getattr(p, "ds_numel", p.numel()) for p in self.strategy.trainable)
+    def comm_elements(self) -> dict[int, int]:
+        return {self.world_size: sum(getattr(p, "ds_numel", p.numel()) for p in self.strategy.trainable)}

@@ -15,41 +15,42 @@ and the run directory. The loop's side, in order::
     strategy.eval_loss(x, y); strategy.checkpoint_state() (+ after_load()); strategy.full_state_dict()
     strategy.accounts.meters()                                      # model-state and comm bytes vs theory
 
-- ``build`` makes the model from a factory (called under a ``torch.device`` context, so a
-  sharded strategy can build on ``meta`` and fill only its shard from the model's
-  ``initial_value(name)``; the others build in place, and the model's own init gives every
-  strategy the weights ``single`` gets), decides parameter groups by name with the rule *before*
-  any wrapping or flattening, applies activation checkpointing (``parallel.activation_checkpointing``,
-  for every strategy) and builds the optimizer it needs from the factory.
-- A trainable parameter that gets no gradient in a step (unused in the forward) counts as having
-  a zero gradient under every strategy, so a flat-sharded optimizer and a per-tensor one apply the
-  same update (moments and weight decay go on).
-- ``checkpoint_state`` hands the checkpoint (``lab.runtime.checkpoint``) live views of this rank's range of
-  every flattened weight and AdamW moment, whatever the sharding: saving reads them, loading
-  writes them (then ``after_load`` restores what derives from them).
-- ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU,
-  on rank 0 (an empty dict elsewhere), whatever the sharding.
+A strategy is a data-parallel placement over the layout's data axis (``lab.parallel.layout``) that loops
+over the layout's transforms (``lab.parallel.axes``), in their order, for everything the axes change: building
+(each transform's ``split``, then ``wrap``, then each one's ``running``), the start line, the autograd pass, the
+global gradient norm, meters, evaluation, checkpoint state and export. It never names an axis.
 
-What each rank holds is one record, ``holding()``: per parameter a ``Piece`` (which range of the flattened
-weight, its gradient and its AdamW moments). The gradient norm and clipping, the finiteness check, the checkpoint
-state, and the parameter and weight-byte counts are written once, here, against it; a strategy says only what it
-holds.
+- ``build`` makes the model from a factory under a device (``meta`` for a strategy that fills only its shards from
+  the plan's ``initial_value(name)``; the others build in place, and the model's own init gives every strategy the
+  weights ``single`` gets), applies the transforms, decides parameter groups by name with the rule *before* any
+  wrapping or flattening, places the model (``wrap``) and builds the optimizer it needs from the factory.
+- A trainable parameter that gets no gradient in a step (unused in the forward) counts as having a zero gradient
+  under every strategy, so a flat-sharded optimizer and a per-tensor one apply the same update.
+- ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU, on global rank 0
+  (an empty dict elsewhere), whatever the layout.
 
-A new data-parallel strategy overrides what differs from plain replicated training, at most: ``make_module`` and
-``wrap`` (placement), ``forward`` and ``backward`` (gradient sync; ``scaled`` when it scales the loss before the
-autograd pass), ``step`` and ``zero_grad``, ``holding`` (when it shards), ``restore_derived`` and
-``gathered_state_dict`` (when weights derive from shards); and it names the ``accounting`` it is measured against
-(``lab.parallel.accounts``). The README shows one in full. Under ``parallel.pp`` the pipeline (``lab.parallel.
-pipeline``) runs the schedule inside ``forward``; a strategy says it supports that with ``pipeline_parallel``.
-Under ``parallel.ep`` (``lab.parallel.experts``) a strategy that says ``expert_parallel`` reduces each gradient over
-``comm_of(p)``: the experts' over the ranks holding the same experts.
+What each rank holds is one record, ``holding()``: per parameter a ``Piece`` (which range of the flattened local
+weight, its gradient and AdamW moments; whether the data axis shards it). With the transforms' answers (which ranks
+of their axes hold the same values: ``replicas``; where a local part sits in the whole parameter:
+``whole_region``), the gradient norm, the finiteness check, the checkpoint state, the export and the parameter and
+weight-byte counts are written once, here: a part that several ranks hold is handed over, counted and exported by
+the first of them alone, and given back to the others after a load.
+
+A new data-parallel strategy overrides what differs from plain replicated training, at most: ``wrap``
+(placement), ``forward`` and ``backward`` (gradient sync; ``scaled`` when it scales the loss before the autograd
+pass), ``step`` and ``zero_grad``, ``holding`` (when it shards) and ``restore_derived`` (when weights derive from
+shards); and it names the ``accounting`` it is measured against (``lab.parallel.accounts``). Its gradient sync
+averages each parameter over ``comm_of(name)`` (the data axis, or the ranks a transform names for it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,14 +58,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.runtime.checkpoint import CheckpointState, Held, overlap
-from lab.runtime.config import ConfigError, ParallelConfig
 from lab.measure.device import Precision
 from lab.model.plan import ParallelPlan, plan_of
-from lab.parallel import activations, experts, pipeline, tensor
+from lab.parallel import axes
 from lab.parallel.accounts import Accounts
+from lab.parallel.axes import GroupReplicas, Replicas, Transform
+from lab.parallel.axes.activations import SavedBytes
 from lab.parallel.comm import Comm
-from lab.parallel.mesh import Mesh
+from lab.parallel.layout import LoopSettings, Mesh, World
+from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
+from lab.runtime.config import ConfigError, ParallelConfig
 
 
 def backend_for(device: torch.device) -> str:
@@ -77,16 +80,6 @@ def join_group_of_one(device: torch.device) -> None:
     """A process group holding this process alone (an in-process store, no port), so that a strategy written
     for N ranks runs as a world of one, started by plain python or by torchrun with one process."""
     dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    """What the loop decides that a strategy may need before it builds (an engine's config takes them)."""
-
-    micro_batch: int  # sequences per rank per micro-step
-    accum_steps: int  # micro-steps per optimizer step
-    grad_clip: float  # the max_norm clip_grad_norm is called with (0: off)
-    compile: bool = False  # the strategy compiles the model it builds (train.compile)
 
 
 @dataclass(frozen=True)
@@ -117,10 +110,10 @@ OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 class StepMeters:
     """What one optimizer step cost beyond compute."""
 
-    comm_bytes: dict[str, float]  # sent by this rank, by collective
-    comm_wait_s: float  # time the step waited on communication
+    comm_bytes: dict[str, float]  # sent by this rank over the data axis, by collective
+    comm_wait_s: float  # time the step waited on communication (every axis)
     activation_saved_bytes: int  # the most any micro-step kept for its backward
-    layout: dict[str, object] = dataclasses.field(default_factory=dict)  # the layout's own figures (a pipeline's)
+    layout: dict[str, object] = dataclasses.field(default_factory=dict)  # the transforms' own figures
 
 
 def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -138,10 +131,11 @@ def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
 
 @dataclass(frozen=True)
 class Piece:
-    """What this rank holds of one parameter: elements [lo, lo + len(weight)) of the flattened weight of ``numel``
-    elements (under tensor parallelism, of this rank's shard), the same elements of its gradient, and the AdamW
-    state whose tensors hold them from element ``moments_lo`` on. ``sharded``: the ranks of the data axis hold
-    different ranges (every rank then hands over its range, possibly empty); else every one holds it whole."""
+    """What this rank holds of one parameter: elements [lo, lo + len(weight)) of the flattened local weight of
+    ``numel`` elements and ``shape`` (where a transform splits it, this rank's part), the same elements of its gradient,
+    and the AdamW state whose tensors hold them from element ``moments_lo`` on. ``sharded``: the ranks of the data
+    axis hold different ranges (every rank then hands over its range, possibly empty); else ``replicas`` are the
+    data-parallel ranks holding it whole too."""
 
     name: str
     numel: int
@@ -151,49 +145,43 @@ class Piece:
     moments: dict | None = None
     moments_lo: int = 0
     sharded: bool = False
+    shape: tuple[int, ...] = ()
+    replicas: Replicas | None = None
 
-    def checkpoint_entries(self, state: CheckpointState) -> None:
-        """Add the weight and, where it has them (a sharded piece: always, possibly empty), its AdamW moments and
-        step, as the checkpoint's live views."""
-        state[f"model/{self.name}"] = self._entry(self.weight)
+    def views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weight and, where it has them (a sharded piece: always, possibly empty), its AdamW moments, flat."""
+        yield f"model/{self.name}", self.weight
         if self.moments is None and not self.sharded:
             return
         hi = self.moments_lo + self.weight.numel()
         for key in ("exp_avg", "exp_avg_sq"):
             view = self.moments[key].view(-1)[self.moments_lo:hi] if self.moments is not None else torch.empty(0)
-            state[f"optim/{self.name}/{key}"] = self._entry(view)
-        if self.moments is not None:
-            state[f"optim/{self.name}/step"] = self.moments["step"]
-
-    def _entry(self, view: torch.Tensor) -> Held | torch.Tensor:
-        return Held(self.numel, self.lo if view.numel() else 0, view) if self.sharded else view
+            yield f"optim/{self.name}/{key}", view
 
 
 def layout_digest(module: nn.Module, rename: Callable[[str], str] = str) -> str:
     """A digest of the parameter names (as ``rename`` gives them), shapes and dtypes: equal on ranks that hold the
     same model."""
     layout = "\n".join(f"{rename(n)}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
-                        for n, p in module.named_parameters())
+                       for n, p in module.named_parameters())
     return hashlib.sha256(layout.encode()).hexdigest()
 
 
 class Strategy:
-    """Plain one-process training; subclasses change placement, gradient sync and the optimizer step."""
+    """Plain replicated training: every rank holds the whole model (what ``single`` runs)."""
 
-    name: ClassVar[str] = "base"
-    # [parallel] options it reads, beyond strategy and timeout_s (activation checkpointing: every strategy)
-    options: ClassVar[frozenset[str]] = frozenset({"activation_checkpointing", "tp", "tp_impl", "sequence_parallel",
-                                                   "pp", "pp_schedule", "pp_microbatches", "pp_virtual",
-                                                   "pp_impl", "ep"})
+    name: ClassVar[str]
+    # [parallel] options it reads, beyond strategy, timeout_s and the layout's (``lab.parallel.layout.OPTIONS``)
+    options: ClassVar[frozenset[str]] = frozenset()
     accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
     compiles: ClassVar[bool] = True  # whether it can train a torch.compile'd model (train.compile)
-    tensor_parallel: ClassVar[bool] = True  # whether it runs over the data axis of a mesh with parallel.tp > 1
+    shards: ClassVar[str] = "nothing"  # what the data axis's ranks hold parts of: optimizer, gradients, weights
     shards_gradients: ClassVar[bool] = False  # whether the data axis's ranks hold different parts of the gradient
-    pipeline_parallel: ClassVar[bool] = False  # whether it runs over the data axis of a mesh with parallel.pp > 1
-    expert_parallel: ClassVar[bool] = False  # whether it reduces each gradient over comm_of(p) (parallel.ep > 1)
+    builds_on_meta: ClassVar[bool] = False  # whether it builds the model on the meta device and fills its shards
+    owns_step: ClassVar[str | None] = None  # why it runs with no other axis (an engine that owns the whole step)
 
     @classmethod
     def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
@@ -210,50 +198,67 @@ class Strategy:
                               f"parameters sharded at rest); set train.compile false or choose another strategy")
 
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
-        self.validate(cfg, mesh.dp.world_size, loop)
-        self.world, self.cfg, self.precision, self.loop = mesh.dp, cfg, precision, loop  # the strategy's axis: dp
+        self.validate(cfg, mesh.data.world_size, loop)
+        self.mesh, self.cfg, self.precision, self.loop = mesh, cfg, precision, loop
+        self.world = mesh.data  # the strategy's axis
         self.everyone = mesh.world  # every rank of the run
-        self.tensor = tensor.on_axis(mesh.tp, cfg)  # the tensor-parallel transform, applied to the model it builds
-        self.pipeline = pipeline.on_axis(mesh.pp, cfg, loop.accum_steps)  # the stages, and the schedule that runs them
-        self.experts = experts.on_axis(mesh, cfg, loop)  # a mixture of experts' experts split over the ep axis
         self.comm = Comm(self.world.world_size, self.world.group)
-        self._after_load: list[Callable[[], None]] = []  # what the tensor-parallel group does after a load
-        self.saved = activations.SavedBytes()
+        self.saved = SavedBytes()
+        self.transforms: list[Transform] = axes.transforms(mesh, cfg, loop, self.saved)
+        self._comms: dict[int, tuple[World, Comm]] = {}  # a transform's data group (by its process group's id)
+        self._after_load: list[Callable[[], None]] = []
         self.module: nn.Module | None = None  # the model, under its own parameter names
-        self.plan: ParallelPlan | None = None  # what the model declares of itself (lab.model.plan)
+        self.plan: ParallelPlan | None = None  # what the model declares of itself, after the transforms
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
         self.optimizer: torch.optim.Optimizer | None = None
         self.syncing = True  # whether this micro-step's backward synchronises gradients (forward sets it)
         self.accounts = self.accounting(self)
 
+    @property
+    def microbatches(self) -> int:
+        """Forwards and backwards of the model's units per micro-step (``Transform.microbatches``)."""
+        return math.prod(t.microbatches() for t in self.transforms)
+
+    @property
+    def token_share(self) -> float:
+        """The fraction of each sequence's tokens this rank runs (``Transform.token_share``)."""
+        return math.prod(t.token_share() for t in self.transforms)
+
+    @property
+    def reshards(self) -> bool:
+        """Whether gathered weights are freed after each forward and backward (``parallel.reshard_after_forward``;
+        by default yes, but not where a transform runs several microbatches a micro-step, each of which would gather
+        them again)."""
+        setting = self.cfg.reshard_after_forward
+        return self.microbatches == 1 if setting is None else setting
+
     def describe(self) -> str:
-        """The strategy as the run's start line names it (with its tensor-parallel and pipeline layouts)."""
-        return self.experts.describe(self.pipeline.describe(self.tensor.describe(self.name, self.world.world_size)))
+        """The strategy as the run's start line names it, with each transform's part of the layout."""
+        return functools.reduce(lambda text, t: t.describe(text), self.transforms, self.name)
 
     # ------------------------------------------------------------ building
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
-        """Make the model and apply the transforms in their order: the tensor-parallel split and the pipeline
-        stage (as it is built), activation checkpointing, compilation (``loop.compile``), then this strategy's
-        data-parallel placement (``wrap``), run by the pipeline's schedule; the optimizer goes over groups decided
-        before any wrapping."""
-        model_factory = self.experts.splitting(self.pipeline.splitting(self.tensor.splitting(model_factory)))
-        module = self.make_module(model_factory)
-        self.plan = plan_of(module, model_factory)
+        """Make the model, apply the transforms in their order, place it (``wrap``) and let each transform wrap what
+        the forward calls; the optimizer goes over groups decided before any wrapping."""
+        with torch.device("meta" if self.builds_on_meta else self.world.device):
+            module = model_factory()
+            plan = plan_of(module, model_factory)
+            for transform in self.transforms:
+                plan = transform.split(module, plan)
+        self.module, self.plan = module, plan
         groups = param_group_rule(module)
-        self.world.check_same(layout_digest(module, self.experts.layout_name), "the model (parameter names and shapes)")
-        activations.apply(module, self.plan, self.cfg.activation_checkpointing, self.saved)
-        if self.loop.compile:  # traced at the first forward: the split, checkpointed model
-            module.compile()
-        self.module = module
-        self.model = self.pipeline.running(self, self.wrap(module, groups))
+        self.world.check_same(layout_digest(module, self.local_name), "the model (parameter names and shapes)")
+        model = self.wrap(module, groups)
+        for transform in reversed(self.transforms):  # the first transform's wrapper outermost
+            model = transform.running(self, model)
+        self.model = model
         self.optimizer = optimizer_factory(self.optimizer_groups(groups))
 
-    def make_module(self, model_factory: ModelFactory) -> nn.Module:
-        """Build the model with its initial weights on this rank's device."""
-        with torch.device(self.world.device):
-            return model_factory()
+    def local_name(self, name: str) -> str:
+        """``name`` as ranks of the data axis that hold different parts of the model compare their layouts."""
+        return functools.reduce(lambda n, t: t.local_name(n), self.transforms, name)
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         """Prepare the built module for training on this rank; returns what forward calls."""
@@ -268,10 +273,29 @@ class Strategy:
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def comm_of(self, p: nn.Parameter) -> Comm:
-        """The group ``p``'s gradient is averaged over: the data axis, or for an expert split by ``parallel.ep`` the
-        ranks holding that expert."""
-        return self.experts.comm if self.experts.holds(p) else self.comm
+    def world_of(self, name: str) -> World:
+        """The ranks parameter ``name``'s gradient is averaged over: the data axis, or those a transform names (an
+        transform names for it)."""
+        return self._data_group(name)[0]
+
+    def comm_of(self, name: str) -> Comm:
+        """The collectives over ``world_of(name)``."""
+        return self._data_group(name)[1]
+
+    def _data_group(self, name: str) -> tuple[World, Comm]:
+        for transform in self.transforms:
+            world = transform.data_group(name)
+            if world is not None:
+                key = id(world.group)
+                if key not in self._comms:
+                    self._comms[key] = (world, Comm(world.world_size, world.group, axis=transform.name))
+                return self._comms[key]
+        return self.world, self.comm
+
+    @property
+    def comms(self) -> list[Comm]:
+        """Every data-parallel group's collectives: the data axis's first."""
+        return [self.comm] + [comm for _, comm in self._comms.values()]
 
     # ------------------------------------------------------------ one step
 
@@ -282,44 +306,73 @@ class Strategy:
             return self.model(x, y)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Gradients of ``loss``; a data-parallel strategy syncs them here (its autograd pass: ``tensor.backward``)."""
-        self.tensor.backward(self.scaled(loss))
+        """Gradients of ``loss``; on a synced micro-step the data-parallel strategy syncs them (``sync_gradients``)
+        and the transforms finish what that leaves partial (a weight two ranks of another axis hold): complete when it
+        returns."""
+        self.autograd(self.scaled(loss))
+        if self.syncing:
+            self.sync_gradients()
+            self.complete_gradients()
+
+    def sync_gradients(self) -> None:
+        """Average the accumulated gradients over the data axis (nothing on one rank)."""
+
+    def complete_gradients(self) -> None:
+        """Each transform's finish of the synced gradients, on this rank's parts of them."""
+        if not any(t.held_apart() for t in self.transforms):
+            return
+        pieces = {piece.name: piece for piece in self.holding()}
+
+        def grad_of(name: str) -> torch.Tensor:
+            piece = pieces[name]
+            if piece.grad is not None:
+                return piece.grad
+            p = self.module.get_parameter(name)  # no gradient reached it: a zero one
+            p.grad = torch.zeros_like(p)
+            return p.grad.view(-1)
+
+        for transform in self.transforms:
+            transform.complete_gradients(grad_of)
+
+    def autograd(self, loss: torch.Tensor | list[torch.Tensor],
+                 grad: torch.Tensor | list[torch.Tensor | None] | None = None) -> None:
+        """The autograd pass of ``loss`` (seeded with ``grad``; or of several at once), in the contexts the transforms
+        need."""
+        with contextlib.ExitStack() as stack:
+            for transform in self.transforms:
+                stack.enter_context(transform.autograd())
+            torch.autograd.backward(loss, grad)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """What the autograd pass of ``loss`` starts from (a pipeline's last stage scales each microbatch's so)."""
+        """What the autograd pass of ``loss`` starts from (a transform that runs microbatches scales each one's so)."""
         return loss
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
 
-        Each rank adds the squares of the gradient it holds (``holding``) over the ranges it counts: the tensor-
-        parallel transform's ``norm_ranges`` (a weight every rank of its group holds whole, or a replicated part,
-        counted once); then they are summed over the data axis where it shards the gradients (a replicated
-        strategy's averaged gradient is whole on every rank: no communication; with experts split by ``parallel.ep``,
-        over the expert group, a weight every rank holds counted once: ``experts.counts``), over the tensor-parallel
-        group and over the pipeline's stages (a weight two stages hold, once: ``pipeline.counts``, after its gradients
-        are summed between them).
+        Each rank adds the squares of the gradient it holds (``holding``) where it is the first of the ranks holding
+        the same values (``_handed_over``), over the parts each transform lets it count (a split weight's
+        replicated rows once); one sum over every rank of the run gives the norm.
         """
-        if not self.shards_gradients:  # a sharding strategy sums them before its reduce-scatter
-            self.pipeline.reduce_tied(self.module)
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for piece in self.holding():
-            if piece.grad is None or (self.shards_gradients and not piece.sharded and not self.world.is_main) \
-                    or not self.pipeline.counts(piece.name) \
-                    or not (self.shards_gradients or self.experts.counts(piece.name)):
+            if piece.grad is None or not self._handed_over(piece):
                 continue
-            held = (piece.lo, piece.lo + piece.grad.numel())
-            for counted in self.tensor.norm_ranges(piece.name, piece.numel):
-                lo, hi = overlap(counted, held)
-                if lo < hi:  # a reduction: no temporary the size of the range
-                    part = piece.grad[lo - piece.lo:hi - piece.lo]
-                    squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
-        # sharded: every element is held by one rank of the data axis (an expert's by one of its ranks per group)
-        squares = self.world.sum(squares) if self.shards_gradients else self.experts.sum_squares(squares)
-        norm = self.pipeline.sum_squares(self.tensor.sum_squares(squares)).sqrt()
+            ranges = [(piece.lo, piece.lo + piece.grad.numel())]
+            for transform in self.transforms:
+                ranges = transform.counted(piece.name, ranges)
+            for lo, hi in ranges:  # a reduction: no temporary the size of the range
+                part = piece.grad[lo - piece.lo:hi - piece.lo]
+                squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
+        norm = self.everyone.sum(squares).sqrt()
         if max_norm > 0:
-            params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            by_mesh: dict[int, list[torch.Tensor]] = {}  # DTensors of different meshes (FSDP over two groups) apart
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+            for params in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     def step(self, lr: float) -> None:
@@ -340,14 +393,19 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
 
     def take_step_meters(self) -> StepMeters:
-        """Bytes sent over the data axis, seconds waited (on every axis) and activation bytes saved since the last
-        call (once per step); the tensor-parallel group's bytes are kept apart (``meters``)."""
-        comm = self.comm.take()
-        pipeline_wait_s, layout = self.pipeline.take_meters()
-        expert_bytes, expert_wait_s, expert_layout = self.experts.take_meters()
-        sent = {kind: n + expert_bytes.get(kind, 0.0) for kind, n in comm.bytes.items()}
-        meters = StepMeters(sent, comm.wait_s + self.tensor.take_wait_s() + pipeline_wait_s + expert_wait_s,
-                            self.saved.take(), layout | expert_layout)
+        """Bytes sent over the data-parallel groups and seconds waited (on every axis) since the last call (once per
+        step), the transforms' figures and the activation bytes saved."""
+        sent: dict[str, float] = {}
+        wait_s, layout = 0.0, {}
+        for comm in self.comms:
+            totals = comm.take()
+            wait_s += totals.wait_s
+            sent = {kind: sent.get(kind, 0.0) + n for kind, n in totals.bytes.items()}
+        for transform in self.transforms:
+            taken = transform.take_meters()
+            wait_s += taken.wait_s
+            layout |= taken.record
+        meters = StepMeters(sent, wait_s, self.saved.take(), layout)
         self.accounts.record(meters)
         return meters
 
@@ -356,16 +414,44 @@ class Strategy:
         """The loss of a held-out batch, in eval mode, without gradients (every rank must call it alike)."""
         self.model.eval()
         try:
-            with self.precision.autocast(), self.comm.paused(), self.tensor.comm.paused(), self.experts.paused():
+            with self.precision.autocast(), self.uncounted():
                 return self.model(x, y)
         finally:
             self.model.train()
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """No traffic inside is a training step's (every group's and transform's meters paused)."""
+        with contextlib.ExitStack() as stack:
+            for comm in self.comms:
+                stack.enter_context(comm.paused())
+            for transform in self.transforms:
+                stack.enter_context(transform.paused())
+            yield
 
     def holding(self) -> list[Piece]:
         """What this rank holds of every parameter (frozen ones included; a tied weight once), in a fixed order:
         replicated, each whole."""
         return [Piece(name, p.numel(), 0, p.detach().view(-1), None if p.grad is None else p.grad.view(-1),
-                      self.optimizer.state.get(p) or None) for name, p in self.module.named_parameters()]
+                      self.optimizer.state.get(p) or None, shape=tuple(p.shape),
+                      replicas=GroupReplicas(self.world_of(name)))
+                for name, p in self.module.named_parameters()]
+
+    def _replicas(self, piece: Piece) -> list[Replicas]:
+        """Every group of ranks that holds the same values of ``piece`` as this rank."""
+        found = [piece.replicas] if piece.replicas is not None and not piece.sharded else []
+        return found + [r for t in self.transforms if (r := t.replicas(piece.name)) is not None]
+
+    def _handed_over(self, piece: Piece) -> bool:
+        """Whether this rank is the first of every group holding the same values of ``piece``."""
+        return all(r.is_first for r in self._replicas(piece))
+
+    def sum_token_figures(self, figures: torch.Tensor) -> torch.Tensor:
+        """Per-token figures (a router's counts) summed over every rank of the run, each token once (a rank whose
+        tokens another rank also runs adds nothing)."""
+        if not all(t.sees_own_tokens() for t in self.transforms):
+            figures = torch.zeros_like(figures)
+        return self.everyone.sum(figures)
 
     @torch.no_grad()
     def params_finite(self) -> bool:
@@ -375,30 +461,80 @@ class Strategy:
 
     # ------------------------------------------------------------ state
 
+    def _region(self, piece: Piece, lo: int, view: torch.Tensor) -> Held | Pieces | Blocks | torch.Tensor:
+        """Where a part of ``piece`` (elements [lo, lo + len(view)) of the flattened local weight, or one of its
+        moments) sits in the whole parameter, as this rank hands it over: a plain tensor when it is the whole
+        parameter."""
+        handed = view if self._handed_over(piece) else view[:0]
+        for transform in self.transforms:
+            region = transform.whole_region(piece.name, lo, handed, piece.numel)
+            if region is not None:
+                return region
+        if not piece.sharded:
+            return view
+        return Held(piece.numel, lo if handed.numel() else 0, handed)
+
     def checkpoint_state(self) -> CheckpointState:
-        """Every weight and AdamW moment as ranges of the whole flattened tensors (``held_state`` through the
-        tensor-parallel transform)."""
-        state, self._after_load = self.tensor.checkpoint_state(self.held_state(), self.world)
-        state, handed_over = self.pipeline.checkpoint_state(state)
-        self._after_load = handed_over + self._after_load  # the stages' first: what they hand over is then whole
+        """Every weight and AdamW moment as the parts of the whole flattened (or 2-D) tensors this rank hands over;
+        an entry another rank holds a part of, named here with an empty part (the checkpoint builds each with a
+        collective of every rank); ``after_load`` then gives each loaded part to the ranks holding the same."""
+        self.materialize_states()
+        state: CheckpointState = {}
+        after: dict[str, Callable[[], None]] = {}
+        for piece in self.holding():
+            replicas = self._replicas(piece)
+            for key, view in piece.views():
+                lo = piece.lo if view.numel() else 0
+                state[key] = self._region(piece, lo, view)
+                if not isinstance(state[key], torch.Tensor):
+                    after[key] = functools.partial(self._share_loaded, piece.name, replicas, lo, view)
+            if piece.moments is not None:
+                state[f"optim/{piece.name}/step"] = piece.moments["step"]
+        state = self._named_everywhere(state)
+        self._after_load = [after[key] for key in state if key in after]
         return state
+
+    def held_state(self) -> CheckpointState:
+        """Every weight and AdamW moment, flattened, as this rank holds it (``holding``): the views
+        ``checkpoint_state`` places in the whole tensors."""
+        self.materialize_states()
+        state: CheckpointState = {}
+        for piece in self.holding():
+            for key, view in piece.views():
+                state[key] = Held(piece.numel, piece.lo if view.numel() else 0, view) if piece.sharded else view
+            if piece.moments is not None:
+                state[f"optim/{piece.name}/step"] = piece.moments["step"]
+        return state
+
+    def _share_loaded(self, name: str, replicas: list[Replicas], lo: int, view: torch.Tensor) -> None:
+        for group in replicas:
+            group.share(view)
+        for transform in self.transforms:
+            transform.after_load(name, lo, view)
+
+    def _named_everywhere(self, state: CheckpointState) -> CheckpointState:
+        """``state`` in one order on every rank, with an empty part of each entry another rank holds a part of that
+        this one lacks (a whole tensor is no collective: left to its holders)."""
+        if self.everyone.world_size == 1 or not self.transforms:  # every rank holds the same entries
+            return state
+        kinds: list[dict[str, tuple] | None] = [None] * self.everyone.world_size
+        dist.all_gather_object(kinds, {key: _kind(value) for key, value in state.items()})
+        out: CheckpointState = {}
+        for key, kind in {k: v for rank in kinds for k, v in rank.items()}.items():  # in rank order
+            if key in state:
+                out[key] = state[key]
+            elif kind[0] != "whole":
+                out[key] = Held(kind[1], 0, torch.empty(0)) if kind[0] == "flat" else Blocks(kind[1], [])
+        return out
 
     @torch.no_grad()
     def after_load(self) -> None:
         """What one rank loaded for others goes to them first (not a training step's traffic); then what derives
         from the loaded weights (``restore_derived``)."""
-        with self.tensor.comm.paused():
+        with self.uncounted():
             for step in self._after_load:
                 step()
         self.restore_derived()
-
-    def held_state(self) -> CheckpointState:
-        """Every weight and AdamW moment, flattened, as this rank holds it (``holding``)."""
-        self.materialize_states()
-        state: CheckpointState = {}
-        for piece in self.holding():
-            piece.checkpoint_entries(state)
-        return state
 
     def materialize_states(self) -> None:
         """AdamW's states before the first step (zeros), so that a checkpoint loads into them."""
@@ -407,17 +543,92 @@ class Strategy:
     def restore_derived(self) -> None:
         """Restore what derives from the loaded weights (nothing when the strategy holds them whole)."""
 
+    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on the CPU under the model's names, on global rank 0 (empty elsewhere)."""
-        shards = self.experts.gather(self.gathered_state_dict(), self.module)
-        return self.pipeline.full_state_dict(self.tensor.full_state_dict(shards) if self.world.is_main else {},
-                                             self.world.is_main)
-
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights as this tensor-parallel rank holds them, on the CPU, on the data axis's first rank."""
-        if not self.world.is_main:
+        """The whole model's weights on the CPU under the model's names, on global rank 0 (empty elsewhere): every
+        rank sends the parts it hands over (``_region``), rank 0 puts them together."""
+        parts = []
+        for piece in self.holding():
+            region = self._region(piece, piece.lo if piece.weight.numel() else 0, piece.weight)
+            if isinstance(region, torch.Tensor) and not self._handed_over(piece):
+                continue  # a whole weight: its first holder sends it
+            parts.append((piece.name, self.whole_shape(piece), _on_host(region)))
+        buffers = {name: b.detach().cpu().clone() for name, b in self.module.state_dict().items()
+                   if name not in dict(self.module.named_parameters(remove_duplicate=False))}
+        first: dict[int, str] = {}
+        aliases = {n: first.setdefault(id(p), n) for n, p in self.module.named_parameters(remove_duplicate=False)}
+        mine = (parts, buffers, aliases)
+        if self.everyone.world_size == 1:
+            everything = [mine]
+        else:
+            everything = [None] * self.everyone.world_size if self.everyone.is_main else None
+            dist.gather_object(mine, everything, dst=0)
+        if not self.everyone.is_main:
             return {}
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        return _assemble(everything, [name for name, _ in self.module.state_dict().items()])
+
+    def whole_shape(self, piece: Piece) -> tuple[int, ...]:
+        """The shape of the whole parameter ``piece`` is (part of)."""
+        for transform in self.transforms:
+            shape = transform.whole_shape(piece.name)
+            if shape is not None:
+                return shape
+        return piece.shape
+
+
+def _kind(value: Held | Pieces | Blocks | torch.Tensor) -> tuple:
+    """What a rank tells the others of a checkpoint entry: whole, or parts of a flat tensor (its elements) or of a
+    2-D one (its shape)."""
+    if isinstance(value, torch.Tensor):
+        return ("whole",)
+    return ("blocks", value.shape) if isinstance(value, Blocks) else ("flat", value.numel)
+
+
+def _on_host(region: Held | Pieces | Blocks | torch.Tensor) -> Held | Pieces | Blocks | torch.Tensor:
+    """A copy of ``region``'s tensors on the CPU."""
+    if isinstance(region, torch.Tensor):
+        return region.detach().cpu().clone()
+    if isinstance(region, Held):
+        return Held(region.numel, region.lo, region.view.detach().cpu().clone())
+    if isinstance(region, Pieces):
+        return Pieces(region.numel, [(lo, v.detach().cpu().clone()) for lo, v in region.pieces])
+    return Blocks(region.shape, [(r, c, v.detach().cpu().clone()) for r, c, v in region.blocks])
+
+
+def _tensors(region: Held | Pieces | Blocks) -> list[torch.Tensor]:
+    if isinstance(region, Held):
+        return [region.view]
+    return [v for _, v in region.pieces] if isinstance(region, Pieces) else [v for _, _, v in region.blocks]
+
+
+def _assemble(everything: list, order: list[str]) -> dict[str, torch.Tensor]:
+    """Whole weights from every rank's (parts, buffers, aliases), under the model's names: rank 0's module order
+    first, then any other name in rank order."""
+    whole: dict[str, torch.Tensor] = {}
+    for parts, _, _ in everything:
+        for name, shape, region in parts:
+            if isinstance(region, torch.Tensor):
+                whole.setdefault(name, region.view(shape))
+                continue
+            tensors = [t for t in _tensors(region) if t.numel()]
+            if not tensors:
+                continue
+            target = whole.setdefault(name, torch.zeros(shape, dtype=tensors[0].dtype))
+            if isinstance(region, Blocks):
+                for row, column, rect in region.blocks:
+                    target[row:row + rect.shape[0], column:column + rect.shape[1]] = rect
+            else:
+                flat = target.view(-1)
+                for lo, view in region.pieces if isinstance(region, Pieces) else [(region.lo, region.view)]:
+                    flat[lo:lo + view.numel()] = view
+    for _, buffers, aliases in everything:
+        for name, value in buffers.items():
+            whole.setdefault(name, value)
+        for alias, first in aliases.items():
+            if alias not in whole and first in whole:
+                whole[alias] = whole[first].clone()
+    out = {name: whole[name] for name in order if name in whole}
+    return out | {name: value for name, value in whole.items() if name not in out}
 
 
 def changed_options(cfg: ParallelConfig) -> list[str]:

@@ -95,11 +95,16 @@ class Comm:
         self._totals = CommTotals()
         self._paused = False
 
+    @property
+    def rank(self) -> int:
+        """This rank's place in the group."""
+        return dist.get_rank(self.group) if self.world_size > 1 else 0
+
     # ------------------------------------------------------------ bookkeeping
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+    def _count(self, kind: str, tensor: torch.Tensor, world_size: int | None = None) -> None:
         if not self._paused:
-            self._totals.bytes[kind] += (ring_elements_sent(kind, tensor.numel(), self.world_size)
+            self._totals.bytes[kind] += (ring_elements_sent(kind, tensor.numel(), world_size or self.world_size)
                                          * tensor.element_size())
 
     @contextlib.contextmanager
@@ -113,17 +118,22 @@ class Comm:
 
     @contextlib.contextmanager
     def counting_torch(self) -> Iterator[None]:
-        """Count the flat collectives that torch's own strategies (FSDP2) call through ``torch.distributed``.
+        """Count the flat collectives that torch's own strategies (FSDP2) call through ``torch.distributed``, each by
+        the size of the group it runs over (entered again inside: counted once).
 
         Blocking calls are timed as waiting; an asynchronous call's wait happens inside torch, unseen.
         """
+        if getattr(dist, "_lab_counting", None) is not None:
+            yield
+            return
         names = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
                  "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
         originals = {name: getattr(dist, name) for group in names.values() for name in group if hasattr(dist, name)}
 
         def counted(kind: str, name: str):
             def call(output: torch.Tensor, input: torch.Tensor, *args, async_op: bool = False, **kwargs):
-                self._count(kind, output if kind == "all_gather" else input)
+                group = kwargs.get("group", args[1] if len(args) > 1 else None)
+                self._count(kind, output if kind == "all_gather" else input, dist.get_world_size(group))
                 return self._run(lambda: originals[name](output, input, *args, async_op=async_op, **kwargs), async_op)
             return call
 
@@ -131,11 +141,13 @@ class Comm:
             for name in group:
                 if name in originals:
                     setattr(dist, name, counted(kind, name))
+        dist._lab_counting = self
         try:
             yield
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+            dist._lab_counting = None
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:

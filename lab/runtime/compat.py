@@ -91,6 +91,20 @@ def ddp_without_buffer_sync() -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
+def ddp_expect_backward(ddp: DistributedDataParallel) -> None:
+    """Ready DDP's reducer for a backward whose forward bypassed ``DistributedDataParallel.forward`` (what its
+    forward does when gradients sync and no unused parameter is searched for; torch.distributed.pipelining does the
+    same for a DDP-wrapped stage)."""
+    ddp.require_forward_param_sync = True
+    ddp.reducer.prepare_for_backward([])
+
+
+def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
+    """Leave the parameters ``names`` of ``module`` out of the DistributedDataParallel built around it next (neither
+    broadcast nor all-reduced by it)."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
 def inherit_timeout(group: dist.ProcessGroup) -> None:
     """Give a new group the default group's timeout: torch gives each new group its own default (30 min for gloo,
     10 for NCCL)."""

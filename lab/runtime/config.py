@@ -114,6 +114,8 @@ class TrainConfig:
     device: str = _f("auto", "auto, cpu or cuda")
     dtype: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
     compile: bool = _f(False, "torch.compile the model")
+    memory_budget: float = _f(0.0, "GiB one process may hold (the start-of-run memory check refuses a run whose "
+                                    "estimate exceeds it); 0: the machine's memory, shared by its processes")
     memory_meter: bool = _f(False, "on the CPU, measure the peak bytes of each phase by tracking every tensor "
                                    "allocation (about 9 %% slower steps on an 85M model, twice as slow on a tiny one; "
                                    "CUDA reads its allocator's peak always)")
@@ -153,8 +155,11 @@ class ParallelConfig:
                             "parameters (deepspeed)")
     deepspeed_config: str | None = _f(None, "a DeepSpeed JSON file passed through to the engine; it may repeat the "
                                             "values the lab owns but not contradict them (deepspeed)")
-    reshard_after_forward: bool = _f(True, "free gathered weights after each block's forward and gather them "
-                                           "again for its backward (fsdp; false: keep them, ZeRO-2-like)")
+    reshard_after_forward: bool | None = _f(None, "free gathered weights after each block's forward and gather them "
+                                                  "again for its backward (zero3, fsdp); false: keep them gathered "
+                                                  "until the step's last backward (one gather a step, ZeRO-2-like "
+                                                  "memory); default: true, false under a pipeline (torchtitan's "
+                                                  "policy: no gather per microbatch)")
     tp: int = _f(1, "tensor-parallel degree: groups of this many consecutive ranks split every block's matmuls, "
                     "the embedding and the loss (Megatron style); the strategy runs over the rest (data parallel)")
     tp_impl: str = _f("lab", "lab (hand-rolled tensor parallelism) or torch (the reference: DTensor's "
@@ -175,6 +180,13 @@ class ParallelConfig:
     ep: int = _f(1, "expert-parallel degree: groups of this many consecutive data-parallel ranks split every mixture "
                     "of experts' experts among them, tokens sent to their experts and back by all-to-all; the rest of "
                     "the model stays data parallel over every rank")
+    cp: int = _f(1, "context-parallel degree: each sequence's tokens split over this many ranks (inside the data "
+                    "axis's replicas), attention run as a ring passing key/value blocks; the strategy averages over "
+                    "dp × cp")
+    cp_split: str = _f("zigzag", "zigzag (each rank two chunks of 2·cp: the causal work balanced) or contiguous (one "
+                                 "chunk of cp each: the last rank does most), with cp > 1")
+    cp_impl: str = _f("ring", "ring (key/value blocks passed around the ring, by hand) or allgather (every rank "
+                              "gathers all keys and values: the reference), with cp > 1")
     pp_microbatches: int | None = _f(None, "microbatches each micro-batch is cut into for the pipeline (must divide "
                                            "train.micro_batch; default: parallel.pp, the fewest 1f1b takes)")
 

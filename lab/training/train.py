@@ -104,7 +104,7 @@ def validate(cfg: RunConfig, world_size: int) -> StepPlan:
         if not 0 <= getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(cfg.train, name)}")
     for name in ("stop_after", "checkpoint_every", "eval_every", "keep_checkpoints", "seed", "grad_clip",
-                 "weight_decay", "peak_flops"):
+                 "memory_budget", "weight_decay", "peak_flops"):
         if (getattr(cfg.train, name) or 0) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(cfg.train, name)}")
     if cfg.train.expect:  # a law that cannot be read is refused before any work
@@ -134,38 +134,23 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
                     available_bytes: float, local_world_size: int = 1) -> Estimate:
     """Refuse a run whose states and activations cannot fit, or that could not finish within MAX_DAYS.
 
-    Memory: the strategy's model states (``accounting.model_state_bytes``, fp32 widths) plus one
-    micro-batch's activations (``accounting.activation_bytes`` with a fused attention kernel: a
-    lower bound) per process; processes on one CPU host share its available memory. Under
-    ``parallel.tp`` a process holds its group's shards (``accounting.tensor_parallel_params``), which the
-    strategy shards over the data-parallel replicas, and its share of the activations (split tp ways inside
-    attention and the MLP; with sequence parallelism also the norms' inputs). Under ``parallel.pp`` it holds
-    the fullest stage (``accounting.stage_params``; with tp, that share of tp's split) and, under 1F1B, about
-    one micro-batch's activations of every layer (the first stage's pp in flight, of L / pp layers each).
-    Under ``parallel.ep`` it holds 1 / ep of the routed experts, sharded over the dp / ep replicas that share
-    them. Time: the run's FLOPs over the peak of all its devices.
+    Memory: what one process holds under the layout (``Layout.share``: its model states, fp32 widths, and
+    ``Layout.activation_bytes``, one micro-batch's activations with a fused attention kernel: a lower bound);
+    processes on one CPU host share its available memory. Time: the run's FLOPs over the peak of all its devices.
     """
     shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
-    tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
-    sequence_parallel = cfg.parallel.sequence_parallel
-    params = accounting.tensor_parallel_params(shape, tp)
-    if pp > 1:  # the fullest stage's share of what tp leaves each rank
-        params *= accounting.stage_params(shape, pp) / accounting.param_counts(shape).total
     strategy_cls = parallel.strategy_class(cfg.parallel.strategy)
-    layout = strategy_cls.accounting.state_row(strategy_cls, cfg.parallel)
-    replicas = parallel.data_replica(cfg.parallel, 0, world.world_size)[1]
-    routed = accounting.routed_expert_params(shape) if ep > 1 else 0
-    states = accounting.model_state_bytes(params - routed, layout, replicas, "fp32").total
-    if routed:
-        states += accounting.model_state_bytes(routed / ep, layout, replicas // ep, "fp32").total
-    activations = accounting.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes, tp=tp,
-                                              sequence_parallel=sequence_parallel)
+    layout = parallel.Layout.of(cfg.parallel, world.world_size, strategy_cls)
+    states = layout.share(shape, strategy_cls.accounting.state_row(strategy_cls, cfg.parallel)).states.total
+    activations = layout.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes,
+                                          sequence_parallel=cfg.parallel.sequence_parallel)
     share = available_bytes / (local_world_size if world.device.type == "cpu" else 1)
     if states + activations > share:
-        raise ConfigError(f"this run needs about {(states + activations) / 2**30:,.1f} GiB per process "
-                          f"({states / 2**30:,.1f} GiB model states + {activations / 2**30:,.1f} GiB activations of "
-                          f"micro_batch {cfg.train.micro_batch} × block_size {shape.block_size}) but "
-                          f"{share / 2**30:,.1f} GiB is available; lower train.micro_batch or the model's size")
+        raise ConfigError(f"this run needs about {_size(states + activations)} per process ({_size(states)} model "
+                          f"states + {_size(activations)} activations of micro_batch {cfg.train.micro_batch} × "
+                          f"block_size {shape.block_size}) but {_size(share)} is available; lower train.micro_batch or "
+                          f"the model's size, or split them over more ranks (parallel.cp splits every sequence, "
+                          f"parallel.tp and pp the model)")
     flops = accounting.flops_per_token(shape) * step_plan(cfg, world.world_size).total_steps * cfg.train.batch_tokens
     fastest = flops / (peak.flops * world.world_size)
     if fastest > MAX_DAYS * 86_400:
@@ -173,6 +158,11 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
                           f"{fastest / 86_400 / 365:.3g} years on {world.world_size} × {peak.flops:.3g} FLOP/s even at "
                           f"100% MFU (the limit is {MAX_DAYS} days)")
     return Estimate(states + activations, share, fastest / ESTIMATE_MFU)
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, three significant digits (a tiny run's shows too)."""
+    return f"{n / 2**30:,.3g} GiB"
 
 
 def checkpoint_steps(cfg: RunConfig, total_steps: int) -> frozenset[int]:
@@ -321,7 +311,7 @@ def moe_record(strategy: Strategy, world: World, top_k: int) -> dict[str, float]
     empty for a dense model. Every rank calls it at the same steps (an all-reduce)."""
     take = getattr(strategy.module, "take_router_counts", None)
     counts = take() if take is not None else None
-    return {} if counts is None else router_meters(world.sum(counts).cpu(), top_k)
+    return {} if counts is None else router_meters(strategy.sum_token_figures(counts).cpu(), top_k)
 
 
 # ---------------------------------------------------------------- one step
@@ -651,9 +641,9 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),
         **strategy.accounts.meters(),
         "peak_bytes": outcome.peak_bytes,
-        "peak_bytes_theory": strategy.accounts.peak_bytes_theory(accounting.activation_bytes(
-            cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
-            checkpointing=cfg.parallel.activation_checkpointing == "full", tp=cfg.parallel.tp,
-            sequence_parallel=cfg.parallel.sequence_parallel),
+        "peak_bytes_theory": strategy.accounts.peak_bytes_theory(parallel.Layout.of(cfg.parallel, world.world_size)
+            .activation_bytes(cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
+                              sequence_parallel=cfg.parallel.sequence_parallel,
+                              checkpointing=cfg.parallel.activation_checkpointing == "full"),
             accounting.autocast_weight_bytes(cfg.model, cfg.parallel.tp) if strategy.precision.bf16 else 0.0),
     }

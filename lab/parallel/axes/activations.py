@@ -33,6 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lab.runtime import compat
 from lab.model.plan import ParallelPlan
+from lab.parallel.axes import Transform
 
 MODES = ("none", "full", "selective")
 
@@ -111,6 +112,19 @@ class SavedBytes:
     def take(self) -> int:
         largest, self._largest = self._largest, 0
         return largest
+
+
+class Checkpointing(Transform):
+    """Activation checkpointing of the plan's units (``parallel.activation_checkpointing``)."""
+
+    name = "ac"
+
+    def __init__(self, mode: str, meter: SavedBytes):
+        self.mode, self.meter = mode, meter
+
+    def split(self, model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+        apply(model, plan, self.mode, self.meter)
+        return plan
 
 
 def apply(model: nn.Module, plan: ParallelPlan, mode: str, meter: SavedBytes) -> None:

@@ -39,6 +39,16 @@ with the trainable weights, so every rank starts from the same values).
   the root unit and the last block unit stay gathered into it (their pool buffers would lie idle
   meanwhile) instead of being freed and
   gathered again. The optimizer updates the shards in place, so no all-gather follows the step.
+  Where a transform runs several forwards and backwards a micro-step (a stage's microbatches,
+  ``Strategy.microbatches``), each piece is freed after each forward and once its gradient has passed
+  its input in each backward (``_AfterBackward``): 2M gathers a micro-step. With
+  ``parallel.reshard_after_forward`` false (the default then) every unit stays gathered from its first use to the
+  step's last backward: one gather a step.
+
+Every unit holds the parameters of one data-parallel group (``comm_of``): its ranks share it (a
+transform may average some parameters over other ranks than the data axis). A parameter a transform
+completes after the sync (``held_apart``: summed between two ranks of another axis) is a unit alone,
+laid out alike wherever it is held, so the two ranks add the same shard.
 
 On the non-final micro-steps of an accumulation nothing is sent: gradients accumulate whole in
 the units' flat buffers (zero2 and zero3 then hold a whole gradient until the last micro-step).
@@ -54,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,9 +77,11 @@ from lab.runtime import compat
 from lab.runtime.checkpoint import overlap
 from lab.model.plan import segments
 from lab.parallel import accounts
-from lab.parallel.base import ModelFactory, ParamGroup, Piece, Strategy, set_lr
+from lab.parallel.axes import GroupReplicas
+from lab.parallel.base import ParamGroup, Piece, Strategy, set_lr
+from lab.parallel.layout import World
 from lab.parallel.comm import Comm, Exchange, InOrder, SummedOnWait, buckets
-from lab.parallel.ddp import broadcast_from_rank0
+from lab.parallel.data.ddp import broadcast_from_rank0
 
 HOST = torch.device("cpu")
 
@@ -95,7 +108,7 @@ class Unit:
     gathering: dist.Work | Exchange | None = None  # stage 3: the prefetch's all-gather, until waited
     lent: torch.Tensor | None = None  # stage 3: the pool's buffer whose memory flat's storage holds while gathered
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (group, lo, hi) within the chunk
-    rank: int = 0  # this rank's place among those sharing the unit (the data axis; an expert's: edp)
+    rank: int = 0  # this rank's place among those sharing the unit (the data axis, or a transform's: ``comm_of``)
     comm: Comm | None = None  # their collectives
 
     def in_chunk(self, rank: int, offset: int, size: int) -> tuple[int, int]:
@@ -145,6 +158,10 @@ class Zero(Strategy):
     shards_gradients = True
     accounting = accounts.Zero
 
+    def held_apart(self) -> set[str]:
+        """Parameters the transforms complete after the sync (a weight two ranks of another axis hold)."""
+        return {name for transform in self.transforms for name in transform.held_apart()}
+
     @property
     def offloaded(self) -> bool:
         return self.cfg.offload == "optimizer"
@@ -152,13 +169,15 @@ class Zero(Strategy):
     # ------------------------------------------------------------ layout
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
-        """Buckets of ``bucket_mb`` in backward order (reverse registration); stage 3 overrides."""
-        params, tied = dict(module.named_parameters()), [n for n in trainable if n in self.pipeline.tied]
-        order = [n for n in reversed(trainable) if n not in tied]
+        """Buckets of ``bucket_mb`` in backward order (reverse registration), each over one data-parallel group (an
+        transform may name another); a parameter a transform completes after the sync (``held_apart``) is a unit
+        alone, laid out alike on every rank that holds it. Stage 3 overrides."""
+        params, apart = dict(module.named_parameters()), self.held_apart()
+        order = [n for n in reversed(trainable) if n not in apart]
         sizes = [params[name].numel() * params[name].element_size() for name in order]
-        kinds = [self.experts.holds(params[name]) for name in order]  # an expert's unit is shared over edp
+        kinds = [id(self.comm_of(name)) for name in order]
         return [[order[i] for i in bucket] for bucket in buckets(sizes, self.cfg.bucket_mb * 2**20, kinds)] + \
-            ([tied] if tied else [])  # last: launched once summed between the stages (``backward``)
+            [[name] for name in trainable if name in apart]
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         group_of = {n: i for i, g in enumerate(groups) for n in g.names}
@@ -171,17 +190,15 @@ class Zero(Strategy):
         params = dict(module.named_parameters())
         self.units = []
         for names in self._unit_names(module, trainable):
-            sharing = self.experts.edp if self.experts.holds(params[names[0]]) else self.world
-            self.units.append(make_unit(names, params, group_of, sharing.rank, sharing.world_size))
-            self.units[-1].comm = self.comm_of(params[names[0]])
+            comm = self.comm_of(names[0])
+            self.units.append(make_unit(names, params, group_of, comm.rank, comm.world_size))
+            self.units[-1].comm = comm
         for unit in self.units:
             self._place(unit)
             if self.offloaded:
                 unit.master = unit.shard.detach().to(HOST, copy=True)
         self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
         self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
-        # a weight the first and last stage hold: its unit waits for the sum of the two stages' gradients
-        self._held = len(self.units) - 1 if self.pipeline.tied and self.stage < 3 else None
         self._in_flight: deque[tuple[Unit, dist.Work | SummedOnWait]] = deque()  # launched, not yet settled
         self._spare: torch.Tensor | None = None  # the last settled unit's gradient buffer
         if self.stage >= 2:
@@ -241,7 +258,7 @@ class Zero(Strategy):
         self._missing[k] -= 1
         if self._missing[k] == 0:
             self._unit_done(unit)
-        if self.syncing and k != self._held:
+        if self.syncing:
             self._launches.arrived(k, eager=self.cfg.overlap)
             self._settle(in_flight=1)
 
@@ -260,19 +277,6 @@ class Zero(Strategy):
         unit.written = [False] * len(unit.params)
         memory.tag(buffer, "grads")
         return buffer
-
-    def _tied_gradient(self, name: str) -> torch.Tensor:
-        """Parameter ``name``'s whole gradient in its unit's flat buffer (zeroed if it got none), before the
-        reduce-scatter."""
-        k, i = self._unit_of[id(self.module.get_parameter(name))]
-        unit = self.units[k]
-        if unit.flat_grad is None:
-            unit.flat_grad = self._gradient_buffer(unit, unit.shard.dtype)
-        place = unit.flat_grad[unit.offsets[i]:unit.offsets[i] + unit.params[i].numel()]
-        if unit.written and not unit.written[i]:  # stages 2-3: no gradient came
-            place.zero_()
-            unit.written[i] = True
-        return place
 
     def _unit_done(self, unit: Unit) -> None:
         """All of a unit's gradients of this micro-step are in (stage 3 frees its weights here)."""
@@ -301,7 +305,7 @@ class Zero(Strategy):
         buffer, until the backward ends)."""
         while self._in_flight and (len(self._in_flight) > in_flight or self._in_flight[0][1].is_completed()):
             unit, work = self._in_flight.popleft()
-            self.comm.wait(work)
+            unit.comm.wait(work)
             if self.stage > 1:
                 self._spare = unit.flat_grad
                 unit.flat_grad = None
@@ -311,14 +315,8 @@ class Zero(Strategy):
         a pass over the shards (with N a power of two the same bits as dividing the sum)."""
         return loss / self.world.world_size
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """The micro-step's backward; on a synced one, a weight the pipeline's first and last stage hold gets the sum
-        of the two stages' gradients before it is reduce-scattered (its shards differ between the stages), then what
-        is left is launched and waited for."""
-        self.tensor.backward(self.scaled(loss))
-        if not self.syncing:
-            return
-        self.pipeline.sum_tied(self._tied_gradient)
+    def sync_gradients(self) -> None:
+        """Launch what the backward's hooks left (stage 1: everything) and wait for every reduce-scatter."""
         self._launches.finish()
         self._settle(in_flight=0)
         self._spare = None
@@ -364,14 +362,15 @@ class Zero(Strategy):
                 a, b = unit.in_chunk(unit.rank, offset, size)
                 if a >= b:  # empty views: the shards' bytes still count
                     grad = None if unit.grad_shard is None else unit.grad_shard[:0]
-                    out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True))
+                    out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True, shape=tuple(shape)))
                     continue
                 first = max(lo for lo in starts[id(unit)] if lo <= a)  # the optimizer's piece that holds it
                 grad = None if unit.grad_shard is None else unit.grad_shard[a:b]
                 moments = self.optimizer.state.get(piece_at[(id(unit), first)]) or None
                 out.append(Piece(name, size, a + unit.rank * unit.chunk - offset, unit.shard[a:b], grad, moments,
-                                 a - first, sharded=True))
-        return out + [Piece(name, p.numel(), 0, p.detach().view(-1)) for name, p in self.module.named_parameters()
+                                 a - first, sharded=True, shape=tuple(shape)))
+        return out + [Piece(name, p.numel(), 0, p.detach().view(-1), shape=tuple(p.shape),
+                            replicas=GroupReplicas(self.world)) for name, p in self.module.named_parameters()
                       if not p.requires_grad]
 
     @torch.no_grad()
@@ -384,40 +383,16 @@ class Zero(Strategy):
                 with unit.comm.paused():
                     unit.comm.all_gather(unit.flat, unit.shard)
 
-    @torch.no_grad()
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight under the model's names on rank 0 (stage 3 gathers unit by unit)."""
-        out = {}
-        for unit in self.units:
-            with self.comm.paused():
-                flat = self._gathered_copy(unit)
-            if self.world.is_main:
-                for name, shape, offset in zip(unit.names, unit.shapes, unit.offsets, strict=True):
-                    out[name] = flat[offset:offset + math.prod(shape)].view(shape).cpu().clone()
-        if not self.world.is_main:
-            return {}
-        first: dict[int, str] = {}  # a tied weight's other names: copies of its first
-        alias = {n: first.setdefault(id(p), n) for n, p in self.module.named_parameters(remove_duplicate=False)}
-        for name, value in self.module.state_dict().items():
-            if name not in out:
-                out[name] = out[alias[name]].clone() if alias.get(name) in out else value.detach().cpu().clone()
-        return out
-
-    def _gathered_copy(self, unit: Unit) -> torch.Tensor:
-        return unit.flat
-
 
 class Zero1(Zero):
     name, stage = "zero1", 1
-    expert_parallel = True
-    pipeline_parallel = True
+    shards = "optimizer"
 
 
 class Zero2(Zero):
     name, stage = "zero2", 2
-    expert_parallel = True
     options = Zero.options | {"overlap"}
-    pipeline_parallel = True
+    shards = "gradients"
 
 
 class Zero3(Zero):
@@ -425,40 +400,49 @@ class Zero3(Zero):
 
     name, stage = "zero3", 3
     accounting = accounts.Zero3
-    options = Zero.options - {"bucket_mb"} | {"overlap"}
+    options = Zero.options - {"bucket_mb"} | {"overlap", "reshard_after_forward"}
     compiles = False
-
-    def make_module(self, model_factory: ModelFactory) -> nn.Module:
-        """Build on the meta device: nothing is allocated until each rank fills its own chunks (``wrap``)."""
-        with torch.device("meta"):
-            return model_factory()
+    shards = "weights"
+    builds_on_meta = True  # nothing is allocated until each rank fills its own chunks (``wrap``)
 
     def _initial_value(self, name: str) -> torch.Tensor:
-        """The plan's initial value of ``name`` on this rank's device, added to the digest of the initial values."""
+        """The plan's initial value of ``name`` on this rank's device, added to the digest of the initial values of
+        the ranks that hold the same ones (``world_of``)."""
         value = self.plan.initial_value(name).detach().to(self.world.device)
-        self._initial.update(name.encode())
-        self._initial.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        world = self.world_of(name)
+        digest = self._initial.setdefault(id(world.group), (world, hashlib.sha256()))[1]
+        digest.update(name.encode())
+        digest.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         return value
 
     def _unit_names(self, module: nn.Module, trainable: list[str]) -> list[list[str]]:
-        """The pieces of the plan's units (``lab.model.plan.segments``), then the root unit (the rest, and any
-        parameter two pieces share, as a tied weight), in the order gradients complete."""
+        """The pieces of the plan's units (``lab.model.plan.segments``), each one unit per data-parallel group (an
+        transform may name another), then the root units: the rest (and any parameter two pieces share, as
+        a tied weight), and each parameter a transform completes after the sync alone; in the order gradients
+        complete."""
         canonical = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         pieces = []
         for names in segments(module, self.plan):
             mods = [module.get_submodule(n) for n in names]
             pieces.append((mods, list(dict.fromkeys(id(p) for m in mods for p in m.parameters() if p.requires_grad))))
         holders = Counter(i for _, ids in pieces for i in ids)
-        self._segments = [(mods, [canonical[i] for i in ids if holders[i] == 1]) for mods, ids in pieces]
-        self._segments = [(mods, names) for mods, names in self._segments if names]  # frozen throughout: no unit
-        in_pieces = {n for _, names in self._segments for n in names}
-        root = [n for n in trainable if n not in in_pieces]
-        return [names for _, names in reversed(self._segments)] + ([root] if root else [])
+        self._segments: list[tuple[list[nn.Module], list[list[str]]]] = []
+        for mods, ids in pieces:
+            by_group: dict[int, list[str]] = {}
+            for name in (canonical[i] for i in ids if holders[i] == 1):
+                by_group.setdefault(id(self.comm_of(name)), []).append(name)
+            if by_group:  # frozen throughout: no unit
+                self._segments.append((mods, list(by_group.values())))
+        in_pieces = {n for _, units in self._segments for names in units for n in names}
+        apart = self.held_apart()
+        rest = [n for n in trainable if n not in in_pieces and n not in apart]
+        self._root_names = ([rest] if rest else []) + [[n] for n in trainable if n in apart]
+        return [names for _, units in reversed(self._segments) for names in units] + self._root_names
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         """Fill buffers and frozen parameters whole, then this rank's chunks (``_place``); a digest of every initial
         value is compared across ranks."""
-        self._initial = hashlib.sha256()
+        self._initial: dict[int, tuple[World, object]] = {}
         for name, _ in list(module.named_buffers()):  # assigned, not .data: a meta tensor's cannot take a real one
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner), attr, self._initial_value(name))
@@ -467,28 +451,28 @@ class Zero3(Zero):
                 owner, _, attr = name.rpartition(".")
                 setattr(module.get_submodule(owner), attr, nn.Parameter(self._initial_value(name), requires_grad=False))
         module = super().wrap(module, groups)
-        self.world.check_same(self._initial.hexdigest(), "the initial weights (the plan's initial_value)")
-        in_pieces = {n for _, names in self._segments for n in names}
-        self._root = self.units[-1] if self.units and self.units[-1].names[0] not in in_pieces else None
+        for world, digest in self._initial.values():
+            world.check_same(digest.hexdigest(), "the initial weights (the plan's initial_value)")
         unit_of = {name: unit for unit in self.units for name in unit.names}
-        self.forward_order = [unit_of[names[0]] for _, names in self._segments]
-        sizes = [u.padded for u in self.forward_order]
+        self._roots = [unit_of[names[0]] for names in self._root_names]
+        self.forward_order = [[unit_of[names[0]] for names in units] for _, units in self._segments]
+        sizes = [sum(u.padded for u in segment) for segment in self.forward_order]
         self.pool_budget = self.root_size() + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
         self._spares: dict[int, list[torch.Tensor]] = {}  # idle pool buffers by their number of elements
         self._pooled = 0  # elements in pool buffers, idle or lent
-        for modules, names in self._segments:
-            unit = unit_of[names[0]]
-            modules[0].register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
-            modules[-1].register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
+        for (modules, _), segment in zip(self._segments, self.forward_order, strict=True):
+            modules[0].register_forward_pre_hook(lambda mod, args, seg=segment: self._before_forward(seg, args))
+            modules[-1].register_forward_hook(lambda mod, args, out, seg=segment: self._after_forward(seg, out))
         return module
 
     def root_size(self) -> int:
-        return 0 if self._root is None else self._root.padded
+        """Elements of the root units (gathered for the whole forward and backward)."""
+        return sum(u.padded for u in self._roots)
 
     def _place(self, unit: Unit) -> None:
         """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
         storage is empty at rest (it borrows a pool buffer's memory while gathered: ``_lend``)."""
-        r, module = self.world.rank, self.module
+        r, module = unit.rank, self.module
         unit.shard = torch.zeros(unit.chunk, device=self.world.device)
         memory.tag(unit.shard, "params")
         unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
@@ -514,34 +498,35 @@ class Zero3(Zero):
 
     def _start_gather(self, unit: Unit, async_op: bool) -> None:
         self._lend(unit)
-        unit.gathering = self.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
+        unit.gathering = unit.comm.all_gather(unit.flat, unit.shard, async_op=async_op)
         unit.gathered = True
 
-    def _gather(self, unit: Unit | None) -> None:
-        """The unit's weights, now: waits for its prefetch, or gathers them."""
-        if unit is None:
-            return
-        if not unit.gathered:
-            self._start_gather(unit, async_op=False)
-        if unit.gathering is not None:
-            self.comm.wait(unit.gathering)
-            unit.gathering = None
+    def _gather(self, units: list[Unit]) -> None:
+        """The units' weights, now: waits for their prefetch, or gathers them."""
+        for unit in units:
+            if not unit.gathered:
+                self._start_gather(unit, async_op=False)
+            if unit.gathering is not None:
+                unit.comm.wait(unit.gathering)
+                unit.gathering = None
 
-    def _prefetch(self, unit: Unit | None) -> None:
-        """Launch the unit's all-gather asynchronously (it overlaps the compute until ``_gather`` waits)."""
-        if unit is not None and not unit.gathered:
-            self._start_gather(unit, async_op=True)
+    def _prefetch(self, units: list[Unit]) -> None:
+        """Launch the units' all-gathers asynchronously (they overlap the compute until ``_gather`` waits)."""
+        for unit in units:
+            if not unit.gathered:
+                self._start_gather(unit, async_op=True)
 
-    def _free(self, unit: Unit | None) -> None:
+    def _free(self, units: list[Unit]) -> None:
         """Release the gathered weights: the storage goes back to the allocator (saved views of it stay valid
         and see the weights again once the unit is gathered for its backward)."""
-        if unit is None or not unit.gathered:
-            return
-        if unit.gathering is not None:
-            self.comm.wait(unit.gathering)
-            unit.gathering = None
-        self._take_back(unit)
-        unit.gathered = False
+        for unit in units:
+            if not unit.gathered:
+                continue
+            if unit.gathering is not None:
+                unit.comm.wait(unit.gathering)
+                unit.gathering = None
+            self._take_back(unit)
+            unit.gathered = False
 
     def _lend(self, unit: Unit) -> None:
         """Give flat's storage memory for the whole unit: an idle pool buffer's of its size (its pages stay mapped
@@ -573,55 +558,72 @@ class Zero3(Zero):
         self._spares[unit.padded].append(unit.lent)
         unit.lent = None
 
-    def _next(self, unit: Unit, step: int) -> Unit | None:
-        """The block unit ``step`` places after ``unit`` in the forward order (None past either end)."""
-        i = self.forward_order.index(unit) + step
-        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+    def _next(self, segment: list[Unit], step: int) -> list[Unit]:
+        """The units of the piece ``step`` places after ``segment`` in the forward order (none past either end)."""
+        i = self.forward_order.index(segment) + step
+        return self.forward_order[i] if 0 <= i < len(self.forward_order) else []
 
-    def _before_forward(self, unit: Unit) -> None:
-        self._gather(unit)
-        if not compat.in_backward():  # not a recomputation inside the backward
-            self._prefetch(self._next(unit, +1))
+    def _before_forward(self, segment: list[Unit], args: tuple) -> tuple | None:
+        self._gather(segment)
+        if compat.in_backward():  # a recomputation inside the backward
+            return None
+        self._prefetch(self._next(segment, +1))
+        if self.reshards and self.microbatches > 1 and torch.is_grad_enabled() and args[0].requires_grad:
+            # several backwards a micro-step: each frees the piece once its gradient passed the piece's input
+            return (_AfterBackward.apply(args[0], lambda: self._free(segment)), *args[1:])
+        return None
 
-    def _after_forward(self, unit: Unit, out: torch.Tensor) -> None:
+    def _after_forward(self, segment: list[Unit], out: torch.Tensor) -> None:
         if compat.in_backward():  # a recomputation inside the backward: keep them
             return
         if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda grad: (self._before_backward(unit), grad)[1])
-            if unit is self.forward_order[-1]:  # the backward starts with it: kept, not gathered again
+            out.register_hook(lambda grad: (self._before_backward(segment), grad)[1])
+            if not self.reshards:  # kept until the step's last backward
                 return
-        self._free(unit)
+            if self.microbatches == 1 and segment is self.forward_order[-1]:  # the backward starts with it: kept
+                return
+        self._free(segment)
 
-    def _before_backward(self, unit: Unit) -> None:
-        self._gather(unit)
-        self._prefetch(self._next(unit, -1))
+    def _before_backward(self, segment: list[Unit]) -> None:
+        self._gather(segment)
+        self._prefetch(self._next(segment, -1))
 
     def _unit_done(self, unit: Unit) -> None:
-        self._free(unit)
+        if unit not in self._roots and self.reshards and self.microbatches == 1:  # the roots stay for the micro-step
+            self._free([unit])
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
-        self._gather(self._root)
-        self._prefetch(self.forward_order[0] if self.forward_order else None)
+        self._gather(self._roots)
+        self._prefetch(self.forward_order[0] if self.forward_order else [])
         loss = super().forward(x, y, sync=sync)
         if not (torch.is_grad_enabled() and loss.requires_grad):  # else kept for the backward, which starts with it
-            self._free(self._root)
+            self._free(self._roots)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
-        for unit in self.units:  # units with a parameter unused in this micro-step are still gathered
-            self._free(unit)
+        if self.reshards or self.syncing:  # units with a parameter unused in this micro-step are still gathered
+            self._free(self.units)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.comm.paused():
-            self._gather(self._root)
+        with self.uncounted():
+            self._gather(self._roots)
             try:
                 return super().eval_loss(x, y)
             finally:
-                self._free(self._root)
+                self._free(self._roots)
 
-    def _gathered_copy(self, unit: Unit) -> torch.Tensor:
-        flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
-        self.comm.all_gather(flat, unit.shard)
-        return flat
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity forward; once the gradient reaches this input, ``then()`` (a piece's weights are no longer needed)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, then: Callable[[], None]) -> torch.Tensor:
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.then()
+        return grad, None

@@ -8,4 +8,3 @@ class Single(Strategy):
     name = "single"
     max_world_size = 1
     accounting = accounts.Local
-    pipeline_parallel = True

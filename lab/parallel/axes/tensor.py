@@ -42,6 +42,8 @@ equal across the group; a head shard's attention dropout shares that stream.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -55,11 +57,12 @@ import torch.nn.functional as F
 from lab.measure import accounting
 
 from lab.runtime import compat
-from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces, overlap, row_blocks
+from lab.runtime.checkpoint import Blocks, Pieces, overlap, row_blocks
 from lab.runtime.config import ConfigError, ParallelConfig
-from lab.model.plan import ParallelPlan, TensorPlan, plan_of
+from lab.model.plan import ParallelPlan, TensorPlan
+from lab.parallel.axes import AxisMeters, GroupReplicas, Transform
 from lab.parallel.comm import Comm
-from lab.parallel.mesh import World
+from lab.parallel.layout import LoopSettings, Mesh, World
 
 
 IMPLEMENTATIONS = ("lab", "torch")
@@ -222,88 +225,42 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------- the step
 
 
-def on_axis(axis: World, cfg: ParallelConfig) -> Unsplit:
-    """The tensor-parallel transform of ``cfg`` on ``axis`` (the mesh's tp axis): the identity on an axis of one."""
-    if axis.world_size == 1:
-        return Unsplit(axis)
-    return (TorchTensorParallel if cfg.tp_impl == "torch" else TensorParallel)(axis, cfg.sequence_parallel)
+def on_axis(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings) -> TensorParallel:
+    """The tensor-parallel transform of ``cfg`` on the mesh's tp axis."""
+    return (TorchTensorParallel if cfg.tp_impl == "torch" else TensorParallel)(mesh.tp, cfg.sequence_parallel, loop,
+                                                                              mesh.data.world_size)
 
 
-class Unsplit:
-    """The tensor-parallel transform on an axis of one: every weight whole on every rank. What the data-parallel
-    strategies ask of the transform they are built with (``TensorParallel`` answers for a split model)."""
-
-    implementation = "none"
-    sequence_parallel = False
-
-    def __init__(self, world: World):
-        self.world, self.n, self.rank = world, world.world_size, world.rank
-        self.comm = Comm(world.world_size, world.group, axis="tp")  # a failure names the axis
-        self.splits: dict[str, Split] = {}  # parameter name → how it is cut
-        self._last_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
-
-    def describe(self, data: str, replicas: int) -> str:
-        """The start line's name of the layout: the data-parallel strategy ``data`` over ``replicas`` ranks."""
-        return data
-
-    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        """``model_factory`` followed by this transform's rewrite of the model (its plan read from the model)."""
-        return model_factory
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """The autograd pass of ``loss`` (in the context a split loss needs)."""
-        loss.backward()
-
-    def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
-        """The ranges of this rank's ``numel`` elements of ``name`` (flattened) that it adds to the global gradient
-        norm: all of them."""
-        return [(0, numel)]
-
-    def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
-        """Squared norms summed over the group."""
-        return self.world.sum(squares)
-
-    def checkpoint_state(self, state: CheckpointState, data: World
-                         ) -> tuple[CheckpointState, list[Callable[[], None]]]:
-        """The data-parallel strategy's ``state`` as the checkpoint stores it, and what to do after a load."""
-        return state, []
-
-    def full_state_dict(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole weights from the group's ``shards`` on its first rank."""
-        return shards
-
-    def take_wait_s(self) -> float:
-        """Seconds this step waited on the group's collectives; keeps the step's bytes for ``meters``."""
-        taken = self.comm.take()
-        self._last_bytes = taken.bytes
-        return taken.wait_s
-
-    def meters(self, plan: ParallelPlan, micro_batch: int, accum_steps: int) -> dict[str, dict[str, float]]:
-        """The group's bytes of the last step beside their theory (none without a group)."""
-        return {}
-
-
-class TensorParallel(Unsplit):
+class TensorParallel(Transform):
     """The tensor-parallel group of this rank, the rewrite of the model, and what follows from it."""
 
+    name = "tp"
     implementation = "lab"
 
-    def __init__(self, world: World, sequence_parallel: bool):
-        super().__init__(world)
-        self.sequence_parallel = sequence_parallel
+    def __init__(self, world: World, sequence_parallel: bool, loop: LoopSettings | None = None,
+                 data_ranks: int = 1):
+        self.world, self.n, self.rank = world, world.world_size, world.rank
+        self.data_ranks = data_ranks  # the data-parallel strategy's ranks beside each of this group's
+        self.sequence_parallel, self.loop = sequence_parallel, loop
+        self.comm = Comm(self.n, self.world.group, axis="tp")  # a failure names the axis
+        self.splits: dict[str, Split] = {}  # parameter name → how it is cut
+        self.plan: TensorPlan | None = None
+        self.model: nn.Module | None = None
+        self.backwards = 1  # per micro-step (a pipeline's microbatches: set by ``running``)
+        self.token_share_of_rank = 1.0  # of each sequence's tokens (a context-parallel shard's: set by ``running``)
+        self._last_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
+        self._whole = GroupReplicas(self.world)
 
-    def describe(self, data: str, replicas: int) -> str:
+    def describe(self, layout: str) -> str:
         sequence = ", sequence parallel" if self.sequence_parallel else ""
-        return f"{data} (tp {self.n}{sequence} × dp {replicas})"
+        return f"{layout} (tp {self.n}{sequence} × dp {self.data_ranks})"
 
-    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        def split() -> nn.Module:
-            model = model_factory()
-            plan = plan_of(model, model_factory)
-            if plan.tensor is None:
-                raise ConfigError(f"parallel.tp > 1: the model ({type(model).__name__}) declares no tensor plan")
-            return self.parallelize(model, plan)
-        return split
+    def split(self, model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+        if plan.tensor is None:
+            raise ConfigError(f"parallel.tp > 1: the model ({type(model).__name__}) declares no tensor plan")
+        self.plan, self.model = plan.tensor, model
+        self.parallelize(model, plan)
+        return dataclasses.replace(plan, initial_value=model.initial_value)
 
     # ------------------------------------------------------------ collectives (counted on the group's Comm)
     # Under torch.compile they run eagerly (``_eager``: dynamo breaks the graph there instead of tracing the
@@ -475,68 +432,84 @@ class TensorParallel(Unsplit):
 
     # ------------------------------------------------------------ what follows from the split
 
-    def norm_ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
-        """The ranges of this rank's ``numel`` elements of ``name`` (flattened) that it adds to the global gradient
-        norm: all of a split weight's but the replicated parts of which it is not the first holder; all of a whole
-        weight on the group's first rank, none on the others."""
+    # ------------------------------------------------------------ what follows from the split
+
+    def counted(self, name: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A split weight's elements but the replicated parts of which this rank is not the first holder (a weight
+        the split leaves whole is counted by the group's first rank: ``replicas``)."""
         split = self.splits.get(name)
-        if split is None:
-            return [(0, numel)] if self.rank == 0 else []
-        out, at = [], 0
+        if split is None or not split.shared or not ranges:
+            return ranges
+        kept, at = [], 0
         for start, length, _, parts in split.replicas(self.rank, self.n):
             if not self.first_replica(parts):
-                out.append((at, start))
+                kept.append((at, start))
                 at = start + length
-        out.append((at, numel))
-        return [(a, b) for a, b in out if a < b]
+        kept.append((at, max(b for _, b in ranges)))
+        return [(lo, hi) for a, b in ranges for k_lo, k_hi in kept for lo, hi in [overlap((a, b), (k_lo, k_hi))]
+                if lo < hi]
 
+    def running(self, strategy: object, model: nn.Module) -> nn.Module:
+        self.backwards, self.token_share_of_rank = strategy.microbatches, strategy.token_share
+        return model
 
-    def checkpoint_state(self, state: CheckpointState, data: World
-                         ) -> tuple[CheckpointState, list[Callable[[], None]]]:
-        """The data-parallel strategy's ``state`` (flattened shards) as ranges of the whole flattened weights, each
-        range handed over by one rank; and what the ranks then do after a load, in order: broadcast what one rank
-        of an axis read to the others, and copy a replicated part from its first holder to the others."""
-        out: CheckpointState = {}
-        after_load: list[Callable[[], None]] = []
-        for key, value in state.items():
-            split = self.splits.get(key.split("/")[1])
-            if isinstance(value, torch.Tensor) and (split is None or key.endswith("/step")):
-                out[key] = value  # whole on every rank
-            elif split is None:  # a range of a weight every tensor-parallel rank holds: the first hands it over
-                after_load.append(functools.partial(_broadcast, value.view, self.world))
-                out[key] = value if self.world.is_main else Held(value.numel, value.lo, value.view[:0])
-            else:
-                if isinstance(value, Held):
-                    lo, view = value.lo, value.view
-                else:  # this rank's shard, whole on every data-parallel rank: the first hands it over
-                    after_load.append(functools.partial(_broadcast, value, data))
-                    lo, view = 0, value.view(-1)
-                if split.shared:
-                    after_load.append(functools.partial(self.sum_replicas, split, lo, view, everyone=False))
-                if not isinstance(value, Held) and not data.is_main:
-                    view = value.new_empty(0)
-                out[key] = split.checkpoint_pieces(self.rank, self.n, lo, view)
-        return out, after_load
+    def sees_own_tokens(self) -> bool:
+        """Every rank of the group runs the same tokens (without sequence parallelism): the first counts them."""
+        return self.rank == 0 or self.sequence_parallel
 
-    def full_state_dict(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole weights from every rank's ``shards`` on the group's first rank (a collective of the group)."""
-        out = {}
-        for name, value in shards.items():
-            split = self.splits.get(name)
-            if split is None:
-                out[name] = value
-                continue
-            gathered = [torch.empty_like(value) for _ in range(self.n)]
-            dist.all_gather(gathered, value.contiguous(), group=self.world.group)
-            out[name] = split.assemble(gathered)
-        return out if self.world.is_main else {}
+    def replicas(self, name: str) -> GroupReplicas | None:
+        """Every rank of the group holds a weight the split leaves whole."""
+        return self._whole if name not in self.splits else None
 
-    def meters(self, plan: ParallelPlan, micro_batch: int, accum_steps: int) -> dict[str, dict[str, float]]:
+    def whole_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Pieces | Blocks | None:
+        split = self.splits.get(name)
+        return None if split is None else split.checkpoint_pieces(self.rank, self.n, lo, view)
+
+    def whole_shape(self, name: str) -> tuple[int, ...] | None:
+        split = self.splits.get(name)
+        return None if split is None else split.shape
+
+    def after_load(self, name: str, lo: int, view: torch.Tensor) -> None:
+        """A replicated part of a split weight (GQA's key/value rows), loaded by its first holder, to the others."""
+        split = self.splits.get(name)
+        if split is not None and split.shared:
+            self.sum_replicas(split, lo, view, everyone=False)
+
+    def take_meters(self) -> AxisMeters:
+        """Seconds this step waited on the group's collectives; keeps the step's bytes for ``meters``."""
+        taken = self.comm.take()
+        self._last_bytes = taken.bytes
+        return AxisMeters(taken.wait_s)
+
+    def meters(self) -> dict[str, object]:
         """The group's bytes of the last step, and the bytes this rank sends per optimizer step over the group, by
-        collective, in theory (ring convention)."""
-        theory = accounting.tensor_parallel_comm_bytes(plan.tensor.config, micro_batch, accum_steps, self.n,
-                                                       self.sequence_parallel)
+        collective, in theory (ring convention) for the layers it holds (``held_layers``)."""
+        theory = accounting.tensor_parallel_comm_bytes(self.plan.config, self.loop.micro_batch, self.loop.accum_steps,
+                                                       self.n, self.sequence_parallel, layers=self.held_layers())
         return {"tp_comm_bytes_per_step": dict(self._last_bytes), "tp_comm_bytes_per_step_theory": theory}
+
+    def held_layers(self) -> accounting.TensorLayers:
+        """What this rank holds of the split: where a later transform dropped layers (a pipeline stage), the column-
+        and row-parallel ones left, whether it runs the embedding (it holds it, and not merely as the head of the last
+        stage of several) and the head (it holds the final norm)."""
+        def held(name: str) -> bool:
+            try:
+                return self.model.get_submodule(name) is not None
+            except AttributeError:
+                return False
+
+        column = [name for name in self.plan.column if held(name)]
+        row = [name for name in self.plan.row if held(name)]
+        head = held(self.plan.final_norm)
+        tied_head = self.plan.head_weight.rpartition(".")[0] == self.plan.embedding
+        staged = len(column) < len(self.plan.column)
+        embeds = held(self.plan.embedding) and not (head and tied_head and staged)
+        attention = sum(1 for name in column if self.splits[f"{name}.weight"].shared)
+        return accounting.TensorLayers(len(column), len(row), attention, embeds, head, self.backwards,
+                                       self.token_share_of_rank)
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        return self.comm.paused()
 
 
 class TorchTensorParallel(TensorParallel):
@@ -564,8 +537,9 @@ class TorchTensorParallel(TensorParallel):
 
     implementation = "torch"
 
-    def __init__(self, world: World, sequence_parallel: bool):
-        super().__init__(world, sequence_parallel)
+    def __init__(self, world: World, sequence_parallel: bool, loop: LoopSettings | None = None,
+                 data_ranks: int = 1):
+        super().__init__(world, sequence_parallel, loop, data_ranks)
         self.layouts: dict[nn.Module, dict[str, tuple]] = {}  # module → its weights' DTensor layouts, by name
 
     def parallelize(self, model: nn.Module, plan: ParallelPlan) -> nn.Module:
@@ -702,17 +676,12 @@ class TorchTensorParallel(TensorParallel):
         with loss_parallel():  # the local part is a view: cloned, as FSDP2 wants a root's output
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).to_local().clone()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def autograd(self) -> contextlib.AbstractContextManager:
         from torch.distributed.tensor.parallel import loss_parallel
 
-        with loss_parallel():
-            loss.backward()
+        return loss_parallel()
 
-    def meters(self, plan: ParallelPlan, micro_batch: int, accum_steps: int) -> dict[str, dict[str, float]]:
+    def meters(self) -> dict[str, object]:
         return {}  # torch's collectives are not counted
 
 
-def _broadcast(tensor: torch.Tensor, axis: World) -> None:
-    """``tensor`` from the first rank of ``axis`` to the others."""
-    if axis.world_size > 1:
-        dist.broadcast(tensor, src=axis.global_rank(0), group=axis.group)

@@ -33,11 +33,11 @@ from lab.parallel.comm import Comm, InOrder, buckets
 
 
 def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step); an expert split by
-    ``parallel.ep``, the first rank's of those holding it."""
+    """Give every rank rank 0's parameters and buffers (one-time traffic, before the first step); a parameter
+    averaged over other ranks than the data axis (``comm_of``), the first rank's of those."""
     with torch.no_grad():
-        for tensor in module.parameters():
-            comm = strategy.comm_of(tensor)
+        for name, tensor in module.named_parameters():
+            comm = strategy.comm_of(name)
             with comm.paused():
                 comm.broadcast(tensor.data, src=0)
         with strategy.comm.paused():
@@ -47,21 +47,18 @@ def broadcast_from_rank0(strategy: Strategy, module: nn.Module) -> None:
 
 class NaiveDDP(Strategy):
     name = "ddp_naive"
-    pipeline_parallel = True
-    expert_parallel = True
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
         return module
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.tensor.backward(loss)
-        if not self.syncing:
-            return
-        for p in self.trainable:
+    def sync_gradients(self) -> None:
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            self.comm_of(p).all_reduce(p.grad)
+            self.comm_of(name).all_reduce(p.grad)
             p.grad.div_(self.world.world_size)
 
 
@@ -76,11 +73,10 @@ class BucketedDDP(Strategy):
     name = "ddp"
     options = Strategy.options | {"bucket_mb", "overlap"}
     accounting = accounts.Bucketed
-    pipeline_parallel = True
-    expert_parallel = True
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
+        self._name_of = {id(p): name for name, p in module.named_parameters()}
         self._make_buckets(list(reversed(self.trainable)))  # backward roughly reverses registration
         self._arrivals: list[nn.Parameter] | None = []  # recorded in the first synced backward
         for p in self.trainable:
@@ -90,13 +86,13 @@ class BucketedDDP(Strategy):
     def _make_buckets(self, order: list[nn.Parameter]) -> None:
         groups = [[order[i] for i in bucket]
                   for bucket in buckets([p.numel() * p.element_size() for p in order], self.cfg.bucket_mb * 2**20,
-                                        [self.experts.holds(p) for p in order])]
+                                        [id(self.comm_of(self._name_of[id(p)])) for p in order])]
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
         self._slice_of: dict[nn.Parameter, torch.Tensor] = {}
         for params in groups:
             bucket = Bucket(params, torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                                device=params[0].device), self.comm_of(params[0]))
+                                                device=params[0].device), self.comm_of(self._name_of[id(params[0])]))
             offset = 0
             for p in params:
                 self._slice_of[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
@@ -131,10 +127,7 @@ class BucketedDDP(Strategy):
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss / self.world.world_size  # the all-reduced sum is then the mean
 
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
-        if not self.syncing:
-            return
+    def sync_gradients(self) -> None:
         for work in self._launches.finish():
             self.comm.wait(work)
 

@@ -69,7 +69,7 @@ from lab.parallel.base import (
     materialize_adam_state,
     set_lr,
 )
-from lab.parallel.mesh import Mesh
+from lab.parallel.layout import Mesh
 from lab.parallel import accounts
 from lab.parallel.accounts import storage_bytes
 
@@ -221,8 +221,9 @@ class DeepSpeed(Strategy):
     name = "deepspeed"
     options = Strategy.options | {"zero_stage", "offload", "deepspeed_config"}
     offload_modes = ("none", "optimizer", "all")
-    tensor_parallel = False  # the engine takes the whole world's group
     accounting = accounts.DeepSpeed
+    shards = "optimizer"
+    owns_step = "its engine owns the whole step over the whole world; choose any other strategy"
 
     def describe(self) -> str:
         return f"{self.name} (ZeRO stage {self.cfg.zero_stage})"
@@ -398,7 +399,7 @@ class DeepSpeed(Strategy):
                 self.optimizer.update_lp_params()
 
     @torch.no_grad()
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight (the fp32 masters, gathered by DeepSpeed) under the model's names, on rank 0."""
         from deepspeed.utils import safe_get_full_fp32_param
 

@@ -1,13 +1,14 @@
 """Pipeline parallelism by hand: the model's blocks in stages on the mesh's ``pp`` axis, point-to-point between them.
 
 ``parallel.pp P`` cuts the model along its plan (``lab.model.plan.PipelinePlan``): the blocks into P runs of
-consecutive blocks balanced by parameters (``balanced_split``), the embedding on the first stage, the final norm,
-head and loss on the last. Each rank builds the whole model and keeps its stage's modules, under the model's own
-names (the others become None), so the initial weights are ``single``'s and a checkpoint stores the same entries
-whatever the layout. A tied embedding is one weight held by the first stage and the last: after the step's
-backward each sends the other its gradient and adds the one it receives (a + b on one, b + a on the other: the
-same bits), so both take the same update; the gradient norm counts it once. Under ``zero1`` / ``zero2`` the
-sum comes before the weight's reduce-scatter (the strategy holds its unit back until then: ``Zero.backward``).
+consecutive blocks balanced by parameters (``lab.measure.accounting.stage_units``, the split's one statement), the
+embedding on the first stage, the final norm, head and loss on the last. Each rank builds the whole model and keeps
+its stage's modules, under the model's own names (the others become None), so the initial weights are ``single``'s
+and a checkpoint stores the same entries whatever the layout. A tied embedding is one weight held by the first stage
+and the last: after the step's backward each sends the other its gradient and adds the one it receives (a + b on
+one, b + a on the other: the same bits), so both take the same update; the gradient norm counts it once. A sharding
+strategy lays such a weight out alone (``held_apart``), so both stages hold the same part of it and sum those after
+the reduce-scatter.
 
 Each micro-step of the loop is cut into ``parallel.pp_microbatches`` M microbatches, run by a schedule of
 forwards (F) and backwards (B) on every stage (``schedule``):
@@ -38,8 +39,8 @@ first and each stage keeps its part: a stage boundary's hidden state is whole on
 the pp group of a rank joins the ranks of the other stages with its tensor coordinate (a tied embedding's shard
 goes to the rank holding the same vocabulary rows).
 
-A checkpoint's entries are the model's whatever the layout; ``Pipeline.checkpoint_state`` makes every rank name
-every sharded entry (DCP builds each with a collective) and has the first stage alone save a tied weight.
+A checkpoint's entries are the model's whatever the layout; the first stage alone hands over a tied weight
+(``TiedReplicas``) and, after a load, sends it to the last.
 
 Against ``single`` the split changes no operation: with one microbatch per micro-step the losses and weights are
 the same bits (the tied weight's two gradients are added once either way). With M microbatches the batch's mean
@@ -49,7 +50,7 @@ differences, as accumulation has.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -58,23 +59,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.model.plan import PipelinePlan, plan_of
-from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
+from lab.measure import accounting
+from lab.model.plan import ParallelPlan, PipelinePlan
+from lab.parallel.axes import AxisMeters, Replicas, Transform
 from lab.parallel.comm import naming_axis
-from lab.parallel.mesh import World
-from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
+from lab.parallel.layout import World
+from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 IMPLEMENTATIONS = ("lab", "torch")
 _FORWARD_TAG, _BACKWARD_TAG = 1, 2  # activations go to the next stage, their gradients to the previous one
-_NOT_WIRED = {  # why a strategy does not run under a pipeline
-    "zero3": "it gathers each unit's weights for one forward and frees them after one backward per micro-step, where "
-             "a stage runs M microbatches' forwards and backwards interleaved (not wired yet)",
-    "fsdp": "FSDP2 gathers and reshards around its root module's forward and reduce-scatters after each backward, "
-            "where a stage runs M forwards and backwards outside that forward (not wired yet)",
-    "torch_ddp": "DistributedDataParallel prepares its reducer in its own forward, which the stages bypass (they call "
-                 "the model's embed, run_blocks and output)",
-}
 _on_pp = naming_axis("pp")  # a failed send or receive names the axis: a stage died or did not answer
 
 
@@ -83,9 +77,9 @@ def microbatches(cfg: ParallelConfig) -> int:
     return cfg.pp_microbatches if cfg.pp_microbatches is not None else cfg.pp
 
 
-def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) -> None:
-    """Raise ConfigError (one line) when ``cfg``'s pipeline cannot run under ``strategy`` (a Strategy class) with
-    micro-steps of ``micro_batch`` sequences (and ``compile``: train.compile)."""
+def check_options(cfg: ParallelConfig, micro_batch: int) -> None:
+    """Raise ConfigError (one line) when ``cfg``'s pipeline options cannot run with micro-steps of ``micro_batch``
+    sequences."""
     if cfg.pp == 1:
         for option in ("pp_microbatches", "pp_schedule", "pp_virtual", "pp_impl"):
             if getattr(cfg, option) != getattr(ParallelConfig(), option):
@@ -97,25 +91,6 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
     if cfg.pp_impl not in IMPLEMENTATIONS:
         raise ConfigError(f"parallel.pp_impl must be one of {', '.join(IMPLEMENTATIONS)}, got '{cfg.pp_impl}'"
                           f"{did_you_mean(cfg.pp_impl, IMPLEMENTATIONS)}")
-    if cfg.pp_impl == "torch" and (strategy.name not in ("single", "ddp_naive") or cfg.tp > 1):
-        raise ConfigError("parallel.pp_impl torch runs under strategy single or ddp_naive without parallel.tp only: "
-                          "its schedule runs every microbatch's backward inside one call, where the other "
-                          "strategies' hooks (and the tensor split's) expect the lab's schedule")
-    if strategy.name == "deepspeed":
-        raise ConfigError("strategy 'deepspeed' does not run with parallel.pp > 1: its engine owns the whole step "
-                          "(DeepSpeed's own PipelineEngine is not wired in); choose single, ddp_naive, ddp, zero1 "
-                          "or zero2")
-    if not strategy.pipeline_parallel:
-        reason = _NOT_WIRED.get(strategy.name, "its gradient sync or sharding expects one backward per micro-step, "
-                                               "where a stage runs one per microbatch")
-        raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.pp > 1: {reason}; choose single, "
-                          f"ddp_naive, ddp, zero1 or zero2")
-    if cfg.sequence_parallel or cfg.tp_impl == "torch":
-        raise ConfigError("parallel.pp > 1 runs with the hand-rolled tensor parallelism without sequence parallelism "
-                          "only, for now: stages send whole-sequence hidden states as plain tensors")
-    if compile:
-        raise ConfigError("train.compile with parallel.pp > 1 is not supported yet: a stage runs the model's embed, "
-                          "run_blocks and output, not the compiled forward; set train.compile false")
     m = microbatches(cfg)
     if m < 1:
         raise ConfigError(f"parallel.pp_microbatches must be at least 1, got {m}")
@@ -131,30 +106,6 @@ def check(cfg: ParallelConfig, strategy: type, micro_batch: int, compile: bool) 
     if cfg.pp_schedule == "interleaved" and m % cfg.pp:
         raise ConfigError(f"parallel.pp_schedule interleaved needs parallel.pp_microbatches a multiple of parallel.pp "
                           f"({cfg.pp}), got {m}: microbatches go round the stages in groups of pp")
-
-
-def balanced_split(sizes: list[int], parts: int) -> list[range]:
-    """``sizes`` (the units' parameters, in order) cut into ``parts`` consecutive runs, none empty, whose largest
-    sum is the smallest possible (among equal ones, the one whose later runs are longest)."""
-    n = len(sizes)
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    # best[k][i]: the smallest largest run over cuts of the first i units into k runs; cut[k][i]: where its last starts
-    best = [[float("inf")] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                worst = max(best[k - 1][j], prefix[i] - prefix[j])
-                if worst < best[k][i]:
-                    best[k][i], cut[k][i] = worst, j
-    runs, end = [], n
-    for k in range(parts, 0, -1):
-        runs.append(range(cut[k][end], end))
-        end = cut[k][end]
-    return runs[::-1]
 
 
 def schedule(name: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
@@ -188,60 +139,29 @@ def interleaved(stage: int, stages: int, m: int, virtual: int) -> list[tuple[str
     return order + [op("B", k) for k in range(total - warm, total)]
 
 
-def on_axis(axis: World, cfg: ParallelConfig, accum_steps: int) -> Unpiped:
-    """The pipeline transform of ``cfg`` on ``axis`` (the mesh's pp axis): the identity on an axis of one."""
-    if axis.world_size == 1:
-        return Unpiped()
+def on_axis(axis: World, cfg: ParallelConfig, accum_steps: int) -> Pipeline:
+    """The pipeline transform of ``cfg`` on ``axis`` (the mesh's pp axis)."""
     return (TorchPipeline if cfg.pp_impl == "torch" else Pipeline)(axis, cfg, accum_steps)
 
 
-class Unpiped:
-    """The pipeline transform on an axis of one: the whole model on every rank. What the strategies ask of the
-    transform they are built with (``Pipeline`` answers for a model in stages)."""
+class TiedReplicas(Replicas):
+    """A weight the first stage and the last both hold (a tied embedding): the first hands it over."""
 
-    def describe(self, layout: str) -> str:
-        return layout
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
 
-    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        return model_factory
+    @property
+    def is_first(self) -> bool:
+        return self.pipeline.first
 
-    def running(self, strategy: object, model: nn.Module) -> nn.Module:
-        """What the strategy's forward calls: the model itself."""
-        return model
-
-    def counts(self, name: str) -> bool:
-        """Whether this rank adds parameter ``name``'s gradient to the global norm."""
-        return True
-
-    def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
-        return squares
-
-    tied: list[str] = []  # parameters held by the first stage and the last (none in one stage)
-
-    def reduce_tied(self, module: nn.Module) -> None:
-        """Sum the gradients of a weight two stages hold (nothing to do in one stage)."""
-
-    def sum_tied(self, grad_of: Callable[[str], torch.Tensor]) -> None:
-        """As ``reduce_tied``, on the gradients ``grad_of(name)`` returns (summed into them in place)."""
-
-    def take_meters(self) -> tuple[float, dict[str, object]]:
-        """Seconds this rank waited on the other stages since the last call, and the step's pipeline figures."""
-        return 0.0, {}
-
-    def meters(self) -> dict[str, object]:
-        """The run's pipeline figures (for the summary)."""
-        return {}
-
-    def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
-        return weights
-
-    def checkpoint_state(self, state: CheckpointState) -> tuple[CheckpointState, list[Callable[[], None]]]:
-        """``state`` as the checkpoint stores it, and what to do after a load (first)."""
-        return state, []
+    def share(self, tensor: torch.Tensor) -> None:
+        self.pipeline.hand_over(tensor)
 
 
-class Pipeline(Unpiped):
+class Pipeline(Transform):
     """This rank's stage, its schedule, and the point-to-point traffic between stages."""
+
+    name = "pp"
 
     def __init__(self, axis: World, cfg: ParallelConfig, accum_steps: int):
         self.axis, self.stage, self.n = axis, axis.rank, axis.world_size
@@ -252,6 +172,7 @@ class Pipeline(Unpiped):
         self.runs: list[range] = []  # the blocks of each (virtual) stage
         self.stage_params: list[int] = []
         self.tied: list[str] = []  # parameters held by the first stage and the last
+        self._tied = TiedReplicas(self)
         self.wait_s = self.window_s = 0.0  # blocked on other stages; inside the schedule (since the last take)
         self.totals = torch.zeros(self.n, 2, dtype=torch.float64)  # per stage: seconds waited, seconds scheduled
         self.sent_bytes = self.sent_bytes_theory = 0  # activations and their gradients sent (since the last take)
@@ -280,15 +201,12 @@ class Pipeline(Unpiped):
 
     # ------------------------------------------------------------ building
 
-    def splitting(self, model_factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-        def staged() -> nn.Module:
-            model = model_factory()
-            plan = plan_of(model, model_factory).pipeline
-            if plan is None:
-                raise ConfigError(f"parallel.pp > 1: the model ({type(model).__name__}) declares no pipeline plan")
-            self._cut(model, plan)
-            return model
-        return staged
+    def split(self, model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+        if plan.pipeline is None:
+            raise ConfigError(f"parallel.pp > 1: the model ({type(model).__name__}) declares no pipeline plan")
+        self._cut(model, plan.pipeline)
+        held = {plan.pipeline.units[i] for s in self._stages() for i in self.runs[s]}
+        return dataclasses.replace(plan, units=[unit for unit in plan.units if unit in held])
 
     def _cut(self, model: nn.Module, plan: PipelinePlan) -> None:
         """Choose the stages' blocks and drop from ``model`` every module this stage does not run."""
@@ -296,8 +214,8 @@ class Pipeline(Unpiped):
             return {id(p): p for name in names for p in model.get_submodule(name).parameters()}
 
         self.plan = plan
-        self.runs = balanced_split([sum(p.numel() for p in params([u]).values()) for u in plan.units],
-                                   self.n * self.virtual)
+        self.runs = accounting.stage_units([sum(p.numel() for p in params([u]).values()) for u in plan.units],
+                                           self.n * self.virtual)
         first, last = params(plan.first), params(plan.last)
         self.tied = [name for name, p in model.named_parameters() if id(p) in first and id(p) in last]
         self.stage_params = [sum(p.numel() for p in params([plan.units[i] for i in run]).values())
@@ -314,6 +232,12 @@ class Pipeline(Unpiped):
 
     def running(self, strategy: object, model: nn.Module) -> nn.Module:
         return _Staged(self, strategy, model)
+
+    def entry_points(self) -> list[str]:
+        return [self.plan.stage]
+
+    def microbatches(self) -> int:
+        return self.m
 
     # ------------------------------------------------------------ point to point
 
@@ -343,9 +267,10 @@ class Pipeline(Unpiped):
 
     @_on_pp
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``loss`` on every stage."""
+        """The sum of every stage's part of the loss (the last stage's, and the others' auxiliary losses: zeros when
+        they have none, so the sum is the last stage's bits), on every stage."""
         started = time.perf_counter()
-        dist.broadcast(loss, src=self.axis.global_rank(self.n - 1), group=self.axis.group)
+        dist.all_reduce(loss, group=self.axis.group)
         self.wait_s += time.perf_counter() - started
         return loss
 
@@ -355,9 +280,8 @@ class Pipeline(Unpiped):
                        stage: int) -> torch.Tensor:
         """(Virtual) stage ``stage``'s part of the forward: from the tokens ``x`` (the first) or the received
         ``hidden``, to the loss against ``y`` (the last) or the hidden state to send on."""
-        h = getattr(module, self.plan.embed)(x) if stage == 0 else hidden
-        h = getattr(module, self.plan.run)(h, self.runs[stage])
-        return getattr(module, self.plan.head)(h, y) if stage == len(self.runs) - 1 else h
+        return getattr(module, self.plan.stage)(x if stage == 0 else hidden, y, self.runs[stage], stage == 0,
+                                                stage == len(self.runs) - 1)
 
     def _hidden(self, module: nn.Module, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
         dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
@@ -381,7 +305,8 @@ class Pipeline(Unpiped):
         self.sent_bytes_theory += (2 * self.virtual - self.first - self.last) * math.prod(shape) * dtype.itemsize
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
-        losses = []
+        extras: dict[tuple[int, int], torch.Tensor | None] = {}  # a stage's auxiliary losses, added to its backward
+        losses = []  # the last stage's losses and the other stages' auxiliary ones, per microbatch
         order = self._order()
         final = {v: k for k, (kind, v, _) in enumerate(order) if kind == "B"}  # each virtual stage's last backward
         saved: dict[tuple[int, int], int] = {}  # bytes each microbatch's forward saved, until its backward
@@ -394,22 +319,30 @@ class Pipeline(Unpiped):
                     hidden = self._receive(self._hidden(module, xs[i]), before, _FORWARD_TAG)
                     inputs[v, i] = hidden.requires_grad_()
                 counted = strategy.saved.fresh()
-                out = outputs[v, i] = self._stage_forward(module, xs[i], ys[i], hidden, stage)
+                out = self._stage_forward(module, xs[i], ys[i], hidden, stage)
+                extra = extras[v, i] = self._aux_loss(module, stage)
                 saved[v, i] = strategy.saved.current - counted
                 in_flight = max(in_flight, sum(saved.values()))
                 if stage == last:
+                    out = out if extra is None else out + extra
                     losses.append(out.detach())
                 else:
                     self._send(out, after, _FORWARD_TAG)
+                    if extra is not None:
+                        losses.append(extra.detach())
+                outputs[v, i] = out
                 continue
             strategy.syncing = sync and k == final[v]  # the data-parallel hooks sync on a stage's last backward
             saved.pop((v, i))
-            out = outputs.pop((v, i))
+            out, extra = outputs.pop((v, i)), extras.pop((v, i))
             if stage == last:
-                strategy.tensor.backward(strategy.scaled(out / (self.m * self.accum_steps)))
+                strategy.autograd(strategy.scaled(out / (self.m * self.accum_steps)))
             else:
                 grad = self._receive((tuple(out.shape), out.dtype), after, _BACKWARD_TAG)
-                torch.autograd.backward(out, grad)
+                if extra is None:
+                    strategy.autograd(out, grad)
+                else:
+                    strategy.autograd([out, strategy.scaled(extra / (self.m * self.accum_steps))], [grad, None])
             if stage > 0:
                 self._send(inputs.pop((v, i)).grad, before, _BACKWARD_TAG)
         strategy.syncing = sync
@@ -417,11 +350,15 @@ class Pipeline(Unpiped):
         self.in_flight = max(self.in_flight, in_flight)
         per_forward = strategy.saved.current / (len(xs) * self.virtual)  # this rank's mean, over its stages
         self.in_flight_theory = max(self.in_flight_theory, outstanding(order) * per_forward)
-        loss = torch.stack(losses).sum() / self.m if self.last else torch.zeros((), device=self.axis.device)
+        loss = torch.stack(losses).sum() / self.m if losses else torch.zeros((), device=self.axis.device)
         seed = strategy.scaled(torch.ones((), device=loss.device) / self.accum_steps).item()
         loss = self._share_loss(loss)
         self.window_s += time.perf_counter() - started
         return _Ran.apply(torch.zeros((), requires_grad=True), loss, seed)
+
+    def _aux_loss(self, module: nn.Module, stage: int) -> torch.Tensor | None:
+        """The auxiliary losses (a mixture of experts' balance losses) of the blocks stage ``stage`` just ran."""
+        return getattr(module, self.plan.aux_loss)(self.runs[stage]) if self.plan.aux_loss else None
 
     @torch.no_grad()
     def evaluate(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -442,24 +379,17 @@ class Pipeline(Unpiped):
 
     # ------------------------------------------------------------ what follows from the stages
 
-    def counts(self, name: str) -> bool:
-        return not (self.last and name in self.tied)  # the first stage counts a tied weight
+    def replicas(self, name: str) -> TiedReplicas | None:
+        return self._tied if name in self.tied else None
 
-    def sum_squares(self, squares: torch.Tensor) -> torch.Tensor:
-        return self.axis.sum(squares)
-
-    @torch.no_grad()
-    def reduce_tied(self, module: nn.Module) -> None:
-        def grad(name: str) -> torch.Tensor:
-            p = module.get_parameter(name)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            return p.grad
-        self.sum_tied(grad)
+    def held_apart(self) -> set[str]:
+        return set(self.tied)
 
     @_on_pp
     @torch.no_grad()
-    def sum_tied(self, grad_of: Callable[[str], torch.Tensor]) -> None:
+    def complete_gradients(self, grad_of: Callable[[str], torch.Tensor]) -> None:
+        """A weight the first and the last stage hold gets the sum of both stages' gradients (its parts here: the same
+        on both, laid out alike), a + b on one, b + a on the other: the same bits."""
         if not (self.tied and (self.first or self.last)):
             return
         peer = self.axis.global_rank(self.n - 1 if self.first else 0)
@@ -472,7 +402,7 @@ class Pipeline(Unpiped):
             mine.add_(theirs)
 
     @_on_pp
-    def take_meters(self) -> tuple[float, dict[str, object]]:
+    def take_meters(self) -> AxisMeters:
         """Seconds this rank waited on the other stages since the last call (every stage calls it: the stages' figures
         are gathered), per stage the fraction of the schedule's time it waited (the bubble, and the transfers),
         beside the theory (p − 1)/(m + p − 1), and the bytes this rank sent to its neighbours (activations forward,
@@ -486,57 +416,23 @@ class Pipeline(Unpiped):
         step = torch.stack(stages)
         self.totals += step[:, :2]
         self.in_flight_run = torch.maximum(self.in_flight_run, step[:, 2:])
-        return wait, {"pp_wait_s": step[:, 0].tolist(), "pp_bubble": _fractions(step), "pp_bubble_theory": self.theory,
-                      **sent, **_in_flight(step[:, 2:])}
+        return AxisMeters(wait, {"pp_wait_s": step[:, 0].tolist(), "pp_bubble": _fractions(step),
+                                 "pp_bubble_theory": self.theory, **sent, **_in_flight(step[:, 2:])})
 
     def meters(self) -> dict[str, object]:
         return {"pp_bubble": _fractions(self.totals), "pp_bubble_theory": self.theory,
                 **_in_flight(self.in_flight_run)}
 
     @_on_pp
-    def full_state_dict(self, weights: dict[str, torch.Tensor], holder: bool) -> dict[str, torch.Tensor]:
-        """Every stage's ``weights`` on the first stage (``holder``: this rank holds its stage's weights whole; the
-        holders of the stages form one pp group)."""
-        if not holder:
-            return {}
-        parts: list[dict] | None = [{} for _ in range(self.n)] if self.first else None
-        dist.gather_object(weights, parts, dst=self.axis.global_rank(0), group=self.axis.group)
-        return {k: v for part in parts for k, v in part.items()} if self.first else {}
-
-    @_on_pp
-    def checkpoint_state(self, state: CheckpointState) -> tuple[CheckpointState, list[Callable[[], None]]]:
-        """Every stage's entries in one order, where ``state`` holds this stage's: the checkpoint builds each entry a
-        rank holds a part of with a collective of every rank (``lab.runtime.checkpoint``), so a rank adds an empty
-        part of each such entry that another stage holds (a whole tensor is no collective: left to its holders). A
-        weight the first and the last stage both hold in parts is handed over by the first stage (the last stage's
-        parts are empty) and, after a load, sent from the rank of the first stage to the rank of the last that
-        holds the same part (the two stages lay it out alike)."""
-        kinds: list[dict[str, tuple] | None] = [None] * self.n
-        dist.all_gather_object(kinds, {key: _kind(value) for key, value in state.items()}, group=self.axis.group)
-        out: CheckpointState = {}
-        after_load = []
-        for key, kind in {k: v for stage in kinds for k, v in stage.items()}.items():  # in stage order
-            parts = kind[0] != "whole"
-            handed = parts and key in state and key.split("/")[1] in self.tied
-            if key in state and not (handed and self.last):
-                out[key] = state[key]
-            elif parts:
-                out[key] = Held(kind[1], 0, torch.empty(0)) if kind[0] == "flat" else Blocks(kind[1], [])
-            if handed:
-                after_load.append(functools.partial(self._hand_over, _views(state[key])))
-        return out, after_load
-
-    @_on_pp
     @torch.no_grad()
-    def _hand_over(self, views: list[torch.Tensor]) -> None:
-        """The first stage's ``views`` (what it loaded of a tied weight) into the last stage's."""
-        for view in views:
-            if self.first:
-                dist.send(view.contiguous(), dst=self.axis.global_rank(self.n - 1), group=self.axis.group)
-            elif view.numel():
-                received = torch.empty(view.shape, dtype=view.dtype, device=view.device)
-                dist.recv(received, src=self.axis.global_rank(0), group=self.axis.group)
-                view.copy_(received)
+    def hand_over(self, view: torch.Tensor) -> None:
+        """The first stage's ``view`` (what it loaded of a tied weight) into the last stage's."""
+        if self.first:
+            dist.send(view.contiguous(), dst=self.axis.global_rank(self.n - 1), group=self.axis.group)
+        elif view.numel():
+            received = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+            dist.recv(received, src=self.axis.global_rank(0), group=self.axis.group)
+            view.copy_(received)
 
 
 class TorchPipeline(Pipeline):
@@ -580,9 +476,9 @@ class TorchPipeline(Pipeline):
         self.window_s += time.perf_counter() - started
         return _Ran.apply(torch.zeros((), requires_grad=True), loss, seed)
 
-    def take_meters(self) -> tuple[float, dict[str, object]]:
+    def take_meters(self) -> AxisMeters:
         self.window_s = self.wait_s = 0.0
-        return 0.0, {}
+        return AxisMeters()
 
     def meters(self) -> dict[str, object]:
         return {"pp_bubble_theory": self.theory}
@@ -601,21 +497,6 @@ class _TorchStage(nn.Module):
         if self.stage == 0:
             h = getattr(self.model, plan.embed)(h)
         return getattr(self.model, plan.run)(h, self.pipeline.runs[self.stage])
-
-
-def _kind(value: Held | Pieces | Blocks | torch.Tensor) -> tuple:
-    """What a stage tells the others of a checkpoint entry: whole, or parts of a flat tensor (its elements) or of a
-    2-D one (its shape)."""
-    if isinstance(value, torch.Tensor):
-        return ("whole",)
-    return ("blocks", value.shape) if isinstance(value, Blocks) else ("flat", value.numel)
-
-
-def _views(value: Held | Pieces | Blocks) -> list[torch.Tensor]:
-    """The live views of a checkpoint entry's parts."""
-    if isinstance(value, Held):
-        return [value.view]
-    return [view for _, view in value.pieces] if isinstance(value, Pieces) else [v for _, _, v in value.blocks]
 
 
 def outstanding(order: list[tuple[str, int, int]]) -> int:

@@ -1,0 +1,195 @@
+"""The transforms of a layout, as one protocol in one ordered list.
+
+``transforms`` lists what a layout applies to the model, in the order it applies them: tensor (``tensor.py``) →
+context (``context.py``) → expert (``experts.py``) → pipeline cut (``pipeline.py``) → activation checkpointing
+(``activations.py``) → compile;
+the data-parallel strategy's placement (``lab.parallel.data``) comes last and loops over the list. An axis of one
+rank, or a feature that is off, is absent from the list.
+
+A transform rewrites the model as it is built (``split``) and tells the strategy what follows from that, each method
+defaulting to "nothing": the start line (``describe``), what the forward calls (``running``: a pipeline's schedule),
+the context of the autograd pass (``autograd``), the ranks a parameter's gradient is averaged over when they are not
+the strategy's (``data_group``: an expert's), the parts of a gradient this rank adds to the global norm
+(``counted``), the gradients it completes after the data-parallel sync (``complete_gradients``: a weight two stages
+hold), what a checkpoint stores of a parameter (``whole_region``) and which ranks hold the same values
+(``replicas``), its meters (``take_meters``, ``meters``) and what evaluation must not count (``paused``).
+
+A new axis implements these methods in one file and adds one entry to ``transforms``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn as nn
+
+from lab.model.plan import ParallelPlan
+from lab.runtime.checkpoint import Blocks, Held, Pieces
+from lab.runtime.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from lab.parallel.layout import LoopSettings, Mesh, World
+
+
+@dataclass
+class AxisMeters:
+    """What one transform's traffic cost in the last step: seconds waited, and the figures it adds to the step's
+    record."""
+
+    wait_s: float = 0.0
+    record: dict[str, object] = field(default_factory=dict)
+
+
+class Replicas:
+    """Ranks that hold the same values of a parameter: the first hands them to checkpoints, exports and the global
+    norm; after a load it gives them to the others (``share``)."""
+
+    @property
+    def is_first(self) -> bool:
+        raise NotImplementedError
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """The first's ``tensor`` on every other one (in place)."""
+        raise NotImplementedError
+
+
+class Transform:
+    """One step of a layout; every method's default adds nothing (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    def describe(self, layout: str) -> str:
+        return layout
+
+    def split(self, model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+        """Rewrite the built model (on any device, meta included) in place, as its ``plan`` allows; return the plan of
+        the rewritten model."""
+        return plan
+
+    def local_name(self, name: str) -> str:
+        """``name`` as ranks of the data axis that hold different parts of the model compare their layouts."""
+        return name
+
+    def running(self, strategy: object, model: nn.Module) -> nn.Module:
+        """What the strategy's forward calls, given what the later transforms made it call (the first transform's is
+        the outermost: it sees the step's batch first)."""
+        return model
+
+    def microbatches(self) -> int:
+        """How many forwards and backwards of the model's units one micro-step of the loop runs."""
+        return 1
+
+    def token_share(self) -> float:
+        """The fraction of each sequence's tokens this rank runs."""
+        return 1.0
+
+    def entry_points(self) -> list[str]:
+        """The model's methods this transform calls in place of its forward (a strategy that hooks the forward hooks
+        these too)."""
+        return []
+
+    def autograd(self) -> contextlib.AbstractContextManager:
+        """The context the autograd pass of a loss runs in."""
+        return contextlib.nullcontext()
+
+    def data_group(self, name: str) -> World | None:
+        """The ranks parameter ``name``'s gradient is averaged over when not the strategy's own (None: its own)."""
+        return None
+
+    def counted(self, name: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The parts of ``ranges`` (of this rank's flattened ``name``) whose gradient this rank adds to the global
+        norm: each element of every parameter is counted on one rank of the world."""
+        return ranges
+
+    def complete_gradients(self, grad_of: Callable[[str], torch.Tensor]) -> None:
+        """Finish gradients the data-parallel sync leaves partial (``grad_of(name)``: this rank's part, to change in
+        place)."""
+
+    def held_apart(self) -> set[str]:
+        """Parameters whose gradients ``complete_gradients`` touches: a sharding strategy lays each out alone, the same
+        on every rank that holds it."""
+        return set()
+
+    def whole_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Held | Pieces | Blocks | None:
+        """Where elements [lo, lo + len(view)) of this rank's flattened ``name`` (``numel`` elements) sit in the whole
+        parameter, counting only what this rank hands over (None: this transform does not reshape it)."""
+        return None
+
+    def whole_shape(self, name: str) -> tuple[int, ...] | None:
+        """The whole parameter's shape, where this rank holds a part of ``name`` cut by this transform."""
+        return None
+
+    def replicas(self, name: str) -> Replicas | None:
+        """The ranks of this axis holding the same values of ``name`` as this one (None: no other)."""
+        return None
+
+    def after_load(self, name: str, lo: int, view: torch.Tensor) -> None:
+        """What follows a load of this rank's elements [lo, lo + len(view)) of ``name`` beyond sharing replicas."""
+
+    def sees_own_tokens(self) -> bool:
+        """Whether this rank's per-token figures (a router's counts) are its own, not another rank's copy."""
+        return True
+
+    def take_meters(self) -> AxisMeters:
+        """This step's figures (once per step: every rank calls it)."""
+        return AxisMeters()
+
+    def meters(self) -> dict[str, object]:
+        """The run's figures, for the summary."""
+        return {}
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Traffic inside is not counted (held-out evaluation)."""
+        yield
+
+
+class GroupReplicas(Replicas):
+    """Every rank of an axis holds the same values."""
+
+    def __init__(self, axis: World):
+        self.axis = axis
+
+    @property
+    def is_first(self) -> bool:
+        return self.axis.rank == 0
+
+    def share(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        if self.axis.world_size > 1:
+            dist.broadcast(tensor, src=self.axis.global_rank(0), group=self.axis.group)
+
+
+class Compile(Transform):
+    """``torch.compile`` of the split, checkpointed model (traced at its first forward)."""
+
+    name = "compile"
+
+    def split(self, model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+        model.compile()
+        return plan
+
+
+def transforms(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object) -> list[Transform]:
+    """The transforms ``cfg`` asks for on ``mesh``, in the order they apply (the data-parallel placement follows)."""
+    from lab.parallel.axes import activations, context, experts, pipeline, tensor
+
+    out: list[Transform] = []
+    if mesh.tp.world_size > 1:
+        out.append(tensor.on_axis(mesh, cfg, loop))
+    if mesh.cp.world_size > 1:
+        out.append(context.ContextParallel(mesh.cp, cfg, loop))
+    if mesh.ep.world_size > 1:
+        out.append(experts.ExpertParallel(mesh, cfg, loop))
+    if mesh.pp.world_size > 1:
+        out.append(pipeline.on_axis(mesh.pp, cfg, loop.accum_steps))
+    if cfg.activation_checkpointing != "none":
+        out.append(activations.Checkpointing(cfg.activation_checkpointing, saved))
+    if loop.compile:
+        out.append(Compile())
+    return out

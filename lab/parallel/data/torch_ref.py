@@ -1,0 +1,177 @@
+"""The PyTorch implementations the hand-rolled strategies are measured against: DDP and FSDP2.
+
+``torch_ddp`` is ``torch.nn.parallel.DistributedDataParallel`` with its default reducer, buckets of
+``parallel.bucket_mb``, and a communication hook that does what its default hook does (divide by
+the world size, all-reduce asynchronously) through the lab's counted collectives, so its bytes are
+counted like everyone else's. DDP waits for its buckets inside the backward, so the time exposed
+to communication is estimated as the time from the last bucket's launch (the end of the
+backward's compute) to the last bucket's completion. (No ``from __future__ import annotations``
+here: DDP checks the hook's annotations as objects.)
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lab.parallel import accounts
+from lab.parallel.base import ParamGroup, Piece, Strategy
+from lab.parallel.data.ddp import broadcast_from_rank0
+from lab.parallel.layout import World
+from lab.runtime import compat
+
+
+class TorchDDP(Strategy):
+    name = "torch_ddp"
+    options = Strategy.options | {"bucket_mb"}
+
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
+        device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
+        # weights averaged over other ranks than the data axis (``comm_of``) are synced by hand
+        self._apart = [(name, p) for name, p in module.named_parameters() if self.world_of(name) is not self.world]
+        if self._apart:
+            compat.ddp_ignore(module, [name for name, _ in self._apart])
+            broadcast_from_rank0(self, module)
+        ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_mb,
+                                      process_group=self.world.group, **compat.ddp_without_buffer_sync())
+        ddp.register_comm_hook(state=None, hook=self._all_reduce)
+        self._launched = self._done = 0.0
+        self._ddp, self._readied = ddp, False
+        return ddp
+
+    def _all_reduce(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        tensor = bucket.buffer().div_(self.world.world_size)
+        self._launched = time.perf_counter()
+        work = self.comm.all_reduce(tensor, async_op=True)
+
+        def finished(fut: torch.futures.Future) -> torch.Tensor:
+            self._done = time.perf_counter()
+            return fut.value()[0]
+
+        return work.get_future().then(finished)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        self._ddp.require_backward_grad_sync = sync  # what DistributedDataParallel.no_sync toggles
+        return super().forward(x, y, sync=sync)
+
+    def autograd(self, loss, grad=None) -> None:
+        """Where a transform calls the model's methods in place of DDP's forward, the reducer is readied for the
+        step's last backward here, as DDP's forward would have."""
+        bypassed = any(t.entry_points() for t in self.transforms)
+        if self.syncing and bypassed and not self._readied:  # once, for the step's last backward
+            compat.ddp_expect_backward(self._ddp)
+            self._readied = True
+        super().autograd(loss, grad)
+
+    def sync_gradients(self) -> None:
+        self._readied = False
+        self.comm.add_wait(max(0.0, self._done - self._launched))
+        for name, p in self._apart:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.comm_of(name).all_reduce(p.grad)
+            p.grad.div_(self.world.world_size)
+
+
+class FSDP(Strategy):
+    """PyTorch FSDP2: ``fully_shard`` on every unit of the model's plan and at the root, the reference for the
+    ZeRO stages.
+
+    Built on the meta device and materialised shard by shard from the plan's ``initial_value``.
+    ``parallel.reshard_after_forward`` (``reshards``) true frees each block's gathered weights after its forward and
+    its backward (ZeRO-3-like); false keeps them until the step's last backward (ZeRO-2-like traffic, more memory).
+    ``parallel.offload optimizer`` applies ``CPUOffloadPolicy``: sharded weights, gradients and
+    optimizer states live on the host. Gradient sync on the last accumulation micro-step only
+    (``set_requires_gradient_sync``). Traffic is counted by wrapping the collectives FSDP calls.
+    """
+
+    name = "fsdp"
+    options = Strategy.options | {"offload", "reshard_after_forward"}
+    shards_gradients = True
+    shards = "weights"
+    builds_on_meta = True
+    accounting = accounts.FSDP
+
+    def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
+        mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
+        offload = self.cfg.offload == "optimizer"
+        policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
+        # every module fully_shard was applied to, whether it keeps its gathered weights from its forward to its
+        # backward, the root last
+        self.shards: list[tuple[str, World, bool]] = []
+        for name, world in self._held_apart(module):  # sharded over their own ranks, averaged over the data axis
+            sub = module.get_submodule(name)
+            fully_shard(sub, mesh=world.device_mesh, reshard_after_forward=self.reshards, offload_policy=policy)
+            sub.set_gradient_divide_factor(self.world.world_size)
+            # summed, then divided: gloo has no pre-scaled sum (on one rank FSDP only divides, and would twice)
+            sub.set_force_sum_reduction_for_comms(world.world_size > 1)
+            self.shards.append((name, world, not self.reshards))
+        for name in self.plan.units:
+            fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=self.reshards,
+                        offload_policy=policy)
+            self.shards.append((name, self.world, not self.reshards))
+        fully_shard(module, mesh=mesh, reshard_after_forward=self.reshards, offload_policy=policy)
+        self.shards.append(("", self.world, not self.reshards))
+        for transform in self.transforms:  # methods a transform calls in place of the forward gather too
+            for method in transform.entry_points():
+                register_fsdp_forward_method(module, method)
+        module.to_empty(device=torch.device("cpu") if offload else self.world.device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                full = self.plan.initial_value(name).to(mesh.device_type)
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
+            for name, b in module.named_buffers():
+                b.copy_(self.plan.initial_value(name))
+        return module
+
+    def _held_apart(self, module: nn.Module) -> list[tuple[str, World]]:
+        """The largest submodules with a forward whose weights all average over other ranks than the data axis (a
+        transform's), with those ranks."""
+        found: list[tuple[str, World]] = []
+        for name, sub in module.named_modules():
+            if type(sub).forward is nn.Module.forward:  # a container (ModuleList): its children are sharded
+                continue
+            worlds = {id(w): w for w in (self.world_of(f"{name}.{n}" if name else n)
+                                         for n, _ in sub.named_parameters())}
+            if len(worlds) == 1 and next(iter(worlds.values())) is not self.world and \
+                    not any(name.startswith(f"{outer}.") for outer, _ in found):
+                found.append((name, next(iter(worlds.values()))))
+        return found
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        self.module.set_requires_gradient_sync(sync)
+        with self.comm.counting_torch():
+            return super().forward(x, y, sync=sync)
+
+    def autograd(self, loss, grad=None) -> None:
+        """A transform may run several backwards per micro-step: gradients reduce-scatter on the last of them
+        (``syncing``) only."""
+        self.module.set_requires_gradient_sync(self.syncing)
+        if not self.reshards:  # gathered weights kept until the step's last backward
+            self.module.set_reshard_after_backward(self.syncing)
+        with self.comm.counting_torch():
+            super().autograd(loss, grad)
+
+    def _start(self, name: str, param: nn.Parameter) -> int:
+        """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk
+        does, over ``world_of(name)``)."""
+        world = self.world_of(name)
+        rows, n = param.shape[0], world.world_size
+        return min(world.rank * -(-rows // n), rows) * (param.numel() // rows)
+
+    def holding(self) -> list[Piece]:
+        """Each parameter's rows on this rank (the DTensors' local parts): weights, gradients and moments."""
+        out = []
+        for name, p in self.module.named_parameters():
+            moments = self.optimizer.state.get(p) or None
+            if moments is not None:
+                moments = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in moments.items()}
+            grad = None if p.grad is None else p.grad.to_local().reshape(-1)
+            out.append(Piece(name, p.numel(), self._start(name, p), p.detach().to_local().view(-1), grad, moments,
+                             sharded=True, shape=tuple(p.shape)))
+        return out
