@@ -39,7 +39,7 @@ from analysis.fit import (  # noqa: E402
     forms_cells,
     json_ready,
 )
-from analysis.forms import FORMS  # noqa: E402
+from lab.measure.laws import FORMS  # noqa: E402
 from analysis.laws import LAWS, law_line  # noqa: E402
 from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
 from analysis.planner import (  # noqa: E402

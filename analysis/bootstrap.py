@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from analysis.envelope import Envelope, Frontier
 from analysis.isoflop import METHODS, PowerLaws, budget_minima
-from analysis.forms import CHINCHILLA, Form
+from lab.measure.laws import CHINCHILLA, Form
 from analysis.parametric import HUBER_DELTA, fit_weighted
 
 CHUNK = 50

@@ -23,7 +23,7 @@ from analysis.budgets import Budgets, group_budgets
 from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
 from analysis.downstream import fit_task, predict_score
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
-from analysis.forms import CHINCHILLA, FORMS, SHARED, Form
+from lab.measure.laws import CHINCHILLA, FORMS, SHARED, Form
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
 from analysis.laws import LAWS, fit_data_constrained, fit_kaplan
@@ -37,6 +37,7 @@ from analysis.parametric import (
     named_samples,
     params_from_theta,
     predict_loss,
+    start_grid,
 )
 from analysis.table import MIN_RUNS, InputError, RunTable
 from lab.runtime.scores import PREFIX as TASK_PREFIX
@@ -79,7 +80,7 @@ class FitConfig:
     holdout_above: float | None = None  # ... or, when set, every run with C above this
     delta_sensitivity: bool = True  # refit approach 3 at each of DELTA_GRID for the report
     law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.laws), or only approach 3
-    form: str = "chinchilla"  # approach 3's form (analysis.forms), or "auto": chosen by the hold-out
+    form: str = "chinchilla"  # approach 3's form (lab.measure.laws), or "auto": chosen by the hold-out
     progress: bool = field(default=True, compare=False)
 
     def validate(self) -> None:
@@ -213,7 +214,7 @@ class FitResult:
         predicted = predict_loss(p.theta, t.n, t.d, form)
         out["fit"] = {
             "method": f"Huber (delta={self.config.huber_delta:g}) on log-space residuals via log-sum-exp, summed; "
-                      f"L-BFGS from the {p.n_starts} best of {len(form.grid())} grid points",
+                      f"L-BFGS from the {p.n_starts} best of {len(start_grid(form))} grid points",
             "huber_delta": self.config.huber_delta, "objective": p.objective, "converged": p.converged,
             "message": p.message, "iterations": p.n_iter, "n_starts": p.n_starts,
             "starts_agreeing": p.starts_agreeing, "optimum_inside_grid": p.optimum_inside_grid,

@@ -20,9 +20,9 @@ import itertools
 
 import numpy as np
 from scipy.optimize import minimize
-from scipy.special import logsumexp
 
 from analysis.parametric import HUBER_DELTA
+from lab.measure.laws import KAPLAN, data_constrained_log_loss
 
 LAWS = ("chinchilla", "kaplan", "data-constrained")
 KAPLAN_NAMES = ("N_c", "D_c", "alpha_N", "alpha_D")
@@ -44,33 +44,6 @@ def law_line(section: dict) -> str:
 def _huber(r: np.ndarray, delta: float) -> float:
     a = np.abs(r)
     return float(np.sum(np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))))
-
-
-def kaplan_log_loss(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """log L of Kaplan's form at theta = (log N_c, log D_c, alpha_N, alpha_D), x = log N, y = log D."""
-    log_nc, log_dc, alpha_n, alpha_d = theta
-    return alpha_d * np.logaddexp(alpha_n / alpha_d * (log_nc - x), log_dc - y)
-
-
-def effective(n: np.ndarray, d: np.ndarray, unique: np.ndarray, theta: np.ndarray, r_d: float, r_n: float
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """N' and D' of the data-constrained law for theta = (log A, log B, log E, alpha, beta)."""
-    a, b, _, alpha, beta = theta
-    repeats = np.maximum(d / unique - 1.0, 0.0)
-    d_eff = unique * (1.0 + r_d * -np.expm1(-repeats / r_d))
-    # compute-optimal N for D = U under C = 6ND (as in parametric.compute_optimal): N = G (U G)^(beta/alpha)
-    log_g = (np.log(alpha) + a - np.log(beta) - b) / (alpha + beta)
-    unique_n = np.minimum(n, np.exp(log_g + beta / alpha * (np.log(unique) + log_g)))
-    excess = np.maximum(n / unique_n - 1.0, 0.0)
-    return unique_n * (1.0 + r_n * -np.expm1(-excess / r_n)), d_eff
-
-
-def data_constrained_log_loss(theta7: np.ndarray, n: np.ndarray, d: np.ndarray, unique: np.ndarray) -> np.ndarray:
-    """log L of the data-constrained law at (log A, log B, log E, alpha, beta, log R_D*, log R_N*)."""
-    theta, (r_d, r_n) = theta7[:5], np.exp(theta7[5:])
-    n_eff, d_eff = effective(n, d, unique, theta, r_d, r_n)
-    a, b, e, alpha, beta = theta
-    return logsumexp(np.stack([a - alpha * np.log(n_eff), b - beta * np.log(d_eff), np.full(len(n), e)]), axis=0)
 
 
 def _fit(objective, starts: list[np.ndarray], bounds: list[tuple]) -> tuple[np.ndarray, float, bool]:
@@ -98,14 +71,14 @@ def fit_kaplan(n: np.ndarray, d: np.ndarray, loss: np.ndarray, reference_rmse: f
     x, y, log_loss = np.log(n), np.log(d), np.log(loss)
 
     def objective(theta: np.ndarray) -> float:
-        return _huber(kaplan_log_loss(theta, x, y) - log_loss, delta)
+        return _huber(KAPLAN.log_loss(theta[None], x, y)[0] - log_loss, delta)
 
     starts = [np.array(p, float) for p in itertools.product(*KAPLAN_GRID)]
     theta, value, converged = _fit(objective, starts, [(None, None), (None, None), (1e-4, 3.0), (1e-4, 3.0)])
     log_nc, log_dc, alpha_n, alpha_d = theta
     params = {"N_c": float(np.exp(log_nc)), "D_c": float(np.exp(log_dc)), "alpha_N": float(alpha_n),
               "alpha_D": float(alpha_d)}
-    return _summary("kaplan", params, float(alpha_d / (alpha_n + alpha_d)), kaplan_log_loss(theta, x, y), log_loss,
+    return _summary("kaplan", params, float(alpha_d / (alpha_n + alpha_d)), KAPLAN.log_loss(theta[None], x, y)[0], log_loss,
                     value, converged, reference_rmse, delta)
 
 

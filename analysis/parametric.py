@@ -1,6 +1,6 @@
 """Approach 3: fit L(N, D) = E + A/N^alpha + B/D^beta as in Hoffmann et al. (2022), appendix D.
 
-Every function takes a ``form`` (``analysis.forms``): Chinchilla's, described here, by default, or
+Every function takes a ``form`` (``lab.measure.laws``): Chinchilla's, described here, by default, or
 ``kaplan-e``, whose N and D terms interact, or ``shared``, one exponent for both; all are fitted the same way.
 
 With theta = (a, b, e, alpha, beta), A = e^a, B = e^b, E = e^e, the objective is
@@ -30,16 +30,27 @@ coordinates preconditioned there.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from scipy.optimize import OptimizeResult, minimize
 
-from analysis.forms import CHINCHILLA, Form
+from lab.measure.laws import CHINCHILLA, Form
 
 HUBER_DELTA = 1e-3
-GRID_AXES = CHINCHILLA.grid_axes  # Hoffmann et al.'s grid of starting points, in theta order (a, b, e, alpha, beta)
+# Each form's starting points of L-BFGS (the product of these axes), in theta order.
+START_GRIDS = {
+    # Hoffmann et al.'s grid
+    "chinchilla": (np.arange(0.0, 25.1, 5.0), np.arange(0.0, 25.1, 5.0), np.arange(-1.0, 1.01, 0.5),
+                   np.arange(0.0, 2.01, 0.5), np.arange(0.0, 2.01, 0.5)),
+    # N_c and D_c from 1e3 to 1e15, E from 0.37 to 2.7 nats, exponents 0.1 to 1
+    "kaplan-e": (np.log([1e3, 1e6, 1e9, 1e12, 1e15]), np.log([1e3, 1e6, 1e9, 1e12, 1e15]), np.array([-1.0, 0.0, 1.0]),
+                 np.array([0.1, 0.3, 1.0]), np.array([0.1, 0.3, 1.0])),
+}
+START_GRIDS["shared"] = START_GRIDS["chinchilla"][:4]
+GRID_AXES = START_GRIDS["chinchilla"]
 GRID_RUNS = 2000
 # L-BFGS stopping: the objective is tiny (residuals near delta), so scipy's default relative
 # tolerance on it (floored at an absolute 2.2e-9) stops far too early.
@@ -95,13 +106,18 @@ def _grid_values(form: Form, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
     """(points, objective at each): ``grid_objective`` for Chinchilla's form, the form's log loss otherwise."""
     if form is CHINCHILLA:
         return grid_objective(x, y, log_loss, delta)
-    points = form.grid()
+    points = start_grid(form)
     values = np.zeros(len(points))
     for lo in range(0, len(x), chunk):
         r = form.log_loss(points, x[lo:lo + chunk], y[lo:lo + chunk]) - log_loss[lo:lo + chunk]
         abs_r = np.abs(r)
         values += np.where(abs_r <= delta, 0.5 * r * r, delta * (abs_r - 0.5 * delta)).sum(axis=1)
     return points, np.where(np.isfinite(values), values, np.inf)
+
+
+def start_grid(form: Form) -> np.ndarray:
+    """Every starting point of ``form``, (G, P)."""
+    return np.array(list(itertools.product(*START_GRIDS[form.name])), float)
 
 
 @dataclass(frozen=True)
@@ -150,7 +166,7 @@ class ParametricFit:
     @property
     def optimum_inside_grid(self) -> bool:
         """Whether the optimum lies within the box spanned by the grid of starts."""
-        return all(ax.min() <= v <= ax.max() for v, ax in zip(self.theta, self.form.grid_axes))
+        return all(ax.min() <= v <= ax.max() for v, ax in zip(self.theta, START_GRIDS[self.form.name]))
 
 
 def params_from_theta(theta: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHILLA) -> dict[str, float]:

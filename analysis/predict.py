@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.bootstrap import interval
-from analysis.forms import Form
+from lab.measure.laws import Form
 from analysis.parametric import predict_loss
 from analysis.planner import form_of, load_fit, theta_of
 from analysis.table import InputError

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
 from analysis.fit import forms_cells
-from analysis.forms import FORMS
+from lab.measure.laws import FORMS
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import CURVES_FIGURE, DOWNSTREAM_FIGURE, FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, MUENNIGHOFF, TABLE3, comparable, listed_note

@@ -94,7 +94,7 @@ class Prediction:
     n_opt_ci: list[float] | None
     loss_opt: float | None  # L(N_opt, D_opt) of the parametric law
     loss_opt_ci: list[float] | None
-    form: str = "chinchilla"  # the parametric law's form (analysis.forms)
+    form: str = "chinchilla"  # the parametric law's form (lab.measure.laws)
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def judge(pred: Prediction, runs: list[tuple[PlannedRun, float]], theta: np.ndar
           level: float) -> Verdict:
     """Achieved against predicted, from the finished verify runs and the parametric law's parameters in the
     prediction's form (pure)."""
-    from analysis.forms import FORMS
+    from lab.measure.laws import FORMS
     from analysis.parametric import predict_loss
 
     form = FORMS[pred.form]

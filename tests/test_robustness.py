@@ -387,6 +387,16 @@ def _module_level_lab_imports() -> dict[str, set[str]]:
     return graph
 
 
+def test_the_law_module_stands_on_numpy_alone():
+    """The laws the fits and the training run's expectation share load no torch, no training, no analysis and no
+    command line, and no scipy until a curve's areas are asked for."""
+    probe = ("import sys; import lab.measure.laws; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('lab', 'analysis', 'sweeps', 'torch', 'scipy', 'pandas')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['lab',", "'lab.measure',", "'lab.measure.laws']"], out.stdout
+
+
 def test_no_import_circle_in_lab():
     graph, done, path = _module_level_lab_imports(), set(), []
 

@@ -10,7 +10,7 @@ from scipy.optimize import minimize_scalar
 from analysis.__main__ import main
 from analysis.budgets import group_budgets
 from analysis.fit import FitConfig, choose_form, fit_runs
-from analysis.forms import CHINCHILLA, KAPLAN_E, SHARED
+from lab.measure.laws import CHINCHILLA, KAPLAN_E, SHARED
 from analysis.parametric import (
     Centring,
     compute_optimal,
