@@ -40,8 +40,9 @@ from analysis.fit import (  # noqa: E402
     json_ready,
 )
 from lab.measure.laws import FORMS  # noqa: E402
-from analysis.laws import LAWS, law_line  # noqa: E402
-from analysis.parametric import HUBER_DELTA, named_samples  # noqa: E402
+from analysis.other_laws import LAWS, law_line  # noqa: E402
+from analysis.parametric import named_samples  # noqa: E402
+from analysis.robust import HUBER_DELTA  # noqa: E402
 from analysis.planner import (  # noqa: E402
     LAW_COLUMNS,
     Unidentified,
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--ci", type=float, default=0.95, help="interval level")
     f.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                    help="processes for the bootstrap (default: the CPUs available)")
-    f.add_argument("--starts", type=int, default=8, help="L-BFGS starts from the best grid points")
+    f.add_argument("--starts", type=int, default=8, help="starts of the fit from the best grid points")
     f.add_argument("--no-holdout", action="store_true", help="skip the hold-out check")
     held = f.add_mutually_exclusive_group()
     held.add_argument("--holdout-budgets", type=int, default=1, metavar="K",

@@ -26,8 +26,8 @@ it predicts a run at the peak rate its sizes were fitted with; the schedule's sh
 
 ``fit_curves`` is a pure function of the curves (each run's N, its schedule and its (step, loss) points after
 warm-up): starts on a grid of (beta, alpha, lambda), (B, A) by non-negative least squares on loss^(1/alpha), are
-refined on log-loss residuals (Huber, scale ``HUBER_SCALE``) by ``scipy.optimize.least_squares`` with the analytic
-Jacobian, and bootstrap resamples of whole runs are refitted from the optimum. ``predict`` gives the curve of any
+refined on log-loss residuals (Huber, scale ``HUBER_SCALE``) by the fitting engine (``analysis.robust``) with the
+analytic Jacobian, and bootstrap resamples of whole runs are refitted from the optimum. ``predict`` gives the curve of any
 (N, schedule, steps) with its interval. The law itself is ``lab.measure.laws`` (``CurvePoints``), which the training
 loop's expectation (``lab.training.expect``) evaluates too.
 """
@@ -42,8 +42,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import least_squares, nnls
+from scipy.optimize import nnls
 
+from analysis import robust
 from analysis.bootstrap import draw_weights, interval
 from analysis.table import InputError
 from lab.measure.laws import CURVE_LAW, CURVE_NAMES, Curve, CurvePoints, curve_named, curve_theta
@@ -97,20 +98,13 @@ _BOUNDS = (np.array([-10, -20, 0.01, -20, 0.01, -30, math.log(1e-5), -20, 0.0]),
            np.array([5, 60, 4.0, 60, 3.0, 10, math.log(0.5), 3.0, math.log(1e6)]))
 
 
-def _refine(theta0: np.ndarray, design: CurvePoints, log_loss: np.ndarray, weights: np.ndarray | None):
-    """Least squares (Huber) of the log-loss residuals, weighted per point, from theta0, with the analytic Jacobian."""
-    w = np.ones(len(log_loss)) if weights is None else weights
-
-    def residuals(theta: np.ndarray) -> np.ndarray:
-        loss, _ = design.loss_jac(theta, jac=False)
-        return (np.log(np.maximum(loss, 1e-12)) - log_loss) * w
-
-    def jacobian(theta: np.ndarray) -> np.ndarray:
+def _problem(design: CurvePoints, log_loss: np.ndarray) -> robust.Problem:
+    """The engine's problem: the law's log loss at every point, with its analytic Jacobian, against ``log_loss``."""
+    def model(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         loss, jac = design.loss_jac(theta)
-        return jac * (w / np.maximum(loss, 1e-12))[:, None]
-
-    return least_squares(residuals, np.clip(theta0, *_BOUNDS), jac=jacobian, bounds=_BOUNDS, loss="huber",
-                         f_scale=HUBER_SCALE, x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
+        floor = np.maximum(loss, 1e-12)
+        return np.log(floor), jac * (1.0 / floor)[:, None]
+    return robust.Problem(model, log_loss, HUBER_SCALE, _BOUNDS, scale="jac")
 
 
 @dataclass
@@ -184,15 +178,12 @@ def fit_curves(curves: list[Curve], n_bootstrap: int = 200, seed: int = 0, level
                          "log the held-out loss more often (train.eval_every)")
     loss = np.concatenate([c.loss for c in curves])
     design = CurvePoints(curves)
-    res = min((_refine(start, design, np.log(loss), None) for start in _starts(design, loss)), key=lambda r: r.cost)
+    problem = _problem(design, np.log(loss))
+    res, _ = robust.fit(problem, _starts(design, loss))
     thetas = None
     if n_bootstrap > 0:
-        counts = draw_weights(len(curves), n_bootstrap, seed)
-        sizes = np.array([len(c.steps) for c in curves])
-        thetas = np.empty((n_bootstrap, len(CURVE_NAMES)))
-        for k, w in enumerate(counts):
-            point_w = np.sqrt(np.repeat(w, sizes).astype(float))
-            thetas[k] = _refine(res.x, design, np.log(loss), point_w).x
+        counts = draw_weights(len(curves), n_bootstrap, seed)  # each run's points count as often as the run is drawn
+        thetas, _ = robust.refit(problem, res.x, np.repeat(counts, [len(c.steps) for c in curves], axis=1))
     rmse = float(np.sqrt(np.mean((np.log(design.loss_jac(res.x, jac=False)[0]) - np.log(loss)) ** 2)))
     return CurveFit(theta=res.x, thetas=thetas, converged=bool(res.success), rmse_log_loss=rmse,
                     n_runs=len(curves), n_points=len(loss), level=level)

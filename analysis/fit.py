@@ -26,9 +26,8 @@ from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
 from lab.measure.laws import CHINCHILLA, FORMS, SHARED, Form
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
-from analysis.laws import LAWS, fit_data_constrained, fit_kaplan
+from analysis.other_laws import LAWS, fit_data_constrained, fit_kaplan
 from analysis.parametric import (
-    HUBER_DELTA,
     ParametricFit,
     compute_optimal,
     fit_parametric,
@@ -39,6 +38,7 @@ from analysis.parametric import (
     predict_loss,
     start_grid,
 )
+from analysis.robust import HUBER_DELTA
 from analysis.table import MIN_RUNS, InputError, RunTable
 from lab.runtime.scores import PREFIX as TASK_PREFIX
 
@@ -70,7 +70,7 @@ class FitConfig:
     seed: int = 0
     ci_level: float = 0.95
     workers: int = 1  # processes for the bootstrap
-    n_starts: int = 8  # L-BFGS runs from the best grid points
+    n_starts: int = 8  # engine runs from the best grid points
     predict: tuple[float, ...] = ()  # FLOP budgets; empty: 1x, 10x and 100x the largest C in the data
     holdout: bool = True
     extrapolation_warn: float = 100.0  # warn when a prediction exceeds this multiple of the data's C
@@ -214,9 +214,10 @@ class FitResult:
         predicted = predict_loss(p.theta, t.n, t.d, form)
         out["fit"] = {
             "method": f"Huber (delta={self.config.huber_delta:g}) on log-space residuals via log-sum-exp, summed; "
-                      f"L-BFGS from the {p.n_starts} best of {len(start_grid(form))} grid points",
+                      f"least squares (trust-region reflective) from the {p.n_starts} best of "
+                      f"{len(start_grid(form))} grid points",
             "huber_delta": self.config.huber_delta, "objective": p.objective, "converged": p.converged,
-            "message": p.message, "iterations": p.n_iter, "n_starts": p.n_starts,
+            "message": p.message, "evaluations": p.n_evaluations, "n_starts": p.n_starts,
             "starts_agreeing": p.starts_agreeing, "optimum_inside_grid": p.optimum_inside_grid,
             "best_start": dict(zip(form.theta_names, p.best_start)),
             "condition_number": self.condition, "flops_k": k,
@@ -231,7 +232,7 @@ class FitResult:
             out["ci"] = self._ci(named_samples(thetas, k, form))
             out["bootstrap"] = {"resamples": len(thetas), "seed": self.config.seed,
                                 "converged": int(self.resamples.converged.sum()),
-                                "refit": "one L-BFGS per resample from the full-data optimum"}
+                                "refit": "one least-squares fit per resample from the full-data optimum"}
             good = thetas[np.all(np.isfinite(thetas), axis=1)]
             if len(good) > 5:
                 cov = np.cov(good, rowvar=False)
@@ -473,7 +474,7 @@ def forms_table(table: RunTable, chosen: ParametricFit, refits: dict[str, tuple[
             continue
         if form is chosen.form:
             theta, converged = chosen.theta, chosen.converged
-        elif name in refits:  # from its hold-out refit's optimum, which lies close: one L-BFGS, no grid
+        elif name in refits:  # from its hold-out refit's optimum, which lies close: one start, no grid
             thetas, ok = fit_weighted(refits[name][0].theta, n, d, loss, np.ones((1, len(n))), config.huber_delta, form)
             theta, converged = thetas[0], bool(ok[0])
         else:
@@ -613,7 +614,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     if noise is not None:
         warnings.append(("noiseless", noise))
     if 2 * parametric.starts_agreeing < parametric.n_starts:  # near-zero objectives are compared absolutely
-        warnings.append(("start_grid", f"approach 3: only {parametric.starts_agreeing} of {parametric.n_starts} L-BFGS "
+        warnings.append(("start_grid", f"approach 3: only {parametric.starts_agreeing} of {parametric.n_starts} "
                          "starts reached the best objective: the objective has other optima"))
 
     single = "every run is at one compute budget; a power law in C needs several"
@@ -693,7 +694,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         other = (fit_kaplan(n, d, loss, rmse, config.huber_delta) if config.law == "kaplan" else
                  fit_data_constrained(n, d, unique, loss, start, rmse, config.huber_delta))
         if not other["converged"]:
-            warnings.append(("law_convergence", f"the {config.law} law's L-BFGS did not converge"))
+            warnings.append(("law_convergence", f"the {config.law} law's fit did not converge"))
     downstream = downstream_fits(table, predictions, config)
     return FitResult(table=table, config=config, budgets=budgets, parametric=parametric, condition=condition,
                      resamples=resamples, minima=minima, isoflop_laws=isoflop_laws, envelope=envelope,

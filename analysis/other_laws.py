@@ -9,9 +9,10 @@
   It needs each run's unique tokens (a ``unique_tokens`` column); with U_D >= D and N <= U_N it is
   Chinchilla's form.
 
-Both are fitted as approach 3 is: Huber loss (the same delta) of log-space residuals, summed over the
-runs, L-BFGS from the best points of a grid of starts (the data-constrained law starts from approach
-3's optimum). No bootstrap: these fits are for comparing forms, approach 3 carries the intervals.
+Both laws are ``lab.measure.laws``' and are fitted as approach 3 is, by the fitting engine (``analysis.robust``):
+Huber loss (the same delta) of log-space residuals, summed over the runs, from the best points of a grid of starts
+(the data-constrained law starts from approach 3's optimum). No bootstrap: these fits are for comparing forms,
+approach 3 carries the intervals.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from scipy.optimize import minimize
+from scipy.optimize import OptimizeResult
 
-from analysis.parametric import HUBER_DELTA
+from analysis import robust
+from analysis.robust import HUBER_DELTA
 from lab.measure.laws import KAPLAN, data_constrained_log_loss
 
 LAWS = ("chinchilla", "kaplan", "data-constrained")
-KAPLAN_NAMES = ("N_c", "D_c", "alpha_N", "alpha_D")
 # Starts: N_c and D_c from 1e9 to 1e15 (Kaplan et al. report constants near 1e13 to 1e14), exponents 0.03 to 0.3.
 KAPLAN_GRID = (np.log([1e9, 1e12, 1e15]), np.log([1e9, 1e12, 1e15]), (0.03, 0.08, 0.3), (0.03, 0.1, 0.3))
 DATA_CONSTRAINED_GRID = ((2.0, 5.0, 15.0, 50.0), (1.0, 5.0, 20.0))  # R_D*, R_N*
-_OPTIONS = {"ftol": 1e-15, "gtol": 1e-10, "maxiter": 3000}
 _BEST_STARTS = 4
 
 
@@ -41,20 +41,12 @@ def law_line(section: dict) -> str:
             + ("" if section["converged"] else "; NOT converged"))
 
 
-def _huber(r: np.ndarray, delta: float) -> float:
-    a = np.abs(r)
-    return float(np.sum(np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))))
-
-
-def _fit(objective, starts: list[np.ndarray], bounds: list[tuple]) -> tuple[np.ndarray, float, bool]:
-    """L-BFGS from the ``_BEST_STARTS`` starts with the lowest objective; the best result."""
-    values = [objective(s) for s in starts]
-    best = None
-    for i in np.argsort(values, kind="stable")[:_BEST_STARTS]:
-        res = minimize(objective, starts[i], method="L-BFGS-B", bounds=bounds, options=_OPTIONS)
-        if best is None or res.fun < best.fun:
-            best = res
-    return best.x, float(best.fun), bool(best.success)
+def _fit(problem: robust.Problem, starts: list[np.ndarray]) -> OptimizeResult:
+    """The engine from the ``_BEST_STARTS`` starts with the lowest objective; the best result."""
+    with np.errstate(all="ignore"):
+        values = np.array([robust.objective(problem, s)[0] for s in starts])
+    order = np.argsort(np.where(np.isfinite(values), values, np.inf), kind="stable")[:_BEST_STARTS]
+    return robust.fit(problem, [starts[i] for i in order])[0]
 
 
 def _summary(form: str, params: dict, a: float | None, predicted_log: np.ndarray, log_loss: np.ndarray,
@@ -69,34 +61,29 @@ def fit_kaplan(n: np.ndarray, d: np.ndarray, loss: np.ndarray, reference_rmse: f
                delta: float = HUBER_DELTA) -> dict:
     """Kaplan's form fitted to the runs (see the module docstring)."""
     x, y, log_loss = np.log(n), np.log(d), np.log(loss)
-
-    def objective(theta: np.ndarray) -> float:
-        return _huber(KAPLAN.log_loss(theta[None], x, y)[0] - log_loss, delta)
-
-    starts = [np.array(p, float) for p in itertools.product(*KAPLAN_GRID)]
-    theta, value, converged = _fit(objective, starts, [(None, None), (None, None), (1e-4, 3.0), (1e-4, 3.0)])
-    log_nc, log_dc, alpha_n, alpha_d = theta
-    params = {"N_c": float(np.exp(log_nc)), "D_c": float(np.exp(log_dc)), "alpha_N": float(alpha_n),
-              "alpha_D": float(alpha_d)}
-    return _summary("kaplan", params, float(alpha_d / (alpha_n + alpha_d)), KAPLAN.log_loss(theta[None], x, y)[0], log_loss,
-                    value, converged, reference_rmse, delta)
+    problem = robust.Problem(lambda theta: KAPLAN.log_loss_jac(theta, x, y), log_loss, delta,
+                             bounds=([-np.inf, -np.inf, 1e-4, 1e-4], [np.inf, np.inf, 3.0, 3.0]))
+    res = _fit(problem, [np.array(p, float) for p in itertools.product(*KAPLAN_GRID)])
+    params = {k: float(v[0]) for k, v in KAPLAN.named(res.x[None]).items()}
+    return _summary("kaplan", params, float(KAPLAN.allocation(res.x[None])[1][0]), problem.model(res.x)[0], log_loss,
+                    float(res.cost), bool(res.success), reference_rmse, delta)
 
 
 def fit_data_constrained(n: np.ndarray, d: np.ndarray, unique: np.ndarray, loss: np.ndarray, theta0: np.ndarray,
                          reference_rmse: float, delta: float = HUBER_DELTA) -> dict:
     """The data-constrained law fitted to the runs, from approach 3's theta0 and a grid of R_D*, R_N*."""
-    log_loss = np.log(loss)
-
-    def objective(theta7: np.ndarray) -> float:
+    def model(theta7: np.ndarray) -> tuple[np.ndarray, None]:
         with np.errstate(all="ignore"):
-            value = _huber(data_constrained_log_loss(theta7, n, d, unique) - log_loss, delta)
-        return value if np.isfinite(value) else 1e300
+            return data_constrained_log_loss(theta7, n, d, unique), None
 
+    log_loss = np.log(loss)
+    problem = robust.Problem(model, log_loss, delta, analytic=False,
+                             bounds=([-np.inf] * 3 + [1e-3] * 2 + [np.log(0.1)] * 2,
+                                     [np.inf] * 3 + [3.0] * 2 + [np.log(1e4)] * 2))
     starts = [np.concatenate([theta0, np.log([r_d, r_n])]) for r_d, r_n in itertools.product(*DATA_CONSTRAINED_GRID)]
-    bounds = [(None, None)] * 3 + [(1e-3, 3.0)] * 2 + [(np.log(0.1), np.log(1e4))] * 2
-    theta, value, converged = _fit(objective, starts, bounds)
-    a, b, e, alpha, beta, log_rd, log_rn = theta
+    res = _fit(problem, starts)
+    a, b, e, alpha, beta, log_rd, log_rn = res.x
     params = {"E": float(np.exp(e)), "A": float(np.exp(a)), "B": float(np.exp(b)), "alpha": float(alpha),
               "beta": float(beta), "R_D*": float(np.exp(log_rd)), "R_N*": float(np.exp(log_rn))}
-    return _summary("data-constrained", params, float(beta / (alpha + beta)),
-                    data_constrained_log_loss(theta, n, d, unique), log_loss, value, converged, reference_rmse, delta)
+    return _summary("data-constrained", params, float(beta / (alpha + beta)), model(res.x)[0], log_loss,
+                    float(res.cost), bool(res.success), reference_rmse, delta)
