@@ -79,7 +79,7 @@ class FitConfig:
     holdout_budgets: int = 1  # the hold-out keeps back this many of the largest budgets ...
     holdout_above: float | None = None  # ... or, when set, every run with C above this
     delta_sensitivity: bool = True  # refit approach 3 at each of DELTA_GRID for the report
-    law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.laws), or only approach 3
+    law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.other_laws), or only approach 3
     form: str = "chinchilla"  # approach 3's form (lab.measure.laws), or "auto": chosen by the hold-out
     progress: bool = field(default=True, compare=False)
 
@@ -147,7 +147,7 @@ class FitResult:
     outliers: dict = field(default_factory=dict)
     noiseless: bool = False
     delta_sensitivity: list[dict] = field(default_factory=list)
-    law: dict | None = None  # the --law form fitted beside approach 3 (analysis.laws), when not chinchilla
+    law: dict | None = None  # the --law form fitted beside approach 3 (analysis.other_laws), when not chinchilla
     form_choice: dict | None = None  # with --form auto: each form's hold-out error and the choice
     forms: list[dict] = field(default_factory=list)  # every form fitted side by side (``forms_table``)
     downstream: list[dict] = field(default_factory=list)  # per task column: the loss -> error link, predictions

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 
 DB_NAME = "sweep.db"
 STATUSES = ("planned", "running", "done", "failed", "interrupted", "cancelled")

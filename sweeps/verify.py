@@ -25,8 +25,8 @@ import numpy as np
 
 from lab.runtime.files import save_json, write_atomic
 
-from sweeps import plan as planner
-from sweeps.plan import PlannedRun, Tuned, format_flops
+from sweeps import runs as planner
+from sweeps.runs import PlannedRun, Tuned, format_flops
 from sweeps.registry import Registry
 from sweeps.spec import Sweep
 
@@ -225,7 +225,7 @@ def fit(folder: Path, budget: float, progress: bool, exclude: tuple[str, ...] = 
     ``python -m analysis fit``) with a prediction at ``budget`` and ``n_bootstrap`` resamples; with
     ``drop_outliers``, fit again without the runs the first fit flags as outliers. (FitResult, fit.json document,
     fit folder)."""
-    from analysis.__main__ import write_outputs
+    from analysis.outputs import write_outputs
     from analysis.fit import FitConfig, fit_runs
     from analysis.table import load_runs
 

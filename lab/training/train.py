@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from lab.measure import accounting, memory
+from lab.measure.accounting import duration as _duration
 
 from lab.runtime import checkpoint
 
@@ -258,14 +259,6 @@ def _parse_record(line: str) -> dict | None:
     except ValueError:
         return None
     return rec if isinstance(rec, dict) and "step" in rec else None
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f}min"
-    return f"{seconds / 3600:.1f}h"
 
 
 def format_step(rec: dict, total_steps: int, eta_s: float) -> str:

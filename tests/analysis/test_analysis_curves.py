@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.curves import fit_curves, law_loss, load_fit, relative_errors, schedule_lr
 from lab.measure.laws import Curve, areas, curve_theta
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.fit import FitConfig, fit_runs
 from analysis.parametric import fit_parametric
 from analysis.published import LAWS
@@ -322,7 +322,7 @@ def test_compare_overlays_a_fit_and_a_sweep_with_a_side_by_side_table(tmp_path, 
 
     import matplotlib.pyplot as plt
 
-    from analysis import fits
+    from analysis import compare_fits as fits
     from analysis.plots import plot_compare_allocation, plot_compare_frontier
 
     entries = [fits.entry_from_fit("one", tmp_path / "chinchilla" / "fit.json"),

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.parametric import predict_loss
 from analysis.predict import FAR, load_law
 from analysis.synthetic import isoflop_runs

@@ -17,7 +17,7 @@ import pandas as pd
 
 from analysis.compare import APPROACHES, PREFERENCE, TITLES, Allocation
 from lab.measure.laws import CHINCHILLA, FORMS
-from analysis.planner import allocations, load_fit, theta_of
+from analysis.allocate import allocations, load_fit, theta_of
 
 ALLOCATION_EXPONENTS = ("a", "b")
 
