@@ -387,6 +387,14 @@ def _module_level_lab_imports() -> dict[str, set[str]]:
     return graph
 
 
+def test_nothing_imports_a_main_module():
+    """``__main__`` modules only start their command line: library code lives where it can be imported."""
+    folders = ("lab", "analysis", "sweeps", "launch", "benchmarks", "tests")
+    found = [(str(path.relative_to(ROOT)), name) for folder in folders for path in (ROOT / folder).rglob("*.py")
+             for name in _imports(path) if name.split(".")[-1] == "__main__"]
+    assert not found, found
+
+
 def test_the_law_module_stands_on_numpy_alone():
     """The laws the fits and the training run's expectation share load no torch, no training, no analysis and no
     command line, and no scipy until a curve's areas are asked for."""
