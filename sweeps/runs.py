@@ -27,7 +27,8 @@ from lab.runtime.config import RunConfig
 
 from sweeps import centre as centring
 from sweeps.shapes import count, family_shape, model_config, vocab_size
-from sweeps.spec import Launch, PowerRule, SpecError, Sweep, check_name, routing_name
+from sweeps.spec import SpecError, check_name
+from sweeps.sweep import Launch, PowerRule, Sweep, routing_name
 
 BRACKET_SIDE = 2  # sizes each side of the minimum that the IsoFLOP analysis needs to locate it
 

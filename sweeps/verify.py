@@ -28,7 +28,7 @@ from lab.runtime.files import save_json, write_atomic
 from sweeps import runs as planner
 from sweeps.runs import PlannedRun, Tuned, format_flops
 from sweeps.registry import Registry
-from sweeps.spec import Sweep
+from sweeps.sweep import Sweep
 
 FOLDER = "verify"
 ROLE = "verify"
