@@ -30,7 +30,7 @@ from lab.runtime import checkpoint
 from lab import parallel
 
 from lab.training import expect, schedule, trackers
-from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
+from lab.runtime.config import NONFINITE, ConfigError, RunConfig, TrainConfig, did_you_mean
 from lab.runtime.files import dumps, read_lines, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak,
@@ -70,29 +70,55 @@ class StepPlan:
 
 def step_plan(cfg: RunConfig, world_size: int) -> StepPlan:
     """The plan for ``world_size`` processes (of which the data-parallel replicas split each batch)."""
+    plan = split_batch(cfg, world_size)
+    check_batch(cfg, plan, world_size)
+    return plan
+
+
+def split_batch(cfg: RunConfig, world_size: int) -> StepPlan:
+    """The plan, its accumulation steps rounded down (at least 1) where the batch does not divide (``check_batch``)."""
     t, T = cfg.train, cfg.model.block_size
+    check_counts(t)
+    _, replicas = parallel.data_replica(cfg.parallel, 0, world_size)
+    return StepPlan(global_sequences=t.batch_tokens // T,
+                    accum_steps=max(1, t.batch_tokens // (t.micro_batch * T * replicas)),
+                    total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch, world_size=replicas)
+
+
+def check_counts(t: TrainConfig) -> None:
+    """Raise ConfigError (one line) for a count of tokens, sequences or steps that is not positive."""
     for name in ("tokens", "batch_tokens", "micro_batch", "log_every", "eval_tokens"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
-    _, replicas = parallel.data_replica(cfg.parallel, 0, world_size)
-    per_micro = t.micro_batch * T * replicas
-    if t.batch_tokens % per_micro:
-        label = "world_size" if replicas == world_size else "data-parallel replicas"
-        raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) must be a multiple of micro_batch × block_size × "
-                          f"{label} ({t.micro_batch} × {T} × {replicas} = {per_micro})")
-    return StepPlan(global_sequences=t.batch_tokens // T, accum_steps=t.batch_tokens // per_micro,
-                    total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch,
-                    world_size=replicas)
+
+
+def check_batch(cfg: RunConfig, plan: StepPlan, world_size: int) -> None:
+    """Raise ConfigError (one line) when the global batch is not a whole number of micro-batches on every replica,
+    naming the option that fixes it: the largest smaller micro-batch that divides, else the batch."""
+    batch, micro, T, replicas = cfg.train.batch_tokens, plan.micro_batch, cfg.model.block_size, plan.world_size
+    if batch % (micro * T * replicas) == 0:
+        return
+    label = "ranks" if replicas == world_size else "data-parallel replicas"
+    fits = [m for m in range(micro - 1, 0, -1) if batch % (m * T * replicas) == 0]
+    fix = (f"set --train.micro_batch {fits[0]}" if fits else
+           f"set --train.batch_tokens to a multiple of {T * replicas} (block_size × {label})")
+    raise ConfigError(f"train.batch_tokens ({batch}) is not a multiple of train.micro_batch × model.block_size × "
+                      f"{label} ({micro} × {T} × {replicas} = {micro * T * replicas}): {fix}")
 
 
 def validate(cfg: RunConfig, world_size: int) -> StepPlan:
-    """Every check that needs neither data nor hardware: raises ConfigError with one line."""
+    """Every check that needs neither data nor hardware: raises ConfigError with one line.
+
+    The model's split and the [parallel] section are checked before the batch: a batch that does not divide is
+    often the consequence of a strategy, degree or world size that is itself the mistake, and that one is named.
+    """
     validate_model(cfg.model)
     schedule.validate(cfg.train)
-    plan = step_plan(cfg, world_size)
-    checkpoint_steps(cfg, plan.total_steps)
-    parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
     parallel.validate_model(cfg.parallel, cfg.model)
+    plan = split_batch(cfg, world_size)
+    parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    check_batch(cfg, plan, world_size)
+    checkpoint_steps(cfg, plan.total_steps)
     trackers.validate(cfg.log)
     if cfg.train.memory_meter and cfg.train.compile:
         raise ConfigError("train.memory_meter cannot run with train.compile (dynamo does not trace the meter's "
