@@ -129,6 +129,17 @@ def test_a_missing_extra_is_named_in_one_line(tmp_path, capsys, monkeypatch, com
     assert not (tmp_path / "out").exists()
 
 
+def test_every_exported_file_is_readable_by_others(tmp_path):
+    from lab.data.tokenizer import BytesTokenizer
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=16, vocab_size=BytesTokenizer().vocab_size)
+    BytesTokenizer().save(tmp_path / "run" / "tokenizer")
+    hf.export_hf(cfg, GPT(cfg.model).state_dict(), tmp_path / "run", tmp_path / "out")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+
+
 @pytest.mark.slow
 def test_the_bytes_tokenizer_exports_as_one_autotokenizer_loads(tmp_path):
     from lab.data.tokenizer import BytesTokenizer

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +115,24 @@ def test_processes_that_start_together_measure_the_peak_once(tmp_path, monkeypat
     assert measured == [torch.float32] and peaks == [1e9] * 3
 
 
+def test_one_thread_is_named_in_the_singular(monkeypatch):
+    from lab.parallel import World
+    from lab.runtime.config import RunConfig
+    from lab.training.train import Start, start_line, step_plan
+
+    cfg, world = RunConfig(), World(0, 1, 0, torch.device("cpu"))
+    cfg.model.vocab_size = 512
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        line = start_line(cfg, world, step_plan(cfg, 1), device.Precision("cpu", False), device.Peak(1e9, "x"),
+                          Start(), None, "single")
+        assert device.describe(world.device).endswith(", 1 thread") and "fp32, 1 thread | " in line
+    finally:
+        torch.set_num_threads(threads)
+    assert device.threads(2) == "2 threads"
+
+
 @pytest.fixture(scope="module")
 def low_peak_run(args, tmp_path_factory):
     """A tiny run (8 steps) on a quiet machine whose cached fp32 peak reads far too low (1 MFLOP/s): its run
@@ -171,9 +190,38 @@ def test_plot_draws_one_run_and_several_overlaid_as_png_and_svg(low_peak_run, tm
     assert list(fig.axes[0].lines[0].get_ydata()) == curves["loss"][1]
 
 
+def test_plot_of_several_runs_writes_beside_them_not_into_the_working_directory(tmp_path, monkeypatch, capsys):
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert plot_main([str(tmp_path / "runs" / "a"), str(tmp_path / "runs" / "b")]) == 0
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    out = tmp_path / "runs" / "curves-a-b"
+    assert capsys.readouterr().out.strip() == f"wrote {out}.png, {out}.svg" and out.with_suffix(".png").is_file()
+
+
 def test_plot_refuses_what_is_not_a_run(tmp_path, capsys):
     assert plot_main([str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path} has no metrics.jsonl (is it a run directory?)"
+
+
+def test_the_progress_bar_shows_only_when_the_step_lines_reach_the_terminal_too(tmp_path, monkeypatch, capsys):
+    """Piped (| tee), the lines arrive behind the pipe and would land on the bar's line, the last eval line after
+    Ctrl-C too: then there is no bar, and each line is printed and flushed as it comes."""
+    from lab.training.train import RunLog
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    for stdout_is_a_terminal in (True, False):
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: stdout_is_a_terminal)
+        log = RunLog(tmp_path, enabled=True, keep_until_step=0, total_steps=10)
+        assert log.bar.disable is not stdout_is_a_terminal
+        log.close()
+    log = RunLog(tmp_path, enabled=True, keep_until_step=0, total_steps=10)
+    log.say("step     5/10 | eval loss 3.0000")
+    log.close()
+    assert capsys.readouterr().out == "step     5/10 | eval loss 3.0000\n"
 
 
 # ---------------------------------------------------------------- Ctrl-C: the end of the step it came in

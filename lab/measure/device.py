@@ -104,11 +104,17 @@ def size_threads(processes: int) -> int:
     return torch.get_num_threads()
 
 
+def threads(count: int | None = None) -> str:
+    """``1 thread`` or ``N threads``: ``count``, by default torch's intra-op threads."""
+    count = torch.get_num_threads() if count is None else count
+    return f"{count} thread{'' if count == 1 else 's'}"
+
+
 def describe(device: torch.device) -> str:
     """The device in words: the GPU's name, or the CPU's model and thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+    return f"{cpu_name()}, {threads()}"
 
 
 def synchronize(device: torch.device) -> None:
@@ -167,7 +173,7 @@ class PeakRecord:
 
     def describe(self) -> str:
         load = "load unknown" if self.load is None else f"load {self.load:.2f} on {os.cpu_count()} cores"
-        return (f"{self.threads} thread{'s' if self.threads != 1 else ''}, " if self.threads else "") + \
+        return (f"{threads(self.threads)}, " if self.threads else "") + \
             f"{self.measured_at}, {load}"
 
     @property
@@ -264,7 +270,7 @@ def peak_main(argv: list[str] | None = None, prog: str = "python -m lab peak") -
     if not args.budget > 0:
         print_error(f"--budget must be positive, got {args.budget}")
         return 2
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; cache {_cache_file()}")
+    print(f"{cpu_name()}, {threads()}, torch {torch.__version__}; cache {_cache_file()}")
     cache = _read_cache()
     for dtype in (torch.float32, torch.bfloat16):
         name = "fp32" if dtype == torch.float32 else "bf16"

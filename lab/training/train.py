@@ -33,7 +33,7 @@ from lab.training import expect, schedule, trackers
 from lab.runtime.config import NONFINITE, ConfigError, RunConfig, TrainConfig, did_you_mean
 from lab.runtime.files import dumps, read_lines, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
-from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak,
+from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak, threads,
                                 resolve_precision, setup_device, synchronize)
 from lab.model import GPT, router_meters
 from lab.model import validate as validate_model
@@ -252,8 +252,10 @@ class RunLog:
             tmp = self.path.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)
+        # The bar (stderr) only when the lines (stdout) go to the terminal too: piped (| tee), they would arrive
+        # behind the pipe and land on the bar's line, after Ctrl-C as well, where the bar cannot clear them.
         self.bar = tqdm(total=total_steps, initial=keep_until_step, unit="step", dynamic_ncols=True, leave=False,
-                        disable=not (enabled and sys.stderr.isatty()))
+                        disable=not (enabled and sys.stderr.isatty() and sys.stdout.isatty()))
 
     def open_trackers(self, cfg: RunConfig, run_dir: Path, resumed_at: int) -> None:
         if self.enabled and trackers.names(cfg.log):
@@ -509,7 +511,7 @@ def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precisio
             f"strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
             f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
-            f"{f', {torch.get_num_threads()} threads' if world.device.type == 'cpu' else ''} | "
+            f"{f', {threads()}' if world.device.type == 'cpu' else ''} | "
             f"MFU against {peak.flops:.3g} FLOP/s per device ({peak.source})")
     if cfg.model.parametrization == "mup" and not cfg.model.tie_embeddings:
         line += " | μP with an untied head (the default under μP; --model.tie_embeddings true ties it)"
