@@ -11,12 +11,12 @@ At step s of a run of N parameters whose learning rate at step i is eta_i, its c
 - K exp(-S1 / tau), the early transient: a model first learns the symbols' frequencies and their commonest pairs, a
   fast drop that no power of S1 follows. On the default sweep's byte-level one-layer models it is about 0.3-0.4
   nats fading over about 320-340 peak-rate steps; without it the first evals after warm-up were predicted 2-8 % high
-  and the fit bent its power to reach them (``benchmarks/curves-heldout.md``).
+  and the fit bent its power to reach them (``benchmarks/curves/README.md``).
 
 Tissue et al. fit L0 + A S1^-alpha - C S2 per model size. Across sizes, this law joins the size and the area as
 Kaplan et al. (2020) join N and D, inside one power: early in a run (A / S1 large) every size follows the same curve
 A^alpha S1^-alpha, and each size leaves it for its own floor E + B^alpha N^(-alpha beta). That is what the lab's
-default sweep shows (``benchmarks/curves-heldout.md``): at the same step, runs of 5k to 290k parameters sit on one
+default sweep shows (``benchmarks/curves/README.md``): at the same step, runs of 5k to 290k parameters sit on one
 curve until the smaller ones flatten. The first extension, L0 = E + B / N^beta added to a shared A S1^-alpha, cannot
 do that: it gives every size the same drop below its floor, and, fitted up to 1e12 FLOPs, missed the 2e12 runs' curves
 by 1.9-9.9 %. The areas count in steps at the run's own peak rate because the sweep tunes the rate per size (its

@@ -98,7 +98,7 @@ def usable_cores() -> int:
 def size_threads(processes: int) -> int:
     """Give this process its share of the usable cores as torch's intra-op threads (``processes`` of one job share
     this machine), unless OMP_NUM_THREADS says how many; returns the count. More threads than cores make each
-    process's OpenMP threads wait on the others' (measured in benchmarks/threads.md)."""
+    process's OpenMP threads wait on the others' (measured in benchmarks/threads/README.md)."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, usable_cores() // max(1, processes)))
     return torch.get_num_threads()

@@ -109,13 +109,13 @@ def check_batch(cfg: RunConfig, plan: StepPlan, world_size: int) -> None:
 def validate(cfg: RunConfig, world_size: int) -> StepPlan:
     """Every check that needs neither data nor hardware: raises ConfigError with one line.
 
-    The model's split and the [parallel] section are checked before the batch: a batch that does not divide is
+    The degrees, the model's split and the [parallel] section are checked before the batch: a batch that does not divide is
     often the consequence of a strategy, degree or world size that is itself the mistake, and that one is named.
     """
     validate_model(cfg.model)
     schedule.validate(cfg.train)
+    plan = split_batch(cfg, world_size)  # the counts, and the degrees against the world size
     parallel.validate_model(cfg.parallel, cfg.model)
-    plan = split_batch(cfg, world_size)
     parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
     check_batch(cfg, plan, world_size)
     checkpoint_steps(cfg, plan.total_steps)

@@ -71,7 +71,7 @@ def _recorded_curves() -> tuple[list[Curve], np.ndarray]:
 def test_the_default_sweeps_curves_predict_its_largest_budget():
     """Fitted on the sweep's 55 runs up to 1e12 FLOPs, the law predicts each of the 7 curves at 2e12 within 2.5 %
     mean relative error, five of them within 1.1 % (measured 0.42-2.35 %; without the early transient 1.1-2.2 %; the
-    first extension, E + B/N^beta + A S1^-alpha - C S2 with absolute areas, 1.9-9.9 %; benchmarks/curves-heldout.md)."""
+    first extension, E + B/N^beta + A S1^-alpha - C S2 with absolute areas, 1.9-9.9 %; benchmarks/curves/README.md)."""
     curves, flops = _recorded_curves()
     fit = fit_curves([c for c, f in zip(curves, flops) if f < 1.5e12], n_bootstrap=0)
     assert fit.converged and fit.n_runs == 55 and fit.rmse_log_loss < 0.016
