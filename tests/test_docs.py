@@ -15,10 +15,10 @@ import re
 import runpy
 import shlex
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the folders a path in the docs may start with, and the files at the top
@@ -30,6 +30,7 @@ PATH = re.compile(r"(?<![\w./$~(-])((?:" + "|".join(re.escape(r) for r in ROOTS)
 FILE_TYPES = ("md", "py", "json", "jsonl", "csv", "png", "svg", "pdf", "toml", "txt", "html", "tex", "log", "db", "sh")
 MODULE = re.compile(r"(?<![\w./(-])((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)(?![\w/-])")
 PYTHON_M = re.compile(r"python3? -m ([\w.]+)((?: +[a-z][\w-]*)?)")
+INLINE_COMMAND = re.compile(r"`((?:python3? |torchrun )[^`\n]+)`")
 MAKE = re.compile(r"(?<![\w-])make ([a-z][\w-]*)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -173,6 +174,31 @@ def python_m_problem(module: str, sub: str) -> str | None:
     return parse_problem(["python", "-m", module, sub.strip(), "--help"])
 
 
+def placeholder(word: str) -> bool:
+    """A word standing for a value the reader supplies: RUN, N, OUT.json, [NAME ...], plan/run/status, ..."""
+    return (bool(re.fullmatch(r"[A-Z][A-Z0-9_]*(\.\w+)?|[a-z-]+(/[a-z-]+)+", word))
+            or any(c in word for c in "[]<>|…") or "..." in word)
+
+
+# what an inline mention may leave out (the arguments a command requires) is no error there; what it names must exist
+NAMED_BUT_MISSING = ("unknown option", "unrecognized arguments", "invalid choice", "no such command", "does not exist")
+
+
+def inline_problem(span: str) -> str | None:
+    """An inline ``python -m ...`` command names only options and subcommands its parser knows."""
+    try:
+        words = shlex.split(span)
+    except ValueError:
+        return None
+    try:
+        if any(placeholder(w) for w in words) or (argv := program(words)) is None:
+            return None
+    except ValueError:  # torchrun's options alone, without the program they start
+        return None
+    problem = parse_problem(argv)
+    return problem if problem and any(m in problem for m in NAMED_BUT_MISSING) else None
+
+
 def named_things(md: Path) -> list[Problem]:
     """Every path, module, python -m command, make target and link ``md`` names that does not exist."""
     text, problems = md.read_text(), []
@@ -184,6 +210,7 @@ def named_things(md: Path) -> list[Problem]:
     checks = [(PATH, text, lambda m: path_problem(m.group(1), m.group(2))),
               (MODULE, text, lambda m: module_problem(m.group(1))),
               (PYTHON_M, code, lambda m: python_m_problem(m.group(1), m.group(2))),
+              (INLINE_COMMAND, text, lambda m: inline_problem(m.group(1))),
               (MAKE, code, lambda m: None if m.group(1) in make_targets() else f"make {m.group(1)}: no such target"),
               (LINK, text, lambda m: link_problem(md, m.group(1)))]
     for pattern, where_to_look, check in checks:
@@ -192,8 +219,9 @@ def named_things(md: Path) -> list[Problem]:
             if m.group(0) in seen:
                 continue
             seen.add(m.group(0))
-            if (what := check(m)) is not None:
-                problems.append(Problem(f"{where}:{line_of(text, m.start())}", what))
+            problem = Problem(f"{where}:{line_of(text, m.start())}", what) if (what := check(m)) else None
+            if problem is not None and problem not in problems:
+                problems.append(problem)
     for name in TOP_FILES:
         for m in re.finditer(rf"`{re.escape(name)}`", text):
             if not (ROOT / name).exists():
@@ -267,7 +295,12 @@ def program(words: list[str]) -> list[str] | None:
     if exe in ("torchrun",):
         from torch.distributed.run import get_args_parser
 
-        args = get_args_parser().parse_args(words[1:])
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                args = get_args_parser().parse_args(words[1:])
+        except SystemExit:
+            raise ValueError(f"torchrun {' '.join(words[1:])}: {stderr.getvalue().strip()}") from None
         return (["python", "-m", args.training_script, *args.training_script_args] if args.module
                 else ["python", args.training_script, *args.training_script_args])
     if exe in ("python", "python3") and len(words) > 2 and words[1] == "-m" and words[2].split(".")[0] in PACKAGES:
@@ -279,13 +312,15 @@ def program(words: list[str]) -> list[str] | None:
 
 @contextlib.contextmanager
 def fresh_main(module: str):
-    """Run a package's __main__ as python -m does, though a test imported it already (runpy would warn)."""
-    imported = sys.modules.pop(f"{module}.__main__", None)
+    """Run a module (a package's __main__) as python -m does, though a test imported it already (runpy would
+    warn)."""
+    name = f"{module}.__main__" if find_spec(module).submodule_search_locations else module
+    imported = sys.modules.pop(name, None)
     try:
         yield
     finally:
         if imported is not None:
-            sys.modules[f"{module}.__main__"] = imported
+            sys.modules[name] = imported
 
 
 def parse_problem(argv: list[str]) -> str | None:
@@ -302,7 +337,10 @@ def parse_problem(argv: list[str]) -> str | None:
         return None  # a script without options: runs, nothing to parse
     old_argv = sys.argv
     try:
-        with stop_after_parsing(), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        with (stop_after_parsing(), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout),
+              warnings.catch_warnings()):
+            warnings.simplefilter("ignore")  # what a program warns of as it imports (torch's fault handler on a
+            # captured stderr) is no concern of its options
             if module == "lab" and args and not args[0].startswith("-"):
                 from lab.__main__ import COMMANDS
 
@@ -336,7 +374,12 @@ def example_problems(md: Path) -> list[Problem]:
             continue
         console = fence.group(1) == "console"
         for words in commands(fence.group(2), console):
-            if (argv := program(words)) is None or any("$" in w for w in argv):
+            try:
+                argv = program(words)
+            except ValueError as e:
+                problems.append(Problem(f"{md.relative_to(ROOT)}:{line_of(text, fence.start())}", str(e)))
+                continue
+            if argv is None or any("$" in w for w in argv):
                 continue  # not the lab's, or a shell variable's value the example does not give
             if (what := parse_problem(argv)) is not None:
                 problems.append(Problem(f"{md.relative_to(ROOT)}:{line_of(text, fence.start())}", what))
@@ -367,7 +410,8 @@ def test_the_checks_fail_when_a_named_thing_disappears():
     """A page naming what does not exist fails each check, naming what is missing."""
     page = ROOT / "docs" / "a-page-for-this-test.md"
     text = ("See `lab/runtime/configs.py`, `tests/test_docs.py::test_gone`, `lab.runtime.config.NO_SUCH`, "
-            "`lab.measure.acounting`, `python -m lab trian`, `python -m lab.nowhere`, `make tests` and "
+            "`lab.measure.acounting`, `python -m lab trian`, `python -m lab.nowhere`, `make tests`, "
+            "`python -m lab train --model.d_modle 64` and "
             "[the options](options.md#no-such-heading).\n\n```bash\n"
             "python -m lab train --config configs/demo.toml --train.tokns 1e6\n"
             "python -m sweeps plan sweeps/tiny_isoflop.toml --nprocs 2\n"
@@ -380,7 +424,7 @@ def test_the_checks_fail_when_a_named_thing_disappears():
     expected = ["path lab/runtime/configs.py does not exist", "test tests/test_docs.py::test_gone does not exist",
                 "module lab.runtime.config has no NO_SUCH", "no module lab.measure.acounting",
                 "python -m lab trian", "python -m lab.nowhere: no such module", "no module lab.nowhere",
-                "make tests: no such target",
+                "make tests: no such target", "unknown option --model.d_modle (did you mean --model.d_model?)",
                 "link options.md#no-such-heading: no heading #no-such-heading",
                 "unknown option --train.tokns (did you mean --train.tokens?)", "unrecognized arguments: --nprocs"]
     for what in expected:
