@@ -11,6 +11,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import io
+import os
 import re
 import runpy
 import shlex
@@ -292,7 +293,9 @@ def program(words: list[str]) -> list[str] | None:
     if not words:
         return None
     exe = Path(words[0]).name
-    if exe in ("torchrun",):
+    if exe in ("python", "python3") and words[1:3] == ["-m", "lab.runtime.loopback"]:
+        exe, words = "torchrun", words[2:]  # torchrun with its stores on 127.0.0.1: run, it would patch torch here
+    if exe == "torchrun":
         from torch.distributed.run import get_args_parser
 
         stderr = io.StringIO()
@@ -335,7 +338,7 @@ def parse_problem(argv: list[str]) -> str | None:
         return f"python -m {module}: no such module"
     if module is None and "parse_args" not in (ROOT / argv[1]).read_text():
         return None  # a script without options: runs, nothing to parse
-    old_argv = sys.argv
+    saved = sys.argv, list(sys.path), dict(os.environ)  # what a program may change before it parses
     try:
         with (stop_after_parsing(), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout),
               warnings.catch_warnings()):
@@ -362,7 +365,9 @@ def parse_problem(argv: list[str]) -> str | None:
             return None
         return f"{' '.join(argv)}: {stderr.getvalue().strip() or f'exit {e.code}'}"
     finally:
-        sys.argv = old_argv
+        sys.argv, sys.path[:] = saved[0], saved[1]
+        os.environ.clear()
+        os.environ.update(saved[2])
     return f"{' '.join(argv)}: ran without parsing its options through argparse"
 
 
