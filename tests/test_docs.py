@@ -404,11 +404,16 @@ def test_every_command_of_a_fenced_example_parses_its_options():
     assert not problems, "\n".join(map(str, problems))
 
 
-def test_the_option_reference_is_what_the_config_generates():
-    from lab.commands.options import reference
+def test_the_option_reference_is_what_the_config_generates(tmp_path, capsys):
+    from lab.commands.options import main, reference
 
     assert (ROOT / "docs" / "options.md").read_text() == reference(), \
         "docs/options.md is stale: regenerate it with make docs (python -m lab options --out docs/options.md)"
+    assert main(["--out", str(tmp_path / "new" / "options.md")]) == 0
+    assert (tmp_path / "new" / "options.md").read_text() == reference()
+    (tmp_path / "file").write_text("")
+    assert main(["--out", str(tmp_path / "file" / "options.md")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: --out {tmp_path / 'file'} is a file, not a folder"
 
 
 def test_the_checks_fail_when_a_named_thing_disappears():

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from lab.runtime.config import PRESETS, RunConfig, Parser, _field_kind
-from lab.runtime.files import write_atomic
+from lab.runtime.config import PRESETS, ConfigError, Parser, RunConfig, _field_kind, print_error
+from lab.runtime.files import probe_writable, write_atomic
 
 HEADER = """# Option reference
 
@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab options") -> 
     args = p.parse_args(argv)
     text = reference()
     if args.out:
+        try:
+            probe_writable(Path(args.out).parent, "--out")
+        except ConfigError as e:
+            print_error(str(e))
+            return 2
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(args.out), text)
         print(f"wrote {args.out}")
     else:
