@@ -192,6 +192,12 @@ def test_offline_a_task_whose_dataset_is_not_local_is_named_in_one_line_before_a
                                                "lab-tests/no-such-dataset is not in the datasets cache"), err
     assert "--include-path" in err[0] and "dataset_path: json" in err[0]
     assert not (run_dir / "eval.json").exists()
+    (tmp_path / "tasks" / "remote.yaml").write_text(TASK.format(data=tmp_path / "missing.json"))  # local, missing
+    assert lab_main(["eval", str(run_dir), "--tasks", "lab_tiny_choice", "--include-path",
+                     str(tmp_path / "tasks")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --tasks lab_tiny_choice: its json files {'test': ") and (
+        "missing.json" in err[0] and "cannot be read" in err[0]), err
 
 
 @pytest.mark.slow  # a process of its own, which probes the Hub as a user's does

@@ -31,6 +31,7 @@ from lab.runtime.scores import SCORES
 
 HUB_PROBE_S = 3.0  # how long a connection to the Hugging Face Hub may take before it counts as unreachable
 OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # read by huggingface_hub and datasets at import
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # datasets' readers of local files
 
 
 def hub_offline() -> bool:
@@ -95,7 +96,10 @@ def check_local_datasets(tasks: list[str], include_path: str | None, harness_tas
             continue
         try:
             datasets.load_dataset_builder(**found)
-        except OSError:  # ConnectionError offline, FileNotFoundError for missing files
+        except OSError as e:  # ConnectionError offline, FileNotFoundError for missing files
+            if found["path"] in LOCAL_BUILDERS:
+                raise ConfigError(f"--tasks {task}: its {found['path']} files {found.get('data_files')} cannot be "
+                                  f"read ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
             name = found["path"] + (f" ({found['name']})" if found["name"] else "")
             raise ConfigError(f"--tasks {task}: its dataset {name} is not in the datasets cache and the Hugging Face "
                               f"Hub cannot be reached; fetch it once where the Hub is reachable (the cache is "
