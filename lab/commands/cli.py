@@ -287,13 +287,19 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
-    """Train one run; see the module docstring for the exit codes."""
+def run_parser(prog: str = "launch/run.py") -> argparse.ArgumentParser:
+    """The run's command line: every config option (``build_parser``) and ``--nproc-per-node``."""
     parser = build_parser(prog, "Train a GPT on prepared text and write a run directory.")
     parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                         help="start N processes on this machine (torchrun's launcher) after checking the run for N "
                              "ranks: bad input then fails once, before any starts (default: this process alone, or "
                              "the ranks torchrun started)")
+    return parser
+
+
+def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
+    """Train one run; see the module docstring for the exit codes."""
+    parser = run_parser(prog)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.nproc_per_node != 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -254,6 +255,7 @@ def export_hf(cfg: RunConfig, weights: dict[str, torch.Tensor], run_dir: Path, o
     tmp.mkdir(parents=True)
     config.save_pretrained(str(tmp))
     safetensors.save_file(to_hf(cfg.model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
+    os.chmod(tmp / WEIGHTS, 0o644)  # safetensors writes 0600; readable by others as every file the lab writes
     write_tokenizer(run_dir / "tokenizer", tmp, cfg.model.block_size)
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)

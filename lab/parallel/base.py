@@ -192,7 +192,8 @@ class Strategy:
                               f"world size {world_size} (start it with torchrun --nproc_per_node=N)")
         if cls.max_world_size is not None and world_size > cls.max_world_size:
             raise ConfigError(f"strategy '{cls.name}' runs on at most {cls.max_world_size} process(es), "
-                              f"got world size {world_size}")
+                              f"got world size {world_size}: choose a data-parallel --strategy (ddp, zero1, zero2, "
+                              f"zero3, fsdp) or run fewer processes")
         if loop.compile and not cls.compiles:
             raise ConfigError(f"train.compile is not supported under strategy '{cls.name}' (dynamo cannot trace "
                               f"parameters sharded at rest); set train.compile false or choose another strategy")

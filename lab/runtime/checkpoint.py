@@ -14,7 +14,7 @@ asks for the ranges the loading strategy holds: DCP reads whichever saved pieces
 that tensor parallelism cuts along its columns is stored in its own 2-D shape instead (``Blocks``): a
 rank's shard is then one rectangle, where in the flattened tensor it is one range per row, and DCP's cost
 grows with the pieces (tp 2 on 2 ranks, the demo's model: 6,475 pieces took 10.7-17.3 s a save, 379 take
-1.0-1.8 s; benchmarks/checkpoint.md). Loading meets each entry in the shape it was stored in, so a flat
+1.0-1.8 s; benchmarks/checkpoint/README.md). Loading meets each entry in the shape it was stored in, so a flat
 range reads from a 2-D entry (as at most three rectangles) and a rectangle from a flat one (checkpoints
 written before, one range per row). So a run saved by zero3 on 2 ranks resumes under zero2 on 4, under
 ddp, or under single on one process, and ``load_model`` rebuilds whole weights in a process with no group

@@ -30,10 +30,10 @@ from lab.runtime import checkpoint
 from lab import parallel
 
 from lab.training import expect, schedule, trackers
-from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
+from lab.runtime.config import NONFINITE, ConfigError, RunConfig, TrainConfig, did_you_mean
 from lab.runtime.files import dumps, read_lines, save_json
 from lab.data import BatchSampler, PreparedData, eval_batches
-from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak,
+from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak, threads,
                                 resolve_precision, setup_device, synchronize)
 from lab.model import GPT, router_meters
 from lab.model import validate as validate_model
@@ -70,29 +70,55 @@ class StepPlan:
 
 def step_plan(cfg: RunConfig, world_size: int) -> StepPlan:
     """The plan for ``world_size`` processes (of which the data-parallel replicas split each batch)."""
+    plan = split_batch(cfg, world_size)
+    check_batch(cfg, plan, world_size)
+    return plan
+
+
+def split_batch(cfg: RunConfig, world_size: int) -> StepPlan:
+    """The plan, its accumulation steps rounded down (at least 1) where the batch does not divide (``check_batch``)."""
     t, T = cfg.train, cfg.model.block_size
+    check_counts(t)
+    _, replicas = parallel.data_replica(cfg.parallel, 0, world_size)
+    return StepPlan(global_sequences=t.batch_tokens // T,
+                    accum_steps=max(1, t.batch_tokens // (t.micro_batch * T * replicas)),
+                    total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch, world_size=replicas)
+
+
+def check_counts(t: TrainConfig) -> None:
+    """Raise ConfigError (one line) for a count of tokens, sequences or steps that is not positive."""
     for name in ("tokens", "batch_tokens", "micro_batch", "log_every", "eval_tokens"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
-    _, replicas = parallel.data_replica(cfg.parallel, 0, world_size)
-    per_micro = t.micro_batch * T * replicas
-    if t.batch_tokens % per_micro:
-        label = "world_size" if replicas == world_size else "data-parallel replicas"
-        raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) must be a multiple of micro_batch × block_size × "
-                          f"{label} ({t.micro_batch} × {T} × {replicas} = {per_micro})")
-    return StepPlan(global_sequences=t.batch_tokens // T, accum_steps=t.batch_tokens // per_micro,
-                    total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch,
-                    world_size=replicas)
+
+
+def check_batch(cfg: RunConfig, plan: StepPlan, world_size: int) -> None:
+    """Raise ConfigError (one line) when the global batch is not a whole number of micro-batches on every replica,
+    naming the option that fixes it: the largest smaller micro-batch that divides, else the batch."""
+    batch, micro, T, replicas = cfg.train.batch_tokens, plan.micro_batch, cfg.model.block_size, plan.world_size
+    if batch % (micro * T * replicas) == 0:
+        return
+    label = "ranks" if replicas == world_size else "data-parallel replicas"
+    fits = [m for m in range(micro - 1, 0, -1) if batch % (m * T * replicas) == 0]
+    fix = (f"set --train.micro_batch {fits[0]}" if fits else
+           f"set --train.batch_tokens to a multiple of {T * replicas} (block_size × {label})")
+    raise ConfigError(f"train.batch_tokens ({batch}) is not a multiple of train.micro_batch × model.block_size × "
+                      f"{label} ({micro} × {T} × {replicas} = {micro * T * replicas}): {fix}")
 
 
 def validate(cfg: RunConfig, world_size: int) -> StepPlan:
-    """Every check that needs neither data nor hardware: raises ConfigError with one line."""
+    """Every check that needs neither data nor hardware: raises ConfigError with one line.
+
+    The degrees, the model's split and the [parallel] section are checked before the batch: a batch that does not divide is
+    often the consequence of a strategy, degree or world size that is itself the mistake, and that one is named.
+    """
     validate_model(cfg.model)
     schedule.validate(cfg.train)
-    plan = step_plan(cfg, world_size)
-    checkpoint_steps(cfg, plan.total_steps)
-    parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    plan = split_batch(cfg, world_size)  # the counts, and the degrees against the world size
     parallel.validate_model(cfg.parallel, cfg.model)
+    parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    check_batch(cfg, plan, world_size)
+    checkpoint_steps(cfg, plan.total_steps)
     trackers.validate(cfg.log)
     if cfg.train.memory_meter and cfg.train.compile:
         raise ConfigError("train.memory_meter cannot run with train.compile (dynamo does not trace the meter's "
@@ -216,8 +242,10 @@ class RunLog:
             tmp = self.path.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)
+        # The bar (stderr) only when the lines (stdout) go to the terminal too: piped (| tee), they would arrive
+        # behind the pipe and land on the bar's line, after Ctrl-C as well, where the bar cannot clear them.
         self.bar = tqdm(total=total_steps, initial=keep_until_step, unit="step", dynamic_ncols=True, leave=False,
-                        disable=not (enabled and sys.stderr.isatty()))
+                        disable=not (enabled and sys.stderr.isatty() and sys.stdout.isatty()))
 
     def open_trackers(self, cfg: RunConfig, run_dir: Path, resumed_at: int) -> None:
         if self.enabled and trackers.names(cfg.log):
@@ -473,7 +501,7 @@ def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precisio
             f"strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
             f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
-            f"{f', {torch.get_num_threads()} threads' if world.device.type == 'cpu' else ''} | "
+            f"{f', {threads()}' if world.device.type == 'cpu' else ''} | "
             f"MFU against {peak.flops:.3g} FLOP/s per device ({peak.source})")
     if cfg.model.parametrization == "mup" and not cfg.model.tie_embeddings:
         line += " | μP with an untied head (the default under μP; --model.tie_embeddings true ties it)"

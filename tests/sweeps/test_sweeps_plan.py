@@ -249,6 +249,16 @@ def test_the_default_sweep_brackets_five_budgets_over_thirty_fold_within_its_tim
     assert sum(r.est_seconds for r in result.runs + searched) / sweep.parallel < 25 * 60
 
 
+def test_the_tours_sweep_plans_six_distinct_runs_without_a_warning_in_about_a_minute(tmp_path):
+    """sweeps/tour.toml, the README's small sweep: two budgets × three distinct sizes, nothing refused or warned."""
+    sweep = spec.load(Path(__file__).resolve().parents[2] / "sweeps" / "tour.toml", folder=tmp_path / "out")
+    result = planner.plan(sweep)
+    assert not result.refused and not result.warnings and len(result.runs) == 6
+    for budget in sweep.budgets:
+        assert len({r.params for r in result.runs if r.budget == budget}) == 3
+    assert sum(r.est_seconds for r in result.runs) / sweep.parallel < 90
+
+
 @pytest.mark.slow
 def test_the_gpu_example_sweep_plans_with_its_resources_per_size(tmp_path, capsys):
     from sweeps.cli import main
