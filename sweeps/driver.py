@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lab.runtime.files import LockHeld, take_lock
+from lab.runtime.files import LockHeld, LockUnusable, take_lock
 
 from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
 from sweeps.progress import last_step, total_steps
@@ -51,6 +51,8 @@ def driver_lock(folder: Path) -> Iterator[None]:
         lock = take_lock(folder / ".driver.lock")
     except LockHeld as e:
         raise RegistryError(f"another driver is running this sweep (pid {e.holder})") from None
+    except LockUnusable as e:
+        raise RegistryError(str(e)) from None
     with lock:
         yield
 

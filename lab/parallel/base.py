@@ -216,7 +216,7 @@ class Strategy:
         self.tensor = tensor.on_axis(mesh.tp, cfg)  # the tensor-parallel transform, applied to the model it builds
         self.pipeline = pipeline.on_axis(mesh.pp, cfg, loop.accum_steps)  # the stages, and the schedule that runs them
         self.experts = experts.on_axis(mesh, cfg, loop)  # a mixture of experts' experts split over the ep axis
-        self.comm = Comm(self.world.world_size, self.world.group)
+        self.comm = Comm(self.world.world_size, self.world.group, axis="dp")  # a failure names the axis
         self._after_load: list[Callable[[], None]] = []  # what the tensor-parallel group does after a load
         self.saved = activations.SavedBytes()
         self.module: nn.Module | None = None  # the model, under its own parameter names

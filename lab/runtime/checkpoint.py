@@ -42,10 +42,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from lab.runtime.config import ConfigError
-from lab.runtime.files import read_json, save_json
+from lab.runtime.files import read_json, read_plain, save_json
 
 META = "meta.json"
 FORMAT = 2
+METADATA_MAX_BYTES = 2**30  # DCP's .metadata (an entry per tensor piece) larger than this is not read
 # DCP reports a missing key, a truncated or a foreign file with several types; CheckpointException
 # (raised when any rank failed) derives from BaseException, not Exception.
 UNREADABLE = (Exception, dcp.CheckpointException)
@@ -218,7 +219,7 @@ def digest(folder: Path) -> str:
     h = hashlib.sha256()
     for name in (META, ".metadata"):
         try:
-            h.update((folder / name).read_bytes())
+            h.update(read_plain(folder / name, METADATA_MAX_BYTES, follow=False))
         except OSError as e:
             h.update(f"unreadable: {e.strerror}".encode())
     return h.hexdigest()
@@ -312,7 +313,10 @@ def step_of(folder: Path) -> int:
 
 
 def read_meta(folder: Path) -> dict:
-    """A checkpoint's meta.json; ConfigError (one line) when it is missing, unreadable or of another format."""
+    """A checkpoint's meta.json; ConfigError (one line) when it is missing, unreadable or of another format,
+    ForeignCheckpoint when it is a symbolic link (never followed)."""
+    if (folder / META).is_symlink():
+        raise ForeignCheckpoint(f"checkpoint {folder} is refused: its {META} is a symbolic link")
     try:
         meta = read_json(folder / META)
         if not isinstance(meta.get("step"), int) or meta.get("format") != FORMAT:
@@ -342,9 +346,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(folder: Path) -> object:
     """DCP's ``.metadata`` of ``folder``, read through the allow-list: ConfigError (one line) when it is missing
-    or unreadable, ForeignCheckpoint when it holds anything else. Nothing in it is executed."""
+    or unreadable, ForeignCheckpoint when it holds anything else, is not a plain file or names a data file that is
+    not a plain file of the folder. Nothing in it is executed, and nothing outside the folder is opened."""
+    path = folder / ".metadata"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise ForeignCheckpoint(f"checkpoint {folder} is refused: its .metadata is not a plain file")
     try:
-        metadata = _MetadataUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
+        metadata = _MetadataUnpickler(io.BytesIO(read_plain(path, METADATA_MAX_BYTES, follow=False))).load()
     except ForeignCheckpoint as e:
         raise ForeignCheckpoint(f"checkpoint {folder} is refused: {e}") from None
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
@@ -352,7 +360,20 @@ def read_dcp_metadata(folder: Path) -> object:
     if type(metadata).__name__ != "Metadata":
         raise ForeignCheckpoint(f"checkpoint {folder} is refused: its .metadata holds a {type(metadata).__name__}, "
                                 f"not DCP's Metadata")
+    _check_data_files(folder, metadata)
     return metadata
+
+
+def _check_data_files(folder: Path, metadata: object) -> None:
+    """ForeignCheckpoint unless every data file ``metadata`` names is a plain file directly in ``folder``."""
+    storage = getattr(metadata, "storage_data", None) or {}
+    for name in {getattr(info, "relative_path", None) for info in storage.values()}:
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ForeignCheckpoint(f"checkpoint {folder} is refused: its .metadata names the data file {name!r}, "
+                                    f"which is not a file of the folder")
+        file = folder / name
+        if file.is_symlink() or (file.exists() and not file.is_file()):
+            raise ForeignCheckpoint(f"checkpoint {folder} is refused: its data file {name} is not a plain file")
 
 
 class _SafeReader(dcp.FileSystemReader):

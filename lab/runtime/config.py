@@ -301,6 +301,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p} is unreadable ({e.strerror or e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid TOML (nested too deeply)") from None
     for section, values in tree.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{p}: '{section}' must be a table ([{section}]), got {values!r}")
@@ -313,7 +315,7 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
     model = tree.get("model", {})
     preset = model.get("preset") if isinstance(model, dict) else None
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})"
                               f"{did_you_mean(preset, PRESETS)}")
         _apply(cfg, {"model": PRESETS[preset]}, source=f"preset {preset}")

@@ -7,10 +7,12 @@ written as null, never as the ``NaN``/``Infinity`` tokens that other JSON reader
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Any
@@ -52,22 +54,57 @@ class LockHeld(Exception):
         self.holder = holder
 
 
-def take_lock(path: Path) -> IO[str]:
-    """Hold an exclusive lock on ``path`` (created if missing) until the returned file is closed, with this
-    process's id written in it; LockHeld if another process holds it. The kernel releases it when the process
-    dies, however it dies."""
-    lock = open(path, "a+")
+class LockUnusable(Exception):
+    """A lock file that cannot serve as one (a link, not a plain file, a file system without locks); one line."""
+
+
+def open_lock(path: Path) -> IO[bytes]:
+    """``path`` opened for locking, created if missing: never through a symbolic link, and only as a plain file of
+    one name (a hard link to another file would have it truncated); LockUnusable otherwise."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        handle = open(path, "r+b", opener=lambda name, _: os.open(name, flags, 0o644))
+    except OSError as e:
+        why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror or e})"
+        raise LockUnusable(f"the lock {path} {why}; it must be a plain file: remove it") from None
+    info = os.fstat(handle.fileno())
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        handle.close()
+        raise LockUnusable(f"the lock {path} is not a plain file of one name; remove it")
+    return handle
+
+
+def lock(handle: IO[bytes], wait: bool = False) -> bool:
+    """Take an exclusive ``flock`` on an open lock file: True once held; False when another process holds it and
+    ``wait`` is false; LockUnusable (one line) when the file system refuses locks (some Lustre and FUSE mounts)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "?"
-        lock.close()
-        raise LockHeld(holder) from None
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
-    return lock
+        return False
+    except OSError as e:
+        raise LockUnusable(f"the file system of {handle.name} refuses locks ({e.strerror or e}); put the run or "
+                           f"sweep folder on a file system that supports flock (a local disk, NFS v4)") from None
+    return True
+
+
+def take_lock(path: Path) -> IO[bytes]:
+    """Hold an exclusive lock on ``path`` (created if missing) until the returned file is closed, with this
+    process's id written in it; LockHeld if another process holds it, LockUnusable (one line) if the file cannot
+    be a lock (``open_lock``, ``lock``). The kernel releases it when the process dies, however it dies."""
+    handle = open_lock(path)
+    try:
+        held = lock(handle)
+    except LockUnusable:
+        handle.close()
+        raise
+    if not held:
+        holder = handle.read().decode(errors="replace").strip() or "?"
+        handle.close()
+        raise LockHeld(holder)
+    handle.truncate(0)
+    handle.write(str(os.getpid()).encode())
+    handle.flush()
+    return handle
 
 
 def strict_json(obj: Any) -> Any:
@@ -91,19 +128,39 @@ def save_json(path: str | Path, obj: Any) -> None:
     write_atomic(Path(path), dumps(obj, indent=2) + "\n")
 
 
+JSON_MAX_BYTES = 256 * 2**20  # a run's or a fit's JSON is far smaller; anything larger is not one
+
+
+def read_plain(path: Path, limit: int, follow: bool = True) -> bytes:
+    """The bytes of the plain file ``path``, at most ``limit`` of them; OSError for anything else (a device, a FIFO,
+    a symbolic link when ``follow`` is false, a larger file), so that a crafted path can neither block a reader nor
+    fill its memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a plain file")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit:,} bytes")
+    return data
+
+
 class UnreadableFile(ValueError):
     """A file that is not what it should hold (not UTF-8 text, not JSON); the message is one line naming it."""
 
 
 def read_json(path: Path) -> Any:
-    """The JSON value in ``path``; UnreadableFile (one line) when it is not UTF-8 text or not JSON (OSError passes)."""
-    data = Path(path).read_bytes()
+    """The JSON value in ``path``; UnreadableFile (one line) when it is not UTF-8 text or not JSON, OSError when it is
+    not a plain file of at most JSON_MAX_BYTES (``read_plain``)."""
+    data = read_plain(Path(path), JSON_MAX_BYTES)
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise UnreadableFile(f"{path}: not UTF-8 text (byte {e.start} of {len(data)})") from None
     except json.JSONDecodeError as e:
         raise UnreadableFile(f"{path}: not JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise UnreadableFile(f"{path}: not JSON this lab writes (nested too deeply)") from None
 
 
 def read_lines(path: Path) -> list[str]:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -262,12 +263,14 @@ class RunLog:
 
 
 def _parse_record(line: str) -> dict | None:
-    """A metrics record, or None for a blank or torn line (a run killed mid-write)."""
+    """A metrics record, or None for a blank or torn line (a run killed mid-write) or any line that is not a record
+    with a whole step number (a hand-edited one)."""
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return rec if isinstance(rec, dict) and "step" in rec else None
+    step = rec.get("step") if isinstance(rec, dict) else None
+    return rec if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _duration(seconds: float) -> str:
@@ -404,6 +407,23 @@ class Start:
     eval_loss: float | None = None
 
 
+T = TypeVar("T")
+
+
+def decided_on_main(world: World, decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0, its value handed to every rank; a ConfigError there is raised on every rank."""
+    def attempt() -> tuple[bool, object]:
+        try:
+            return True, decide()
+        except ConfigError as e:
+            return False, str(e)
+
+    ok, value = world.broadcast_from_main(attempt)
+    if not ok:
+        raise ConfigError(value)
+    return value
+
+
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
     """The run's strategy, built from the model factory (the strategy applies the split, checkpointing,
     compilation and sharding), the weight-decay rule and AdamW."""
@@ -420,7 +440,7 @@ def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, pla
     Rank 0 picks the checkpoint and hands its name to every rank (on a shared filesystem with caching, ranks on
     other nodes may see another newest one); every rank then checks that it reads the same metadata.
     """
-    folder = world.broadcast_from_main(lambda: checkpoint.latest_readable(run_dir))
+    folder = decided_on_main(world, lambda: checkpoint.latest_readable(run_dir))  # its refusal too, on every rank
     if folder is None:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
     world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")

@@ -14,13 +14,13 @@ anything else is a failure, explained by the last ``error: ...`` line of the att
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
+from lab.runtime import files
 from lab.runtime.files import read_json
 
 from sweeps.plan import PlannedRun
@@ -95,17 +95,21 @@ def environment(threads: int) -> dict[str, str]:
 
 
 def open_lock(path: Path) -> IO[bytes]:
+    """The run's lock file, opened (``lab.runtime.files.open_lock``); ExecutorError (one line) if it cannot be one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "ab")
-
-
-def try_lock(lock: IO[bytes]) -> bool:
-    """Take the run's lock if no live attempt holds it."""
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
+        return files.open_lock(path)
+    except files.LockUnusable as e:
+        raise ExecutorError(str(e)) from None
+
+
+def try_lock(lock: IO[bytes], wait: bool = False) -> bool:
+    """Take the run's lock if no live attempt holds it (with ``wait``, once it is free); ExecutorError (one line)
+    where the file system refuses locks."""
+    try:
+        return files.lock(lock, wait)
+    except files.LockUnusable as e:
+        raise ExecutorError(str(e)) from None
 
 
 def read_summary(run_dir: Path) -> dict | None:

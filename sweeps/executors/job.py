@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import subprocess
 from pathlib import Path
 
-from sweeps.executors.attempt import environment, error_line
+from sweeps.executors.attempt import environment, error_line, open_lock, try_lock
 
 
 class RunFailed(RuntimeError):
@@ -16,8 +15,8 @@ class RunFailed(RuntimeError):
 def run_attempt(command: list[str], threads: int, cwd: str, log: str, lock: str) -> int:
     """Run ``command`` (``threads`` per process) with its output appended to ``log`` while holding ``lock``;
     raise RunFailed unless it exits 0."""
-    with open(lock, "ab") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # waits if another attempt of this run is still alive
+    with open_lock(Path(lock)) as held:
+        try_lock(held, wait=True)  # waits if another attempt of this run is still alive
         with open(log, "ab") as out:
             code = subprocess.call(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                    env=environment(threads), cwd=cwd)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import fcntl
 import os
 import signal
 import subprocess
@@ -74,7 +73,7 @@ class LocalExecutor:
                     lock = open_lock(attempt.lock)
                     if not try_lock(lock):
                         print(f"waiting for an earlier attempt of '{attempt.run.name}' to stop", file=sys.stderr)
-                        fcntl.flock(lock, fcntl.LOCK_EX)
+                        try_lock(lock, wait=True)
                     if not events.start(attempt):  # the earlier attempt may have finished it
                         lock.close()
                         continue
