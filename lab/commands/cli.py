@@ -33,8 +33,10 @@ from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
                                 usable_cores)
-from lab.runtime.files import LockHeld, LockUnusable, dumps, probe_writable, read_json, save_json, take_lock
+from lab.runtime.files import (LockHeld, LockUnusable, dumps, probe_writable, read_json, replacing, save_json,
+                               take_lock)
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
+from lab.runtime.processes import AGENT_PID, rank_dies_with_agent
 from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, backend_for, join_group_of_one, validate_model
@@ -255,6 +257,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     torchrun = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "lab", "train"]
     listen_on_loopback()  # the launcher's stores answer this machine alone
+    os.environ[AGENT_PID] = str(os.getpid())  # its ranks die with it; a torchrun this process starts later is not it
     try:
         run(get_args_parser().parse_args([*torchrun, *argv, "--nproc-per-node", "1"]))
     except SignalException as e:  # torchrun's launcher passed the signal on to the ranks, which stopped and said where
@@ -265,6 +268,8 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
             return failure.exitcode
         print_error(f"rank {rank} was killed by signal {-failure.exitcode} ({failure.signal_name()})")
         return 128 - failure.exitcode
+    finally:
+        del os.environ[AGENT_PID]
     return 0
 
 
@@ -276,6 +281,7 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
                              "ranks: bad input then fails once, before any starts (default: this process alone, or "
                              "the ranks torchrun started)")
     argv = sys.argv[1:] if argv is None else list(argv)
+    rank_dies_with_agent()
     args = parser.parse_args(argv)
     if args.nproc_per_node != 1:
         return launch_ranks(args, argv)
@@ -473,9 +479,8 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
         return _error(str(e))
     if args.format == "pt":
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
-        tmp.replace(out)
+        with replacing(out) as tmp:
+            torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
     print(f"wrote {out}: {sum(w.numel() for w in weights.values()):,} parameters at step {step}")
     return 0
 

@@ -42,7 +42,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from lab.runtime.config import ConfigError
-from lab.runtime.files import read_json, read_plain, save_json
+from lab.runtime import chaos
+from lab.runtime.files import fsync_folder, read_json, read_plain, save_json
 
 META = "meta.json"
 FORMAT = 2
@@ -266,7 +267,10 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        if not final.parent.is_dir():
+            final.parent.mkdir(parents=True)
+            fsync_folder(run_dir)
+        tmp.mkdir()
     _barrier(world_size)
     try:
         with _quiet():
@@ -276,7 +280,8 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
             flat = _to_dcp(state, rank)
             per_tensor = _tensor_bytes(flat) > ONE_FILE_MAX_BYTES
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not per_tensor),
-                     no_dist=world_size == 1)
+                     no_dist=world_size == 1)  # each file synced
+        chaos.point("checkpoint-write")
         _barrier(world_size)
         if rank == 0:
             _seal(run_dir, tmp, final, {**meta, "format": FORMAT, "step": step, "world_size": world_size}, keep,
@@ -293,14 +298,15 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
 
 
 def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int, pinned: Collection[int]) -> None:
-    """Rank 0: write meta.json into the finished folder, move it into place, prune old ones (the newest ``keep``
-    and those of ``pinned`` steps stay)."""
+    """Rank 0: write meta.json into the finished folder (which syncs the folder's entries), move it into place and
+    sync that, then prune old ones (the newest ``keep`` and those of ``pinned`` steps stay)."""
     save_json(tmp / META, meta)
     aside = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)
         final.replace(aside)
     tmp.replace(final)
+    fsync_folder(final.parent)
     shutil.rmtree(aside, ignore_errors=True)
     prunable = [d for d in checkpoint_dirs(run_dir) if step_of(d) not in pinned]
     for old in prunable[:-keep] if keep > 0 else []:

@@ -7,6 +7,7 @@ written as null, never as the ``NaN``/``Infinity`` tokens that other JSON reader
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -15,6 +16,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import IO, Any
 
 from lab.runtime.config import ConfigError
@@ -23,27 +25,59 @@ from lab.runtime.config import ConfigError
 def write_atomic(path: Path, text: str | bytes) -> None:
     """Write a text (or binary) file through a uniquely named temporary file in the same folder and a rename,
     durably: the file's bytes reach the disk before the rename, and the rename before this returns."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with replacing(path) as tmp:
+        tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` for the block to write; after it, the file's bytes are synced, it takes
+    ``path``'s name and the rename is synced (it is removed instead when the block raises)."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield tmp
+        fsync_file(tmp)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_folder(path.parent)
 
 
-def fsync_folder(folder: Path) -> None:
-    """Make the entries of ``folder`` (a rename into it) durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_file(path: Path) -> None:
+    """Make the bytes of the file ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable."""
+    fsync_file(folder)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Make every file and folder under ``folder`` durable (a copied tree, before it is renamed into place)."""
+    for parent, _, names in os.walk(folder, topdown=False):
+        for name in names:
+            fsync_file(Path(parent) / name)
+        fsync_folder(Path(parent))
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` (created if missing), durably."""
+    created = not path.exists()
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    if created:
+        fsync_folder(path.parent)
 
 
 class LockHeld(Exception):
