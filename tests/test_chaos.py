@@ -34,10 +34,9 @@ def _harness():
 
 # ---------------------------------------------------------------- the harness, seeded, on a tiny sweep
 
-# Two runs of 2 ranks (ddp under torchrun), 9 and 7 steps with a checkpoint every 2: the smallest sweep in which
-# every window and every kind of process is met.
-TINY = [{"name": f"d{width}", "n_layer": 2, "d_model": width, "n_head": 2, "launch": {"strategy": "ddp", "nproc": 2}}
-        for width in (32, 40)]
+# One run of 2 ranks (ddp under torchrun), 9 steps with a checkpoint every 2: the smallest sweep in which every
+# window and every kind of process is met.
+TINY = [{"name": "d32", "n_layer": 2, "d_model": 32, "n_head": 2, "launch": {"strategy": "ddp", "nproc": 2}}]
 # One kill per window, each at a kind of process: the driver stopped inside a transaction, everything at once
 # between an attempt's record and its start, a torchrun agent while its rank writes a checkpoint, the driver
 # between a summary and its record.
@@ -55,7 +54,7 @@ def test_a_kill_in_every_window_leaves_every_run_done_once_bitwise_and_no_proces
         folder = tmp_path / f"chaos-{attempt + 1}"
         chaos_run.round(folder, math.inf)
         result = harness.check(tmp_path / "ref", folder)
-        assert result["problems"] == [] and result["runs"] == 2, result
+        assert result["problems"] == [] and result["runs"] == 1, result
         if not chaos_run.schedule:
             break
     made = [f"{k['window']}/{k['target']}" for k in chaos_run.log]

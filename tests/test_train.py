@@ -163,7 +163,7 @@ def test_single_strategy_refuses_several_processes(tmp_path, args, capsys, monke
 @pytest.mark.slow
 def test_existing_runs_are_never_overwritten_and_resume_checks_the_config(tmp_path, args, capsys):
     r = tmp_path / "r"
-    assert run(r, *args) == 0
+    assert run(r, *args, "--train.stop_after", "4") == 0  # a completed one is refused as complete (test_faults)
     before = (r / "metrics.jsonl").read_text()
     assert run(r, *args) == 2
     assert "already holds a run" in capsys.readouterr().err
