@@ -34,9 +34,6 @@ def _harness():
 
 # ---------------------------------------------------------------- the harness, seeded, on a tiny sweep
 
-# One run of 2 ranks (ddp under torchrun), 9 steps with a checkpoint every 2: the smallest sweep in which every
-# window and every kind of process is met.
-TINY = [{"name": "d32", "n_layer": 2, "d_model": 32, "n_head": 2, "launch": {"strategy": "ddp", "nproc": 2}}]
 # One kill per window, each at a kind of process: the driver stopped inside a transaction, everything at once
 # between an attempt's record and its start, a torchrun agent while its rank writes a checkpoint, the driver
 # between a summary and its record.
@@ -45,8 +42,8 @@ KILLS = ["registry-transaction/stopped", "submit-record/everything", "checkpoint
 
 @pytest.mark.slow
 def test_a_kill_in_every_window_leaves_every_run_done_once_bitwise_and_no_process_behind(tmp_path):
-    harness = _harness()
-    file = harness.write_sweep(tmp_path, TINY, (6e8,))
+    harness = _harness()  # one run of 2 ranks, 9 steps with a checkpoint every 2: each window and kind of process
+    file = harness.write_sweep(tmp_path, harness.shapes((32,)), (6e8,))
     passes = harness.count_passes(file, tmp_path / "ref")
     assert all(passes[window] for window in chaos.POINTS), passes  # the undisturbed sweep passes every window
     chaos_run = harness.Chaos(file, random.Random(48), passes, list(KILLS), round_s=300)

@@ -56,9 +56,14 @@ sweep_files = importlib.util.module_from_spec(_SWEEP_FILES)  # the sweep tests' 
 _SWEEP_FILES.loader.exec_module(sweep_files)
 
 # The benchmark's sweep: 4 widths × 3 budgets, 12 runs of 2 ranks each (ddp under torchrun), 3-34 steps.
-SHAPES = [{"name": f"d{width}", "n_layer": 2, "d_model": width, "n_head": 2,
-           "launch": {"strategy": "ddp", "nproc": 2}} for width in (32, 40, 48, 64)]
-BUDGETS = (6e8, 1.2e9, 2.4e9)
+WIDTHS, BUDGETS = (32, 40, 48, 64), (6e8, 1.2e9, 2.4e9)
+
+
+def shapes(widths: tuple[int, ...]) -> list[dict]:
+    """Two-layer shapes of these widths, each run by 2 ranks (ddp under torchrun)."""
+    return [{"name": f"d{width}", "n_layer": 2, "d_model": width, "n_head": 2,
+             "launch": {"strategy": "ddp", "nproc": 2}} for width in widths]
+
 # What each window's kill may hit: a window a run passes (a rank stopped there) or one the driver passes.
 TARGETS = {"checkpoint-write": ("stopped", "agent", "driver", "everything"),
            "summary-written": ("stopped", "agent", "driver", "everything"),
@@ -79,7 +84,7 @@ def tiny_data(root: Path) -> DataConfig:
     return data
 
 
-def write_sweep(root: Path, shapes: list[dict] = SHAPES, budgets: tuple[float, ...] = BUDGETS) -> Path:
+def write_sweep(root: Path, shapes: list[dict], budgets: tuple[float, ...]) -> Path:
     """The sweep file (a checkpoint every 2 steps, 2 runs at once) on the tiny data."""
     file = root / "sweep.toml"
     file.write_text(sweep_files.sweep_text(tiny_data(root), name="chaos", budgets=budgets, shapes=shapes,
@@ -342,13 +347,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aimed", type=int, default=50, help="kills at the named windows, spread evenly over them")
     p.add_argument("--random", type=int, default=0, help="kills at random moments")
     p.add_argument("--delay", type=float, default=20.0, help="random kills: at most this long after runs are up")
+    p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="the runs' widths (comma-separated)")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="the runs' budgets in FLOPs")
     p.add_argument("--root", default="/tmp/lab-chaos")
     p.add_argument("--minutes", type=float, default=0, help="stop killing after this long (0: no limit)")
     p.add_argument("--out", help="write the figures here (JSON)")
     args = p.parse_args(argv)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    file, rng = write_sweep(root), random.Random(args.seed)
+    file = write_sweep(root, shapes(tuple(map(int, args.widths.split(",")))),
+                       tuple(map(float, args.budgets.split(","))))
+    rng = random.Random(args.seed)
     started_at, load_start, t0 = datetime.datetime.now(datetime.UTC), os.getloadavg(), time.monotonic()
     passes = count_passes(file, root / "ref")
     ref_s, t1 = time.monotonic() - t0, time.monotonic()
