@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -224,6 +225,7 @@ def did_you_mean(value: Any, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+@functools.cache  # evaluating a class's annotations is slow (every option of every section, each time a config is read)
 def _field_kind(section_cls: type, name: str) -> tuple[type, bool]:
     """(scalar type, optional?) of a dataclass field, from its annotation."""
     hints = typing.get_type_hints(section_cls)

@@ -15,8 +15,8 @@ import math
 import os
 import stat
 import tempfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any
 
 from lab.runtime.config import ConfigError
