@@ -109,10 +109,9 @@ class PowerCut(BaseException):
 
 
 @pytest.mark.slow
-def test_a_power_cut_inside_a_checkpoint_write_keeps_what_was_synced_and_the_run_resumes_from_it(args, tmp_path,
-                                                                                                 monkeypatch):
-    whole, r, image = tmp_path / "whole", tmp_path / "r", tmp_path / "image"
-    assert run_main([*args, "--run-dir", str(whole)]) == 0
+def test_a_power_cut_inside_a_checkpoint_write_keeps_what_was_synced_and_the_run_resumes_from_it(args, finished_run,
+                                                                                                 tmp_path, monkeypatch):
+    whole, r, image = finished_run, tmp_path / "r", tmp_path / "image"
     synced, passes = Synced(os.fsync), {"n": 0}
 
     def cut_in_the_second_checkpoint(name: str) -> None:  # the one of step 8, its files written, not yet sealed

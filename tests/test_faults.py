@@ -49,14 +49,6 @@ def train_in_process(argv: list[str], run_dir: Path, **kwargs) -> dict:
 # ---------------------------------------------------------------- a finished run is finished
 
 
-@pytest.fixture(scope="module")
-def finished_run(args, tmp_path_factory) -> Path:
-    """A tiny run trained to the end (8 steps)."""
-    r = tmp_path_factory.mktemp("finished") / "r"
-    assert run(r, *args) == 0
-    return r
-
-
 @pytest.mark.slow
 def test_a_stop_signal_during_the_last_step_completes_the_run(args, tmp_path):
     calls = {"n": 0}
@@ -221,10 +213,10 @@ def _restore_on(world: World, argv: list[str], run_dir: Path) -> str:
 
 
 @pytest.mark.slow
-def test_a_refusal_on_rank_0_while_choosing_the_checkpoint_reaches_every_rank(args, tmp_path):
+def test_a_refusal_on_rank_0_while_choosing_the_checkpoint_reaches_every_rank(args, finished_run, tmp_path):
     r = tmp_path / "r"
-    assert run(r, *args, "--train.stop_after", "4") == 0
-    (r / "checkpoints" / "step-000004" / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))
+    shutil.copytree(finished_run, r)
+    (r / "checkpoints" / "step-000008" / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))
     errors = run_ranks(_restore_on, 2, [*args, "--run-dir", str(r)], r, timeout_s=10)
     assert errors[0] == errors[1] and "is refused: its .metadata asks for posix.system" in errors[0], errors
 
@@ -241,7 +233,8 @@ def test_write_atomic_syncs_the_file_and_its_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_with_unreadable_metadata_falls_back_to_the_previous_one(args, finished_run, tmp_path, capsys):
+def test_a_checkpoint_with_unreadable_metadata_falls_back_to_the_previous_one(args, finished_run, tmp_path,
+                                                                           capsys):
     whole, stopped, r = finished_run, tmp_path / "stopped", tmp_path / "r"
     assert run(stopped, *args, "--train.checkpoint_every", "2", "--train.stop_after", "4") == 0
     for broken in (".metadata", "meta.json"):

@@ -27,14 +27,6 @@ BINARY = b"\x80\x81\xfe\xff\x00PK\x03\x04 not text"
 
 
 @pytest.fixture(scope="module")
-def finished(args, tmp_path_factory) -> Path:
-    """A tiny run trained to the end (8 steps, checkpoints at 4 and 8)."""
-    r = tmp_path_factory.mktemp("finished") / "r"
-    assert run_main([*args, "--run-dir", str(r)]) == 0
-    return r
-
-
-@pytest.fixture(scope="module")
 def fit_doc(tmp_path_factory) -> dict:
     """A fit.json of the Kaplan-with-E form (its approach3 has alpha_N) on synthetic runs."""
     root = tmp_path_factory.mktemp("fit")
@@ -285,7 +277,7 @@ def test_a_hostile_input_gets_one_line_and_a_non_zero_exit_and_writes_nothing(na
     case = CASES[name]
     (tmp_path / "precious.txt").write_text("keep me\n")
     ctx = {"args": args, "fit_doc": fit_doc, "monkeypatch": monkeypatch,
-           "finished": request.getfixturevalue("finished") if case.needs_run else None}
+           "finished": request.getfixturevalue("finished_run") if case.needs_run else None}
     main, argv = case.make(tmp_path, ctx)
     before = _state(tmp_path)
     capsys.readouterr()
@@ -308,11 +300,11 @@ def test_a_hostile_input_gets_one_line_and_a_non_zero_exit_and_writes_nothing(na
 
 
 @pytest.mark.slow
-def test_a_metrics_line_with_a_step_that_is_not_a_whole_number_is_dropped_on_resume(args, finished, tmp_path):
-    run = _finished_copy({"finished": finished}, tmp_path)
+def test_a_metrics_line_with_a_step_that_is_not_a_whole_number_is_dropped_on_resume(args, finished_run, tmp_path):
+    run = _finished_copy({"finished": finished_run}, tmp_path)
     shutil.rmtree(run / "checkpoints" / "step-000008")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": "x"}\n{"step": true, "loss": 1}\n')
     assert run_main([*args, "--run-dir", str(run), "--resume"]) == 0
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [json.loads(line)["step"] for line in (finished / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(line)["step"] for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
