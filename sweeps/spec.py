@@ -16,8 +16,8 @@ from typing import Any
 
 from lab.runtime.config import (SLURM_SETTINGS, ConfigError, RunConfig, check_value, coerce_field, parse_toml,
                                 read_toml_text, resolve_keys, resolve_table)
-from sweeps.sweep import (CENTRE_PRIORS, Centre, Cooldowns, Family, Launch, LaunchRule, PowerRule, Routing, Search,
-                          ShapeEntry, Slurm, Sweep, routing_name)
+from sweeps.sweep import (BUDGET, CENTRE_PRIORS, MAX_BUDGET_FLOPS, Centre, Cooldowns, Family, Launch, LaunchRule,
+                          PowerRule, Routing, Search, ShapeEntry, Slurm, Sweep, routing_name)
 
 
 SpecError = ConfigError  # a sweep file that cannot be planned, as a run config that cannot run: one line for the user
@@ -42,6 +42,11 @@ ROUTING_KEYS = {"experts": "moe_experts", "top_k": "moe_top_k", "granularity": "
 def _nested(cls: type, table: Any, where: str) -> Any:
     """A table inside another (``where``: its name; a key of it is named ``where.key``) as the dataclass ``cls``."""
     return resolve_table(cls, table, where, lambda key: f"{where}.{key}")
+
+
+def check_budget(budget: Any, where: str) -> float:
+    """A budget given outside the file (``--budget``): positive FLOPs, at most ``MAX_BUDGET_FLOPS``."""
+    return check_value(budget, float, where, **BUDGET)
 
 
 def check_name(name: Any, where: str) -> str:

@@ -15,6 +15,12 @@ from typing import Any
 from lab.runtime.config import TrainConfig, checked
 
 CENTRE_PRIORS = ("tokens_per_param", "fit")
+# Bounds that keep planning finite and small: a budget far past any training run (the largest published are a few
+# 1e26 FLOPs), more sizes than a profile needs, or a size no shape search should walk to, is refused in one line.
+MAX_BUDGET_FLOPS = 1e30
+MAX_SIZE_PARAMS = 1e16
+BUDGET = {"positive": True, "maximum": MAX_BUDGET_FLOPS, "unit": "FLOPs"}  # a budget's checks (``checked``)
+SIZE = {"positive": True, "maximum": MAX_SIZE_PARAMS, "unit": "parameters"}  # a target N's
 FIT_APPROACHES = ("preferred", "envelope", "isoflop", "approach3")  # fit.json keys
 
 
@@ -102,11 +108,11 @@ class Search:
     budget gives batch(C) = c C^e (constant with one budget).
     """
 
-    budget: float = checked(positive=True)
-    sizes: tuple[float, ...] = checked(positive=True, distinct=True)
+    budget: float = checked(**BUDGET)
+    sizes: tuple[float, ...] = checked(**SIZE, distinct=True)
     lr: tuple[float, ...] = checked(positive=True, distinct=True)
     batch_tokens: tuple[float, ...] = checked((), positive=True, distinct=True)
-    batch_budgets: tuple[float, ...] = checked((), positive=True, distinct=True)
+    batch_budgets: tuple[float, ...] = checked((), **BUDGET, distinct=True)
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,7 @@ def routing_name(fields: dict[str, int]) -> str:
 @dataclass(frozen=True)
 class Sweep:
     name: str = checked(nonempty=True)
-    budgets: tuple[float, ...] = checked(positive=True, distinct=True)  # training FLOPs per run
+    budgets: tuple[float, ...] = checked(**BUDGET, distinct=True)  # training FLOPs per run
     family: Family | None = None  # None with an explicit list of shapes
     shapes: tuple[ShapeEntry, ...] = ()
     lr: PowerRule = PowerRule(TrainConfig().lr)
@@ -167,7 +173,7 @@ class Sweep:
     launch_rules: tuple[LaunchRule, ...] = ()
     base: dict[str, dict[str, Any]] = field(default_factory=dict)  # [base] tables, as a run config file holds them
     folder: Path = Path()
-    sizes: tuple[float, ...] = checked((), positive=True, distinct=True)  # target N for the family (or a centre)
+    sizes: tuple[float, ...] = checked((), **SIZE, distinct=True)  # target N for the family (or a centre)
     count: str = checked("total", choices=("total", "non_embedding"))  # what sizes and launch rules count as N
     flops_per_s: float = checked(3e10, positive=True)  # assumed model FLOP/s per process, for the time estimate
     step_s: float = 0.0  # fixed cost of one optimizer step (dominant for tiny models on a CPU)
@@ -178,8 +184,8 @@ class Sweep:
     launch_overrides: dict[str, Any] = field(default_factory=dict)  # from the command line: over every run's launch
     source: str = ""  # the file's text, kept in the sweep folder
     centre: Centre | None = None  # sizes centred per budget on a prior N_opt(C), instead of fixed sizes
-    decades_each_side: float = checked(0.5, positive=True)  # with a centre: sizes from N_opt / 10^x to N_opt × 10^x
-    per_budget: int = checked(7, minimum=5)  # with a centre: sizes per budget, log-spaced
+    decades_each_side: float = checked(0.5, positive=True, maximum=4.0)  # with a centre: N_opt / 10^x to × 10^x
+    per_budget: int = checked(7, minimum=5, maximum=100)  # with a centre: sizes per budget, log-spaced
     search: Search | None = None  # hyperparameter grids run first; their laws replace [rules]
     mup_base_width: int | None = checked(None, minimum=1)  # every run under μP, at one tuned learning rate
     seeds: tuple[int, ...] = checked((), minimum=0, distinct=True, nonempty=True)  # each run once per seed

@@ -9,7 +9,7 @@ them: the loop takes them once per optimizer step.
 
 gloo's reduce-scatter is an all-reduce underneath: it sends 2(N − 1)/N of the input per rank, as
 much as an all-reduce, from a full copy of it (measured on the loopback interface: see
-benchmarks/results-memory.md); its all-gather receives into a full-size buffer of its own and
+benchmarks/memory/README.md); its all-gather receives into a full-size buffer of its own and
 copies that into the output (a hidden copy of every gathered unit, in the resident set, not in the
 lab's tensor meter). On gloo the lab does both itself, between the caller's tensors. An all-gather
 is point-to-point messages: this rank's shard to every other rank, theirs received straight into

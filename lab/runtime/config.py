@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -32,7 +33,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-CHECKS = ("minimum", "positive", "nonempty", "distinct", "choices")
+CHECKS = ("minimum", "maximum", "unit", "positive", "nonempty", "distinct", "choices")
 
 
 def checked(default: Any = dataclasses.MISSING, **checks: Any) -> Any:
@@ -250,6 +251,7 @@ def did_you_mean(value: Any, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+@functools.cache  # evaluating a class's annotations is slow (every option of every section, each time a config is read)
 def _field_kind(section_cls: type, name: str) -> tuple[type, bool]:
     """(scalar type, optional?) of a dataclass field, from its annotation."""
     hints = typing.get_type_hints(section_cls)
@@ -299,17 +301,19 @@ def _coerce(value: Any, tp: type, where: str) -> Any:
 _LIST_OF = {float: "numbers", int: "integers", str: "strings"}
 
 
-def check_value(value: Any, tp: Any, where: str, minimum: int | None = None, positive: bool = False,
-                nonempty: bool = False, distinct: bool = False, choices: tuple[str, ...] = ()) -> Any:
+def check_value(value: Any, tp: Any, where: str, minimum: int | None = None, maximum: float | None = None,
+                unit: str = "", positive: bool = False, nonempty: bool = False, distinct: bool = False,
+                choices: tuple[str, ...] = ()) -> Any:
     """``value`` as the type ``tp`` (bool, int, float, str or a tuple of one of them from a list; any other type is
-    its owner's to check: the value as it is), within its bounds: ``minimum`` of an int, ``positive`` floats,
-    ``nonempty`` strings and lists, ``distinct`` list items, ``choices`` of a string. ConfigError (one line naming
-    ``where``) otherwise."""
+    its owner's to check: the value as it is), within its bounds: ``minimum`` of an int, ``maximum`` of a number
+    (counted in ``unit``, if named), ``positive`` numbers, ``nonempty`` strings and lists, ``distinct`` list items,
+    ``choices`` of a string. ConfigError (one line naming ``where``) otherwise."""
     item = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else None
     if item in _LIST_OF:
         if not isinstance(value, (list, tuple)) or (nonempty and not value):
             raise ConfigError(f"{where} must be a {'non-empty ' if nonempty else ''}list of {_LIST_OF[item]}")
-        items = tuple(check_value(v, item, f"{where}[{i}]", minimum, positive) for i, v in enumerate(value))
+        items = tuple(check_value(v, item, f"{where}[{i}]", minimum, maximum, unit, positive)
+                      for i, v in enumerate(value))
         if distinct and len(set(items)) != len(items):
             raise ConfigError(f"{where} has duplicate values")
         return items
@@ -324,10 +328,14 @@ def check_value(value: Any, tp: Any, where: str, minimum: int | None = None, pos
             number = None
         if number is None or number < minimum:
             raise ConfigError(f"{where} must be an integer >= {minimum}, got {value!r}")
-        return number
-    out = _coerce(value, tp, where)
+        out = number
+    else:
+        out = _coerce(value, tp, where)
     if positive and out <= 0:
         raise ConfigError(f"{where} must be positive, got {value!r}")
+    if maximum is not None and out > maximum:
+        raise ConfigError(f"{where} is {out:.3g} {unit}, above the {maximum:.0e} allowed" if unit else
+                          f"{where} must be at most {maximum:g}, got {value!r}")
     if choices and out not in choices:
         raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}{did_you_mean(out, choices)}")
     return out
@@ -405,6 +413,8 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid TOML (nested too deeply)") from None
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -421,7 +431,7 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
     model = tree.get("model", {})
     preset = model.get("preset") if isinstance(model, dict) else None
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})"
                               f"{did_you_mean(preset, PRESETS)}")
         _apply(cfg, {"model": PRESETS[preset]}, source=f"preset {preset}")
