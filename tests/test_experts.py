@@ -33,7 +33,9 @@ from lab.runtime import checkpoint
 from lab.data import load_tokenizer, prepare
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
 from lab.training.optim import adamw_factory, param_groups
-from lab.training.train import StepPlan, format_step, train, train_step
+from lab.training.runlog import format_step
+from lab.training.steps import StepPlan
+from lab.training.train import train, train_step
 from pool import run_pooled
 
 MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2, moe_granularity=2, moe_shared_experts=1)

@@ -21,7 +21,8 @@ from lab.measure.device import resolve_precision
 from lab.runtime.files import save_json, take_lock
 from lab.parallel import World
 from lab.commands.ranks import run_ranks
-from lab.training.train import build_strategy, restore, step_plan, train
+from lab.training.steps import step_plan
+from lab.training.train import build_strategy, restore, train
 
 
 def run(run_dir: Path, *argv: str) -> int:

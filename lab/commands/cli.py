@@ -41,7 +41,9 @@ from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, backend_for, join_group_of_one, validate_model
 from lab.parallel.comm import AxisFailed
-from lab.training.train import Estimate, TrainingDiverged, check_resources, decided_on_main, train, validate
+from lab.measure.admission import Estimate, check_resources
+from lab.training.steps import validate
+from lab.training.train import TrainingDiverged, decided_on_main, train
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
 # the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).

@@ -10,6 +10,8 @@ that places the model over the data axis and loops over the layout's transforms 
 from __future__ import annotations
 
 from lab.measure.device import Precision
+from lab.measure.figures import Figures
+from lab.model.gpt import RouterFigures
 from lab.parallel import axes
 from lab.parallel.axes import activations, context, experts, pipeline, tensor
 from lab.parallel.base import (
@@ -102,6 +104,15 @@ def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     context.check_options(cfg, model.block_size)
 
 
+# the parts whose fragments the step line shows, in its order (each formats its own: ``Figures.line``)
+LINE_PARTS: tuple[type[Figures], ...] = (pipeline.Pipeline, RouterFigures, experts.ExpertParallel)
+
+
+def step_line(rec: dict) -> str:
+    """The step line's fragments for the figures in ``rec``, each part's own (empty for a part absent from it)."""
+    return "".join(part.line(rec) for part in LINE_PARTS)
+
+
 def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
     """(which, how many): the data-parallel replica global rank ``rank`` belongs to, among how many. The ranks of
     a replica read the same sequences (and draw the same dropout masks)."""
@@ -110,4 +121,4 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
 
 __all__ = ["STRATEGIES", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule",
            "Strategy", "World", "axes", "backend_for", "create", "data_replica", "experts", "join_group_of_one",
-           "parse_spec", "register", "strategy_class", "validate", "validate_model"]
+           "parse_spec", "register", "step_line", "strategy_class", "validate", "validate_model"]

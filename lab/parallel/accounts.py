@@ -160,8 +160,8 @@ class Accounts:
 
     def meters(self) -> dict[str, dict[str, float]]:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and theory),
-        the most activation bytes a micro-step saved for its backward, the tensor-parallel group's bytes and the
-        pipeline's bubble."""
+        the most activation bytes a micro-step saved for its backward, and every reporting part's own figures
+        (``Strategy.figures``)."""
         s = self.strategy
         return {
             "model_state_bytes": (self.measured or self.state_bytes()).as_dict(),
@@ -169,7 +169,7 @@ class Accounts:
             "comm_bytes_per_step": dict(self.last_comm_bytes),
             "comm_bytes_per_step_theory": self.theory_comm(),
             "activation_saved_bytes": self.most_saved,
-            **{k: v for transform in s.transforms for k, v in transform.meters().items()},
+            **{k: v for part in s.figures() for k, v in part.meters().items()},
         }
 
 

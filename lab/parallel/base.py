@@ -58,16 +58,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lab.measure import accounting
 from lab.measure.device import Precision
+from lab.measure.figures import Figures
 from lab.model.plan import ParallelPlan, plan_of
 from lab.parallel import axes
 from lab.parallel.accounts import Accounts
 from lab.parallel.axes import GroupReplicas, Replicas, Transform
 from lab.parallel.axes.activations import SavedBytes
 from lab.parallel.comm import Comm
-from lab.parallel.layout import LoopSettings, Mesh, World
+from lab.parallel.layout import Layout, LoopSettings, Mesh, World
 from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
-from lab.runtime.config import ConfigError, ParallelConfig
+from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig
 
 
 def backend_for(device: torch.device) -> str:
@@ -208,6 +210,7 @@ class Strategy:
         self.transforms: list[Transform] = axes.transforms(mesh, cfg, loop, self.saved)
         self._comms: dict[int, tuple[World, Comm]] = {}  # a transform's data group (by its process group's id)
         self._after_load: list[Callable[[], None]] = []
+        self._figures: list[Figures] | None = None
         self.module: nn.Module | None = None  # the model, under its own parameter names
         self.plan: ParallelPlan | None = None  # what the model declares of itself, after the transforms
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
@@ -409,6 +412,29 @@ class Strategy:
         meters = StepMeters(sent, wait_s, self.saved.take(), layout)
         self.accounts.record(meters)
         return meters
+
+    def figures(self) -> list[Figures]:
+        """Every part of the run that reports on it (``lab.measure.figures``): the transforms, then the model's own
+        (its ``figures``, where it has them: a mixture's router) once it is built."""
+        if self._figures is None and self.module is not None:
+            own = getattr(self.module, "figures", None)
+            self._figures = [*self.transforms, *(own(self.sum_token_figures) if own is not None else [])]
+        return self.transforms if self._figures is None else self._figures
+
+    def take_record(self) -> dict[str, object]:
+        """Every part's fields of a logged step's record since the last one (every rank calls it at the same
+        steps)."""
+        return {k: v for part in self.figures() for k, v in part.record().items()}
+
+    def peak_bytes_theory(self, shape: ModelConfig) -> dict[str, float]:
+        """Per phase, the most bytes this rank holds in theory (``Accounts.peak_bytes_theory``) training a model of
+        ``shape``: with one micro-batch's activations under the layout, and the copies autocast makes of the
+        weights."""
+        activations = Layout.of(self.cfg, self.everyone.world_size).activation_bytes(
+            shape, self.loop.micro_batch, self.precision.activation_bytes,
+            sequence_parallel=self.cfg.sequence_parallel, checkpointing=self.cfg.activation_checkpointing == "full")
+        cast = accounting.autocast_weight_bytes(shape, self.cfg.tp) if self.precision.bf16 else 0.0
+        return self.accounts.peak_bytes_theory(activations, cast)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
