@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.commands.cli import resolve_vocab, run_main
+from lab.commands.cli import run_main
+from lab.training.lifecycle import resolve_vocab
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.measure import accounting
 from lab.measure.device import Precision

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from lab.runtime import checkpoint
-from lab.commands.cli import export_main, resolve_vocab, run_main, sample_main
+from lab.commands.cli import export_main, run_main, sample_main
+from lab.training.lifecycle import resolve_vocab
 from lab.runtime.config import ConfigError, ParallelConfig, build_parser, config_from_args
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import resolve_precision

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.commands.cli import resolve_vocab
+from lab.training.lifecycle import resolve_vocab
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.data import load_tokenizer, prepare
 from lab.model import GPT

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lab.commands.cli import resolve_vocab
+from lab.training.lifecycle import resolve_vocab
 from lab.data import load_tokenizer, prepare
 from lab.parallel import World
 from lab.runtime.config import build_parser, config_from_args
