@@ -258,7 +258,7 @@ def test_the_start_line_gives_the_thread_count():
 
     cfg = RunConfig()
     cfg.model.vocab_size = 512
-    line = start_line(cfg, World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu", False),
+    line = start_line(cfg, World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu"),
                       Peak(1e11, "x"), Start(), None, "single")
     assert f"device cpu, fp32, {torch.get_num_threads()} threads | " in line
 

@@ -82,7 +82,7 @@ def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: in
                bf16: bool, compile: bool) -> dict:
     """One model's training steps in this process: step time, tokens/s, MFU and this case's memory peak."""
     cfg = resolve({"model": {"preset": preset, "vocab_size": vocab}}).model
-    precision = Precision(device.type, bf16)
+    precision = Precision(device.type, "bf16" if bf16 else "fp32")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this case's peak, not the largest since the process started
     with torch.device(device):
@@ -187,7 +187,7 @@ def _one_process(parallel: ParallelConfig) -> bool:
 
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
                       rounds: int, warmup: int) -> list[dict]:
-    precision, loop = Precision("cpu", bf16=False), bench_loop(micro_batch)
+    precision, loop = Precision("cpu"), bench_loop(micro_batch)
     setup_device(world.device)  # as a run sets it up (on the CPU: freed blocks go back to the kernel)
     built = []
     for case in cases:

@@ -33,7 +33,7 @@ from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
-from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
+from lab.measure.device import (available_memory_bytes, peak_flops, precision_of, resolve_device, size_threads,
                                 usable_cores)
 from lab.runtime.files import LockHeld, dumps, probe_writable, read_json, save_json, take_lock
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
@@ -243,7 +243,7 @@ def _preflight(args: argparse.Namespace,
         refuse_completed(run_dir)  # before the launcher starts ranks; a rank refuses it after the config check
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
-    precision = resolve_precision(cfg.train.dtype, world.device)
+    precision = precision_of(cfg.train, world.device)
     budget = cfg.train.memory_budget * 2**30
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, budget or available_memory_bytes(world.device),
