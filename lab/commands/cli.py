@@ -39,7 +39,7 @@ from lab.runtime.files import LockHeld, dumps, probe_writable, read_json, save_j
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.runtime.extras import require
 from lab.model import GPT
-from lab.parallel import World, backend_for, join_group_of_one, validate_model
+from lab.parallel import World, backend_for, join_group_of_one, validate_model, validate_precision
 from lab.parallel.comm import AxisFailed
 from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
 
@@ -244,6 +244,7 @@ def _preflight(args: argparse.Namespace,
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
     precision = precision_of(cfg.train, world.device)
+    validate_precision(cfg.parallel, precision)
     budget = cfg.train.memory_budget * 2**30
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, budget or available_memory_bytes(world.device),

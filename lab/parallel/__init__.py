@@ -89,10 +89,16 @@ def parse_spec(text: str) -> ParallelConfig:
     return resolve({"parallel": {"strategy": name, **dict(pairs)}}).parallel
 
 
+def validate_precision(cfg: ParallelConfig, precision: Precision) -> None:
+    """Raise ConfigError (one line) when the strategy cannot run the precision policy."""
+    strategy_class(cfg.strategy).validate_precision(precision)
+
+
 def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
     """The strategy ``cfg`` names, validated and constructed (not yet built) on the layout's mesh (collective when an
     axis besides dp is split: every rank calls it)."""
     cls = validate(cfg, world.world_size, loop)
+    cls.validate_precision(precision)
     return cls(Layout.of(cfg, world.world_size, cls, loop).mesh(world), cfg, precision, loop)
 
 
@@ -110,4 +116,4 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
 
 __all__ = ["STRATEGIES", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule",
            "Strategy", "World", "axes", "backend_for", "create", "data_replica", "experts", "join_group_of_one",
-           "parse_spec", "register", "strategy_class", "validate", "validate_model"]
+           "parse_spec", "register", "strategy_class", "validate", "validate_model", "validate_precision"]

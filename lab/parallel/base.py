@@ -7,9 +7,9 @@ and the run directory. The loop's side, in order::
     strategy.build(model_factory, param_group_rule, optimizer_factory)
     for each step:
         for each micro-batch:
-            loss = strategy.forward(x, y, sync=last_micro_batch)   # under the strategy's autocast
+            loss = strategy.forward(x, y, sync=last_micro_batch)   # under the policy's autocast, if any
             strategy.backward(loss / accumulation_steps)           # gradients synced on the last only
-        norm = strategy.clip_grad_norm(max_norm)                    # global over ranks and shards
+        norm = strategy.clip_grad_norm(max_norm)                    # global over ranks and shards (fp16: unscaled)
         strategy.step(lr) if norm is finite else strategy.skip_step()
         meters = strategy.take_step_meters()      # bytes sent, seconds waited, activation bytes saved
     strategy.eval_loss(x, y); strategy.checkpoint_state() (+ after_load()); strategy.full_state_dict()
@@ -28,6 +28,12 @@ global gradient norm, meters, evaluation, checkpoint state and export. It never 
   under every strategy, so a flat-sharded optimizer and a per-tensor one apply the same update.
 - ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU, on global rank 0
   (an empty dict elsewhere), whatever the layout.
+- The precision policy (``lab.measure.device.Precision``): under ``train.precision mixed`` the weights the model
+  computes with are 16-bit and the optimizer updates fp32 masters (``lab.parallel.precision``): a strategy that holds
+  the weights whole keeps one per weight (``keep_masters``, before ``wrap``); after the sync the optimizer takes
+  fp32 copies of the gradients (``optimizer_gradients``), clipping acts on them, and the step casts the weights back
+  from the masters. Checkpoints and exports hand over the masters. fp16 scales the loss (``scaled``), unscales in
+  ``clip_grad_norm`` and sets the next scale from the norm.
 
 What each rank holds is one record, ``holding()``: per parameter a ``Piece`` (which range of the flattened local
 weight, its gradient and AdamW moments; whether the data axis shards it). With the transforms' answers (which ranks
@@ -39,7 +45,8 @@ the first of them alone, and given back to the others after a load.
 A new data-parallel strategy overrides what differs from plain replicated training, at most: ``wrap``
 (placement), ``forward`` and ``backward`` (gradient sync; ``scaled`` when it scales the loss before the autograd
 pass), ``step`` and ``zero_grad``, ``holding`` (when it shards) and ``restore_derived`` (when weights derive from
-shards); and it names the ``accounting`` it is measured against (``lab.parallel.accounts``). Its gradient sync
+shards), ``keep_masters`` and ``optimizer_gradients`` (when it keeps its own fp32 masters); and it names the
+``accounting`` it is measured against (``lab.parallel.accounts``). Its gradient sync
 averages each parameter over ``comm_of(name)`` (the data axis, or the ranks a transform names for it).
 """
 
@@ -205,6 +212,10 @@ class Strategy:
         if loop.compile and not cls.compiles:
             raise ConfigError(f"train.compile is not supported under strategy '{cls.name}' (dynamo cannot trace "
                               f"parameters sharded at rest); set train.compile false or choose another strategy")
+
+    @classmethod
+    def validate_precision(cls, precision: Precision) -> None:
+        """Raise ConfigError (one line) when this strategy cannot run ``precision`` (every one can, here)."""
 
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         self.validate(cfg, mesh.data.world_size, loop)

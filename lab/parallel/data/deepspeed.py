@@ -251,10 +251,13 @@ class DeepSpeed(Strategy):
         engine_config(cfg, world_size, loop)
         import_deepspeed()
 
-    def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
+    @classmethod
+    def validate_precision(cls, precision: Precision) -> None:
         if precision.scales_loss:
             raise ConfigError("strategy 'deepspeed' does not run train.dtype fp16: its loss scaler would be "
                               "DeepSpeed's, not the lab's (checkpoints, the step line); use bf16")
+
+    def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         super().__init__(mesh, cfg, precision, loop)
         world = self.world
         self.stage = cfg.zero_stage
