@@ -108,7 +108,7 @@ def _within_16_bit_tolerance(results: dict) -> None:
     for spec, r in results.items():
         assert r.max_rel_loss_diff <= matrix.TOLERANCE_16["loss"], (spec, r)
         assert r.max_rel_grad_norm_diff <= matrix.TOLERANCE_16["grad_norm"], (spec, r)
-        assert r.rel_param_diff <= matrix.TOLERANCE_16["rel_params"], (spec, r)
+        assert r.rel_param_diff <= matrix.TOLERANCE_16["rel_params"]["dense"], (spec, r)
         assert not r.same_losses or spec == "single"  # 16-bit sums regrouped: not the same bits (the check can fail)
 
 
@@ -330,3 +330,19 @@ def test_a_resumed_fp16_run_goes_on_from_its_checkpoints_scale(tmp_path, args):
     assert [(r["loss"], r["loss_scale"]) for r in _steps(part)] == [(r["loss"], r["loss_scale"]) for r in _steps(whole)]
     final = [checkpoint.load_everything(checkpoint.latest(run)) for run in (whole, part)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_every_layout_of_the_matrix_under_the_bf16_policy_reproduces_single_under_it(ranks):
+    """Every strategy × tp × pp × ep × cp the matrix trains, under the bf16 policy against single under it: within
+    ``matrix.TOLERANCE_16``, every meter at its theory in the policy's widths."""
+    base = dataclasses.replace(matrix.SETUP, dtype="bf16", mixed=True)
+    cells = [cell for cell in matrix.layouts(8, list(matrix.STRATEGIES), ["dense", "moe"], ["gpt2", "modern"])
+             if cell.ranks == ranks and matrix.refusal(cell) is None]
+    assert cells
+    rows = run_pooled(matrix._run, ranks, cells, base, deadline_s=1200)[0]
+    assert len(rows) == len(cells)
+    for row in rows:
+        assert row.passed, matrix.format_row(row)

@@ -41,7 +41,9 @@ from lab.runtime.config import ConfigError, ModelConfig
 from lab.runtime.files import write_atomic
 
 TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-5, "params": 1e-3}
-TOLERANCE_16 = {"loss": 1e-3, "grad_norm": 2e-2, "rel_params": 5e-2}  # 16-bit policies (docs/precision.md)
+# 16-bit policies (docs/precision.md): the weights by ‖Δw‖ / ‖w‖, a mixture of experts' looser (a routed token whose
+# top-k flips under a regrouped 16-bit sum moves two experts by whole AdamW steps)
+TOLERANCE_16 = {"loss": 1e-3, "grad_norm": 3e-2, "rel_params": {"dense": 5e-2, "moe": 0.15}}
 MOE = {"moe_experts": 4, "moe_top_k": 2}
 ARCHS = {"gpt2": TINY, "modern": dataclasses.replace(TINY, arch="modern", n_kv_head=1)}
 SETUP = Setup(steps=3, accum=2, micro_batch=4, grad_clip=0.05)
@@ -92,7 +94,7 @@ class Row:
             return False
         if self.rel_params is not None:
             return self.loss <= TOLERANCE_16["loss"] and self.grad_norm <= TOLERANCE_16["grad_norm"] and \
-                self.rel_params <= TOLERANCE_16["rel_params"]
+                self.rel_params <= TOLERANCE_16["rel_params"][self.layout.model]
         return self.loss <= TOLERANCE["loss"] and self.grad_norm <= TOLERANCE["grad_norm"] and \
             self.params <= TOLERANCE["params"]
 
@@ -208,8 +210,10 @@ def summary(rows: list[Row]) -> str:
             continue
         ranks = ", ".join(str(n) for n in sorted({r.layout.ranks for r in ran})) or "-"
         worst = [max((getattr(r, k) for r in ran), default=0.0) for k in ("loss", "grad_norm", "params")]
+        relative = [r.rel_params for r in ran if r.rel_params is not None]
+        weight = f"{worst[2]:.1e}" + (f" ({max(relative):.1e} rel)" if relative else "")
         lines.append(f"| {name} | {len(ran)} | {ranks} | {sum(r.passed for r in ran)} | {worst[0]:.1e} | "
-                     f"{worst[1]:.1e} | {worst[2]:.1e} | {len(mine) - len(ran)} |")
+                     f"{worst[1]:.1e} | {weight} | {len(mine) - len(ran)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -223,7 +227,8 @@ def markdown(rows: list[Row]) -> str:
         if row.refused is not None:
             cells += ["", "", "", "", f"refused: {row.refused}"]
         else:
-            cells += [f"{row.loss:.1e}", f"{row.grad_norm:.1e}", f"{row.params:.1e}", f"{row.seconds:.1f}",
+            weight = f"{row.params:.1e}" + (f" ({row.rel_params:.1e} rel)" if row.rel_params is not None else "")
+            cells += [f"{row.loss:.1e}", f"{row.grad_norm:.1e}", weight, f"{row.seconds:.1f}",
                       "pass" if row.passed else "**FAIL**" + (f" (meters: {row.meters[0]})" if row.meters else "")]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ that places the model over the data axis and loops over the layout's transforms 
     layout.py, comm.py          the ground: degrees, refusals, the mesh, counted collectives
     axes/                       tensor, experts, pipeline, activation checkpointing: the transforms, in one list
     base.py, accounts.py        the strategy that loops over the list, and what it costs
+    precision.py                mixed precision's fp32 masters and fp16's loss scale (docs/precision.md)
     data/                       the data-parallel strategies: single, ddp, zero, torch's, DeepSpeed
 """
 

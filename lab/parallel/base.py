@@ -302,9 +302,13 @@ class Strategy:
 
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """torch optimizer groups: each ParamGroup's tensors as this strategy holds them (their masters, if any)."""
-        params = dict(self.module.named_parameters())
-        held = (lambda p: p) if self.master_weights is None else (lambda p: self.master_weights.of.get(id(p), p))
-        return [{"params": [held(params[n]) for n in g.names], **g.options()} for g in groups if g.names]
+        params, masters = dict(self.module.named_parameters()), self._masters_by_id()
+        return [{"params": [masters.get(id(params[n]), params[n]) for n in g.names], **g.options()}
+                for g in groups if g.names]
+
+    def _masters_by_id(self) -> dict[int, torch.Tensor]:
+        """The fp32 master of each weight it holds whole, by the weight's id (none without mixed precision)."""
+        return {} if self.master_weights is None else self.master_weights.of
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -502,12 +506,15 @@ class Strategy:
     def holding(self) -> list[Piece]:
         """What this rank holds of every parameter (frozen ones included; a tied weight once), in a fixed order:
         replicated, each whole."""
-        master = (lambda p: None) if self.master_weights is None else (lambda p: self.master_weights.of.get(id(p)))
-        return [Piece(name, p.numel(), 0, p.detach().view(-1), None if p.grad is None else p.grad.view(-1),
-                      self.optimizer.state.get(master(p) if master(p) is not None else p) or None,
-                      shape=tuple(p.shape), replicas=GroupReplicas(self.world_of(name)),
-                      master=None if master(p) is None else master(p).view(-1))
-                for name, p in self.module.named_parameters()]
+        masters = self._masters_by_id()
+        out = []
+        for name, p in self.module.named_parameters():
+            master = masters.get(id(p))
+            out.append(Piece(name, p.numel(), 0, p.detach().view(-1), None if p.grad is None else p.grad.view(-1),
+                             self.optimizer.state.get(p if master is None else master) or None, shape=tuple(p.shape),
+                             replicas=GroupReplicas(self.world_of(name)),
+                             master=None if master is None else master.view(-1)))
+        return out
 
     def _replicas(self, piece: Piece) -> list[Replicas]:
         """Every group of ranks that holds the same values of ``piece`` as this rank."""
