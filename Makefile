@@ -14,7 +14,7 @@ CPU_INDEX   := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null || $(PY) -m pip install -q --dry-run --no-index --no-deps \
 	-c constraints-cpu.txt torch >/dev/null 2>&1 || echo $(CPU_INDEX))
 
-.PHONY: setup demo sweep test test-all test-fast bench bench-gpu clean
+.PHONY: setup demo sweep test test-all test-fast bench bench-gpu docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,9 +61,13 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) launch/bench.py
 
-# On a machine with one CUDA GPU (about 10 minutes): the paths no CPU run reaches, in benchmarks/results-gpu.{json,md}.
+# On a machine with one CUDA GPU (about 10 minutes): the paths no CPU run reaches, in benchmarks/gpu/results.{json,md}.
 bench-gpu: $(STAMP)
-	$(PY) -m lab bench-gpu --out benchmarks/results-gpu.json
+	$(PY) -m lab bench-gpu --out benchmarks/gpu/results.json
+
+# The option reference, generated from the config dataclasses (a test holds it current).
+docs: $(STAMP)
+	$(PY) -m lab options --out docs/options.md
 
 clean:
 	rm -rf $(VENV) runs data/prepared demo-sweep demo-fit

@@ -442,8 +442,10 @@ def _curves(args: argparse.Namespace) -> int:
     held = law.held_out(facts, args.hold_out)
     fitted = [c for c, h in zip(curves, held) if not h]
     kept = [c for c, h in zip(curves, held) if h]
-    fit = law.fit_curves(fitted, args.bootstrap, args.seed, args.ci)
-    doc = {"inputs": [str(p) for p in args.inputs], "loss": args.loss, "fit": fit.to_dict(),
+    fit = law.fit_curves(fitted, args.bootstrap, args.seed, args.ci, args.loss)
+    problems = law.identification(fit, fitted)
+    doc = {"inputs": [str(p) for p in args.inputs], "loss": args.loss,
+           "fit": {**fit.to_dict(), "identified": not problems, "problems": problems},
            "runs": facts.assign(held_out=held).to_dict(orient="records"),
            "holdout": law.holdout(fit, kept) if kept else None, "predictions": []}
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ therefore symmetric about the lowest run, as wide as the nearer end of the sampl
 at most a decade of N either way (``MAX_HALF_WIDTH``), widened only to hold ``MIN_SIDE`` sizes on
 each side; a vertex outside its window is rejected. On synthetic lopsided profiles this cuts the
 vertex error from up to 0.058 to under 0.006 decades of N (tests/analysis/test_analysis_isoflop.py,
-benchmarks/bench_isoflop_window.py and its figures in benchmarks/results-analysis.md).
+benchmarks/analysis/bench_isoflop_window.py and its figures in benchmarks/analysis/README.md).
 
 A budget is usable when its lowest run has at least ``MIN_SIDE`` distinct sizes on each side: a
 lowest run at the smallest or largest size is at the edge (not a minimum), and with one size on a

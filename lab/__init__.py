@@ -8,6 +8,6 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # Read by OpenMP once, when torch loads it: threads that wait for work sleep instead of spinning. On a machine
 # whose cores other processes share (two runs side by side, a sweep beside a job), spinning threads take the cores
-# the working ones need: benchmarks/threads.md measured two runs side by side at 1.94x one alone's step time with
+# the working ones need: benchmarks/threads/README.md measured two runs side by side at 1.94x one alone's step time with
 # spinning threads and 1.00x without.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

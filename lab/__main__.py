@@ -33,6 +33,8 @@ COMMANDS = {
     "mup-check": ("lab.commands.mup", "main", "μP's coordinate check: activation scales across widths, as a table "
                   "and figure"),
     "peak": ("lab.measure.device", "peak_main", "this CPU's matmul peak (the MFU denominator): show, or --remeasure"),
+    "options": ("lab.commands.options", "main", "every option of a run, its type, default and meaning "
+                "(docs/options.md)"),
 }
 
 

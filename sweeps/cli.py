@@ -387,6 +387,7 @@ def _verify(args: argparse.Namespace) -> int:
     sweep = specs.with_overrides(sweep, {}, _overrides(args, SLURM_OPTIONS))
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise UsageError(f"--budget must be a positive number of FLOPs, got {args.budget}")
+    specs.check_budgets((args.budget,), "--budget")
     if args.bootstrap < 0:
         raise UsageError(f"--bootstrap must be 0 or more, got {args.bootstrap}")
     registry = Registry.open(folder)

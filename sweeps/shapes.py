@@ -65,8 +65,15 @@ def family_shape(target: float, family: Family, which: str, base: dict[str, dict
     def aspect_shape(width: int) -> dict[str, int]:
         return shape(min(family.max_layers, max(1, math.floor(width / family.aspect + 0.5))), width)
 
-    widths = [family.width_multiple]
-    while count(model_config(base, aspect_shape(widths[-1])), which) < target:  # N grows with the width
-        widths.append(widths[-1] + family.width_multiple)
-    width = min(widths, key=lambda w: error(aspect_shape(w)))
+    def below(multiple: int) -> bool:
+        return count(model_config(base, aspect_shape(multiple * family.width_multiple)), which) < target
+
+    # N grows with the width: the first multiple whose N reaches the target, found by doubling then bisecting
+    lo, hi = 0, 1  # below(lo) (or lo = 0), not below(hi)
+    while below(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if below(mid) else (lo, mid)
+    width = min({max(lo, 1), hi}, key=lambda m: error(aspect_shape(m * family.width_multiple))) * family.width_multiple
     return shape(min(range(1, family.max_layers + 1), key=lambda L: error(shape(L, width))), width)

@@ -222,6 +222,44 @@ def _numbers(value: Any, where: str) -> tuple[float, ...]:
     return numbers
 
 
+# Bounds that keep planning finite and small: a budget far past any training run (the largest published are a few
+# 1e26 FLOPs), more sizes than a profile needs, or a size no shape search should walk to, is refused in one line.
+MAX_BUDGET_FLOPS = 1e30
+MAX_SIZE_PARAMS = 1e16
+MAX_PER_BUDGET = 100
+MAX_DECADES_EACH_SIDE = 4.0
+
+
+def check_budgets(budgets: tuple[float, ...], where: str) -> tuple[float, ...]:
+    """``budgets`` (FLOPs per run) unless one is above MAX_BUDGET_FLOPS."""
+    for i, budget in enumerate(budgets):
+        if budget > MAX_BUDGET_FLOPS:
+            raise SpecError(f"{where}[{i}] is {budget:.3g} FLOPs, above the {MAX_BUDGET_FLOPS:.0e} a sweep plans for")
+    return budgets
+
+
+def check_sizes(sizes: tuple[float, ...], where: str) -> tuple[float, ...]:
+    """``sizes`` (target N) unless one is above MAX_SIZE_PARAMS."""
+    for i, size in enumerate(sizes):
+        if size > MAX_SIZE_PARAMS:
+            raise SpecError(f"{where}[{i}] is {size:.3g} parameters, above the {MAX_SIZE_PARAMS:.0e} a sweep plans for")
+    return sizes
+
+
+def check_per_budget(per_budget: int) -> int:
+    """``[sweep] per_budget`` unless above MAX_PER_BUDGET."""
+    if per_budget > MAX_PER_BUDGET:
+        raise SpecError(f"[sweep] per_budget must be at most {MAX_PER_BUDGET}, got {per_budget}")
+    return per_budget
+
+
+def check_decades(decades: float) -> float:
+    """``[sweep] decades_each_side`` unless above MAX_DECADES_EACH_SIDE."""
+    if decades > MAX_DECADES_EACH_SIDE:
+        raise SpecError(f"[sweep] decades_each_side must be at most {MAX_DECADES_EACH_SIDE:g}, got {decades:g}")
+    return decades
+
+
 def check_name(name: Any, where: str) -> str:
     """A run or sweep name: any text that is one path component (no '/', no control characters, no leading '.')."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith(".") or len(name) > 120:
@@ -329,7 +367,8 @@ def _shape_source(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family
     if family.width_multiple % family.head_dim:
         raise SpecError(f"[shapes] head_dim ({family.head_dim}) must divide width_multiple "
                         f"({family.width_multiple}) so that heads divide every width")
-    return family, _numbers(sweep["sizes"], "[sweep] sizes") if "sizes" in sweep else (), ()
+    return family, check_sizes(_numbers(sweep["sizes"], "[sweep] sizes"), "[sweep] sizes") if "sizes" in sweep \
+        else (), ()
 
 
 CENTRE_KEYS = {"tokens_per_param": {"prior", "tokens_per_param"}, "fit": {"prior", "path", "approach"}}
@@ -359,8 +398,9 @@ def _centre(sweep: dict[str, Any]) -> tuple[Centre, float, int]:
         if approach not in FIT_APPROACHES:
             raise SpecError(f"[sweep] centre.approach must be one of {', '.join(FIT_APPROACHES)}, got {approach!r}")
         centre = Centre(prior, path=Path(value["path"]), approach=approach)
-    decades = _number(sweep.get("decades_each_side", Sweep.decades_each_side), "[sweep] decades_each_side")
-    per_budget = _integer(sweep.get("per_budget", Sweep.per_budget), "[sweep] per_budget", minimum=5)
+    decades = check_decades(_number(sweep.get("decades_each_side", Sweep.decades_each_side),
+                                    "[sweep] decades_each_side"))
+    per_budget = check_per_budget(_integer(sweep.get("per_budget", Sweep.per_budget), "[sweep] per_budget", minimum=5))
     return centre, decades, per_budget
 
 
@@ -380,11 +420,12 @@ def _search(search: dict[str, Any], family: Family | None) -> Search | None:
             raise SpecError(f"[search] {key} needs at least {SEARCH_GRID_MIN} values, got {len(grid)}")
     if "batch_budgets" in search and not batches:
         raise SpecError("[search] batch_budgets needs batch_tokens (the batch grid)")
-    sizes = _numbers(search["sizes"], "[search] sizes")
+    sizes = check_sizes(_numbers(search["sizes"], "[search] sizes"), "[search] sizes")
     if len(sizes) < 2:
         raise SpecError("[search] sizes needs at least 2 sizes to fit LR(N)")
-    budget = _number(search["budget"], "[search] budget")
-    batch_budgets = _numbers(search.get("batch_budgets", [budget] if batches else []), "[search] batch_budgets")
+    budget = check_budgets((_number(search["budget"], "[search] budget"),), "[search] budget")[0]
+    batch_budgets = check_budgets(_numbers(search.get("batch_budgets", [budget] if batches else []),
+                                           "[search] batch_budgets"), "[search] batch_budgets")
     return Search(budget=budget, sizes=tuple(sorted(sizes)), lr=tuple(sorted(lrs)), batch_tokens=tuple(sorted(batches)),
                   batch_budgets=tuple(sorted(batch_budgets)))
 
@@ -441,6 +482,8 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{source}: invalid TOML ({e})") from None
+    except RecursionError:
+        raise SpecError(f"{source}: invalid TOML (nested too deeply)") from None
     unknown = sorted(set(doc) - set(_TABLES))
     if unknown:
         raise SpecError(f"{source}: unknown table [{unknown[0]}] (known: {', '.join(_TABLES)})")
@@ -453,7 +496,7 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         raise SpecError("[sweep] folder must be a path (a string)")
     if "budgets" not in sweep:
         raise SpecError("[sweep] needs 'budgets' (training FLOPs per run)")
-    budgets = _numbers(sweep["budgets"], "[sweep] budgets")
+    budgets = check_budgets(_numbers(sweep["budgets"], "[sweep] budgets"), "[sweep] budgets")
     count = sweep.get("count", "total")
     if count not in ("total", "non_embedding"):
         raise SpecError(f"[sweep] count must be total or non_embedding, got {count!r}")

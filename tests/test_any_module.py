@@ -1,7 +1,7 @@
 """The data-parallel strategies wrap any ``nn.Module``, not only the lab's GPT: one with no parallel plan of its
 own (``lab.model.plan.default_plan``), a weight tied between two of its children, a frozen layer and a buffer,
 trains under each of them on 2 gloo ranks as it trains in one process. And a new strategy is one class: the
-README's worked example, run as written."""
+worked example of docs/parallelism.md, run as written."""
 
 from pathlib import Path
 
@@ -73,16 +73,16 @@ def test_every_data_parallel_strategy_trains_a_module_that_is_not_a_gpt_as_one_p
         assert r.same_losses and r.same_params, (spec, r)
 
 
-def readme_strategy() -> str:
-    """The worked example of a new strategy in the README, as written there."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("```python\n# lab/parallel/data/flat.py") + len("```python\n")
+def docs_strategy() -> str:
+    """The worked example of a new strategy in docs/parallelism.md, as written there."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
+    start = text.index("```python\n# a module of your own") + len("```python\n")
     return text[start:text.index("```", start)]
 
 
-def _train_readme_strategy(world: World, code: str) -> dict:
+def _train_docs_strategy(world: World, code: str) -> dict:
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/parallelism.md", "exec"), namespace)
     register(namespace["FlatDDP"])
     setup = Setup(steps=3, accum=2)
     ref, trace = reference(world, setup), train_tiny(world, setup, parse_spec("ddp_flat"))
@@ -98,8 +98,8 @@ def _train_readme_strategy(world: World, code: str) -> dict:
 
 
 @pytest.mark.slow
-def test_the_readmes_new_strategy_is_one_file_and_a_registry_line_and_trains_as_single():
-    r = run_pooled(_train_readme_strategy, 2, readme_strategy())[0]
+def test_the_docs_new_strategy_is_one_file_and_a_registry_line_and_trains_as_single():
+    r = run_pooled(_train_docs_strategy, 2, docs_strategy())[0]
     # with accumulation the sums are regrouped (last bits, carried by AdamW): test_distributed's tolerances
     assert r["flat"].max_rel_loss_diff <= 1e-6 and r["flat"].max_rel_grad_norm_diff <= 1e-5, r
     assert r["flat"].max_param_diff <= 1e-3, r

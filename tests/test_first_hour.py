@@ -98,7 +98,7 @@ def test_only_the_first_rank_of_a_node_prints_the_error(args, tmp_path, monkeypa
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", rank)
         assert run(tmp_path / "r", *args, *bad) == 2
-    assert "must be a multiple of micro_batch × block_size × world_size" in one_error_line(capsys.readouterr().err)
+    assert "is not a multiple of train.micro_batch × model.block_size × ranks" in one_error_line(capsys.readouterr().err)
     for rank in ("1", "0"):  # the parser's own errors too
         monkeypatch.setenv("LOCAL_RANK", rank)
         with pytest.raises(SystemExit, match="2"):

@@ -14,10 +14,10 @@ from lab.measure import accounting
 
 from lab.runtime import checkpoint
 from lab.commands.cli import run_main, sample_main
-from lab.runtime.config import RunConfig, resolve
+from lab.runtime.config import ConfigError, RunConfig, build_parser, config_from_args, resolve
 from lab.model import GPT
 from pool import run_pooled
-from lab.training.train import checkpoint_interval
+from lab.training.train import checkpoint_interval, validate
 from test_checkpoints import train_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, arg
 
 @pytest.mark.parametrize("extra, message", [
     (["--model.n_head", "3"], "model.n_head (3) must divide model.d_model (32)"),
-    (["--train.batch_tokens", "100"], "train.batch_tokens (100) must be a multiple of"),
+    (["--train.batch_tokens", "100"], "train.batch_tokens (100) is not a multiple of"),
     (["--model.preset", "gpt-5"], "unknown model preset 'gpt-5'"),
     (["--strategy", "zero9"], "unknown strategy 'zero9'"),
     (["--data.corpus", "/nonexistent/corpus"], "/nonexistent/corpus"),
@@ -157,13 +157,51 @@ def test_bad_input_fails_before_training_with_one_line(tmp_path, args, capsys, e
 def test_single_strategy_refuses_several_processes(tmp_path, args, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert run(tmp_path / "r", *args) == 2
-    assert "strategy 'single' runs on at most 1 process(es), got world size 2" in capsys.readouterr().err
+    assert "strategy 'single' runs on at most 1 process(es), got world size 2: choose a data-parallel --strategy" in (
+        capsys.readouterr().err)
+
+
+def demo(*overrides: str) -> RunConfig:
+    """configs/demo.toml with dotted overrides, as the command line resolves them."""
+    args = build_parser("test", "").parse_args(["--config", str(ROOT / "configs" / "demo.toml"), *overrides])
+    return config_from_args(args)
+
+
+def test_the_demo_config_runs_on_one_and_two_ranks():
+    assert validate(demo(), 1).accum_steps == 2
+    assert validate(demo("--strategy", "ddp"), 2).accum_steps == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the demo's earlier micro-batch, 16 sequences, on 2 ranks: the batch does not divide, but the mistake is elsewhere
+    (["--parallel.ep", "2", "--strategy", "ddp"], "parallel.ep (2) splits a mixture of experts: set model.moe_experts"),
+    (["--parallel.ep", "2"], "parallel.ep (2) splits a mixture of experts"),
+    (["--strategy", "ddp", "--parallel.bucket_mb", "-1"], "parallel.bucket_mb must be positive, got -1.0"),
+    (["--strategy", "zero4"], "unknown strategy 'zero4'"),
+    ([], "strategy 'single' runs on at most 1 process(es), got world size 2: choose a data-parallel --strategy"),
+    (["--strategy", "ddp"], "train.batch_tokens (4096) is not a multiple of train.micro_batch × model.block_size × "
+                            "ranks (16 × 256 × 2 = 8192): set --train.micro_batch 8"),
+    (["--strategy", "ddp", "--train.batch_tokens", "4000"], "set --train.batch_tokens to a multiple of 512"),
+])
+def test_a_batch_that_does_not_divide_is_named_last_with_the_option_that_fixes_it(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        validate(demo("--train.micro_batch", "16", *overrides), 2)
+    assert message in str(e.value)
+
+
+def test_under_torchrun_an_unknown_strategy_is_named_before_the_batch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run(tmp_path / "r", "--config", str(ROOT / "configs" / "demo.toml"), "--train.micro_batch", "16",
+               "--strategy", "zero4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: unknown strategy 'zero4'") and "did you mean" in err[0]
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow
 def test_existing_runs_are_never_overwritten_and_resume_checks_the_config(tmp_path, args, capsys):
     r = tmp_path / "r"
-    assert run(r, *args) == 0
+    assert run(r, *args, "--train.stop_after", "4") == 0  # a completed one is refused as complete (test_faults)
     before = (r / "metrics.jsonl").read_text()
     assert run(r, *args) == 2
     assert "already holds a run" in capsys.readouterr().err

@@ -1,10 +1,10 @@
 """Benchmarks that print figures: one process's training throughput, and strategies side by side.
 
     python launch/bench.py                          # tokens/s and MFU of the default models (CPU or CUDA)
-    python launch/bench.py --strategies ddp_naive,ddp,torch_ddp --nproc 2 --out benchmarks/parallel
+    python launch/bench.py --strategies ddp_naive,ddp,torch_ddp --nproc 2 --out benchmarks/strategies/parallel
     python launch/bench.py --strategies single,single:activation_checkpointing=full --nproc 1 --preset tiny
     python launch/bench.py --measure-peak           # this CPU's matmul peak, measured again and cached
-    python launch/bench.py --memory ddp,zero1,zero2,zero3 --nproc 2 --out benchmarks/results-memory
+    python launch/bench.py --memory ddp,zero1,zero2,zero3 --nproc 2 --out benchmarks/memory/memory
 
 Throughput: forward, backward and fused AdamW on synthetic tokens, as the lab's ``single`` strategy runs them under
 a precision policy; the MFU denominator comes from ``lab.measure.device`` (a measured matmul peak on a CPU, the

@@ -82,7 +82,7 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "python -m lab bench-gpu") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--out", default="benchmarks/results-gpu.json", help="the JSON file (a .md table beside it)")
+    p.add_argument("--out", default="benchmarks/gpu/results.json", help="the JSON file (a .md table beside it)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per throughput case")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     args = p.parse_args(argv)

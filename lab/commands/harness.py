@@ -4,19 +4,108 @@ The run's checkpoint is exported on the fly as a Hugging Face folder (``lab.comm
 harness's ``hf`` model, exactly as ``lm_eval --model hf --model_args pretrained=FOLDER`` scores an exported run.
 The scores go to ``RUN_DIR/eval.json`` beside ``summary.json`` (tasks scored earlier are kept), where ``sweeps
 export`` and ``analysis fit`` read them (``lab.runtime.scores``): a column ``task_NAME`` per task, its first metric.
+
+Offline (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE`` set, or the Hub's endpoint not answering within
+``HUB_PROBE_S``), every task's dataset must be local: a copy in the datasets cache, or files a task YAML of
+``--include-path`` reads. One that is not is named in one line (exit 2) before any export, instead of the harness
+retrying the Hub and ending in a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 from lab.commands.cli import _error, run_config, run_weights
 from lab.runtime.config import ConfigError, Parser, did_you_mean
 from lab.runtime.extras import require
 from lab.runtime.files import save_json
 from lab.runtime.scores import SCORES
+
+HUB_PROBE_S = 3.0  # how long a connection to the Hugging Face Hub may take before it counts as unreachable
+OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # read by huggingface_hub and datasets at import
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # datasets' readers of local files
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face Hub is out of reach: offline mode is set, or no TCP connection to its endpoint
+    (``HF_ENDPOINT``, by default huggingface.co) opens within ``HUB_PROBE_S`` seconds, name lookup included."""
+    if any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in OFFLINE_SWITCHES):
+        return True
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    answered: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                     timeout=HUB_PROBE_S).close()
+            answered.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, daemon=True)  # a name lookup ignores the socket's timeout
+    probe.start()
+    probe.join(HUB_PROBE_S)
+    return not answered
+
+
+def read_task_yaml(path: Path) -> dict[str, Any]:
+    """A harness task file as a dict, its ``include`` files merged under it and its ``!function`` tags left None."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    config = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader) or {}
+    includes = config.pop("include", [])
+    merged: dict[str, Any] = {}
+    for include in includes if isinstance(includes, list) else [includes]:
+        merged.update(read_task_yaml(path.parent / include))
+    return merged | config
+
+
+def task_dataset(task: str, include_path: str | None, harness_tasks: Path) -> dict[str, Any] | None:
+    """The ``dataset_path``, ``dataset_name`` and ``dataset_kwargs`` of the YAML file in ``include_path`` or the
+    harness's own task folder that defines ``task``, found by its ``task:`` line (the harness's index of every
+    task takes about 25 s); None when no file does (a group, or an unknown name: the harness's index judges)."""
+    defines = re.compile(rf"^task:\s*['\"]?{re.escape(task)}['\"]?\s*$", re.MULTILINE)
+    for folder in [*([Path(include_path)] if include_path else []), harness_tasks]:
+        for path in sorted(folder.rglob("*.yaml")):
+            if defines.search(path.read_text(encoding="utf-8", errors="replace")):
+                config = read_task_yaml(path)
+                return {"path": config.get("dataset_path"), "name": config.get("dataset_name"),
+                        **(config.get("dataset_kwargs") or {})}
+    return None
+
+
+def check_local_datasets(tasks: list[str], include_path: str | None, harness_tasks: Path) -> None:
+    """ConfigError naming the first task whose dataset is neither in the datasets cache nor in local files (run
+    with the offline switches set, so nothing is fetched)."""
+    import datasets
+
+    for task in tasks:
+        if (found := task_dataset(task, include_path, harness_tasks)) is None or found["path"] is None:
+            continue
+        try:
+            datasets.load_dataset_builder(**found)
+        except OSError as e:  # ConnectionError offline, FileNotFoundError for missing files
+            if found["path"] in LOCAL_BUILDERS:
+                raise ConfigError(f"--tasks {task}: its {found['path']} files {found.get('data_files')} cannot be "
+                                  f"read ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+            name = found["path"] + (f" ({found['name']})" if found["name"] else "")
+            raise ConfigError(f"--tasks {task}: its dataset {name} is not in the datasets cache and the Hugging Face "
+                              f"Hub cannot be reached; fetch it once where the Hub is reachable (the cache is "
+                              f"HF_DATASETS_CACHE), or give --include-path a task YAML whose dataset_path reads a "
+                              f"local copy (dataset_path: json, dataset_kwargs: data_files)") from None
+
 
 def _metrics(result: dict) -> dict[str, float]:
     """The harness's ``{"acc,none": 0.5, "acc_stderr,none": ...}`` as ``{"acc": 0.5, "acc_stderr": ...}``,
@@ -38,10 +127,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab eval") -> int
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    offline = hub_offline()
+    if offline:  # before huggingface_hub or datasets is imported: they read the switches once
+        os.environ.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
     try:
         lm_eval = require("lm_eval", "eval")
-        for module in ("transformers", "safetensors"):
-            require(module, "eval")
         from lab.commands import hf
 
         cfg = run_config(run_dir)
@@ -50,6 +140,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab eval") -> int
             raise ConfigError(f"--include-path {args.include_path} is not a folder")
         if not tasks:
             raise ConfigError("--tasks is empty")
+        if offline:
+            check_local_datasets(tasks, args.include_path, Path(lm_eval.__file__).parent / "tasks")
+        for module in ("transformers", "safetensors"):
+            require(module, "eval")
         weights, step = run_weights(run_dir, cfg, args.checkpoint)
         from lm_eval.tasks import TaskManager
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import matplotlib
@@ -65,16 +66,27 @@ def figure(runs: dict[str, dict[str, tuple[list[int], list[float]]]]) -> plt.Fig
     return fig
 
 
+def default_out(dirs: list[Path]) -> Path:
+    """Where the figure goes without --out: into the run for one run; for several, into the nearest folder that
+    holds them all (not the working directory), named after them (``curves-a-b``; ``curves-N-runs`` beyond 3)."""
+    if len(dirs) == 1:
+        return dirs[0] / "curves"
+    names = [d.resolve().name for d in dirs]
+    stem = "curves-" + ("-".join(names) if len(names) <= 3 else f"{len(names)}-runs")
+    return Path(os.path.commonpath([d.resolve() for d in dirs])) / stem
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m lab plot") -> int:
     """Draw the runs' curves into OUT.png and OUT.svg; one ``error:`` line and exit 2 on bad input."""
     p = Parser(prog=prog, description="Plot one run's training curves, or several runs overlaid: loss, held-out "
                                       "loss, learning rate, gradient norm and tokens/s against the step.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories written by python -m lab train")
     p.add_argument("--out", help="the figure's path without its extension; .png and .svg are written "
-                                 "(default: RUN/curves for one run, curves in this folder for several)")
+                                 "(default: RUN/curves for one run; for several, curves-NAME-NAME... in the folder "
+                                 "that holds them all)")
     args = p.parse_args(argv)
     dirs = [Path(r) for r in args.runs]
-    out = Path(args.out) if args.out else (dirs[0] / "curves" if len(dirs) == 1 else Path("curves"))
+    out = Path(args.out) if args.out else default_out(dirs)
     try:
         if len({d.resolve() for d in dirs}) < len(dirs):
             raise ConfigError("a run is named twice")

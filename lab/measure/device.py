@@ -8,9 +8,12 @@
 - ``peak_flops``: the dense data-sheet peak on a GPU (``lab.measure.accounting``), or on a CPU a matmul
   peak measured once per machine, thread count, torch version and dtype, within a time budget and
   with a private random generator (the training RNG is never touched), then cached in
-  ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement,
-  unless the machine was busy (load above its cores: the figure reads low); ``python -m lab peak
-  --remeasure`` measures again, and so does a run whose MFU exceeds 100 %; the best figure is kept;
+  ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement.
+  One figure is the denominator of every run's MFU on that machine, so runs compare: it is cached even when
+  the machine was busy (load above its cores: the figure reads low, and the start line says so), processes
+  that start together measure it once (a lock), and a run measures again only when its MFU exceeds 100 %
+  (the figure is then provably low); ``python -m lab peak --remeasure`` measures again on demand; the best
+  figure seen is kept;
 - memory: the peak this process used, and what is available before a run starts.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import platform
@@ -173,17 +177,23 @@ def usable_cores() -> int:
 def size_threads(processes: int) -> int:
     """Give this process its share of the usable cores as torch's intra-op threads (``processes`` of one job share
     this machine), unless OMP_NUM_THREADS says how many; returns the count. More threads than cores make each
-    process's OpenMP threads wait on the others' (measured in benchmarks/threads.md)."""
+    process's OpenMP threads wait on the others' (measured in benchmarks/threads/README.md)."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, usable_cores() // max(1, processes)))
     return torch.get_num_threads()
+
+
+def threads(count: int | None = None) -> str:
+    """``1 thread`` or ``N threads``: ``count``, by default torch's intra-op threads."""
+    count = torch.get_num_threads() if count is None else count
+    return f"{count} thread{'' if count == 1 else 's'}"
 
 
 def describe(device: torch.device) -> str:
     """The device in words: the GPU's name, or the CPU's model and thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+    return f"{cpu_name()}, {threads()}"
 
 
 def synchronize(device: torch.device) -> None:
@@ -242,7 +252,7 @@ class PeakRecord:
 
     def describe(self) -> str:
         load = "load unknown" if self.load is None else f"load {self.load:.2f} on {os.cpu_count()} cores"
-        return (f"{self.threads} thread{'s' if self.threads != 1 else ''}, " if self.threads else "") + \
+        return (f"{threads(self.threads)}, " if self.threads else "") + \
             f"{self.measured_at}, {load}"
 
     @property
@@ -269,16 +279,32 @@ def _read_cache() -> dict[str, PeakRecord]:
 
 
 def cpu_peak_flops(dtype: torch.dtype) -> Peak:
-    """This CPU's matmul FLOP/s in ``dtype``: the cached figure, or one measured now (< 2 s) and cached."""
-    cached = _read_cache().get(_peak_key(dtype))
-    if cached:
-        return Peak(cached.flops, f"measured matmul peak ({cached.describe()}; cached in {_cache_file()})", dtype)
-    return _measured_peak(dtype, record_cpu_peak(dtype)[1])
+    """This CPU's matmul FLOP/s in ``dtype``: the cached figure, or one measured now (< 2 s) and cached. Processes
+    that find none at once take turns (a lock beside the cache): the first measures, the others read its figure."""
+    with _measuring():
+        cached = _read_cache().get(_peak_key(dtype))
+        return _measured_peak(dtype, cached if cached else record_cpu_peak(dtype)[1])
+
+
+@contextlib.contextmanager
+def _measuring():
+    """Hold the lock beside the cache (blocking) while the cache is read and, if needed, a peak measured: two
+    processes measuring at once would each read the other's load. Without a writable cache folder, no lock."""
+    try:
+        _cache_file().parent.mkdir(parents=True, exist_ok=True)
+        lock = open(_cache_file().with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _measured_peak(dtype: torch.dtype, record: PeakRecord) -> Peak:
-    busy = "; not cached: measured on a busy machine" if record.busy else ""
-    return Peak(record.flops, f"measured matmul peak ({record.describe()}{busy})", dtype)
+    busy = ("; busy then: reads low, so MFU reads high; python -m lab peak --remeasure on a quiet machine"
+            if record.busy else "")
+    return Peak(record.flops, f"measured matmul peak ({record.describe()}{busy}; cached in {_cache_file()})", dtype)
 
 
 def remeasure_low_peak(peak: Peak) -> Peak | None:
@@ -286,21 +312,20 @@ def remeasure_low_peak(peak: Peak) -> Peak | None:
     100 % says it does); else None. The best figure is cached, as in ``record_cpu_peak``."""
     if peak.measured is None:
         return None
-    best = record_cpu_peak(peak.measured)[1]
+    with _measuring():
+        best = record_cpu_peak(peak.measured)[1]
     return _measured_peak(peak.measured, best) if best.flops > peak.flops else None
 
 
 def record_cpu_peak(dtype: torch.dtype, budget_s: float = PEAK_BUDGET_S) -> tuple[PeakRecord, PeakRecord]:
     """Measure again and cache the best figure this machine has shown, with its time, load and threads (a
-    measurement taken while other work competed for the cores reads low: one taken on a busy machine, load above
-    its cores, is not cached, and a later, quieter one replaces a low one). Returns (this measurement, the best)."""
+    measurement taken while other work competed for the cores reads low, and a later, higher one replaces it).
+    Returns (this measurement, the best)."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     now = PeakRecord(measure_matmul_peak(dtype, budget_s), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                      load, torch.get_num_threads())
     cache, key = _read_cache(), _peak_key(dtype)
     best = cache[key] if key in cache and cache[key].flops >= now.flops else now
-    if best is now and now.busy:
-        return now, now
     with contextlib.suppress(OSError):  # an unwritable cache only costs a measurement next time
         path = _cache_file()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -324,15 +349,15 @@ def peak_main(argv: list[str] | None = None, prog: str = "python -m lab peak") -
     if not args.budget > 0:
         print_error(f"--budget must be positive, got {args.budget}")
         return 2
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; cache {_cache_file()}")
+    print(f"{cpu_name()}, {threads()}, torch {torch.__version__}; cache {_cache_file()}")
     cache = _read_cache()
     for dtype in (torch.float32, torch.bfloat16):
         name = "fp32" if dtype == torch.float32 else "bf16"
         if args.remeasure:
-            now, best = record_cpu_peak(dtype, args.budget)
-            kept = "not cached: the machine is busy" if best is now and now.busy else \
-                f"kept {best.flops / 1e9:,.1f} GFLOP/s (measured {best.describe()})"
-            print(f"{name}: {now.flops / 1e9:,.1f} GFLOP/s now ({now.describe()}); {kept}")
+            with _measuring():
+                now, best = record_cpu_peak(dtype, args.budget)
+            print(f"{name}: {now.flops / 1e9:,.1f} GFLOP/s now ({now.describe()}); kept {best.flops / 1e9:,.1f} "
+                  f"GFLOP/s (measured {best.describe()})")
         elif (kept := cache.get(_peak_key(dtype))) is not None:
             print(f"{name}: {kept.flops / 1e9:,.1f} GFLOP/s (measured {kept.describe()})")
         else:

@@ -14,7 +14,7 @@ once per step (``take_step_peaks``); a strategy may ``tag`` a storage with a kin
 ``grads``) so that the peak of each kind is known too. Both are no-ops when no meter runs.
 
 ``LiveBytes`` costs about 6 µs per operation: 9 % of a step of the 85M model in
-benchmarks/results-memory.md, twice a tiny model's step; the loop runs it only under
+benchmarks/memory/README.md, twice a tiny model's step; the loop runs it only under
 ``train.memory_meter`` (the RSS, and on CUDA the allocator, always). It counts tensor storages
 made on the thread that runs the step: allocator slack, libraries and what the communication
 backend allocates on its own threads show in the RSS alone.

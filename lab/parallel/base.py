@@ -208,7 +208,8 @@ class Strategy:
                               f"world size {world_size} (start it with torchrun --nproc_per_node=N)")
         if cls.max_world_size is not None and world_size > cls.max_world_size:
             raise ConfigError(f"strategy '{cls.name}' runs on at most {cls.max_world_size} process(es), "
-                              f"got world size {world_size}")
+                              f"got world size {world_size}: choose a data-parallel --strategy (ddp, zero1, zero2, "
+                              f"zero3, fsdp) or run fewer processes")
         if loop.compile and not cls.compiles:
             raise ConfigError(f"train.compile is not supported under strategy '{cls.name}' (dynamo cannot trace "
                               f"parameters sharded at rest); set train.compile false or choose another strategy")
@@ -222,7 +223,7 @@ class Strategy:
         self.mesh, self.cfg, self.precision, self.loop = mesh, cfg, precision, loop
         self.world = mesh.data  # the strategy's axis
         self.everyone = mesh.world  # every rank of the run
-        self.comm = Comm(self.world.world_size, self.world.group)
+        self.comm = Comm(self.world.world_size, self.world.group, axis="dp")  # a failure names the axis
         self.saved = SavedBytes()
         self.transforms: list[Transform] = axes.transforms(mesh, cfg, loop, self.saved, precision.param_dtype)
         self._comms: dict[int, tuple[World, Comm]] = {}  # a transform's data group (by its process group's id)

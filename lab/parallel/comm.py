@@ -9,7 +9,7 @@ them: the loop takes them once per optimizer step.
 
 gloo's reduce-scatter is an all-reduce underneath: it sends 2(N − 1)/N of the input per rank, as
 much as an all-reduce, from a full copy of it (measured on the loopback interface: see
-benchmarks/results-memory.md); its all-gather receives into a full-size buffer of its own and
+benchmarks/memory/README.md); its all-gather receives into a full-size buffer of its own and
 copies that into the output (a hidden copy of every gathered unit, in the resident set, not in the
 lab's tensor meter). On gloo the lab does both itself, between the caller's tensors. An all-gather
 is point-to-point messages: this rank's shard to every other rank, theirs received straight into
@@ -89,11 +89,25 @@ class CommTotals:
     wait_s: float = 0.0
 
 
-class Comm:
+class Pausable:
+    """What it counts, evaluation (inside ``paused``) leaves alone."""
+
+    _paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing inside is counted (held-out evaluation is not a training step's traffic)."""
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
+
+class Comm(Pausable):
     def __init__(self, world_size: int, group: dist.ProcessGroup | None = None, axis: str | None = None):
         self.world_size, self.group, self.axis = world_size, group, axis  # axis: named in a failure (AxisFailed)
         self._totals = CommTotals()
-        self._paused = False
 
     @property
     def rank(self) -> int:
@@ -106,15 +120,6 @@ class Comm:
         if not self._paused:
             self._totals.bytes[kind] += (ring_elements_sent(kind, tensor.numel(), world_size or self.world_size)
                                          * tensor.element_size())
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Collectives inside are not counted (held-out evaluation is not a training step's traffic)."""
-        before, self._paused = self._paused, True
-        try:
-            yield
-        finally:
-            self._paused = before
 
     @contextlib.contextmanager
     def counting_torch(self) -> Iterator[None]:

@@ -101,6 +101,9 @@ class World:
                               f"rank 0 has {values[0][:12]}")
 
 
+_MESHES: dict[tuple, Mesh] = {}  # by default group, rank, device and degrees
+
+
 def alone(world: World) -> World:
     """A world of this process alone (an axis of one rank)."""
     return World(rank=0, world_size=1, local_rank=world.local_rank, device=world.device)
@@ -233,14 +236,21 @@ class Layout:
         a replica read the same sequences (and draw the same dropout masks)."""
         return self.coordinates(rank)["dp"], self.dp
 
-    def mesh(self, world: World, timeout_named: bool = True) -> Mesh:
+    def mesh(self, world: World) -> Mesh:
         """Every axis of ``world`` as a ``World`` (collective when an axis besides dp is split: every rank calls it).
-        Each group gets ``parallel.timeout_s``, not torch's 30 minutes: a dead rank fails fast."""
+        Each group gets ``parallel.timeout_s``, not torch's 30 minutes: a dead rank fails fast. A process group made
+        once serves every later strategy of the same layout in this process group (each group holds threads)."""
         sizes = {"pp": self.pp, "edp": self.dp // self.ep, "ep": self.ep, "cp": self.cp, "tp": self.tp}
         one = alone(world)
         if all(sizes[d] == 1 for d in ("pp", "ep", "cp", "tp")):
             return Mesh(world, {"pp": one, "dp": world, "cp": one, "tp": one, "ep": one, "edp": world, "data": world,
                                 "expert_data": world})
+        key = (dist.group.WORLD, world.rank, world.device, tuple(sizes.values()))  # the group held: no id reused
+        if key not in _MESHES:
+            _MESHES[key] = self._build_mesh(world, sizes, one)
+        return _MESHES[key]
+
+    def _build_mesh(self, world: World, sizes: dict[str, int], one: World) -> Mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         # the data axis is a group even of one rank (a strategy's collectives over None would span the world)

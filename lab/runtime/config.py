@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -245,6 +246,7 @@ def did_you_mean(value: Any, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+@functools.cache  # evaluating a class's annotations is slow (every option of every section, each time a config is read)
 def _field_kind(section_cls: type, name: str) -> tuple[type, bool]:
     """(scalar type, optional?) of a dataclass field, from its annotation."""
     hints = typing.get_type_hints(section_cls)
@@ -322,6 +324,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p} is unreadable ({e.strerror or e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid TOML (nested too deeply)") from None
     for section, values in tree.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{p}: '{section}' must be a table ([{section}]), got {values!r}")
@@ -334,7 +338,7 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
     model = tree.get("model", {})
     preset = model.get("preset") if isinstance(model, dict) else None
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})"
                               f"{did_you_mean(preset, PRESETS)}")
         _apply(cfg, {"model": PRESETS[preset]}, source=f"preset {preset}")

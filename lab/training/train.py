@@ -8,33 +8,36 @@ seed and step), so resuming needs no data state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import math
+import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
 
 from lab.measure import accounting, memory
 
-from lab.runtime import checkpoint
+from lab.runtime import chaos, checkpoint
 
 from lab import parallel
 
 from lab.training import expect, schedule, trackers
-from lab.runtime.config import NONFINITE, ConfigError, RunConfig, did_you_mean
-from lab.runtime.files import dumps, read_lines, save_json
+from lab.runtime.config import NONFINITE, ConfigError, RunConfig, TrainConfig, did_you_mean
+from lab.runtime.files import append_line, dumps, fsync_file, fsync_folder, read_lines, save_json, write_atomic
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, precision_of, remeasure_low_peak,
-                                setup_device, synchronize)
+                                setup_device, synchronize, threads)
 from lab.model import GPT, router_meters
 from lab.model import validate as validate_model
 from lab.training.optim import adamw_factory, param_groups
@@ -70,29 +73,55 @@ class StepPlan:
 
 def step_plan(cfg: RunConfig, world_size: int) -> StepPlan:
     """The plan for ``world_size`` processes (of which the data-parallel replicas split each batch)."""
+    plan = split_batch(cfg, world_size)
+    check_batch(cfg, plan, world_size)
+    return plan
+
+
+def split_batch(cfg: RunConfig, world_size: int) -> StepPlan:
+    """The plan, its accumulation steps rounded down (at least 1) where the batch does not divide (``check_batch``)."""
     t, T = cfg.train, cfg.model.block_size
+    check_counts(t)
+    _, replicas = parallel.data_replica(cfg.parallel, 0, world_size)
+    return StepPlan(global_sequences=t.batch_tokens // T,
+                    accum_steps=max(1, t.batch_tokens // (t.micro_batch * T * replicas)),
+                    total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch, world_size=replicas)
+
+
+def check_counts(t: TrainConfig) -> None:
+    """Raise ConfigError (one line) for a count of tokens, sequences or steps that is not positive."""
     for name in ("tokens", "batch_tokens", "micro_batch", "log_every", "eval_tokens"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
-    _, replicas = parallel.data_replica(cfg.parallel, 0, world_size)
-    per_micro = t.micro_batch * T * replicas
-    if t.batch_tokens % per_micro:
-        label = "world_size" if replicas == world_size else "data-parallel replicas"
-        raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) must be a multiple of micro_batch × block_size × "
-                          f"{label} ({t.micro_batch} × {T} × {replicas} = {per_micro})")
-    return StepPlan(global_sequences=t.batch_tokens // T, accum_steps=t.batch_tokens // per_micro,
-                    total_steps=math.ceil(t.tokens / t.batch_tokens), micro_batch=t.micro_batch,
-                    world_size=replicas)
+
+
+def check_batch(cfg: RunConfig, plan: StepPlan, world_size: int) -> None:
+    """Raise ConfigError (one line) when the global batch is not a whole number of micro-batches on every replica,
+    naming the option that fixes it: the largest smaller micro-batch that divides, else the batch."""
+    batch, micro, T, replicas = cfg.train.batch_tokens, plan.micro_batch, cfg.model.block_size, plan.world_size
+    if batch % (micro * T * replicas) == 0:
+        return
+    label = "ranks" if replicas == world_size else "data-parallel replicas"
+    fits = [m for m in range(micro - 1, 0, -1) if batch % (m * T * replicas) == 0]
+    fix = (f"set --train.micro_batch {fits[0]}" if fits else
+           f"set --train.batch_tokens to a multiple of {T * replicas} (block_size × {label})")
+    raise ConfigError(f"train.batch_tokens ({batch}) is not a multiple of train.micro_batch × model.block_size × "
+                      f"{label} ({micro} × {T} × {replicas} = {micro * T * replicas}): {fix}")
 
 
 def validate(cfg: RunConfig, world_size: int) -> StepPlan:
-    """Every check that needs neither data nor hardware: raises ConfigError with one line."""
+    """Every check that needs neither data nor hardware: raises ConfigError with one line.
+
+    The degrees, the model's split and the [parallel] section are checked before the batch: a batch that does not divide is
+    often the consequence of a strategy, degree or world size that is itself the mistake, and that one is named.
+    """
     validate_model(cfg.model)
     schedule.validate(cfg.train)
-    plan = step_plan(cfg, world_size)
-    checkpoint_steps(cfg, plan.total_steps)
-    parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    plan = split_batch(cfg, world_size)  # the counts, and the degrees against the world size
     parallel.validate_model(cfg.parallel, cfg.model)
+    parallel.validate(cfg.parallel, world_size, loop_settings(cfg, plan))
+    check_batch(cfg, plan, world_size)
+    checkpoint_steps(cfg, plan.total_steps)
     trackers.validate(cfg.log)
     if cfg.train.memory_meter and cfg.train.compile:
         raise ConfigError("train.memory_meter cannot run with train.compile (dynamo does not trace the meter's "
@@ -206,21 +235,24 @@ def seed_step(seed: int, device: torch.device) -> None:
 # ---------------------------------------------------------------- the run directory
 
 
+ATTEMPTS = "attempts.jsonl"  # in the run directory: each attempt's start, checkpoints and end (RunLog.attempt)
+
+
 class RunLog:
-    """metrics.jsonl plus one printed line per logged step (rank 0 only), a progress bar on a terminal, and the
-    run's trackers (``lab.training.trackers``; opened by ``open_trackers``)."""
+    """metrics.jsonl plus one printed line per logged step (rank 0 only), a progress bar on a terminal, the run's
+    trackers (``lab.training.trackers``; opened by ``open_trackers``) and its record of attempts (``attempt``)."""
 
     def __init__(self, run_dir: Path, enabled: bool, keep_until_step: int, total_steps: int):
-        self.path, self.enabled = run_dir / "metrics.jsonl", enabled
+        self.run_dir, self.path, self.enabled = run_dir, run_dir / "metrics.jsonl", enabled
         self.trackers: trackers.Trackers | None = None
         if enabled and self.path.exists():
             kept = [line for line in read_lines(self.path)
                     if (rec := _parse_record(line)) is not None and rec["step"] <= keep_until_step]
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
+        # The bar (stderr) only when the lines (stdout) go to the terminal too: piped (| tee), they would arrive
+        # behind the pipe and land on the bar's line, after Ctrl-C as well, where the bar cannot clear them.
         self.bar = tqdm(total=total_steps, initial=keep_until_step, unit="step", dynamic_ncols=True, leave=False,
-                        disable=not (enabled and sys.stderr.isatty()))
+                        disable=not (enabled and sys.stderr.isatty() and sys.stdout.isatty()))
 
     def open_trackers(self, cfg: RunConfig, run_dir: Path, resumed_at: int) -> None:
         if self.enabled and trackers.names(cfg.log):
@@ -236,6 +268,29 @@ class RunLog:
     def summary(self, summary: dict) -> None:
         if self.trackers:
             self.trackers.summary(summary)
+
+    def sync(self) -> None:
+        """Make the records so far durable: before a checkpoint or the summary that they precede is written (a
+        resumed run keeps the records up to its checkpoint and logs the later steps again)."""
+        if self.enabled and self.path.exists():
+            fsync_file(self.path)
+            fsync_folder(self.run_dir)
+
+    @contextlib.contextmanager
+    def checkpointing(self, step: int) -> Iterator[None]:
+        """Around the save of the checkpoint of ``step``: the records of the steps it covers are made durable before
+        it is written, and it is recorded in attempts.jsonl once sealed."""
+        self.sync()
+        yield
+        self.attempt("checkpoint", step)
+
+    def attempt(self, event: str, step: int, **details: object) -> None:
+        """Append to attempts.jsonl, durably, that this attempt started at ``step`` ("start"), sealed the checkpoint
+        of ``step`` ("checkpoint") or wrote its summary there ("end"): the run's own account of its attempts, in
+        which a run trained twice shows even when its losses are equal."""
+        if self.enabled:
+            append_line(self.run_dir / ATTEMPTS, dumps({"event": event, "step": step, "pid": os.getpid(),
+                                                        "time": time.time(), **details}))
 
     def evals(self) -> list[dict]:
         """The eval records in metrics.jsonl (rank 0): a resumed run's, those its earlier segments kept."""
@@ -255,12 +310,14 @@ class RunLog:
 
 
 def _parse_record(line: str) -> dict | None:
-    """A metrics record, or None for a blank or torn line (a run killed mid-write)."""
+    """A metrics record, or None for a blank or torn line (a run killed mid-write) or any line that is not a record
+    with a whole step number (a hand-edited one)."""
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return rec if isinstance(rec, dict) and "step" in rec else None
+    step = rec.get("step") if isinstance(rec, dict) else None
+    return rec if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _duration(seconds: float) -> str:
@@ -398,6 +455,23 @@ class Start:
     eval_loss: float | None = None
 
 
+T = TypeVar("T")
+
+
+def decided_on_main(world: World, decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0, its value handed to every rank; a ConfigError there is raised on every rank."""
+    def attempt() -> tuple[bool, object]:
+        try:
+            return True, decide()
+        except ConfigError as e:
+            return False, str(e)
+
+    ok, value = world.broadcast_from_main(attempt)
+    if not ok:
+        raise ConfigError(value)
+    return value
+
+
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
     """The run's strategy, built from the model factory (the strategy applies the split, checkpointing,
     compilation and sharding), the weight-decay rule and AdamW."""
@@ -414,7 +488,7 @@ def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, pla
     Rank 0 picks the checkpoint and hands its name to every rank (on a shared filesystem with caching, ranks on
     other nodes may see another newest one); every rank then checks that it reads the same metadata.
     """
-    folder = world.broadcast_from_main(lambda: checkpoint.latest_readable(run_dir))
+    folder = decided_on_main(world, lambda: checkpoint.latest_readable(run_dir))  # its refusal too, on every rank
     if folder is None:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
     world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
@@ -454,13 +528,17 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             data.tokenizer.save(run_dir / "tokenizer")
             log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
             log.open_trackers(cfg, run_dir, resumed_at=start.step)
+            log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
         try:
             outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
             summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
                                 start.wall_time_s + time.perf_counter() - started)
             summary |= {"resumed_from_step": start.step, "restarts": restarts}
             if world.is_main:
+                log.sync()
                 save_json(run_dir / "summary.json", summary)
+                log.attempt("end", outcome.end_step, status=summary["status"])
+                chaos.point("summary-written")
                 log.summary(summary)
             return summary
         finally:
@@ -478,7 +556,7 @@ def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precisio
             f"strategy {strategy} × "
             f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
             f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
-            f"{f', {torch.get_num_threads()} threads' if world.device.type == 'cpu' else ''} | "
+            f"{f', {threads()}' if world.device.type == 'cpu' else ''} | "
             f"MFU against {peak.flops:.3g} FLOP/s per device ({peak.source})")
     if cfg.model.parametrization == "mup" and not cfg.model.tie_embeddings:
         line += " | μP with an untied head (the default under μP; --model.tie_embeddings true ties it)"
@@ -521,11 +599,12 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     def save(step: int) -> None:
         if not strategy.params_finite():
             raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
-        meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started}
-        meta |= {"strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
-                 "eval_loss": eval_loss} | strategy.precision_state()
-        checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
-                        t.keep_checkpoints, pinned)
+        meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started,
+                "strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
+                "eval_loss": eval_loss} | strategy.precision_state()
+        with log.checkpointing(step):
+            checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
+                            t.keep_checkpoints, pinned)
 
     for step in range(start.step, end_step):
         t0 = time.perf_counter()

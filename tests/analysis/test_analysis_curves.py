@@ -1,5 +1,6 @@
 """The loss-curve law with the learning-rate schedule (analysis.curves, ``python -m analysis curves``)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,7 +9,8 @@ import pandas as pd
 import pytest
 
 from analysis.__main__ import main
-from analysis.curves import Curve, fit_curves, from_named, law_loss, load_fit, relative_errors, schedule_lr
+from analysis.curves import (Curve, fit_curves, from_named, identification, law_loss, load_fit, relative_errors,
+                             schedule_lr)
 from lab.training.expect import areas
 
 TRUTH = {"E": 0.5, "B": 2e5, "beta": 1.2, "A": 3e3, "alpha": 0.2, "C": 1e-3, "lambda": 0.995, "K": 0.3, "tau": 60.0}
@@ -69,7 +71,7 @@ def _recorded_curves() -> tuple[list[Curve], np.ndarray]:
 def test_the_default_sweeps_curves_predict_its_largest_budget():
     """Fitted on the sweep's 55 runs up to 1e12 FLOPs, the law predicts each of the 7 curves at 2e12 within 2.5 %
     mean relative error, five of them within 1.1 % (measured 0.42-2.35 %; without the early transient 1.1-2.2 %; the
-    first extension, E + B/N^beta + A S1^-alpha - C S2 with absolute areas, 1.9-9.9 %; benchmarks/curves-heldout.md)."""
+    first extension, E + B/N^beta + A S1^-alpha - C S2 with absolute areas, 1.9-9.9 %; benchmarks/curves/README.md)."""
     curves, flops = _recorded_curves()
     fit = fit_curves([c for c, f in zip(curves, flops) if f < 1.5e12], n_bootstrap=0)
     assert fit.converged and fit.n_runs == 55 and fit.rmse_log_loss < 0.016
@@ -236,3 +238,39 @@ def test_watch_flags_a_run_that_goes_off_track_once_and_an_on_track_run_never(tm
     (tmp_path / "other.json").write_text("{}")
     assert main(["watch", str(tmp_path / "off"), "--law", str(tmp_path / "other.json")]) == 2
     assert "neither a curves.json" in capsys.readouterr().err
+
+
+def test_too_few_points_name_the_option_of_the_loss_that_was_asked_for(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for i, (n, steps) in enumerate(SIZES):
+        _write_run(sweep / f"run-{i}", _curve(n, "cosine", steps, every=steps // 2), "cosine", steps, _lr(n))
+    for loss, option in (("train", "log the training loss more often (train.log_every)"),
+                         ("eval", "log the held-out loss more often (train.eval_every")):
+        assert main(["curves", str(sweep), "--out", str(tmp_path / "out"), "--loss", loss]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and f"fewer than 3 {loss}-loss points" in err and option in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_law_the_runs_cannot_pin_down_is_flagged_and_one_they_can_is_not(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for i, (n, steps) in enumerate(SIZES):  # three runs of three points: as many as the law's parameters
+        _write_run(sweep / f"run-{i}", _curve(n, "cosine", steps, noise=0.003, seed=i, every=steps // 3), "cosine",
+                   steps, _lr(n))
+    assert main(["curves", str(sweep), "--out", str(tmp_path / "out"), "--bootstrap", "10"]) == 0
+    warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning [unidentified]")]
+    assert len(warning) == 1 and "9 points for 9 parameters" in warning[0], warning
+    fit = json.loads((tmp_path / "out" / "curves.json").read_text())["fit"]
+    assert fit["identified"] is False and fit["problems"]
+
+    curves = [_curve(n, "cosine", steps) for n, steps in SIZES]
+    fit = fit_curves(curves, n_bootstrap=0)
+    assert identification(fit, curves) == []
+    # resamples that disagree by a factor e on the floor leave every final loss loose
+    loose = dataclasses.replace(fit, thetas=np.stack([fit.theta, fit.theta + np.eye(len(fit.theta))[0]]))
+    problems = identification(loose, curves)
+    assert len(problems) == 1 and "final loss" in problems[0] and "(> 10%)" in problems[0], problems
+    assert identification(dataclasses.replace(fit, converged=False), curves) == [
+        "the least-squares fit did not converge"]
+    two_sizes = curves[:2] + [dataclasses.replace(curves[2], params=curves[1].params)]
+    assert identification(fit, two_sizes) == ["2 sizes (the power of N needs 3)"]

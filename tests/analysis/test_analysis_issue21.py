@@ -394,7 +394,7 @@ def test_the_default_isoflop_minimum_is_the_least_biased_on_a_drifting_grid():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_isoflop_bias", Path(__file__).resolve().parents[2]
-                                                  / "benchmarks" / "bench_isoflop_bias.py")
+                                                  / "benchmarks" / "isoflop-bias" / "bench_isoflop_bias.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     truth = 0.28 / (0.34 + 0.28)

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from lab.model.plan import ContextPlan, ParallelPlan
 from lab.parallel.axes import AxisMeters, Transform
-from lab.parallel.comm import naming_axis
+from lab.parallel.comm import Pausable, naming_axis
 from lab.parallel.layout import LoopSettings, World
 from lab.runtime.config import ConfigError, ParallelConfig
 
@@ -80,7 +80,7 @@ def check_options(cfg: ParallelConfig, block_size: int | None = None) -> None:
                           f"{cfg.cp_split} split: {parts} chunks of the sequence)")
 
 
-class ContextParallel(Transform):
+class ContextParallel(Pausable, Transform):
     """This rank's shard of every sequence, the ring that brings it the others' keys and values, and its meters."""
 
     name = "cp"
@@ -91,7 +91,6 @@ class ContextParallel(Transform):
         self.checkpointing = cfg.activation_checkpointing
         self.model: nn.Module | None = None
         self.plan: ContextPlan | None = None
-        self._paused = False
         self.sent_bytes = 0  # key/value blocks and their gradients sent since the last take
         self.pairs = 0  # query-key pairs scored since the last take
         self.wait_s = 0.0
@@ -231,14 +230,6 @@ class ContextParallel(Transform):
 
     def meters(self) -> dict[str, object]:
         return {f"{key}_per_step" if "bytes" in key else key: value for key, value in self.last.items()}
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        before, self._paused = self._paused, True
-        try:
-            yield
-        finally:
-            self._paused = before
 
 
 def _held(model: nn.Module, name: str) -> bool:

@@ -32,8 +32,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -42,14 +40,14 @@ import torch.nn as nn
 from lab.measure import accounting
 from lab.model.plan import ExpertPlan, ParallelPlan
 from lab.parallel.axes import AxisMeters, Transform
-from lab.parallel.comm import naming_axis
+from lab.parallel.comm import Pausable, naming_axis
 from lab.parallel.layout import LoopSettings, Mesh, World
 from lab.runtime.config import ConfigError, ParallelConfig
 
 _on_ep = naming_axis("ep")  # a failed exchange names the axis: a rank of the group died or did not answer
 
 
-class ExpertParallel(Transform):
+class ExpertParallel(Pausable, Transform):
     """This rank's experts, the exchanges that feed them, and their meters."""
 
     name = "ep"
@@ -61,7 +59,6 @@ class ExpertParallel(Transform):
         self.plan: ExpertPlan | None = None
         self.local = range(0)  # this rank's experts
         self._renamed: dict[str, str] = {}  # "<layer>.experts.<e>." -> "<layer>.experts.<local index>."
-        self._paused = False
         self.sent_bytes = 0.0  # since the last take
         self.last_sent_bytes = 0.0  # the last step's
         self.wait_s = 0.0
@@ -137,14 +134,6 @@ class ExpertParallel(Transform):
         if not self._paused:
             self.wait_s += time.perf_counter() - t0
         return out
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        before, self._paused = self._paused, True
-        try:
-            yield
-        finally:
-            self._paused = before
 
     # ------------------------------------------------------------ meters and export
 
