@@ -204,7 +204,7 @@ def _restore_on(world: World, argv: list[str], run_dir: Path) -> str:
     """Resume ``run_dir`` under ddp on this world: the error each rank meets ('' for none)."""
     cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--parallel.strategy", "ddp"]))
     resolve_vocab(cfg, 512)
-    strategy = build_strategy(cfg, world, resolve_precision("fp32", world.device))
+    strategy = build_strategy(cfg, world, Precision(world.device.type))
     try:
         restore(strategy, run_dir, world, cfg, step_plan(cfg, world.world_size))
         return ""
