@@ -129,6 +129,27 @@ def test_the_gpu_benchmark_says_in_one_line_that_it_needs_a_gpu(tmp_path, capsys
     assert not out.exists()
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_the_gpu_benchmarks_strategy_runs_run_under_both_policies_on_the_cpu():
+    """``make bench-gpu``'s ddp and zero3 runs under autocast and the bf16 policy, through the same code with the CPU
+    in place of CUDA, a tiny model and 4 sequences of 128 tokens a step: every run's figures and both ratios."""
+    from lab.commands import bench_gpu
+
+    cpu = ["--train.device", "cpu", "--train.dtype", "bf16", "--model.n_layer", "1", "--model.d_model", "32",
+           "--model.n_head", "2", "--model.block_size", "128", "--train.micro_batch", "4", "--train.batch_tokens",
+           "512", "--train.tokens", str(3 * 512), "--train.eval_tokens", "512"]
+    runs, ratios = bench_gpu.strategy_runs(cpu, "gloo")
+    assert set(runs) == {"ddp autocast", "zero3 autocast", "ddp mixed", "zero3 mixed"} and set(ratios) == {
+        "autocast", "mixed"}
+    assert all(r > 0 for r in ratios.values())
+    for name, run in runs.items():
+        assert run["step_time_s"] > 0 and set(run["peak_bytes_theory"]) == {"forward", "backward", "step"}, name
+    for strategy in bench_gpu.STRATEGIES:  # the policy's weights are 2 bytes a value, autocast's 4
+        mixed, autocast = (runs[f"{strategy} {p}"]["model_state_bytes"] for p in ("mixed", "autocast"))
+        assert mixed["params"] == autocast["params"] / 2, strategy
+
+
 def test_the_gpu_benchmark_table_names_the_device_and_every_figure():
     from lab.commands.bench_gpu import markdown
 

@@ -34,6 +34,22 @@ CUDA_RUN = ["--train.device", "cuda", "--train.dtype", "bf16", "--model.block_si
             "8", "--train.batch_tokens", "8192", "--train.tokens", str(12 * 8192), "--train.eval_tokens", "8192"]
 
 
+def strategy_runs(run_options: list[str], backend: str) -> tuple[dict[str, dict], dict[str, float]]:
+    """Each strategy under each policy, through the lab's command line under torchrun with ``run_options`` (one
+    process); the runs by "strategy policy", and zero3's median step time over ddp's under each policy."""
+    runs, ratios = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy, options in POLICIES.items():
+            for strategy in STRATEGIES:
+                name = f"{strategy} {policy}"
+                runs[name] = memory_run(strategy, 1, Path(tmp) / f"{strategy}-{policy}", [*run_options, *options])
+                print(f"{name} under torchrun ({backend}): {1e3 * runs[name]['step_time_s']:.1f} ms/step, peak "
+                      f"bytes {runs[name]['peak_bytes']}", flush=True)
+            ratios[policy] = runs[f"zero3 {policy}"]["step_time_s"] / runs[f"ddp {policy}"]["step_time_s"]
+            print(f"zero3 / ddp step time under {policy}: {ratios[policy]:.3f}x", flush=True)
+    return runs, ratios
+
+
 def measure(steps: int, warmup: int) -> dict:
     """Every figure of the module docstring, on CUDA device 0."""
     device = torch.device("cuda", 0)
@@ -48,16 +64,7 @@ def measure(steps: int, warmup: int) -> dict:
             print(f"gpt2-124m bf16 {policy} compile={compiled}: {row['tokens_per_s']:,.0f} tokens/s, MFU "
                   f"{100 * row['mfu']:.1f} %, allocator peak {row['mem_peak_bytes'] / 2**30:.2f} GiB", flush=True)
             throughput.append(row)
-    runs, ratios = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for policy, options in POLICIES.items():
-            for strategy in STRATEGIES:
-                name = f"{strategy} {policy}"
-                runs[name] = memory_run(strategy, 1, Path(tmp) / f"{strategy}-{policy}", CUDA_RUN + options)
-                print(f"{name} under torchrun (NCCL): {1e3 * runs[name]['step_time_s']:.1f} ms/step, peak bytes "
-                      f"{runs[name]['peak_bytes']}", flush=True)
-            ratios[policy] = runs[f"zero3 {policy}"]["step_time_s"] / runs[f"ddp {policy}"]["step_time_s"]
-            print(f"zero3 / ddp step time under {policy}: {ratios[policy]:.3f}x", flush=True)
+    runs, ratios = strategy_runs(CUDA_RUN, "NCCL")
     return {"device": where, "torch": torch.__version__, "throughput": throughput, "runs": runs,
             "zero3_over_ddp_step_time": ratios}
 
