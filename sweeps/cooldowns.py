@@ -40,7 +40,7 @@ from lab.runtime.files import fsync_folder, fsync_tree, read_json, read_lines, s
 
 from sweeps.driver import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNFINISHED, execute, run_dir
 from sweeps.executors.attempt import Executor
-from sweeps.plan import PlannedRun, option_text
+from sweeps.runs import PlannedRun, option_text
 from sweeps.registry import Registry, Row
 
 FOLDER = "parent"  # inside the sweep folder: the parents' run directories, under runs/

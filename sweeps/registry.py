@@ -22,7 +22,7 @@ from typing import Any
 
 from lab.runtime import chaos
 
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 
 DB_NAME = "sweep.db"
 STATUSES = ("planned", "running", "done", "failed", "interrupted", "cancelled")

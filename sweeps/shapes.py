@@ -18,9 +18,9 @@ import math
 from typing import Any
 
 from lab.measure import accounting
-from lab.runtime.config import ConfigError, ModelConfig, RunConfig
+from lab.runtime.config import ModelConfig, RunConfig
 
-from sweeps.spec import Family, SpecError
+from sweeps.sweep import Family
 
 BYTE_VOCAB = 257  # lab.data's byte tokenizer: 256 bytes and one special token
 
@@ -38,12 +38,9 @@ def model_config(base: dict[str, dict[str, Any]], shape: dict[str, Any]) -> Mode
     """``[base.model]`` with ``shape`` on top and the vocabulary resolved; SpecError if it cannot exist."""
     from lab.model import validate  # imports torch: only when planning
 
-    try:
-        cfg = RunConfig.from_dict({"model": {**base.get("model", {}), **shape}}).model
-        cfg.vocab_size = vocab_size(base)
-        validate(cfg)
-    except ConfigError as e:
-        raise SpecError(str(e)) from None
+    cfg = RunConfig.from_dict({"model": {**base.get("model", {}), **shape}}).model
+    cfg.vocab_size = vocab_size(base)
+    validate(cfg)
     return cfg
 
 

@@ -340,7 +340,7 @@ def parse_problem(argv: list[str]) -> str | None:
             warnings.simplefilter("ignore")  # what a program warns of as it imports (torch's fault handler on a
             # captured stderr) is no concern of its options
             if module == "lab" and args and not args[0].startswith("-"):
-                from lab.__main__ import COMMANDS
+                from lab.commands.entry import COMMANDS
 
                 if args[0] not in COMMANDS:
                     return f"python -m lab {args[0]}: no such command"

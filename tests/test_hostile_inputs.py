@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.__main__ import main as analysis_main
+from analysis.cli import main as analysis_main
 from analysis.synthetic import isoflop_runs
 from lab.commands.cli import export_main, run_main, sample_main
 from lab.runtime import checkpoint

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lab.commands import matrix
-from lab.commands import plan as planner
+from lab.commands import resources as planner
 from lab.commands.cli import run_main
 from lab.commands.equivalence import Setup, batch, equivalence, loop_settings, train_tiny
 from lab.measure import accounting

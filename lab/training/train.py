@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from lab.measure import accounting, memory
+from lab.measure.accounting import duration as _duration
 
 from lab.runtime import chaos, checkpoint
 
@@ -318,14 +319,6 @@ def _parse_record(line: str) -> dict | None:
         return None
     step = rec.get("step") if isinstance(rec, dict) else None
     return rec if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f}min"
-    return f"{seconds / 3600:.1f}h"
 
 
 def format_step(rec: dict, total_steps: int, eta_s: float) -> str:

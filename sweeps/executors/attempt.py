@@ -23,7 +23,7 @@ from typing import IO, Protocol
 from lab.runtime import files
 from lab.runtime.files import read_json
 
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_PY = REPO / "launch" / "run.py"

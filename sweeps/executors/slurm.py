@@ -27,7 +27,7 @@ from lab.runtime import chaos
 
 from sweeps.executors.attempt import REPO, Attempt, Events, ExecutorError, Outcome, outcome, run_command
 from sweeps.executors.job import run_attempt
-from sweeps.spec import Launch
+from sweeps.sweep import Launch
 
 SLURM_PY = REPO / "launch" / "slurm.py"
 SLURM_TOOLS = ("sbatch", "srun", "sacct")  # submit, start tasks (submitit checks it), follow jobs

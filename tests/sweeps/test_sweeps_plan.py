@@ -10,7 +10,7 @@ import pytest
 
 from lab.measure import accounting
 from lab.runtime.config import ModelConfig
-from sweeps import plan as planner
+from sweeps import runs as planner
 from sweeps import shapes, spec
 
 FAMILY = """

@@ -30,7 +30,7 @@ from analysis.compare import (
     parametric_allocation,
     preferred,
 )
-from analysis.forms import CHINCHILLA, FORMS, Form
+from lab.measure.laws import CHINCHILLA, FORMS, Form
 from analysis.isoflop import PowerLaws
 from analysis.parametric import compute_optimal
 from analysis.table import InputError
