@@ -23,8 +23,8 @@ import torch.distributed as dist
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure.admission import Estimate, check_resources
-from lab.measure.device import available_memory_bytes, peak_flops, resolve_device, resolve_precision
-from lab.parallel import World, backend_for, join_group_of_one, validate_model
+from lab.measure.device import available_memory_bytes, peak_flops, precision_of, resolve_device
+from lab.parallel import World, backend_for, join_group_of_one, validate_model, validate_precision
 from lab.parallel.comm import AxisFailed
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, RunConfig, print_error
@@ -217,7 +217,8 @@ def preflight(cfg: RunConfig, run_dir: Path | None, resume: str | None,
         check_run_dir(run_dir, mode)
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
-    precision = resolve_precision(cfg.train.dtype, world.device)
+    precision = precision_of(cfg.train, world.device)
+    validate_precision(cfg.parallel, precision)
     budget = cfg.train.memory_budget * 2**30
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, budget or available_memory_bytes(world.device),

@@ -124,7 +124,6 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
             f"eta {_duration(eta_s)}" + parallel.step_line(rec))
 
 
-
 def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, peak: Peak, start: Start,
                estimate: Estimate | None, strategy: str) -> str:
     counts, t, m = accounting.param_counts(cfg.model), cfg.train, cfg.model
@@ -184,6 +183,7 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "final_eval_loss": outcome.eval_loss, "unigram_entropy_nats": data.meta.get("unigram_entropy_nats"),
         **({"expect": outcome.expect} if outcome.expect else {}),
         "strategy": cfg.parallel.strategy, "world_size": world.world_size, "device": str(world.device),
+        "precision": strategy.precision.name, **strategy.precision_record(),
         "peak_flops": peak.flops * world.world_size, "peak_flops_per_device": peak.flops,
         "peak_flops_source": peak.source, "wall_time_s": wall_time_s, "data_dir": str(data_dir),
         **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),

@@ -28,8 +28,7 @@ from lab import parallel
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure import accounting, memory
 from lab.measure.admission import Estimate
-from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, resolve_precision, setup_device,
-                                synchronize)
+from lab.measure.device import Peak, Precision, peak_flops, peak_memory_bytes, precision_of, setup_device, synchronize
 from lab.model import GPT
 from lab.parallel import Strategy, World
 from lab.parallel.comm import loopback_tx_bytes
@@ -167,6 +166,7 @@ def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, pla
     world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
     meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()
+    strategy.load_precision_state(meta)
     complete = meta["step"] >= plan.total_steps  # killed before its summary: resuming only writes it
     if cfg.train.stop_after and cfg.train.stop_after <= meta["step"] and not complete:
         raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "
@@ -187,7 +187,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     plan = validate(cfg, world.world_size)
     data = PreparedData.load(data_dir)
     setup_device(world.device)
-    precision = resolve_precision(cfg.train.dtype, world.device)
+    precision = precision_of(cfg.train, world.device)
     peak = peak_flops(world.device, precision, cfg.train.peak_flops)
     with memory.Meter(world.device, track_tensors=cfg.train.memory_meter).running():
         strategy = build_strategy(cfg, world, precision)
@@ -250,7 +250,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
         meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started,
                 "strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
-                "eval_loss": eval_loss}
+                "eval_loss": eval_loss} | strategy.precision_state()
         with log.checkpointing(step):
             checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
                             t.keep_checkpoints, pinned)
