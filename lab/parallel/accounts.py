@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from lab.measure import accounting
-from lab.runtime.config import ParallelConfig
+from lab.parallel.layout import Layout
+from lab.runtime.config import ModelConfig, ParallelConfig
 
 if TYPE_CHECKING:
     from lab.measure.device import Precision
@@ -173,6 +174,16 @@ class Accounts:
         return {"forward": held + grads_forward + gathered + activations + cast_weights,
                 "backward": held + grads_backward + gathered + activations,
                 "step": held + states.grads + self.theory_step_temporaries()}
+
+    def run_peak_bytes_theory(self, shape: ModelConfig) -> dict[str, float]:
+        """``peak_bytes_theory`` of a run training a model of ``shape``: one micro-batch's activations under the
+        layout, and the copies autocast makes of the weights."""
+        s = self.strategy
+        activations = Layout.of(s.cfg, s.everyone.world_size).activation_bytes(
+            shape, s.loop.micro_batch, s.precision.activation_bytes, sequence_parallel=s.cfg.sequence_parallel,
+            checkpointing=s.cfg.activation_checkpointing == "full")
+        cast = accounting.autocast_weight_bytes(shape, s.cfg.tp) if s.precision.autocasts else 0.0
+        return self.peak_bytes_theory(activations, cast)
 
     def meters(self) -> dict[str, dict[str, float]]:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and theory),

@@ -65,7 +65,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.measure import accounting
 from lab.measure.device import Precision
 from lab.measure.figures import Figures
 from lab.model.plan import ParallelPlan, plan_of
@@ -74,10 +73,10 @@ from lab.parallel.accounts import Accounts
 from lab.parallel.axes import GroupReplicas, Replicas, Transform
 from lab.parallel.axes.activations import SavedBytes
 from lab.parallel.comm import Comm
-from lab.parallel.layout import Layout, LoopSettings, Mesh, World
+from lab.parallel.layout import LoopSettings, Mesh, World
 from lab.parallel.precision import LossScaler, Masters
 from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
-from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig
+from lab.runtime.config import ConfigError, ParallelConfig
 
 
 def backend_for(device: torch.device) -> str:
@@ -499,16 +498,6 @@ class Strategy:
         """Every part's fields of a logged step's record since the last one (every rank calls it at the same
         steps)."""
         return {k: v for part in self.figures() for k, v in part.record().items()}
-
-    def peak_bytes_theory(self, shape: ModelConfig) -> dict[str, float]:
-        """Per phase, the most bytes this rank holds in theory (``Accounts.peak_bytes_theory``) training a model of
-        ``shape``: with one micro-batch's activations under the layout, and the copies autocast makes of the
-        weights."""
-        activations = Layout.of(self.cfg, self.everyone.world_size).activation_bytes(
-            shape, self.loop.micro_batch, self.precision.activation_bytes,
-            sequence_parallel=self.cfg.sequence_parallel, checkpointing=self.cfg.activation_checkpointing == "full")
-        cast = accounting.autocast_weight_bytes(shape, self.cfg.tp) if self.precision.autocasts else 0.0
-        return self.accounts.peak_bytes_theory(activations, cast)
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

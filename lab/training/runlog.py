@@ -189,5 +189,5 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),
         **strategy.accounts.meters(),
         "peak_bytes": outcome.peak_bytes,
-        "peak_bytes_theory": strategy.peak_bytes_theory(cfg.model),
+        "peak_bytes_theory": strategy.accounts.run_peak_bytes_theory(cfg.model),
     }
