@@ -53,20 +53,23 @@ def count(cfg: ModelConfig, which: str) -> int:
     return counts.total if which == "total" else counts.non_embedding
 
 
+def _shape(family: Family, n_layer: int, width: int) -> dict[str, int]:
+    s = {"n_layer": n_layer, "d_model": width, "n_head": width // family.head_dim}
+    return s if family.ffn_ratio is None else {**s, "d_ff": max(1, round(family.ffn_ratio * width))}
+
+
+def aspect_shape(width: int, family: Family) -> dict[str, int]:
+    """The family's shape at one width: depth round(width / aspect), at least 1, at most max_layers."""
+    return _shape(family, min(family.max_layers, max(1, math.floor(width / family.aspect + 0.5))), width)
+
+
 def family_shape(target: float, family: Family, which: str, base: dict[str, dict[str, Any]]) -> dict[str, int]:
     """The shape (n_layer, d_model, n_head) the family gives a target N; see the module docstring."""
-    def shape(n_layer: int, width: int) -> dict[str, int]:
-        s = {"n_layer": n_layer, "d_model": width, "n_head": width // family.head_dim}
-        return s if family.ffn_ratio is None else {**s, "d_ff": max(1, round(family.ffn_ratio * width))}
-
     def error(s: dict[str, int]) -> float:
         return abs(math.log(count(model_config(base, s), which) / target))
 
-    def aspect_shape(width: int) -> dict[str, int]:
-        return shape(min(family.max_layers, max(1, math.floor(width / family.aspect + 0.5))), width)
-
     widths = [family.width_multiple]
-    while count(model_config(base, aspect_shape(widths[-1])), which) < target:  # N grows with the width
+    while count(model_config(base, aspect_shape(widths[-1], family)), which) < target:  # N grows with the width
         widths.append(widths[-1] + family.width_multiple)
-    width = min(widths, key=lambda w: error(aspect_shape(w)))
-    return shape(min(range(1, family.max_layers + 1), key=lambda L: error(shape(L, width))), width)
+    width = min(widths, key=lambda w: error(aspect_shape(w, family)))
+    return _shape(family, min(range(1, family.max_layers + 1), key=lambda L: error(_shape(family, L, width))), width)
