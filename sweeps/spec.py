@@ -108,17 +108,19 @@ class Centre:
 class Search:
     """``[search]``: hyperparameter grids run before the sweep, whose fitted laws the sweep's runs then use.
 
-    The learning-rate grid runs at ``budget`` for each size of ``sizes``; the best rate per size gives
+    The learning-rate grid runs, for each size of ``sizes``, at ``budget``, or with ``tokens_per_param`` at each
+    size's own budget (D = tokens_per_param x N); the best rate per size gives
     LR(N) = c N^e. With ``batch_tokens``, that grid runs at each of ``batch_budgets`` (default: ``budget``)
     for the budget's prior N_opt (the centre) or the middle search size, at LR(N); the best batch per
     budget gives batch(C) = c C^e (constant with one budget).
     """
 
-    budget: float
+    budget: float | None  # None: each size at tokens_per_param
     sizes: tuple[float, ...]
     lr: tuple[float, ...]
     batch_tokens: tuple[float, ...] = ()
     batch_budgets: tuple[float, ...] = ()
+    tokens_per_param: float | None = None
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ _TABLES = {
     "estimate": {"flops_per_s", "step_s", "overhead_s"},
     "local": {"parallel", "threads"},
     "slurm": {"partition", "account", "qos", "constraint", "array_parallelism", "setup", "poll_s"},
-    "search": {"budget", "sizes", "lr", "batch_tokens", "batch_budgets"},
+    "search": {"budget", "tokens_per_param", "sizes", "lr", "batch_tokens", "batch_budgets"},
 }
 SEARCH_GRID_MIN = 3  # values a grid needs for its best value to be located between neighbours
 
@@ -370,9 +372,12 @@ def _search(search: dict[str, Any], family: Family | None) -> Search | None:
         return None
     if family is None:
         raise SpecError("[search] needs the 'aspect' shape family: it plans its sizes like [sweep] sizes")
-    for key in ("budget", "sizes", "lr"):
+    for key in ("sizes", "lr"):
         if key not in search:
             raise SpecError(f"[search] needs '{key}'")
+    if ("budget" in search) == ("tokens_per_param" in search):
+        raise SpecError("[search] needs one of 'budget' (every size at one budget) and 'tokens_per_param' "
+                        "(each size at its own)")
     lrs = _numbers(search["lr"], "[search] lr")
     batches = _numbers(search.get("batch_tokens", []), "[search] batch_tokens")
     for key, grid in (("lr", lrs), ("batch_tokens", batches)):
@@ -383,10 +388,14 @@ def _search(search: dict[str, Any], family: Family | None) -> Search | None:
     sizes = _numbers(search["sizes"], "[search] sizes")
     if len(sizes) < 2:
         raise SpecError("[search] sizes needs at least 2 sizes to fit LR(N)")
-    budget = _number(search["budget"], "[search] budget")
+    budget = _number(search["budget"], "[search] budget") if "budget" in search else None
+    tokens_per_param = (_number(search["tokens_per_param"], "[search] tokens_per_param")
+                        if "tokens_per_param" in search else None)
+    if batches and budget is None and "batch_budgets" not in search:
+        raise SpecError("[search] batch_tokens with tokens_per_param needs batch_budgets")
     batch_budgets = _numbers(search.get("batch_budgets", [budget] if batches else []), "[search] batch_budgets")
     return Search(budget=budget, sizes=tuple(sorted(sizes)), lr=tuple(sorted(lrs)), batch_tokens=tuple(sorted(batches)),
-                  batch_budgets=tuple(sorted(batch_budgets)))
+                  batch_budgets=tuple(sorted(batch_budgets)), tokens_per_param=tokens_per_param)
 
 
 def _launch_rules(by_size: Any) -> tuple[LaunchRule, ...]:
