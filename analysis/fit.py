@@ -64,7 +64,7 @@ class FitConfig:
     """Options of a fit; the defaults follow the issue and Hoffmann et al."""
 
     budget_tol: float = 0.05  # relative spread of C within one budget
-    isoflop_minimum: str = "vertex"  # which per-budget minimum the IsoFLOP power laws use
+    isoflop_minimum: str = "akima"  # which per-budget minimum the IsoFLOP power laws use (analysis.isoflop)
     n_bootstrap: int = 1000
     seed: int = 0
     ci_level: float = 0.95
