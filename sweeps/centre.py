@@ -102,7 +102,6 @@ def targets(sweep: Sweep, prior: float) -> list[float]:
                                                   sweep.per_budget)]
 
 
-
 def distinct_targets(sweep: Sweep, prior: float) -> tuple[list[tuple[float, float]], list[str]]:
     """(target, N of its shape) with distinct shapes for the targets of a budget (see the module docstring), and a
     note when there are fewer shapes than targets (each then paired with its nearest target).
@@ -115,10 +114,13 @@ def distinct_targets(sweep: Sweep, prior: float) -> tuple[list[tuple[float, floa
                            sweep.count))
 
     raw = targets(sweep, prior)
+    own = [size(t) for t in raw]
+    if len(set(own)) == len(own):  # each target's own shape is its nearest: nothing to share
+        return list(zip(raw, own)), []
     step = 10 ** (2 * sweep.decades_each_side / (sweep.per_budget - 1))
     grid = np.geomspace(raw[0] / step, raw[-1] * step, 8 * (len(raw) + 1) + 1)
     within = {n for n in map(size, grid) if grid[0] <= n <= grid[-1]}
-    sizes = sorted(within | set(map(size, raw)))  # the targets' own shapes, even beyond reach
+    sizes = sorted(within | set(own))  # the targets' own shapes, even beyond reach
     cost = np.abs(np.log(np.asarray(raw))[:, None] - np.log(np.asarray(sizes))[None, :])
     if len(sizes) <= len(raw):
         note = [] if len(sizes) == len(raw) else [f"the family has {len(sizes)} shapes within reach of its "

@@ -394,7 +394,8 @@ def test_plan_command_prints_centres_and_warnings(tmp_path, capsys):
     path.write_text(CENTRED.replace("budgets = [1e15, 1e16]", "budgets = [1e11, 1e16]"))
     assert main(["plan", str(path), "--folder", str(tmp_path / "out")]) == 0
     out, err = capsys.readouterr()
-    assert sum(line.startswith("centre: budget ") for line in out.splitlines()) == 2
+    assert sum(line.startswith("centre: budget ") and "prior N_opt" in line for line in out.splitlines()) == 2
+    assert "centre: budget 1e+11: the family has 1 shapes within reach of its 7 targets: each planned once" in out
     assert any(line.startswith("warning: budget 1e+11: the shapes the family allows") for line in err.splitlines())
     assert not (tmp_path / "out").exists()
 
