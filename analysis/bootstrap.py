@@ -7,8 +7,8 @@ drawn in a canonical order (by C, N, D and loss), not the table's, so a sweep fo
 the same runs in different orders, get the same resamples.
 Resamples come in chunks of ``CHUNK``: chunk j is drawn from the seed sequence (seed, j), so the
 result does not depend on how chunks are spread over processes, and no more than one chunk of
-weights (CHUNK x runs) exists per process at a time. Per chunk, approach 3 runs one L-BFGS per
-resample from the full-data optimum; the IsoFLOP and envelope refits are vectorised over the
+weights (CHUNK x runs) exists per process at a time. Per chunk, approach 3 runs one least-squares fit
+per resample from the full-data optimum; the IsoFLOP and envelope refits are vectorised over the
 chunk. With OPENBLAS_NUM_THREADS=1 (the CLI sets it) BLAS threads do not fight the processes.
 """
 
@@ -24,8 +24,9 @@ from tqdm import tqdm
 
 from analysis.envelope import Envelope, Frontier
 from analysis.isoflop import METHODS, PowerLaws, budget_minima
-from analysis.forms import CHINCHILLA, Form
-from analysis.parametric import HUBER_DELTA, fit_weighted
+from lab.measure.laws import CHINCHILLA, Form
+from analysis.parametric import fit_weighted
+from analysis.robust import HUBER_DELTA
 
 CHUNK = 50
 

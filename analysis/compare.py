@@ -20,7 +20,7 @@ import numpy as np
 
 from analysis.bootstrap import interval
 from analysis.isoflop import PowerLaws
-from analysis.forms import CHINCHILLA, Form
+from lab.measure.laws import CHINCHILLA, Form
 from analysis.parametric import named_samples
 
 APPROACHES = ("envelope", "isoflop", "approach3")  # fit.json keys, in the paper's order

@@ -26,10 +26,10 @@ it predicts a run at the peak rate its sizes were fitted with; the schedule's sh
 
 ``fit_curves`` is a pure function of the curves (each run's N, its schedule and its (step, loss) points after
 warm-up): starts on a grid of (beta, alpha, lambda), (B, A) by non-negative least squares on loss^(1/alpha), are
-refined on log-loss residuals (Huber, scale ``HUBER_SCALE``) by ``scipy.optimize.least_squares`` with the analytic
-Jacobian, and bootstrap resamples of whole runs are refitted from the optimum. ``predict`` gives the curve of any
-(N, schedule, steps) with its interval. ``lab.training.expect.curve_loss`` evaluates the same law for the training
-loop; tests hold the two equal.
+refined on log-loss residuals (Huber, scale ``HUBER_SCALE``) by the fitting engine (``analysis.robust``) with the
+analytic Jacobian, and bootstrap resamples of whole runs are refitted from the optimum. ``predict`` gives the curve of
+any (N, schedule, steps) with its interval. The law itself is ``lab.measure.laws`` (``CurvePoints``), which the training
+loop's expectation (``lab.training.expect``) evaluates too.
 """
 
 from __future__ import annotations
@@ -42,37 +42,19 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import least_squares, nnls
-from scipy.signal import lfilter
+from scipy.optimize import nnls
 
+from analysis import robust
 from analysis.bootstrap import draw_weights, interval
 from analysis.table import InputError
+from lab.measure.laws import CURVE_LAW, CURVE_NAMES, Curve, CurvePoints, curve_named, curve_theta
 from lab.runtime.files import read_json, read_lines
-from lab.training.expect import CURVE_LAW, drops
 
-NAMES = ("E", "B", "beta", "A", "alpha", "C", "lambda", "K", "tau")
 HUBER_SCALE = 0.01  # log-loss residuals beyond this count linearly: eval-loss spikes weigh less
 TRANSIENT_START = 0.1  # nats: where the fit starts K
 TAU_QUANTILES = (0.1, 0.5)
 GRID = {"beta": (0.5, 1.0, 1.5), "alpha": (0.1, 0.2, 0.4, 0.7), "lambda": (0.99, 0.995, 0.999)}
 MIN_RUNS = 3
-
-
-@dataclass(frozen=True)
-class Curve:
-    """One run's loss curve: its size, its learning rate at every step and its (step, loss) points."""
-
-    run_id: str
-    params: float
-    lr: np.ndarray  # (total_steps,): the rate of step i (1-based step i + 1)
-    steps: np.ndarray  # 1-based steps of the points, after warm-up
-    loss: np.ndarray
-    schedule: str = ""
-    peak: float = 0.0  # the configured peak rate the areas count in; 0: the largest rate of ``lr``
-
-    @property
-    def reference(self) -> float:
-        return self.peak or float(np.max(self.lr))
 
 
 def schedule_lr(kind: str, peak: float, total_steps: int, warmup: float = 0.05, decay: float = 0.2,
@@ -91,66 +73,12 @@ def schedule_lr(kind: str, peak: float, total_steps: int, warmup: float = 0.05, 
     return np.array([learning_rate(s, total_steps, cfg) for s in range(total_steps)])
 
 
-class _Design:
-    """The curves' points with what does not depend on theta computed once: log N, S1 and the drops (in steps at
-    each run's peak rate)."""
-
-    def __init__(self, curves: list[Curve]):
-        self.log_n = np.concatenate([np.full(len(c.steps), math.log(c.params)) for c in curves])
-        self.s1 = np.concatenate([np.cumsum(c.lr / c.reference)[c.steps - 1] for c in curves])
-        self.inv_s1 = 1.0 / self.s1
-        self.parts = [(drops(c.lr / c.reference), c.steps - 1) for c in curves]
-
-    def s2(self, lam: float, derivative: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        """S2 at every point and, when asked, dS2/dlambda (m' = lambda m'_prev + m_prev, summed)."""
-        values, slopes = [], []
-        for dropped, idx in self.parts:
-            m = lfilter([1.0], [1.0, -lam], dropped)
-            values.append(np.cumsum(m)[idx])
-            if derivative:
-                previous = np.concatenate([[0.0], m[:-1]])
-                slopes.append(np.cumsum(lfilter([1.0], [1.0, -lam], previous))[idx])
-        return np.concatenate(values), np.concatenate(slopes) if derivative else None
-
-    def loss_jac(self, theta: np.ndarray, jac: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
-        """The law at every point and its Jacobian with respect to theta (see ``law_loss``)."""
-        log_e, log_b, beta, log_a, alpha, log_c, log_gap, log_k, log_tau = theta
-        gap = math.exp(log_gap)
-        s2, ds2 = self.s2(1.0 - gap, jac)
-        n_term = np.exp(log_b - beta * self.log_n)
-        s_term = math.exp(log_a) * self.inv_s1
-        inner = n_term + s_term
-        core = inner ** alpha
-        c = math.exp(log_c)
-        transient = math.exp(log_k) * np.exp(-self.s1 / math.exp(log_tau))
-        loss = math.exp(log_e) + core - c * s2 + transient
-        if not jac:
-            return loss, None
-        slope = alpha * core / inner  # d core / d inner
-        columns = [np.full(len(loss), math.exp(log_e)), slope * n_term, -slope * n_term * self.log_n, slope * s_term,
-                   core * np.log(inner), -c * s2, c * gap * ds2, transient,
-                   transient * self.s1 / math.exp(log_tau)]
-        return loss, np.column_stack(columns)
-
-
 def law_loss(theta: np.ndarray, curves: list[Curve]) -> np.ndarray:
-    """The law at every point of ``curves``; theta = (log E, log B, beta, log A, alpha, log C, log(1 - lambda), log K,
-    log tau)."""
-    return _Design(curves).loss_jac(np.asarray(theta, float), jac=False)[0]
+    """The law at every point of ``curves``; theta in ``CURVE_THETA`` order."""
+    return CurvePoints(curves).loss_jac(np.asarray(theta, float), jac=False)[0]
 
 
-def to_named(theta: np.ndarray) -> dict[str, float]:
-    log_e, log_b, beta, log_a, alpha, log_c, log_gap, log_k, log_tau = (float(v) for v in theta)
-    return {"E": math.exp(log_e), "B": math.exp(log_b), "beta": beta, "A": math.exp(log_a), "alpha": alpha,
-            "C": math.exp(log_c), "lambda": 1.0 - math.exp(log_gap), "K": math.exp(log_k), "tau": math.exp(log_tau)}
-
-
-def from_named(p: dict[str, float]) -> np.ndarray:
-    return np.array([math.log(p["E"]), math.log(p["B"]), p["beta"], math.log(p["A"]), p["alpha"], math.log(p["C"]),
-                     math.log(1.0 - p["lambda"]), math.log(p["K"]), math.log(p["tau"])])
-
-
-def _starts(design: _Design, loss: np.ndarray) -> list[np.ndarray]:
+def _starts(design: CurvePoints, loss: np.ndarray) -> list[np.ndarray]:
     """The grid point of (beta, alpha, lambda) whose (B, A), by NNLS of loss^(1/alpha) on (N^-beta, 1/S1) with E, C
     and K small, has the smallest squared error of log loss; once with the transient's tau at each of
     ``TAU_QUANTILES`` of the points' S1 (a fit started with the transient too short can end with it switched off)."""
@@ -170,20 +98,13 @@ _BOUNDS = (np.array([-10, -20, 0.01, -20, 0.01, -30, math.log(1e-5), -20, 0.0]),
            np.array([5, 60, 4.0, 60, 3.0, 10, math.log(0.5), 3.0, math.log(1e6)]))
 
 
-def _refine(theta0: np.ndarray, design: _Design, log_loss: np.ndarray, weights: np.ndarray | None):
-    """Least squares (Huber) of the log-loss residuals, weighted per point, from theta0, with the analytic Jacobian."""
-    w = np.ones(len(log_loss)) if weights is None else weights
-
-    def residuals(theta: np.ndarray) -> np.ndarray:
-        loss, _ = design.loss_jac(theta, jac=False)
-        return (np.log(np.maximum(loss, 1e-12)) - log_loss) * w
-
-    def jacobian(theta: np.ndarray) -> np.ndarray:
+def _problem(design: CurvePoints, log_loss: np.ndarray) -> robust.Problem:
+    """The engine's problem: the law's log loss at every point, with its analytic Jacobian, against ``log_loss``."""
+    def model(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         loss, jac = design.loss_jac(theta)
-        return jac * (w / np.maximum(loss, 1e-12))[:, None]
-
-    return least_squares(residuals, np.clip(theta0, *_BOUNDS), jac=jacobian, bounds=_BOUNDS, loss="huber",
-                         f_scale=HUBER_SCALE, x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
+        floor = np.maximum(loss, 1e-12)
+        return np.log(floor), jac * (1.0 / floor)[:, None]
+    return robust.Problem(model, log_loss, HUBER_SCALE, _BOUNDS, scale="jac")
 
 
 @dataclass
@@ -200,13 +121,13 @@ class CurveFit:
 
     @property
     def params(self) -> dict[str, float]:
-        return to_named(self.theta)
+        return curve_named(self.theta)
 
     def ci(self) -> dict[str, list[float] | None] | None:
         if self.thetas is None:
             return None
-        named = [to_named(t) for t in self.thetas]
-        return {k: interval(np.array([p[k] for p in named]), self.level) for k in NAMES}
+        named = [curve_named(t) for t in self.thetas]
+        return {k: interval(np.array([p[k] for p in named]), self.level) for k in CURVE_NAMES}
 
     def predict(self, params: float, lr: np.ndarray, steps: np.ndarray | None = None, peak: float = 0.0
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -215,7 +136,7 @@ class CurveFit:
         resamples."""
         steps = np.arange(1, len(lr) + 1) if steps is None else np.asarray(steps, int)
         probe = [Curve("predicted", float(params), np.asarray(lr, float), steps, np.zeros(len(steps)), peak=peak)]
-        design = _Design(probe)
+        design = CurvePoints(probe)
         loss = design.loss_jac(self.theta, jac=False)[0]
         lo = hi = np.full(len(steps), np.nan)
         if self.thetas is not None:
@@ -238,7 +159,7 @@ def load_fit(doc: dict) -> CurveFit:
         fit = doc["fit"]
         if fit["law"] != CURVE_LAW:
             raise InputError(f"a curves law of another form ('{fit['law']}', not '{CURVE_LAW}'): fit it again")
-        thetas = None if fit["resamples"] is None else np.array(fit["resamples"], float).reshape(-1, len(NAMES))
+        thetas = None if fit["resamples"] is None else np.array(fit["resamples"], float).reshape(-1, len(CURVE_NAMES))
         return CurveFit(theta=np.array(fit["theta"], float), thetas=thetas, converged=bool(fit["converged"]),
                         rmse_log_loss=float(fit["rmse_log_loss"]), n_runs=int(fit["n_runs"]),
                         n_points=int(fit["n_points"]), level=float(fit["level"]))
@@ -264,16 +185,13 @@ def fit_curves(curves: list[Curve], n_bootstrap: int = 200, seed: int = 0, level
         raise InputError(f"{len(short)} run(s) have fewer than 3 {loss_kind}-loss points after warm-up "
                          f"({', '.join(short[:3])}): {MORE_POINTS[loss_kind]}")
     loss = np.concatenate([c.loss for c in curves])
-    design = _Design(curves)
-    res = min((_refine(start, design, np.log(loss), None) for start in _starts(design, loss)), key=lambda r: r.cost)
+    design = CurvePoints(curves)
+    problem = _problem(design, np.log(loss))
+    res, _ = robust.fit(problem, _starts(design, loss))
     thetas = None
     if n_bootstrap > 0:
-        counts = draw_weights(len(curves), n_bootstrap, seed)
-        sizes = np.array([len(c.steps) for c in curves])
-        thetas = np.empty((n_bootstrap, len(NAMES)))
-        for k, w in enumerate(counts):
-            point_w = np.sqrt(np.repeat(w, sizes).astype(float))
-            thetas[k] = _refine(res.x, design, np.log(loss), point_w).x
+        counts = draw_weights(len(curves), n_bootstrap, seed)  # each run's points count as often as the run is drawn
+        thetas, _ = robust.refit(problem, res.x, np.repeat(counts, [len(c.steps) for c in curves], axis=1))
     rmse = float(np.sqrt(np.mean((np.log(design.loss_jac(res.x, jac=False)[0]) - np.log(loss)) ** 2)))
     return CurveFit(theta=res.x, thetas=thetas, converged=bool(res.success), rmse_log_loss=rmse,
                     n_runs=len(curves), n_points=len(loss), level=level)
@@ -293,8 +211,9 @@ def identification(fit: CurveFit, curves: list[Curve]) -> list[str]:
     sizes = len({c.params for c in curves})
     if sizes < 3:
         problems.append(f"{sizes} sizes (the power of N needs 3)")
-    if fit.n_points < POINTS_PER_PARAMETER * len(NAMES):
-        problems.append(f"{fit.n_points} points for {len(NAMES)} parameters (need {POINTS_PER_PARAMETER * len(NAMES)})")
+    needed = POINTS_PER_PARAMETER * len(CURVE_NAMES)
+    if fit.n_points < needed:
+        problems.append(f"{fit.n_points} points for {len(CURVE_NAMES)} parameters (need {needed})")
     if fit.thetas is not None:
         def width(c: Curve) -> tuple[float, float, float, float]:
             _, loss, lo, hi = fit.predict(c.params, c.lr, np.array([len(c.lr)]), c.reference)

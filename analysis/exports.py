@@ -12,7 +12,7 @@ import math
 import pandas as pd
 
 from analysis.compare import APPROACHES, TITLES
-from analysis.forms import FORMS
+from lab.measure.laws import FORMS
 from analysis.published import LAWS
 
 LAW_KEYS = ("a", "b", "k_N", "k_D")

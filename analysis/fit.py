@@ -23,12 +23,11 @@ from analysis.budgets import Budgets, group_budgets
 from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
 from analysis.downstream import fit_task, predict_score
 from analysis.envelope import Envelope, Frontier, build_envelope, build_frontier
-from analysis.forms import CHINCHILLA, FORMS, SHARED, Form
+from lab.measure.laws import CHINCHILLA, FORMS, SHARED, Form
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws, budget_minima
-from analysis.laws import LAWS, fit_data_constrained, fit_kaplan
+from analysis.other_laws import LAWS, fit_data_constrained, fit_kaplan
 from analysis.parametric import (
-    HUBER_DELTA,
     ParametricFit,
     compute_optimal,
     fit_parametric,
@@ -37,7 +36,9 @@ from analysis.parametric import (
     named_samples,
     params_from_theta,
     predict_loss,
+    start_grid,
 )
+from analysis.robust import HUBER_DELTA
 from analysis.table import MIN_RUNS, InputError, RunTable
 from lab.runtime.scores import PREFIX as TASK_PREFIX
 
@@ -69,7 +70,7 @@ class FitConfig:
     seed: int = 0
     ci_level: float = 0.95
     workers: int = 1  # processes for the bootstrap
-    n_starts: int = 8  # L-BFGS runs from the best grid points
+    n_starts: int = 8  # engine runs from the best grid points
     predict: tuple[float, ...] = ()  # FLOP budgets; empty: 1x, 10x and 100x the largest C in the data
     holdout: bool = True
     extrapolation_warn: float = 100.0  # warn when a prediction exceeds this multiple of the data's C
@@ -78,8 +79,8 @@ class FitConfig:
     holdout_budgets: int = 1  # the hold-out keeps back this many of the largest budgets ...
     holdout_above: float | None = None  # ... or, when set, every run with C above this
     delta_sensitivity: bool = True  # refit approach 3 at each of DELTA_GRID for the report
-    law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.laws), or only approach 3
-    form: str = "chinchilla"  # approach 3's form (analysis.forms), or "auto": chosen by the hold-out
+    law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.other_laws), or only approach 3
+    form: str = "chinchilla"  # approach 3's form (lab.measure.laws), or "auto": chosen by the hold-out
     progress: bool = field(default=True, compare=False)
 
     def validate(self) -> None:
@@ -146,7 +147,7 @@ class FitResult:
     outliers: dict = field(default_factory=dict)
     noiseless: bool = False
     delta_sensitivity: list[dict] = field(default_factory=list)
-    law: dict | None = None  # the --law form fitted beside approach 3 (analysis.laws), when not chinchilla
+    law: dict | None = None  # the --law form fitted beside approach 3 (analysis.other_laws), when not chinchilla
     form_choice: dict | None = None  # with --form auto: each form's hold-out error and the choice
     forms: list[dict] = field(default_factory=list)  # every form fitted side by side (``forms_table``)
     downstream: list[dict] = field(default_factory=list)  # per task column: the loss -> error link, predictions
@@ -213,9 +214,10 @@ class FitResult:
         predicted = predict_loss(p.theta, t.n, t.d, form)
         out["fit"] = {
             "method": f"Huber (delta={self.config.huber_delta:g}) on log-space residuals via log-sum-exp, summed; "
-                      f"L-BFGS from the {p.n_starts} best of {len(form.grid())} grid points",
+                      f"least squares (trust-region reflective) from the {p.n_starts} best of "
+                      f"{len(start_grid(form))} grid points",
             "huber_delta": self.config.huber_delta, "objective": p.objective, "converged": p.converged,
-            "message": p.message, "iterations": p.n_iter, "n_starts": p.n_starts,
+            "message": p.message, "evaluations": p.n_evaluations, "n_starts": p.n_starts,
             "starts_agreeing": p.starts_agreeing, "optimum_inside_grid": p.optimum_inside_grid,
             "best_start": dict(zip(form.theta_names, p.best_start)),
             "condition_number": self.condition, "flops_k": k,
@@ -230,7 +232,7 @@ class FitResult:
             out["ci"] = self._ci(named_samples(thetas, k, form))
             out["bootstrap"] = {"resamples": len(thetas), "seed": self.config.seed,
                                 "converged": int(self.resamples.converged.sum()),
-                                "refit": "one L-BFGS per resample from the full-data optimum"}
+                                "refit": "one least-squares fit per resample from the full-data optimum"}
             good = thetas[np.all(np.isfinite(thetas), axis=1)]
             if len(good) > 5:
                 cov = np.cov(good, rowvar=False)
@@ -476,7 +478,7 @@ def forms_table(table: RunTable, chosen: ParametricFit, refits: dict[str, tuple[
             continue
         if form is chosen.form:
             theta, converged = chosen.theta, chosen.converged
-        elif name in refits:  # from its hold-out refit's optimum, which lies close: one L-BFGS, no grid
+        elif name in refits:  # from its hold-out refit's optimum, which lies close: one start, no grid
             thetas, ok = fit_weighted(refits[name][0].theta, n, d, loss, np.ones((1, len(n))), config.huber_delta, form)
             theta, converged = thetas[0], bool(ok[0])
         else:
@@ -622,7 +624,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     if noise is not None:
         warnings.append(("noiseless", noise))
     if 2 * parametric.starts_agreeing < parametric.n_starts:  # near-zero objectives are compared absolutely
-        warnings.append(("start_grid", f"approach 3: only {parametric.starts_agreeing} of {parametric.n_starts} L-BFGS "
+        warnings.append(("start_grid", f"approach 3: only {parametric.starts_agreeing} of {parametric.n_starts} "
                          "starts reached the best objective: the objective has other optima"))
 
     single = "every run is at one compute budget; a power law in C needs several"
@@ -702,7 +704,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         other = (fit_kaplan(n, d, loss, rmse, config.huber_delta) if config.law == "kaplan" else
                  fit_data_constrained(n, d, unique, loss, start, rmse, config.huber_delta))
         if not other["converged"]:
-            warnings.append(("law_convergence", f"the {config.law} law's L-BFGS did not converge"))
+            warnings.append(("law_convergence", f"the {config.law} law's fit did not converge"))
     downstream = downstream_fits(table, predictions, config)
     return FitResult(table=table, config=config, budgets=budgets, parametric=parametric, condition=condition,
                      resamples=resamples, minima=minima, isoflop_laws=isoflop_laws, envelope=envelope,

@@ -90,7 +90,7 @@ def parametric(params: dict[str, float], converged: bool, condition: float, n_di
               if single_budget else "runs span more than one compute budget"),
         Check("sizes", n_distinct >= MIN_DISTINCT and d_distinct >= MIN_DISTINCT,
               f"{n_distinct} distinct N and {d_distinct} distinct D (need {MIN_DISTINCT} of each)"),
-        Check("converged", converged, "L-BFGS converged" if converged else "L-BFGS did not converge"),
+        Check("converged", converged, "the fit converged" if converged else "the fit did not converge"),
         Check("bounds", lo < alpha < hi and lo < beta < hi and e < min_loss,
               f"{name_n} = {alpha:.3g}, {name_d} = {beta:.3g} (plausible: {lo:g} to {hi:g}); "
               f"E = {e:.4g} {'<' if e < min_loss else '>='} the lowest loss {min_loss:.4g}"),

@@ -1,19 +1,19 @@
 """Approach 3: fit L(N, D) = E + A/N^alpha + B/D^beta as in Hoffmann et al. (2022), appendix D.
 
-Every function takes a ``form`` (``analysis.forms``): Chinchilla's, described here, by default, or
+Every function takes a ``form`` (``lab.measure.laws``): Chinchilla's, described here, by default, or
 ``kaplan-e``, whose N and D terms interact, or ``shared``, one exponent for both; all are fitted the same way.
 
 With theta = (a, b, e, alpha, beta), A = e^a, B = e^b, E = e^e, the objective is
 
     sum_i w_i * Huber_delta( LSE(a - alpha log N_i, b - beta log D_i, e) - log L_i ),  delta = 1e-3,
 
-minimised by L-BFGS. The paper starts L-BFGS from every point of a 4,500-point grid. Here the
-objective is evaluated on the whole grid at once (vectorised over grid points and runs; on at
-most ``GRID_RUNS`` runs, since it only ranks starting points), and L-BFGS (scipy, analytic
-gradient, all runs) runs only from the ``n_starts`` best grid points; the best result is kept.
-Internally log N and log D are centred on their means, which leaves the minimiser unchanged but
-makes a and alpha (b and beta) far less correlated, so L-BFGS needs fewer iterations.
-Convergence is reported, with how many starts reached the best objective.
+minimised by the analysis's fitting engine (``analysis.robust``: least squares with the Huber loss, trust-region
+reflective with the form's analytic Jacobian). The paper starts L-BFGS from every point of a 4,500-point grid. Here
+the objective is evaluated on the whole grid at once (vectorised over grid points and runs; on at most
+``GRID_RUNS`` runs, since it only ranks starting points), and the engine runs only from the ``n_starts`` best grid
+points; the best result is kept. Internally log N and log D are centred on their means, which leaves the minimiser
+unchanged but makes a and alpha (b and beta) far less correlated. Convergence is reported, with how many starts
+reached the best objective.
 
 Whether the data pin the parameters down at all is measured by ``gauss_newton_condition``:
 the condition number of J^T J, J the Jacobian of the predicted log loss with respect to theta
@@ -24,30 +24,42 @@ The compute-optimal allocation minimises L(N, D) along C = k N D: k = 6 by conve
 table's own k (``RunTable.flops_k``), so that approach 3 speaks of the same C as the data.
 
 Bootstrap refits (``fit_weighted``) start from the full-data optimum instead of the grid: each
-resample is a reweighting of the same runs, so its optimum lies close by, and L-BFGS runs in
-coordinates preconditioned there.
+resample is a reweighting of the same runs, so its optimum lies close by.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from scipy.optimize import OptimizeResult, minimize
 
-from analysis.forms import CHINCHILLA, Form
+from analysis import robust
+from analysis.robust import HUBER_DELTA
+from lab.measure.laws import CHINCHILLA, Form
 
-HUBER_DELTA = 1e-3
-GRID_AXES = CHINCHILLA.grid_axes  # Hoffmann et al.'s grid of starting points, in theta order (a, b, e, alpha, beta)
+# Each form's starting points (the product of these axes), in theta order.
+START_GRIDS = {
+    # Hoffmann et al.'s grid
+    "chinchilla": (np.arange(0.0, 25.1, 5.0), np.arange(0.0, 25.1, 5.0), np.arange(-1.0, 1.01, 0.5),
+                   np.arange(0.0, 2.01, 0.5), np.arange(0.0, 2.01, 0.5)),
+    # N_c and D_c from 1e3 to 1e15, E from 0.37 to 2.7 nats, exponents 0.1 to 1
+    "kaplan-e": (np.log([1e3, 1e6, 1e9, 1e12, 1e15]), np.log([1e3, 1e6, 1e9, 1e12, 1e15]), np.array([-1.0, 0.0, 1.0]),
+                 np.array([0.1, 0.3, 1.0]), np.array([0.1, 0.3, 1.0])),
+}
+START_GRIDS["shared"] = START_GRIDS["chinchilla"][:4]
+GRID_AXES = START_GRIDS["chinchilla"]
 GRID_RUNS = 2000
-# L-BFGS stopping: the objective is tiny (residuals near delta), so scipy's default relative
-# tolerance on it (floored at an absolute 2.2e-9) stops far too early.
-_LBFGS_OPTIONS = {"ftol": 1e-15, "gtol": 1e-12, "maxiter": 3000, "maxfun": 6000}
 # Starts agree when their objectives are within a relative 1e-6 of the best, or, where the best is near zero
 # (noiseless data: 1e-18 to 1e-16), within this much per run absolutely: residuals of 1e-6 in log loss, far below
 # any measured loss's precision, so a relative test there only compares rounding.
 OBJECTIVE_ATOL_PER_RUN = 0.5 * 1e-6 ** 2
+
+
+def problem(form: Form, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: float = HUBER_DELTA
+            ) -> robust.Problem:
+    """The engine's problem of ``form`` at x = log N, y = log D (centred or not)."""
+    return robust.Problem(lambda theta: form.log_loss_jac(theta, x, y), log_loss, delta)
 
 
 def huber_lse_objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
@@ -58,11 +70,7 @@ def huber_lse_objective(theta: np.ndarray, x: np.ndarray, y: np.ndarray, log_los
     The form's log loss is a log-sum-exp that subtracts its largest term, and the gradient uses the
     softmax weights of the terms, so neither overflows for any finite theta.
     """
-    predicted, jac = form.log_loss_jac(np.asarray(theta, float), x, y)
-    r = predicted - log_loss
-    dh = np.clip(r, -delta, delta)  # Huber'(r); Huber(r) = dh (r - dh/2) on both branches
-    wdh = dh if weights is None else dh * weights
-    return float(np.dot(wdh, r - 0.5 * dh)), (jac * wdh[:, None]).sum(axis=0)
+    return robust.objective(problem(form, x, y, log_loss, delta), theta, weights)
 
 
 def grid_objective(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: float = HUBER_DELTA,
@@ -84,8 +92,7 @@ def grid_objective(x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, delta: fl
         # Axes (a, b, e, alpha, beta, run), matching the theta order of the points below.
         total = (e1[:, None, None, :, None, :] + e2[None, :, None, None, :, :]) + e3[None, None, :, None, None, :]
         r = np.log(total) + (top - ls)
-        abs_r = np.abs(r)
-        values += np.where(abs_r <= delta, 0.5 * r * r, delta * (abs_r - 0.5 * delta)).sum(axis=-1).ravel()
+        values += robust.huber(r, delta).sum(axis=-1).ravel()
     points = np.stack([m.ravel() for m in np.meshgrid(*GRID_AXES, indexing="ij")], axis=1)
     return points, values
 
@@ -95,13 +102,17 @@ def _grid_values(form: Form, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
     """(points, objective at each): ``grid_objective`` for Chinchilla's form, the form's log loss otherwise."""
     if form is CHINCHILLA:
         return grid_objective(x, y, log_loss, delta)
-    points = form.grid()
+    points = start_grid(form)
     values = np.zeros(len(points))
     for lo in range(0, len(x), chunk):
         r = form.log_loss(points, x[lo:lo + chunk], y[lo:lo + chunk]) - log_loss[lo:lo + chunk]
-        abs_r = np.abs(r)
-        values += np.where(abs_r <= delta, 0.5 * r * r, delta * (abs_r - 0.5 * delta)).sum(axis=1)
+        values += robust.huber(r, delta).sum(axis=1)
     return points, np.where(np.isfinite(values), values, np.inf)
+
+
+def start_grid(form: Form) -> np.ndarray:
+    """Every starting point of ``form``, (G, P)."""
+    return np.array(list(itertools.product(*START_GRIDS[form.name])), float)
 
 
 @dataclass(frozen=True)
@@ -133,10 +144,10 @@ class ParametricFit:
     objective: float
     converged: bool
     message: str
-    n_iter: int
+    n_evaluations: int  # of the model, by the winning start
     n_starts: int
     starts_agreeing: int  # starts that reached the best objective (relative 1e-6, or OBJECTIVE_ATOL_PER_RUN per run)
-    best_start: np.ndarray  # the grid point the winning L-BFGS run started from
+    best_start: np.ndarray  # the grid point the winning start
     form: Form = CHINCHILLA
 
     @property
@@ -150,7 +161,7 @@ class ParametricFit:
     @property
     def optimum_inside_grid(self) -> bool:
         """Whether the optimum lies within the box spanned by the grid of starts."""
-        return all(ax.min() <= v <= ax.max() for v, ax in zip(self.theta, self.form.grid_axes))
+        return all(ax.min() <= v <= ax.max() for v, ax in zip(self.theta, START_GRIDS[self.form.name]))
 
 
 def params_from_theta(theta: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHILLA) -> dict[str, float]:
@@ -192,15 +203,9 @@ def compute_optimal(thetas: np.ndarray, flops: np.ndarray, flops_k: float = 6.0,
     return np.exp(log_n), np.exp(log_d), loss
 
 
-def _lbfgs(theta0: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray,
-           weights: np.ndarray | None, delta: float, form: Form) -> OptimizeResult:
-    return minimize(huber_lse_objective, theta0, args=(x, y, log_loss, weights, delta, form), jac=True,
-                    method="L-BFGS-B", options=_LBFGS_OPTIONS)
-
-
 def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int = 8,
                    delta: float = HUBER_DELTA, form: Form = CHINCHILLA) -> ParametricFit:
-    """Fit L(N, D) to runs: grid of starts evaluated at once, L-BFGS from the best ``n_starts``.
+    """Fit L(N, D) to runs: grid of starts evaluated at once, the engine from the best ``n_starts``.
 
     Only choosing starts, the grid is evaluated on at most ``GRID_RUNS`` runs (every k-th, in C order).
     """
@@ -209,15 +214,13 @@ def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int
     points, values = _grid_values(form, x[every], y[every], log_loss[every], delta)
     order = np.argsort(values, kind="stable")[:max(1, n_starts)]
     centring = Centring(float(x.mean()), float(y.mean()), form)
-    xc, yc = x - centring.x0, y - centring.y0
-    results = [_lbfgs(centring.to_centred(points[i]), xc, yc, log_loss, None, delta, form) for i in order]
-    finals = np.array([r.fun if np.isfinite(r.fun) else np.inf for r in results])
+    centred = problem(form, x - centring.x0, y - centring.y0, log_loss, delta)
+    res, finals = robust.fit(centred, [centring.to_centred(points[i]) for i in order])
     best = int(np.argmin(finals))
-    res = results[best]
     tol = max(1e-6 * abs(finals[best]), OBJECTIVE_ATOL_PER_RUN * len(x))
     agreeing = int(np.sum(np.abs(finals - finals[best]) <= tol))
-    return ParametricFit(theta=centring.from_centred(res.x), objective=float(res.fun),
-                         converged=bool(res.success), message=str(res.message), n_iter=int(res.nit),
+    return ParametricFit(theta=centring.from_centred(res.x), objective=float(res.cost),
+                         converged=bool(res.success), message=str(res.message), n_evaluations=int(res.nfev),
                          n_starts=len(order), starts_agreeing=agreeing, best_start=points[order[best]], form=form)
 
 
@@ -233,47 +236,12 @@ def gauss_newton_condition(theta: np.ndarray, n: np.ndarray, d: np.ndarray, form
     return float((singular[0] / singular[-1]) ** 2) if singular[-1] > 0 else float("inf")
 
 
-def _preconditioner(theta_c: np.ndarray, xc: np.ndarray, yc: np.ndarray, log_loss: np.ndarray,
-                    delta: float, form: Form) -> np.ndarray:
-    """T such that, with theta = theta_c + T z, the objective near theta_c is about isotropic in z.
-
-    T = L^-T for L L^T = J^T diag(min(1, delta/|r|)) J, the curvature that iteratively reweighted
-    least squares gives the Huber loss; the identity when that matrix is not positive definite.
-    """
-    predicted, jac = form.log_loss_jac(theta_c, xc, yc)
-    weights = np.minimum(1.0, delta / np.maximum(np.abs(predicted - log_loss), 1e-300))
-    try:
-        lower = np.linalg.cholesky(jac.T @ (jac * weights[:, None]))
-    except np.linalg.LinAlgError:
-        return np.eye(form.size)
-    return np.linalg.inv(lower).T
-
-
 def fit_weighted(theta0: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray,
                  weights: np.ndarray, delta: float = HUBER_DELTA, form: Form = CHINCHILLA
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Refit for each row of ``weights`` (K, n_runs) from theta0; returns thetas (K, P), converged (K,).
-
-    L-BFGS runs in coordinates preconditioned at theta0 (``_preconditioner``): resamples' optima lie
-    close to it, and there this cuts the objective evaluations per refit two- to three-fold.
-    """
-    x, y, log_loss = np.log(n), np.log(d), np.log(loss)
+    """Refit for each row of ``weights`` (K, n_runs) from theta0; returns thetas (K, P), converged (K,)."""
+    x, y = np.log(n), np.log(d)
     centring = Centring(float(x.mean()), float(y.mean()), form)
-    xc, yc = x - centring.x0, y - centring.y0
-    start = centring.to_centred(np.asarray(theta0, float))
-    scale = _preconditioner(start, xc, yc, log_loss, delta, form)
-
-    def objective(z: np.ndarray, *args: Any) -> tuple[float, np.ndarray]:
-        value, grad = huber_lse_objective(start + scale @ z, *args)
-        return value, scale.T @ grad
-
-    thetas = np.empty((len(weights), form.size))
-    converged = np.empty(len(weights), bool)
-    for k, w in enumerate(np.asarray(weights, float)):
-        drawn = w > 0  # runs left out of a resample cost nothing
-        res = minimize(objective, np.zeros(form.size),
-                       args=(xc[drawn], yc[drawn], log_loss[drawn], w[drawn], delta, form),
-                       jac=True, method="L-BFGS-B", options=_LBFGS_OPTIONS)
-        thetas[k] = centring.from_centred(start + scale @ res.x)
-        converged[k] = res.success
-    return thetas, converged
+    centred = problem(form, x - centring.x0, y - centring.y0, np.log(loss), delta)
+    thetas, converged = robust.refit(centred, centring.to_centred(np.asarray(theta0, float)), weights)
+    return np.array([centring.from_centred(t) for t in thetas]).reshape(thetas.shape), converged

@@ -35,7 +35,7 @@ from analysis.downstream import task_error  # noqa: E402
 from analysis.fit import FitResult  # noqa: E402
 from analysis.isoflop import PowerLaws  # noqa: E402
 from analysis.parametric import compute_optimal, predict_loss  # noqa: E402
-from analysis.planner import form_of  # noqa: E402
+from analysis.allocate import form_of  # noqa: E402
 from analysis.published import LAWS, PublishedLaw, comparable, listed_note  # noqa: E402
 from analysis.synthetic import law_loss, law_optimum  # noqa: E402
 from lab.runtime.scores import PREFIX as TASK_PREFIX  # noqa: E402

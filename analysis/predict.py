@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 
 from analysis.bootstrap import interval
-from analysis.forms import Form
+from lab.measure.laws import Form
 from analysis.parametric import predict_loss
-from analysis.planner import form_of, load_fit, theta_of
+from analysis.allocate import form_of, load_fit, theta_of
 from analysis.table import InputError
 
 FAR = 4.0  # a ratio (or size) more than this factor beyond the fit's runs is flagged

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
 from analysis.fit import forms_cells
-from analysis.forms import FORMS
+from lab.measure.laws import FORMS
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import CURVES_FIGURE, DOWNSTREAM_FIGURE, FIGURES
 from analysis.published import BESIROGLU, HOFFMANN, KAPLAN, LAWS, MUENNIGHOFF, TABLE3, comparable, listed_note
@@ -211,7 +211,7 @@ def _law_blocks(law: dict) -> list[Block]:
                   f"(delta = {law['huber_delta']:g}) of log-space residuals; no bootstrap, so no intervals. "
                   f"RMSE of log loss {fmt(law['rmse_log_loss'], 3)}, against {fmt(law['approach3_rmse_log_loss'], 3)} "
                   f"for approach 3; N_opt ∝ C^a with a = {fmt(law['a'])}."
-                  + ("" if law["converged"] else " **L-BFGS did not converge.**")),
+                  + ("" if law["converged"] else " **The fit did not converge.**")),
             ("table", list(law["params"]), [[fmt(v) for v in law["params"].values()]])]
 
 
@@ -244,8 +244,8 @@ def _approach3_blocks(a3: dict, level: str) -> list[Block]:
         ("p", f"Goodness of fit over {good['n_runs']} runs: RMSE {fmt(good['rmse_loss'])} nats per token in loss "
               f"({fmt(good['rmse_log_loss'])} in log loss), largest residual {fmt(good['max_abs_residual'])} nats, "
               f"Huber objective (delta = {fit['huber_delta']:g}, summed over runs) {fmt(good['huber_objective'], 6)}. "
-              f"Optimiser: {'converged' if fit['converged'] else 'NOT converged'} after {fit['iterations']} "
-              f"iterations ({fit['message']}); {fit['starts_agreeing']} of {fit['n_starts']} starts reached the best "
+              f"Optimiser: {'converged' if fit['converged'] else 'NOT converged'} after {fit['evaluations']} "
+              f"evaluations ({fit['message']}); {fit['starts_agreeing']} of {fit['n_starts']} starts reached the best "
               f"objective; the optimum lies {'inside' if fit['optimum_inside_grid'] else 'OUTSIDE'} the grid of "
               f"starts; condition number of J^T J {fmt(fit['condition_number'], 3)}."),
     ]
@@ -347,29 +347,27 @@ def _data_blocks(doc: dict) -> list[Block]:
 
 _METHOD = (
     "Approach 3 minimises the summed Huber loss (delta = 1e-3 unless --huber-delta says otherwise) of log-space "
-    "residuals, "
-    "LSE(a - alpha log N, b - beta log D, e) - log L, as in Hoffmann et al. (2022), appendix D. "
-    "The objective is evaluated on the paper's whole 4,500-point grid of starts at once; L-BFGS "
-    "(analytic gradient, log N and log D centred) runs from the best few grid points and the best "
-    "result is kept. Runs are grouped into budgets by clustering log C (analysis/budgets.py); when C does not "
-    "cluster, no IsoFLOP profiles are formed. A budget's minimum is its lowest run or the vertex of a parabola "
-    "in log N fitted in a window symmetric about the lowest run (analysis/isoflop.py), because a parabola "
-    "through a lopsided profile is pulled towards its longer side; budgets with fewer than two sizes on a "
-    "side of their lowest run are left out. The envelope uses end points only by default: per budget (or per "
-    "run's own C when C is continuous) the lowest final loss, where it beats every smaller budget, since the "
-    "intermediate points of a run's single schedule are not the losses runs of those lengths reach; with "
-    "--envelope curves it takes, at each FLOP count, the run whose training curve is lowest. Each "
-    "bootstrap resample draws the runs with replacement and refits every approach on it; approaches are "
-    "compared pair by pair on the same resamples. The hold-out check refits approach 3 without the largest "
-    "budgets (--holdout-budgets K, default 1; or the runs above --holdout-above C; with continuous C the top fifth) "
-    "and predicts each run held out. Runs sharing N and D are each their own point by default, as in the "
+    "residuals, LSE(a - alpha log N, b - beta log D, e) - log L, as in Hoffmann et al. (2022), appendix D. The "
+    "objective is evaluated on the paper's whole 4,500-point grid of starts at once; least squares with the Huber "
+    "loss (analysis/robust.py: trust-region reflective, analytic Jacobian, log N and log D centred) runs from the "
+    "best few grid points and the best result is kept. Runs are grouped into budgets by clustering log C "
+    "(analysis/budgets.py); when C does not cluster, no IsoFLOP profiles are formed. A budget's minimum is its "
+    "lowest run or the vertex of a parabola in log N fitted in a window symmetric about the lowest run "
+    "(analysis/isoflop.py), because a parabola through a lopsided profile is pulled towards its longer side; "
+    "budgets with fewer than two sizes on a side of their lowest run are left out. The envelope uses end points "
+    "only by default: per budget (or per run's own C when C is continuous) the lowest final loss, where it beats "
+    "every smaller budget, since the intermediate points of a run's single schedule are not the losses runs of "
+    "those lengths reach; with --envelope curves it takes, at each FLOP count, the run whose training curve is "
+    "lowest. Each bootstrap resample draws the runs with replacement and refits every approach on it; approaches "
+    "are compared pair by pair on the same resamples. The hold-out check refits approach 3 without the largest "
+    "budgets (--holdout-budgets K, default 1; or the runs above --holdout-above C; with continuous C the top "
+    "fifth) and predicts each run held out. Runs sharing N and D are each their own point by default, as in the "
     "published fits; outliers are flagged from robust (median and MAD) z-scores of the log-loss residuals. "
-    "Approach 3 may fit another form, Kaplan et al.'s (2020) with an irreducible E, "
-    "E + ((N_c/N)^(alpha_N/alpha_D) + D_c/D)^alpha_D (its own grid of 675 starts), or Gadre et al.'s (2024) "
-    "E + A/N^alpha + B/D^alpha with one exponent (four parameters; 900 starts), in the same way; with "
-    "--form auto (the default) every form is refitted without the hold-out's runs and the one that predicts them "
-    "with the smallest mean relative error is used for everything that follows (Chinchilla's with --no-holdout). "
-    "Every form's fit is reported side by side.")
+    "Approach 3 may fit another form, Kaplan et al.'s (2020) with an irreducible E, E + ((N_c/N)^(alpha_N/alpha_D) "
+    "+ D_c/D)^alpha_D (its own grid of 675 starts), or Gadre et al.'s (2024) E + A/N^alpha + B/D^alpha with one "
+    "exponent (four parameters; 900 starts), in the same way; with --form auto (the default) every form is "
+    "refitted without the hold-out's runs and the one that predicts them with the smallest mean relative error is "
+    "used for everything that follows (Chinchilla's with --no-holdout). Every form's fit is reported side by side.")
 
 
 def _forms_blocks(a3: dict) -> list[Block]:
@@ -381,8 +379,9 @@ def _forms_blocks(a3: dict) -> list[Block]:
     choice = a3.get("form_choice")
     why = (f"Chosen (*) by --form auto: {choice['why']}." if choice else
            f"Chosen (*) by --form {a3['form']}.")
-    return [("p", "Each form fitted to all runs in the same way (Huber loss of log residuals, L-BFGS from its own "
-                  "grid of starts); the hold-out columns refit each without the hold-out's runs and predict them"
+    return [("p", "Each form fitted to all runs in the same way (Huber loss of log residuals, least squares from "
+                  "its own grid of starts); the hold-out columns refit each without the hold-out's runs and predict "
+                  "them"
                   + (f" (not run: {skipped})" if skipped else "") + ". " + why),
             ("table", header, cells)]
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import least_squares
-
+from analysis import robust
 from analysis.bootstrap import interval
-from analysis.parametric import HUBER_DELTA
+from analysis.robust import HUBER_DELTA
+from lab.measure.laws import CHINCHILLA
 
 DENSE = "dense"
 REQUIRED = ("params_active", "tokens", "flops", "loss", "flops_per_token", "moe_experts", "moe_top_k",
@@ -71,8 +71,9 @@ class RoutedFit:
     def predict(self, config: str, n: np.ndarray, d: np.ndarray, theta: np.ndarray | None = None) -> np.ndarray:
         """Loss of configuration ``config`` at active size ``n`` and tokens ``d``."""
         th = self.theta if theta is None else theta
-        return np.exp(_log_loss(th, np.full(np.shape(n), self.configurations.index(config)), np.log(n), np.log(d),
-                                len(self.configurations)))
+        x, y = np.broadcast_arrays(np.log(n), np.log(d))
+        group = np.full(x.size, self.configurations.index(config))
+        return np.exp(_log_loss_jac(th, group, x.ravel(), y.ravel(), len(self.configurations))[0]).reshape(x.shape)
 
     def multiplier(self, config: str, reference: str = DENSE, theta: np.ndarray | None = None) -> float:
         """How many times its active size a ``reference`` model must be to match ``config`` at equal tokens."""
@@ -99,24 +100,20 @@ class RoutedFit:
         return interval(np.array([value(s) for s in self.samples]), self.level)
 
 
-def _log_loss(th: np.ndarray, group: np.ndarray, x: np.ndarray, y: np.ndarray, k: int) -> np.ndarray:
-    terms = np.stack([th[group] - th[k + 2] * x, th[k] - th[k + 3] * y, np.full_like(x, th[k + 1])])
-    top = terms.max(axis=0)
-    return top + np.log(np.exp(terms - top).sum(axis=0))
+def _log_loss_jac(th: np.ndarray, group: np.ndarray, x: np.ndarray, y: np.ndarray, k: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Chinchilla's form (``lab.measure.laws``) at each run's own A: its log loss and Jacobian (runs, k + 4)."""
+    pred, jac = CHINCHILLA.log_loss_jac((th[group], *th[k:]), x, y)
+    full = np.zeros((len(x), len(th)))
+    full[np.arange(len(x)), group] = jac[:, 0]
+    full[:, k:] = jac[:, 1:]
+    return pred, full
 
 
-def _solve(group: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, k: int,
-           starts: list[np.ndarray]) -> np.ndarray:
-    def residuals(th: np.ndarray) -> np.ndarray:
-        return _log_loss(th, group, x, y, k) - log_loss
-
-    best = None
-    for theta0 in starts:  # least squares first (Huber's linear tails crawl from far away), then Huber from there
-        plain = least_squares(residuals, theta0, x_scale="jac", max_nfev=4000)
-        result = least_squares(residuals, plain.x, loss="huber", f_scale=HUBER_DELTA, x_scale="jac", max_nfev=4000)
-        if best is None or result.cost < best.cost:
-            best = result
-    return best.x
+def _problem(group: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, k: int,
+             delta: float | None = HUBER_DELTA) -> robust.Problem:
+    """The engine's problem (plain least squares with ``delta`` None)."""
+    return robust.Problem(lambda th: _log_loss_jac(th, group, x, y, k), log_loss, delta, scale="jac")
 
 
 def _starts(group: np.ndarray, x: np.ndarray, y: np.ndarray, log_loss: np.ndarray, k: int) -> list[np.ndarray]:
@@ -160,17 +157,19 @@ def fit_routed(runs: pd.DataFrame, n_resamples: int = 200, seed: int = 0, level:
     group = np.array([configurations.index(c) for c in labels])
     x, y = np.log(runs["params_active"].to_numpy(float)), np.log(runs["tokens"].to_numpy(float))
     log_loss = np.log(runs["loss"].to_numpy(float))
-    theta = _solve(group, x, y, log_loss, k, _starts(group, x, y, log_loss, k))
+    # least squares first (Huber's linear tails crawl from far away), then Huber from there
+    plain = [robust.solve(_problem(group, x, y, log_loss, k, None), s) for s in _starts(group, x, y, log_loss, k)]
+    problem = _problem(group, x, y, log_loss, k)
+    theta = robust.fit(problem, [p.x for p in plain])[0].x
     rng = np.random.default_rng(seed)
     members = [np.flatnonzero(group == i) for i in range(k)]
-    samples = []
-    for _ in range(n_resamples):
-        pick = np.concatenate([rng.choice(m, size=len(m)) for m in members])
-        samples.append(_solve(group[pick], x[pick], y[pick], log_loss[pick], k, [theta]))
+    counts = np.array([np.bincount(np.concatenate([rng.choice(m, size=len(m)) for m in members]), minlength=len(x))
+                       for _ in range(n_resamples)]).reshape(n_resamples, len(x))
+    samples = robust.refit(problem, theta, counts)[0]
     per_token = runs["flops_per_token"].to_numpy(float) / runs["params_active"].to_numpy(float)
     f = {c: float(np.median(per_token[group == i])) for i, c in enumerate(configurations)}
-    rmse = float(np.sqrt(np.mean((_log_loss(theta, group, x, y, k) - log_loss) ** 2)))
-    fit = RoutedFit(configurations, theta, np.array(samples), f, len(runs), rmse, level)
+    rmse = float(np.sqrt(np.mean((_log_loss_jac(theta, group, x, y, k)[0] - log_loss) ** 2)))
+    fit = RoutedFit(configurations, theta, samples, f, len(runs), rmse, level)
     if DENSE not in configurations:
         fit.notes.append("no dense runs: multipliers are relative to the first configuration")
     loose = [name for name in fit.named() if name != "L_inf" and _spread(fit, name) > LOOSE_SPREAD]

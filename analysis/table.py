@@ -456,7 +456,7 @@ def _merge_duplicates(table: RunTable, policy: str) -> int:
     keys = pd.DataFrame({"n": _log_key(table.n), "d": _log_key(table.d)})
     group = keys.groupby(["n", "d"], sort=False).ngroup().to_numpy()
     counts = np.bincount(group)
-    if counts.max() == 1:
+    if counts.max(initial=1) == 1:  # no runs at all is the size check's to refuse
         return 0
     repeated = [np.flatnonzero(group == g) for g in np.flatnonzero(counts > 1)]
     ids = runs["run_id"].to_numpy()

@@ -2,7 +2,7 @@
 
 import sys
 
-from lab.commands.plan import main
+from lab.commands.resources import main
 
 if __name__ == "__main__":
     sys.exit(main())

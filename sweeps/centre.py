@@ -29,7 +29,8 @@ from lab.measure import accounting
 from lab.runtime.files import read_json
 
 from sweeps.shapes import count, family_shape, model_config
-from sweeps.spec import SpecError, Sweep
+from sweeps.spec import SpecError
+from sweeps.sweep import Sweep
 
 FIT_SCHEMA = 2  # fit.json's schema_version this reader understands
 FIXED_POINT_STEPS = 6

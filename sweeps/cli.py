@@ -17,11 +17,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sweeps import cooldowns, plan as planner, progress, spec as specs
+from sweeps import cooldowns, progress, runs as planner, spec as specs
 from sweeps.driver import attempt_for, driver_lock, execute
 from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 from sweeps.verify import HELD_OUT_FACTOR
 from lab.runtime.config import RunConfig
 
@@ -387,6 +387,7 @@ def _verify(args: argparse.Namespace) -> int:
     sweep = specs.with_overrides(sweep, {}, _overrides(args, SLURM_OPTIONS))
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise UsageError(f"--budget must be a positive number of FLOPs, got {args.budget}")
+    specs.check_budget(args.budget, "--budget")
     if args.bootstrap < 0:
         raise UsageError(f"--bootstrap must be 0 or more, got {args.bootstrap}")
     registry = Registry.open(folder)
@@ -413,7 +414,8 @@ def _verify(args: argparse.Namespace) -> int:
                                               args.drop_highest_loss, args.drop_outliers, args.bootstrap)
         except InputError as e:  # an --exclude that matches nothing, too few runs left
             raise UsageError(str(e)) from None
-        from analysis.__main__ import EXIT_UNIDENTIFIED, summary_lines
+        from analysis.cli import EXIT_UNIDENTIFIED
+        from analysis.outputs import summary_lines
 
         print("\n".join(summary_lines(doc)))
         if doc["comparison"]["preferred"] is None:

@@ -36,11 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lab.runtime.config import RunConfig
-from lab.runtime.files import read_json, read_lines, save_json, write_atomic
+from lab.runtime.files import fsync_folder, fsync_tree, read_json, read_lines, save_json, write_atomic
 
 from sweeps.driver import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNFINISHED, execute, run_dir
 from sweeps.executors.attempt import Executor
-from sweeps.plan import PlannedRun, option_text
+from sweeps.runs import PlannedRun, option_text
 from sweeps.registry import Registry, Row
 
 FOLDER = "parent"  # inside the sweep folder: the parents' run directories, under runs/
@@ -176,7 +176,10 @@ def seed(branch_row: Row, parent_row: Row) -> str | None:
     tmp = final.with_name(final.name + ".tmp")  # a torn copy is removed when the run starts
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
+    fsync_tree(tmp)
     tmp.replace(final)
+    fsync_folder(final.parent)
+    fsync_folder(target)
     return None
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lab.runtime.files import LockHeld, take_lock
+from lab.runtime.files import LockHeld, LockUnusable, take_lock
 
 from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
 from sweeps.progress import last_step, total_steps
@@ -26,6 +26,7 @@ from sweeps.registry import Registry, RegistryError, Row
 
 EXIT_OK, EXIT_UNFINISHED, EXIT_INTERRUPTED = 0, 1, 130
 SUBMITTING = "slurm-submitting:"  # a row's job while its SLURM submission is under way (job name, no id yet)
+STARTING = "-submitting:"  # after an executor's name: a row's job between its attempt's record and its start
 
 
 def run_dir(folder: Path, name: str) -> Path:
@@ -40,7 +41,7 @@ def attempt_for(folder: Path, row: Row, follow: bool) -> Attempt:
     job = row.job.partition(":")[2] if follow and row.job else None
     submitting = job if job and row.job.startswith(SUBMITTING) else None
     return Attempt(run=row.plan, run_dir=row.run_dir, log=logs / f"attempt-{number}.log", lock=logs / "run.lock",
-                   job=None if submitting else job, submitting=submitting)
+                   job=None if submitting else job, submitting=submitting, number=number)
 
 
 @contextlib.contextmanager
@@ -51,6 +52,8 @@ def driver_lock(folder: Path) -> Iterator[None]:
         lock = take_lock(folder / ".driver.lock")
     except LockHeld as e:
         raise RegistryError(f"another driver is running this sweep (pid {e.holder})") from None
+    except LockUnusable as e:
+        raise RegistryError(str(e)) from None
     with lock:
         yield
 
@@ -91,8 +94,9 @@ class Recorder:
         return True
 
     def submitting(self, attempt: Attempt, marker: str) -> None:
-        """Count the attempt and record its submission's marker, in one transaction, before anything is submitted."""
-        self.registry.set_status(attempt.run.name, "running", job=SUBMITTING + marker,
+        """Count the attempt and record its submission's marker, in one transaction, before anything is submitted
+        (or started)."""
+        self.registry.set_status(attempt.run.name, "running", job=self.kind + STARTING + marker,
                                  new_attempt=attempt.submitting is None, unless=("cancelled", "done"))
         self.counted.add(attempt.run.name)
 

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 
 _TAIL_BYTES = 16384  # far more than one record: only the end of a long metrics file is read
 

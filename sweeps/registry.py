@@ -3,8 +3,8 @@
 A row holds the run's name, config hash, status (planned, running, done, failed, interrupted: stopped
 at a signal after saving a checkpoint, cancelled), run directory, planned row (JSON), attempt count,
 the job of its latest attempt (a local process id or a SLURM job id), the error line of a failed or
-interrupted run and the summary of a finished one. Every change is
-one SQLite transaction, so killing the driver at any moment loses nothing already recorded. An
+interrupted run and the summary of a finished one; beside it, one row per attempt (its job and outcome).
+Every change is one SQLite transaction, so killing the driver at any moment loses nothing already recorded. An
 unreadable or foreign database is reported (:class:`RegistryError`) and never replaced.
 """
 
@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sweeps.plan import PlannedRun
+from lab.runtime import chaos
+
+from sweeps.runs import PlannedRun
 
 DB_NAME = "sweep.db"
 STATUSES = ("planned", "running", "done", "failed", "interrupted", "cancelled")
@@ -40,7 +42,20 @@ CREATE TABLE runs (
     updated REAL NOT NULL
 );
 """
-_SCHEMA = "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);" + _RUNS_TABLE
+# One row per attempt of a run, added in the transaction that counts it: its job and, once it ended, its outcome
+# (none while it runs, or when its driver died before it ended). Added to older registries when they are opened.
+_ATTEMPTS_TABLE = """
+CREATE TABLE IF NOT EXISTS attempts (
+    name TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    job TEXT,
+    outcome TEXT,
+    started REAL NOT NULL,
+    ended REAL,
+    PRIMARY KEY (name, number)
+);
+"""
+_SCHEMA = "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);" + _RUNS_TABLE + _ATTEMPTS_TABLE
 _COLUMNS = ("name", "config_hash", "status", "run_dir", "plan", "attempts", "job", "error", "summary", "position",
             "updated")
 
@@ -110,6 +125,7 @@ class Registry:
             conn = sqlite3.connect(_uri(path, "rw"), uri=True, timeout=30, isolation_level=None)
             cls._check(conn, path)
             _upgrade(conn)
+            conn.execute(_ATTEMPTS_TABLE)
         except sqlite3.DatabaseError as e:
             raise RegistryError(f"{path} is not a readable sweep registry ({e}); it was left as it is: "
                                 f"move it aside to start the sweep afresh") from None
@@ -179,16 +195,37 @@ class Registry:
     def set_status(self, name: str, status: str, *, error: str | None = None,
                    summary: dict[str, Any] | None = None, job: str | None = None,
                    new_attempt: bool = False, unless: tuple[str, ...] = ()) -> bool:
-        """Move a run to ``status`` unless it is in one of ``unless``; True if it changed."""
+        """Move a run to ``status`` unless it is in one of ``unless``, and record it in the run's latest attempt (a
+        new one with ``new_attempt``), in one transaction; True if it changed."""
         assert status in STATUSES
         sql = ("UPDATE runs SET status = ?, error = ?, summary = COALESCE(?, summary), job = COALESCE(?, job), "
                "attempts = attempts + ?, updated = ? WHERE name = ?")
+        now = time.time()
         params: list[Any] = [status, error, json.dumps(summary) if summary is not None else None, job,
-                             int(new_attempt), time.time(), name]
+                             int(new_attempt), now, name]
         if unless:
             sql += f" AND status NOT IN ({', '.join('?' * len(unless))})"
             params += list(unless)
-        return self._conn.execute(sql, params).rowcount == 1
+        with _transaction(self._conn):
+            if self._conn.execute(sql, params).rowcount != 1:
+                return False
+            number = self._conn.execute("SELECT attempts FROM runs WHERE name = ?", (name,)).fetchone()[0]
+            if new_attempt:
+                self._conn.execute("INSERT OR REPLACE INTO attempts (name, number, job, started) VALUES (?, ?, ?, ?)",
+                                   (name, number, job, now))
+            elif job is not None:
+                self._conn.execute("UPDATE attempts SET job = ? WHERE name = ? AND number = ?", (job, name, number))
+            if status not in ("planned", "running"):
+                self._conn.execute("UPDATE attempts SET outcome = ?, ended = ? WHERE name = ? AND number = ? "
+                                   "AND outcome IS NULL", (status, now, name, number))
+        return True
+
+    def attempts(self, name: str) -> list[dict[str, Any]]:
+        """The recorded attempts of run ``name``, in order: number, job, outcome (None: never recorded as ended),
+        started and ended times."""
+        cur = self._conn.execute("SELECT number, job, outcome, started, ended FROM attempts WHERE name = ? "
+                                 "ORDER BY number", (name,))
+        return [dict(zip(("number", "job", "outcome", "started", "ended"), r)) for r in cur]
 
 
 @contextlib.contextmanager
@@ -196,6 +233,7 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
     conn.execute("BEGIN IMMEDIATE")
     try:
         yield
+        chaos.point("registry-transaction")
     except BaseException:
         conn.execute("ROLLBACK")
         raise

@@ -32,10 +32,10 @@ from lab.runtime.files import save_json
 from sweeps import centre as centring
 from sweeps.driver import EXIT_OK, EXIT_UNFINISHED, execute
 from sweeps.executors.attempt import Executor
-from sweeps.plan import PlannedRun, Tuned, family_shapes, format_flops, planned_run
+from sweeps.runs import PlannedRun, Tuned, family_shapes, format_flops, planned_run
 from sweeps.registry import Registry
 from sweeps.shapes import count, model_config
-from sweeps.spec import PowerRule, Sweep
+from sweeps.sweep import PowerRule, Sweep
 
 FOLDER = "search"  # inside the sweep folder: runs/, laws.json and search.png
 ROLE = "search"

@@ -18,9 +18,9 @@ import math
 from typing import Any
 
 from lab.measure import accounting
-from lab.runtime.config import ConfigError, ModelConfig, RunConfig
+from lab.runtime.config import ModelConfig, RunConfig
 
-from sweeps.spec import Family, SpecError
+from sweeps.sweep import Family
 
 BYTE_VOCAB = 257  # lab.data's byte tokenizer: 256 bytes and one special token
 
@@ -38,12 +38,9 @@ def model_config(base: dict[str, dict[str, Any]], shape: dict[str, Any]) -> Mode
     """``[base.model]`` with ``shape`` on top and the vocabulary resolved; SpecError if it cannot exist."""
     from lab.model import validate  # imports torch: only when planning
 
-    try:
-        cfg = RunConfig.from_dict({"model": {**base.get("model", {}), **shape}}).model
-        cfg.vocab_size = vocab_size(base)
-        validate(cfg)
-    except ConfigError as e:
-        raise SpecError(str(e)) from None
+    cfg = RunConfig.from_dict({"model": {**base.get("model", {}), **shape}}).model
+    cfg.vocab_size = vocab_size(base)
+    validate(cfg)
     return cfg
 
 
@@ -53,23 +50,27 @@ def count(cfg: ModelConfig, which: str) -> int:
     return counts.total if which == "total" else counts.non_embedding
 
 
-def _shape(family: Family, n_layer: int, width: int) -> dict[str, int]:
-    s = {"n_layer": n_layer, "d_model": width, "n_head": width // family.head_dim}
-    return s if family.ffn_ratio is None else {**s, "d_ff": max(1, round(family.ffn_ratio * width))}
-
-
-def aspect_shape(width: int, family: Family) -> dict[str, int]:
-    """The family's shape at one width: depth round(width / aspect), at least 1, at most max_layers."""
-    return _shape(family, min(family.max_layers, max(1, math.floor(width / family.aspect + 0.5))), width)
-
-
 def family_shape(target: float, family: Family, which: str, base: dict[str, dict[str, Any]]) -> dict[str, int]:
     """The shape (n_layer, d_model, n_head) the family gives a target N; see the module docstring."""
+    def shape(n_layer: int, width: int) -> dict[str, int]:
+        s = {"n_layer": n_layer, "d_model": width, "n_head": width // family.head_dim}
+        return s if family.ffn_ratio is None else {**s, "d_ff": max(1, round(family.ffn_ratio * width))}
+
     def error(s: dict[str, int]) -> float:
         return abs(math.log(count(model_config(base, s), which) / target))
 
-    widths = [family.width_multiple]
-    while count(model_config(base, aspect_shape(widths[-1], family)), which) < target:  # N grows with the width
-        widths.append(widths[-1] + family.width_multiple)
-    width = min(widths, key=lambda w: error(aspect_shape(w, family)))
-    return _shape(family, min(range(1, family.max_layers + 1), key=lambda L: error(_shape(family, L, width))), width)
+    def aspect_shape(width: int) -> dict[str, int]:
+        return shape(min(family.max_layers, max(1, math.floor(width / family.aspect + 0.5))), width)
+
+    def below(multiple: int) -> bool:
+        return count(model_config(base, aspect_shape(multiple * family.width_multiple)), which) < target
+
+    # N grows with the width: the first multiple whose N reaches the target, found by doubling then bisecting
+    lo, hi = 0, 1  # below(lo) (or lo = 0), not below(hi)
+    while below(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if below(mid) else (lo, mid)
+    width = min({max(lo, 1), hi}, key=lambda m: error(aspect_shape(m * family.width_multiple))) * family.width_multiple
+    return shape(min(range(1, family.max_layers + 1), key=lambda L: error(shape(L, width))), width)

@@ -25,10 +25,10 @@ import numpy as np
 
 from lab.runtime.files import save_json, write_atomic
 
-from sweeps import plan as planner
-from sweeps.plan import PlannedRun, Tuned, format_flops
+from sweeps import runs as planner
+from sweeps.runs import PlannedRun, Tuned, format_flops
 from sweeps.registry import Registry
-from sweeps.spec import Sweep
+from sweeps.sweep import Sweep
 
 FOLDER = "verify"
 ROLE = "verify"
@@ -94,7 +94,7 @@ class Prediction:
     n_opt_ci: list[float] | None
     loss_opt: float | None  # L(N_opt, D_opt) of the parametric law
     loss_opt_ci: list[float] | None
-    form: str = "chinchilla"  # the parametric law's form (analysis.forms)
+    form: str = "chinchilla"  # the parametric law's form (lab.measure.laws)
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def judge(pred: Prediction, runs: list[tuple[PlannedRun, float]], theta: np.ndar
           level: float) -> Verdict:
     """Achieved against predicted, from the finished verify runs and the parametric law's parameters in the
     prediction's form (pure)."""
-    from analysis.forms import FORMS
+    from lab.measure.laws import FORMS
     from analysis.parametric import predict_loss
 
     form = FORMS[pred.form]
@@ -225,7 +225,7 @@ def fit(folder: Path, budget: float, progress: bool, exclude: tuple[str, ...] = 
     ``python -m analysis fit``) with a prediction at ``budget`` and ``n_bootstrap`` resamples; with
     ``drop_outliers``, fit again without the runs the first fit flags as outliers. (FitResult, fit.json document,
     fit folder)."""
-    from analysis.__main__ import write_outputs
+    from analysis.outputs import write_outputs
     from analysis.fit import FitConfig, fit_runs
     from analysis.table import load_runs
 

@@ -84,6 +84,17 @@ def args(tiny_corpus: Path, tiny_cache_dir: Path, tiny_prepared: Path) -> tuple[
             "--data.vocab_size", "512")
 
 
+@pytest.fixture(scope="session")
+def finished_run(args: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny run trained to the end (8 steps, checkpoints at 4 and 8), shared by the session: copy it, never
+    change it."""
+    from lab.commands.cli import run_main
+
+    run_dir = tmp_path_factory.mktemp("finished") / "r"
+    assert run_main([*args, "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
 # ---------------------------------------------------------------- a step with an infinite gradient
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from lab.measure import accounting as acc
 from lab.runtime.config import ModelConfig, resolve
-from lab.commands.plan import main
+from lab.commands.resources import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -310,7 +310,7 @@ def test_plan_mesh_for_70b_on_1024_h100s_prices_the_published_tp8_pp16_beside_it
 
 def test_plan_mesh_keeps_a_model_that_fits_on_one_gpu_free_of_model_parallelism_without_torch():
     # issue 37: 355M parameters on 16 H100s came out as tp 8 × dp 2, after 7.7 s of importing torch
-    code = ("import sys; from lab.commands.plan import main; "
+    code = ("import sys; from lab.commands.resources import main; "
             "main(['mesh', '--preset', 'gpt2-350m', '--n-gpus', '16']); "
             "assert 'torch' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -356,6 +356,6 @@ def test_launcher_without_torch() -> None:
     code = "import runpy, sys; sys.argv = ['plan', 'peaks']; runpy.run_path('launch/plan.py', run_name='__main__')"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "989" in r.stdout
-    r = subprocess.run([sys.executable, "-c", "import sys, lab.commands.plan; assert 'torch' not in sys.modules"],
+    r = subprocess.run([sys.executable, "-c", "import sys, lab.commands.resources; assert 'torch' not in sys.modules"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

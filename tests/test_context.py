@@ -89,7 +89,7 @@ def test_a_context_not_divisible_by_two_cp_is_refused_before_any_rank_starts(cap
 
 def test_the_planner_proposes_context_parallelism_for_a_long_context(capsys):
     """At 131k tokens nothing fits in 8 GB without splitting the sequence: the mesh planner prices cp and picks it."""
-    from lab.commands.plan import main
+    from lab.commands.resources import main
 
     assert main(["mesh", "--preset", "small-modern", "--vocab", "32000", "--seq-len", "131072", "--n-gpus", "8",
                  "--memory-gb", "8"]) == 0

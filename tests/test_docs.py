@@ -145,16 +145,11 @@ def slug(heading: str) -> str:
 
 
 # pages another branch writes, linked ahead of its merge (the reliability issue's table of bad inputs)
-PENDING = {ROOT / "docs" / "bad-inputs.md"}
-
-
 def link_problem(md: Path, target: str) -> str | None:
     if re.match(r"[a-z]+:", target):
         return None  # a web address
     file, _, anchor = target.partition("#")
     dest = (md.parent / file).resolve() if file else md
-    if dest in PENDING and not dest.exists():
-        return None
     if not dest.exists():
         return f"link {target}: {file} does not exist"
     if anchor and dest.suffix == ".md":
@@ -345,7 +340,7 @@ def parse_problem(argv: list[str]) -> str | None:
             warnings.simplefilter("ignore")  # what a program warns of as it imports (torch's fault handler on a
             # captured stderr) is no concern of its options
             if module == "lab" and args and not args[0].startswith("-"):
-                from lab.__main__ import COMMANDS
+                from lab.commands.entry import COMMANDS
 
                 if args[0] not in COMMANDS:
                     return f"python -m lab {args[0]}: no such command"

@@ -64,12 +64,13 @@ def test_a_stop_signal_during_the_last_step_completes_the_run(args, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_killed_between_its_last_checkpoint_and_its_summary_completes_on_resume(args, tmp_path, capsys):
+def test_a_run_killed_between_its_last_checkpoint_and_its_summary_completes_on_resume(args, finished_run, tmp_path,
+                                                                                     capsys):
     r, whole = tmp_path / "r", tmp_path / "whole"
     assert run(whole, *args, "--train.stop_after", "3") == 0  # skipped_steps and losses carried from step 3 on
     assert run(whole, *args, "--resume") == 0
     expected = summary(whole)
-    assert run(r, *args) == 0
+    shutil.copytree(finished_run, r)
     (r / "summary.json").unlink()  # what a SIGKILL right after the final save leaves
     capsys.readouterr()
     assert run(r, *args, "--resume", "auto") == 0, capsys.readouterr().err
@@ -103,9 +104,9 @@ def _resume_with_a_stale_view_on_rank_1(world: World, argv: list[str], run_dir: 
         checkpoint.checkpoint_dirs = lambda run_dir: dirs(run_dir)[:-1]
     step = restore(strategy, run_dir, world, cfg, plan).step
     if world.rank == 1:
-        read_bytes = Path.read_bytes
-        Path.read_bytes = lambda self: (read_bytes(self).replace(b'"tokens"', b'"tokens" ') if self.name == "meta.json"
-                                        else read_bytes(self))
+        read = checkpoint.read_plain
+        checkpoint.read_plain = lambda path, *a, **kw: (read(path, *a, **kw).replace(b'"tokens"', b'"tokens" ')
+                                                        if path.name == "meta.json" else read(path, *a, **kw))
     try:
         restore(strategy, run_dir, world, cfg, plan)
         return step, ""
@@ -145,6 +146,81 @@ def test_a_second_launch_on_a_folder_in_use_refuses_and_touches_nothing(args, tm
     assert run(r, *args, "--resume", "auto") == 0  # the lock goes with the process that held it
 
 
+# ---------------------------------------------------------------- issue 48: finished stays finished, a lock stays a lock
+
+
+@pytest.mark.slow
+def test_a_completed_run_whose_checkpoints_were_removed_is_not_trained_again(args, finished_run, tmp_path, capsys):
+    r = tmp_path / "r"
+    shutil.copytree(finished_run, r)
+    shutil.rmtree(r / "checkpoints")  # a user freeing disk, a scratch purge
+    before = snapshot(r)
+    capsys.readouterr()
+    assert run(r, *args, "--resume", "auto") == 2
+    assert f"--resume: the run in {r} is already complete (8 steps)" in one_error_line(capsys.readouterr().err)
+    assert snapshot(r) == before  # summary.json and metrics.jsonl as they were
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_left_alone(args, tmp_path, capsys):
+    from sweeps.driver import driver_lock
+    from sweeps.registry import RegistryError
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    r, sweep = tmp_path / "r", tmp_path / "sweep"
+    for folder, name in ((r, ".lock"), (sweep, ".driver.lock")):
+        folder.mkdir()
+        (folder / name).symlink_to(target)
+    assert run(r, *args) == 2
+    assert f"the lock {r / '.lock'} is a symbolic link" in one_error_line(capsys.readouterr().err)
+    with pytest.raises(RegistryError, match="is a symbolic link"), driver_lock(sweep):
+        pass
+    (sweep / ".driver.lock").unlink()
+    os.link(target, sweep / ".driver.lock")  # a hard link would have its other name truncated just the same
+    with pytest.raises(RegistryError, match="is not a plain file of one name"), driver_lock(sweep):
+        pass
+    assert target.read_text() == "keep me\n" and not (r / "metrics.jsonl").exists()
+
+
+def test_a_file_system_that_refuses_locks_gets_one_line(args, tmp_path, capsys, monkeypatch):
+    import errno
+    import fcntl
+
+    from sweeps.driver import driver_lock
+    from sweeps.registry import RegistryError
+
+    def refused(fd, operation):  # flock on some Lustre and FUSE mounts
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    assert run(tmp_path / "r", *args) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"the file system of {tmp_path / 'r' / '.lock'} refuses locks (No locks available)" in line, line
+    with pytest.raises(RegistryError, match="refuses locks"), driver_lock(tmp_path / "sweep"):
+        pass
+
+
+def _restore_on(world: World, argv: list[str], run_dir: Path) -> str:
+    """Resume ``run_dir`` under ddp on this world: the error each rank meets ('' for none)."""
+    cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--parallel.strategy", "ddp"]))
+    resolve_vocab(cfg, 512)
+    strategy = build_strategy(cfg, world, resolve_precision("fp32", world.device))
+    try:
+        restore(strategy, run_dir, world, cfg, step_plan(cfg, world.world_size))
+        return ""
+    except ConfigError as e:
+        return str(e)
+
+
+@pytest.mark.slow
+def test_a_refusal_on_rank_0_while_choosing_the_checkpoint_reaches_every_rank(args, finished_run, tmp_path):
+    r = tmp_path / "r"
+    shutil.copytree(finished_run, r)
+    (r / "checkpoints" / "step-000008" / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))
+    errors = run_ranks(_restore_on, 2, [*args, "--run-dir", str(r)], r, timeout_s=10)
+    assert errors[0] == errors[1] and "is refused: its .metadata asks for posix.system" in errors[0], errors
+
+
 # ---------------------------------------------------------------- durable writes
 
 
@@ -157,12 +233,13 @@ def test_write_atomic_syncs_the_file_and_its_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_with_unreadable_metadata_falls_back_to_the_previous_one(args, tmp_path, capsys):
-    whole, r = tmp_path / "whole", tmp_path / "r"
-    assert run(whole, *args) == 0
+def test_a_checkpoint_with_unreadable_metadata_falls_back_to_the_previous_one(args, finished_run, tmp_path,
+                                                                           capsys):
+    whole, stopped, r = finished_run, tmp_path / "stopped", tmp_path / "r"
+    assert run(stopped, *args, "--train.checkpoint_every", "2", "--train.stop_after", "4") == 0
     for broken in (".metadata", "meta.json"):
         shutil.rmtree(r, ignore_errors=True)
-        assert run(r, *args, "--train.checkpoint_every", "2", "--train.stop_after", "4") == 0
+        shutil.copytree(stopped, r)
         (r / "checkpoints" / "step-000004" / broken).write_bytes(b"\x80\x04truncated")
         capsys.readouterr()
         assert run(r, *args, "--resume") == 0
@@ -240,13 +317,13 @@ def test_sweep_names_files_and_slurm_settings_are_checked(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(args, tmp_path, monkeypatch, capsys):
+def test_a_full_disk_mid_checkpoint_stops_the_run_and_keeps_the_previous_one(args, finished_run, tmp_path, monkeypatch,
+                                                                            capsys):
     import errno
 
     import torch.distributed.checkpoint.filesystem as fs
 
-    whole, r = tmp_path / "whole", tmp_path / "r"
-    assert run(whole, *args) == 0
+    whole, r = finished_run, tmp_path / "r"
     write = fs.FileSystemWriter.write_data
 
     def disk_full_at_step_4(self, plan, planner):
@@ -306,14 +383,13 @@ sys.exit(run_main(sys.argv[1:]))
 
 @pytest.mark.long
 @pytest.mark.slow  # two rank processes
-@pytest.mark.parametrize("axis, fault", [("tp", "exit"), ("tp", "hang"), ("pp", "exit"), ("pp", "hang"),
-                                         ("ep", "exit"), ("ep", "hang")])
-def test_a_dead_rank_on_the_tp_pp_or_ep_axis_fails_the_survivor_within_the_timeout_naming_the_axis(axis, fault, args,
-                                                                                                   tmp_path):
-    """Two ranks on one tensor-parallel axis, or two pipeline stages (the survivor blocked in a point-to-point receive
-    mid-schedule), or one expert-parallel group (blocked in a MoE layer's exchange), started without torchrun (whose
-    agent would stop the survivor itself, as a node's agent never does for ranks on other nodes): rank 1 exits, or
-    hangs, in step 3."""
+@pytest.mark.parametrize("axis, fault", [("dp", "exit"), ("tp", "exit"), ("tp", "hang"), ("pp", "exit"),
+                                         ("pp", "hang"), ("ep", "exit"), ("ep", "hang")])
+def test_a_dead_rank_on_any_axis_fails_the_survivor_within_the_timeout_naming_the_axis(axis, fault, args, tmp_path):
+    """Two data-parallel ranks (the survivor blocked in the gradients' all-reduce), two ranks on one tensor-parallel
+    axis, or two pipeline stages (blocked in a point-to-point receive mid-schedule), or one expert-parallel group
+    (blocked in a MoE layer's exchange), started without torchrun (whose agent would stop the survivor itself, as a
+    node's agent never does for ranks on other nodes): rank 1 exits, or hangs, in step 3."""
     import subprocess
     import sys
     import time
@@ -324,7 +400,8 @@ def test_a_dead_rank_on_the_tp_pp_or_ep_axis_fails_the_survivor_within_the_timeo
     script.write_text(RANK_DIES)
     port, timeout_s = free_port(), 8
     moe = ["--model.moe_experts", "2"] if axis == "ep" else []
-    procs = [subprocess.Popen([sys.executable, str(script), *args, *moe, "--strategy", "ddp", f"--parallel.{axis}", "2",
+    degree = [f"--parallel.{axis}", "2"] if axis != "dp" else []  # dp: the ranks left, both
+    procs = [subprocess.Popen([sys.executable, str(script), *args, *moe, "--strategy", "ddp", *degree,
                                "--parallel.timeout_s", str(timeout_s), "--run-dir", str(tmp_path / "r")],
                               cwd=Path(__file__).resolve().parents[1], text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE,

@@ -13,7 +13,7 @@ import torch
 
 from lab.commands import hf
 from lab.runtime import checkpoint
-from lab.__main__ import main as lab_main
+from lab.commands.entry import main as lab_main
 from lab.commands.cli import run_config, run_main
 from lab.runtime.config import ConfigError, ModelConfig, RunConfig
 from lab.data import load_tokenizer

@@ -49,7 +49,7 @@ def _analysis(tmp_path: Path, case: str) -> list[str]:
 @pytest.mark.parametrize("case", ["summary.json in a sweep folder", "a .json table", "a .jsonl table",
                                   "config.json of a run (curves)", "config.json of a run (watch)"])
 def test_analysis_refuses_binary_json_in_one_line(case, tmp_path, capsys):
-    from analysis.__main__ import main
+    from analysis.cli import main
 
     argv = _analysis(tmp_path, case)
     assert main(argv) == 2

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lab.commands import hf
 from lab.commands.cli import run_main, sample_main
-from lab.commands.plan import main as plan_main
+from lab.commands.resources import main as plan_main
 from lab.commands.equivalence import TINY, Setup, equivalence
 from lab.measure import accounting
 from lab.model import GPT, MoE, balance_loss, router_meters

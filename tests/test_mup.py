@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lab.commands import mup
-from lab.__main__ import main as lab_main
+from lab.commands.entry import main as lab_main
 from lab.runtime.config import ConfigError, ModelConfig, TrainConfig
 from lab.measure.device import Precision
 from lab.commands.equivalence import TINY, Setup, batch, equivalence

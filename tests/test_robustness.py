@@ -387,6 +387,24 @@ def _module_level_lab_imports() -> dict[str, set[str]]:
     return graph
 
 
+def test_nothing_imports_a_main_module():
+    """``__main__`` modules only start their command line: library code lives where it can be imported."""
+    folders = ("lab", "analysis", "sweeps", "launch", "benchmarks", "tests")
+    found = [(str(path.relative_to(ROOT)), name) for folder in folders for path in (ROOT / folder).rglob("*.py")
+             for name in _imports(path) if name.split(".")[-1] == "__main__"]
+    assert not found, found
+
+
+def test_the_law_module_stands_on_numpy_alone():
+    """The laws the fits and the training run's expectation share load no torch, no training, no analysis and no
+    command line, and no scipy until a curve's areas are asked for."""
+    probe = ("import sys; import lab.measure.laws; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('lab', 'analysis', 'sweeps', 'torch', 'scipy', 'pandas')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['lab',", "'lab.measure',", "'lab.measure.laws']"], out.stdout
+
+
 def test_no_import_circle_in_lab():
     graph, done, path = _module_level_lab_imports(), set(), []
 

@@ -100,9 +100,10 @@ def test_tensorboard_and_offline_wandb_follow_the_run_through_a_resume(tmp_path,
 def off_track(folder: Path) -> tuple[str, ...]:
     """Options that make a tiny run go off track at its third eval (step 3): evals at every step against a curves law
     (folder/curves.json) that expects about 1.1 nats where the run's loss sits near 6."""
-    from analysis.curves import CurveFit, from_named
+    from analysis.curves import CurveFit
+    from lab.measure.laws import curve_theta
 
-    law = CurveFit(theta=from_named({"E": 1.0, "B": 1.0, "beta": 0.5, "A": 0.1, "alpha": 0.5, "C": 1e-9,
+    law = CurveFit(theta=curve_theta({"E": 1.0, "B": 1.0, "beta": 0.5, "A": 0.1, "alpha": 0.5, "C": 1e-9,
                                      "lambda": 0.5, "K": 1e-9, "tau": 1.0}),
                    thetas=None, converged=True, rmse_log_loss=0.0, n_runs=1, n_points=1, level=0.95)
     (folder / "curves.json").write_text(json.dumps({"fit": law.to_dict()}))

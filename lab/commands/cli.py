@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import signal
@@ -21,10 +20,9 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import IO, TypeVar
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -35,13 +33,15 @@ from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
                                 usable_cores)
-from lab.runtime.files import LockHeld, dumps, probe_writable, read_json, save_json, take_lock
+from lab.runtime.files import (LockHeld, LockUnusable, dumps, probe_writable, read_json, replacing, save_json,
+                               take_lock)
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
+from lab.runtime.processes import AGENT_PID, rank_dies_with_agent
 from lab.runtime.extras import require
 from lab.model import GPT
 from lab.parallel import World, backend_for, join_group_of_one, validate_model
 from lab.parallel.comm import AxisFailed
-from lab.training.train import Estimate, TrainingDiverged, check_resources, train, validate
+from lab.training.train import Estimate, TrainingDiverged, check_resources, decided_on_main, train, validate
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
 # the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).
@@ -89,6 +89,8 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     before its summary is (resuming at the last step only writes the summary).
     """
     probe_writable(run_dir, "--run-dir")
+    if mode != "never":
+        refuse_completed(run_dir)  # with or without its checkpoints (freed for disk space)
     has_checkpoint = checkpoint.latest(run_dir) is not None
     if mode == "latest" and not has_checkpoint:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
@@ -108,7 +110,7 @@ def refuse_completed(run_dir: Path) -> None:
 def _read_json(path: Path) -> dict:
     """A JSON object from ``path``; empty when the file is missing, unreadable or holds anything else."""
     try:
-        value = json.loads(path.read_bytes())
+        value = read_json(path)
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
@@ -117,7 +119,7 @@ def _read_json(path: Path) -> dict:
 RUN_LOCK = ".lock"  # in the run directory: held by rank 0 for the whole run
 
 
-def lock_run_dir(run_dir: Path) -> IO[str]:
+def lock_run_dir(run_dir: Path) -> IO[bytes]:
     """Hold the run directory's lock (rank 0, for the whole run); ConfigError (one line) while another run holds
     it. Only the folder and the lock file are created; nothing else is touched."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,23 +128,8 @@ def lock_run_dir(run_dir: Path) -> IO[str]:
     except LockHeld as e:
         raise ConfigError(f"{run_dir} is in use by another run (pid {e.holder}); wait for it to end or choose "
                           f"another --run-dir") from None
-
-
-T = TypeVar("T")
-
-
-def decided_on_main(world: World, decide: Callable[[], T]) -> T:
-    """``decide()`` on rank 0, its value handed to every rank; a ConfigError there is raised on every rank."""
-    def attempt() -> tuple[bool, object]:
-        try:
-            return True, decide()
-        except ConfigError as e:
-            return False, str(e)
-
-    ok, value = world.broadcast_from_main(attempt)
-    if not ok:
-        raise ConfigError(value)
-    return value
+    except LockUnusable as e:
+        raise ConfigError(str(e)) from None
 
 
 def default_run_dir(root: Path = Path("runs")) -> Path:
@@ -162,10 +149,7 @@ def default_run_dir(root: Path = Path("runs")) -> Path:
 
 
 def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
-    try:
-        old = _flatten(read_json(run_dir / "config.json"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--resume: {run_dir / 'config.json'} is unreadable ({e})") from None
+    old = _flatten(config_tree(run_dir, "--resume: "))
     new, default = _flatten(cfg.to_dict()), _flatten(RunConfig().to_dict())
     # an option added since the run was written (absent from its config.json) held its default then
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k, default.get(k)) != new.get(k)
@@ -239,8 +223,8 @@ def _preflight(args: argparse.Namespace,
     check_source(cfg.data)
     run_dir = Path(args.run_dir) if args.run_dir else None
     mode = resume_mode(args.resume)
-    if run_dir is not None and check_run_dir(run_dir, mode) and ranks is not None:
-        refuse_completed(run_dir)  # before the launcher starts ranks; a rank refuses it after the config check
+    if run_dir is not None:
+        check_run_dir(run_dir, mode)
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
     precision = resolve_precision(cfg.train.dtype, world.device)
@@ -274,6 +258,7 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     torchrun = ["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "lab", "train"]
     listen_on_loopback()  # the launcher's stores answer this machine alone
+    os.environ[AGENT_PID] = str(os.getpid())  # its ranks die with it; a torchrun this process starts later is not it
     try:
         run(get_args_parser().parse_args([*torchrun, *argv, "--nproc-per-node", "1"]))
     except SignalException as e:  # torchrun's launcher passed the signal on to the ranks, which stopped and said where
@@ -284,6 +269,8 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
             return failure.exitcode
         print_error(f"rank {rank} was killed by signal {-failure.exitcode} ({failure.signal_name()})")
         return 128 - failure.exitcode
+    finally:
+        del os.environ[AGENT_PID]
     return 0
 
 
@@ -301,6 +288,7 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
     """Train one run; see the module docstring for the exit codes."""
     parser = run_parser(prog)
     argv = sys.argv[1:] if argv is None else list(argv)
+    rank_dies_with_agent()
     args = parser.parse_args(argv)
     if args.nproc_per_node != 1:
         return launch_ranks(args, argv)
@@ -327,7 +315,7 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
             return 1
     elif cfg.parallel.strategy != "single" and not dist.is_initialized():
         join_group_of_one(world.device)  # a multi-rank strategy as a world of one (plain python, or torchrun with 1)
-    held: list[IO[str]] = []  # rank 0's lock on the run directory, released when this returns
+    held: list[IO[bytes]] = []  # rank 0's lock on the run directory, released when this returns
 
     def claim() -> bool:
         held.append(lock_run_dir(run_dir))
@@ -348,7 +336,6 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
         resolve_vocab(cfg, load_tokenizer(data_dir / "tokenizer").vocab_size)
         if resume:
             check_resume_config(run_dir, cfg)
-            refuse_completed(run_dir)
         if world.is_main and not args.run_dir:
             print(f"run directory: {run_dir}", flush=True)
         with StopSignals() as stop:
@@ -415,10 +402,19 @@ def run_config(run_dir: Path) -> RunConfig:
     """The resolved config a run directory was trained with; ConfigError (one line) when there is none."""
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
+    return RunConfig.from_dict(config_tree(run_dir))
+
+
+def config_tree(run_dir: Path, prefix: str = "") -> dict:
+    """A run's config.json as read (sections of options); ConfigError (one line) when it is unreadable or holds
+    anything else."""
     try:
-        return RunConfig.from_dict(read_json(run_dir / "config.json"))
-    except ValueError as e:
-        raise ConfigError(f"{run_dir / 'config.json'} is unreadable ({e})") from None
+        tree = read_json(run_dir / "config.json")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{prefix}{run_dir / 'config.json'} is unreadable ({e})") from None
+    if not isinstance(tree, dict) or not all(isinstance(v, dict) for v in tree.values()):
+        raise ConfigError(f"{prefix}{run_dir / 'config.json'} is not a run's config (a JSON object of sections)")
+    return tree
 
 
 def checkpoint_weights(run_dir: Path, folder: str | None, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -490,9 +486,8 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
         return _error(str(e))
     if args.format == "pt":
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
-        tmp.replace(out)
+        with replacing(out) as tmp:
+            torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
     print(f"wrote {out}: {sum(w.numel() for w in weights.values()):,} parameters at step {step}")
     return 0
 

@@ -26,7 +26,7 @@ from lab.runtime.config import (ConfigError, ModelConfig, RunConfig, build_parse
                                 print_error)
 from lab.data.tokenizer import BPE_FILE, BYTES_FILE, EOT
 from lab.runtime.extras import require
-from lab.runtime.files import probe_writable, save_json, write_atomic
+from lab.runtime.files import fsync_folder, fsync_tree, probe_writable, save_json, write_atomic
 from lab.model import GPT
 
 WEIGHTS = "model.safetensors"
@@ -257,8 +257,10 @@ def export_hf(cfg: RunConfig, weights: dict[str, torch.Tensor], run_dir: Path, o
     safetensors.save_file(to_hf(cfg.model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
     os.chmod(tmp / WEIGHTS, 0o644)  # safetensors writes 0600; readable by others as every file the lab writes
     write_tokenizer(run_dir / "tokenizer", tmp, cfg.model.block_size)
+    fsync_tree(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
+    fsync_folder(out.parent)
 
 
 # ---------------------------------------------------------------- import

@@ -29,15 +29,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.runtime.config import ConfigError, Parser
+from lab.runtime.config import SLURM_PLAIN, SLURM_SETTINGS, ConfigError, Parser
 from lab.runtime.files import probe_writable, write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
-_PLAIN = re.compile(r"[A-Za-z0-9_.:+-]+")  # what may stand unquoted in an #SBATCH line
-_CONSTRAINT = re.compile(r"[A-Za-z0-9_.:+&|*\[\]()-]+")  # node features joined by & and |, counts, brackets
 _MEMORY = re.compile(r"[0-9]+[KMGT]?")  # sbatch --mem: megabytes, or with a unit
-# What each resource setting may hold (the sweep driver checks its single-node jobs' settings the same way).
-SETTING_PATTERNS = {"partition": _PLAIN, "account": _PLAIN, "qos": _PLAIN, "constraint": _CONSTRAINT}
 FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 
 
@@ -71,7 +67,7 @@ class MultiNode:
             raise ConfigError("--gpus-per-node and --max-restarts must be >= 0")
         if self.port is not None and not 1024 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 1024..65535, got {self.port}")
-        for name, allowed in (("time", _PLAIN), *SETTING_PATTERNS.items()):
+        for name, allowed in (("time", SLURM_PLAIN), *SLURM_SETTINGS.items()):
             value = getattr(self, name)
             if value is not None and not allowed.fullmatch(value):
                 raise ConfigError(f"--{name} {value!r} holds characters SLURM would not read as written")

@@ -42,7 +42,7 @@ from lab.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-from lab.runtime.files import probe_writable, process_alive, write_atomic
+from lab.runtime.files import fsync_folder, fsync_tree, probe_writable, process_alive, write_atomic
 
 FORMAT = 1
 META = "meta.json"
@@ -285,10 +285,13 @@ def _remove_abandoned(folder: Path) -> None:
 
 
 def _move_into_place(tmp: Path, folder: Path) -> None:
-    """Rename ``tmp`` to ``folder``; if another process got there first with valid data, keep theirs."""
+    """Rename ``tmp`` to ``folder`` durably (its files synced first); if another process got there first with valid
+    data, keep theirs."""
+    fsync_tree(tmp)
     for _ in range(5):
         try:
             os.rename(tmp, folder)
+            fsync_folder(folder.parent)
             return
         except OSError as e:
             error = e

@@ -318,6 +318,16 @@ def training_seconds(flops: float, gpu: str, n_gpus: int, mfu: float, dtype: str
     return flops / (n_gpus * gpu_peak_flops(gpu, dtype) * mfu)
 
 
+def duration(seconds: float) -> str:
+    """A time as one short figure: seconds below two minutes, minutes below two hours, else hours ('95s',
+    '7.5min', '3.2h')."""
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}min"
+    return f"{seconds / 3600:.1f}h"
+
+
 def gpu_memory_bytes(gpu: str) -> float:
     """Memory of one GPU in bytes (decimal: 80 GB = 80e9), by name as in ``gpu_peak_flops``."""
     return GPU_MEMORY_BYTES[gpu_model(gpu)]

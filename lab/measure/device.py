@@ -210,7 +210,8 @@ def cpu_peak_flops(dtype: torch.dtype) -> Peak:
 @contextlib.contextmanager
 def _measuring():
     """Hold the lock beside the cache (blocking) while the cache is read and, if needed, a peak measured: two
-    processes measuring at once would each read the other's load. Without a writable cache folder, no lock."""
+    processes measuring at once would each read the other's load. Without a writable cache folder, or on a file system
+    that refuses flock (some Lustre and FUSE mounts), no lock: the turns are only a courtesy."""
     try:
         _cache_file().parent.mkdir(parents=True, exist_ok=True)
         lock = open(_cache_file().with_suffix(".lock"), "a")
@@ -218,7 +219,10 @@ def _measuring():
         yield
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass
         yield
 
 

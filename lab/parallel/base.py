@@ -203,7 +203,7 @@ class Strategy:
         self.mesh, self.cfg, self.precision, self.loop = mesh, cfg, precision, loop
         self.world = mesh.data  # the strategy's axis
         self.everyone = mesh.world  # every rank of the run
-        self.comm = Comm(self.world.world_size, self.world.group)
+        self.comm = Comm(self.world.world_size, self.world.group, axis="dp")  # a failure names the axis
         self.saved = SavedBytes()
         self.transforms: list[Transform] = axes.transforms(mesh, cfg, loop, self.saved)
         self._comms: dict[int, tuple[World, Comm]] = {}  # a transform's data group (by its process group's id)

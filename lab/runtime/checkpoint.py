@@ -42,10 +42,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from lab.runtime.config import ConfigError
-from lab.runtime.files import read_json, save_json
+from lab.runtime import chaos
+from lab.runtime.files import fsync_folder, read_json, read_plain, save_json
 
 META = "meta.json"
 FORMAT = 2
+METADATA_MAX_BYTES = 2**30  # DCP's .metadata (an entry per tensor piece) larger than this is not read
 # DCP reports a missing key, a truncated or a foreign file with several types; CheckpointException
 # (raised when any rank failed) derives from BaseException, not Exception.
 UNREADABLE = (Exception, dcp.CheckpointException)
@@ -218,7 +220,7 @@ def digest(folder: Path) -> str:
     h = hashlib.sha256()
     for name in (META, ".metadata"):
         try:
-            h.update((folder / name).read_bytes())
+            h.update(read_plain(folder / name, METADATA_MAX_BYTES, follow=False))
         except OSError as e:
             h.update(f"unreadable: {e.strerror}".encode())
     return h.hexdigest()
@@ -265,7 +267,10 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        if not final.parent.is_dir():
+            final.parent.mkdir(parents=True)
+            fsync_folder(run_dir)
+        tmp.mkdir()
     _barrier(world_size)
     try:
         with _quiet():
@@ -275,7 +280,8 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
             flat = _to_dcp(state, rank)
             per_tensor = _tensor_bytes(flat) > ONE_FILE_MAX_BYTES
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=not per_tensor),
-                     no_dist=world_size == 1)
+                     no_dist=world_size == 1)  # each file synced
+        chaos.point("checkpoint-write")
         _barrier(world_size)
         if rank == 0:
             _seal(run_dir, tmp, final, {**meta, "format": FORMAT, "step": step, "world_size": world_size}, keep,
@@ -292,14 +298,15 @@ def save(run_dir: Path, step: int, rank: int, world_size: int, state: Checkpoint
 
 
 def _seal(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int, pinned: Collection[int]) -> None:
-    """Rank 0: write meta.json into the finished folder, move it into place, prune old ones (the newest ``keep``
-    and those of ``pinned`` steps stay)."""
+    """Rank 0: write meta.json into the finished folder (which syncs the folder's entries), move it into place and
+    sync that, then prune old ones (the newest ``keep`` and those of ``pinned`` steps stay)."""
     save_json(tmp / META, meta)
     aside = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(aside, ignore_errors=True)
         final.replace(aside)
     tmp.replace(final)
+    fsync_folder(final.parent)
     shutil.rmtree(aside, ignore_errors=True)
     prunable = [d for d in checkpoint_dirs(run_dir) if step_of(d) not in pinned]
     for old in prunable[:-keep] if keep > 0 else []:
@@ -312,7 +319,10 @@ def step_of(folder: Path) -> int:
 
 
 def read_meta(folder: Path) -> dict:
-    """A checkpoint's meta.json; ConfigError (one line) when it is missing, unreadable or of another format."""
+    """A checkpoint's meta.json; ConfigError (one line) when it is missing, unreadable or of another format,
+    ForeignCheckpoint when it is a symbolic link (never followed)."""
+    if (folder / META).is_symlink():
+        raise ForeignCheckpoint(f"checkpoint {folder} is refused: its {META} is a symbolic link")
     try:
         meta = read_json(folder / META)
         if not isinstance(meta.get("step"), int) or meta.get("format") != FORMAT:
@@ -342,9 +352,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(folder: Path) -> object:
     """DCP's ``.metadata`` of ``folder``, read through the allow-list: ConfigError (one line) when it is missing
-    or unreadable, ForeignCheckpoint when it holds anything else. Nothing in it is executed."""
+    or unreadable, ForeignCheckpoint when it holds anything else, is not a plain file or names a data file that is
+    not a plain file of the folder. Nothing in it is executed, and nothing outside the folder is opened."""
+    path = folder / ".metadata"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise ForeignCheckpoint(f"checkpoint {folder} is refused: its .metadata is not a plain file")
     try:
-        metadata = _MetadataUnpickler(io.BytesIO((folder / ".metadata").read_bytes())).load()
+        metadata = _MetadataUnpickler(io.BytesIO(read_plain(path, METADATA_MAX_BYTES, follow=False))).load()
     except ForeignCheckpoint as e:
         raise ForeignCheckpoint(f"checkpoint {folder} is refused: {e}") from None
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
@@ -352,7 +366,20 @@ def read_dcp_metadata(folder: Path) -> object:
     if type(metadata).__name__ != "Metadata":
         raise ForeignCheckpoint(f"checkpoint {folder} is refused: its .metadata holds a {type(metadata).__name__}, "
                                 f"not DCP's Metadata")
+    _check_data_files(folder, metadata)
     return metadata
+
+
+def _check_data_files(folder: Path, metadata: object) -> None:
+    """ForeignCheckpoint unless every data file ``metadata`` names is a plain file directly in ``folder``."""
+    storage = getattr(metadata, "storage_data", None) or {}
+    for name in {getattr(info, "relative_path", None) for info in storage.values()}:
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ForeignCheckpoint(f"checkpoint {folder} is refused: its .metadata names the data file {name!r}, "
+                                    f"which is not a file of the folder")
+        file = folder / name
+        if file.is_symlink() or (file.exists() and not file.is_file()):
+            raise ForeignCheckpoint(f"checkpoint {folder} is refused: its data file {name} is not a plain file")
 
 
 class _SafeReader(dcp.FileSystemReader):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -18,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import tomllib
@@ -30,6 +31,15 @@ class ConfigError(ValueError):
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
+
+
+CHECKS = ("minimum", "maximum", "unit", "positive", "nonempty", "distinct", "choices")
+
+
+def checked(default: Any = dataclasses.MISSING, **checks: Any) -> Any:
+    """A dataclass field whose value ``check_value`` bounds by ``checks`` (see ``CHECKS``); no default: required."""
+    assert set(checks) <= set(CHECKS), checks
+    return field(default=default, metadata=checks)
 
 
 # Named model shapes; explicit fields override them. lab.model builds any of them.
@@ -223,6 +233,11 @@ class RunConfig:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+# What a SLURM resource setting may hold: what stands unquoted in an #SBATCH line (the multi-node launcher and the
+# sweeps' jobs check theirs alike); a constraint joins node features by & and |, with counts and brackets.
+SLURM_PLAIN = re.compile(r"[A-Za-z0-9_.:+-]+")
+SLURM_SETTINGS = {"partition": SLURM_PLAIN, "account": SLURM_PLAIN, "qos": SLURM_PLAIN,
+                  "constraint": re.compile(r"[A-Za-z0-9_.:+&|*\[\]()-]+")}
 RESUME_MODES = ("latest", "auto", "never")
 NONFINITE = ("skip", "stop")
 
@@ -236,6 +251,7 @@ def did_you_mean(value: Any, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+@functools.cache  # evaluating a class's annotations is slow (every option of every section, each time a config is read)
 def _field_kind(section_cls: type, name: str) -> tuple[type, bool]:
     """(scalar type, optional?) of a dataclass field, from its annotation."""
     hints = typing.get_type_hints(section_cls)
@@ -247,11 +263,7 @@ def _field_kind(section_cls: type, name: str) -> tuple[type, bool]:
     return tp, False
 
 
-def _coerce(value: Any, tp: type, optional: bool, where: str) -> Any:
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-        if optional:
-            return None
-        raise ConfigError(f"{where} cannot be empty")
+def _coerce(value: Any, tp: type, where: str) -> Any:
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -286,6 +298,88 @@ def _coerce(value: Any, tp: type, optional: bool, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {tp}")
 
 
+_LIST_OF = {float: "numbers", int: "integers", str: "strings"}
+
+
+def check_value(value: Any, tp: Any, where: str, minimum: int | None = None, maximum: float | None = None,
+                unit: str = "", positive: bool = False, nonempty: bool = False, distinct: bool = False,
+                choices: tuple[str, ...] = ()) -> Any:
+    """``value`` as the type ``tp`` (bool, int, float, str or a tuple of one of them from a list; any other type is
+    its owner's to check: the value as it is), within its bounds: ``minimum`` of an int, ``maximum`` of a number
+    (counted in ``unit``, if named), ``positive`` numbers, ``nonempty`` strings and lists, ``distinct`` list items,
+    ``choices`` of a string. ConfigError (one line naming ``where``) otherwise."""
+    item = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else None
+    if item in _LIST_OF:
+        if not isinstance(value, (list, tuple)) or (nonempty and not value):
+            raise ConfigError(f"{where} must be a {'non-empty ' if nonempty else ''}list of {_LIST_OF[item]}")
+        items = tuple(check_value(v, item, f"{where}[{i}]", minimum, maximum, unit, positive)
+                      for i, v in enumerate(value))
+        if distinct and len(set(items)) != len(items):
+            raise ConfigError(f"{where} has duplicate values")
+        return items
+    if tp not in (bool, int, float, str):
+        return value
+    if tp is str and nonempty and not (isinstance(value, str) and value):
+        raise ConfigError(f"{where} must be a non-empty string")
+    if tp is int and minimum is not None:
+        try:
+            number = _coerce(value, int, where)
+        except ConfigError:
+            number = None
+        if number is None or number < minimum:
+            raise ConfigError(f"{where} must be an integer >= {minimum}, got {value!r}")
+        out = number
+    else:
+        out = _coerce(value, tp, where)
+    if positive and out <= 0:
+        raise ConfigError(f"{where} must be positive, got {value!r}")
+    if maximum is not None and out > maximum:
+        raise ConfigError(f"{where} is {out:.3g} {unit}, above the {maximum:.0e} allowed" if unit else
+                          f"{where} must be at most {maximum:g}, got {value!r}")
+    if choices and out not in choices:
+        raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}{did_you_mean(out, choices)}")
+    return out
+
+
+def coerce_field(section_cls: type, name: str, value: Any, where: str) -> Any:
+    """``value`` for the field ``name`` of the dataclass ``section_cls``: its annotation's type (None where it is
+    optional) within the bounds its metadata declares (``checked``)."""
+    tp, optional = _field_kind(section_cls, name)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{where} cannot be empty")
+    meta = next(f.metadata for f in dataclasses.fields(section_cls) if f.name == name)
+    return check_value(value, tp, where, **{k: v for k, v in meta.items() if k in CHECKS})
+
+
+T = typing.TypeVar("T")
+
+
+def resolve_keys(section_cls: type, table: Any, where: str, name_of: Callable[[str], str],
+                 keys: Iterable[str] | None = None) -> dict[str, Any]:
+    """The values of a table (of a TOML file, or options) for fields of the dataclass ``section_cls`` (those named in
+    ``keys``, default all): unknown keys refused with a suggestion, each value checked by ``coerce_field``, every
+    such field without a default required. ``where`` names the table in messages, ``name_of(key)`` one of its keys."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table")
+    fields = [f for f in dataclasses.fields(section_cls) if keys is None or f.name in keys]
+    known = [f.name for f in fields]
+    for key in table:
+        if key not in known:
+            hint = did_you_mean(key, known) or f" (known: {', '.join(known)})"
+            raise ConfigError(f"{where}: unknown key '{key}'{hint}")
+    for f in fields:
+        if f.name not in table and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where} needs '{f.name}'")
+    return {key: coerce_field(section_cls, key, value, name_of(key)) for key, value in table.items()}
+
+
+def resolve_table(section_cls: type[T], table: Any, where: str, name_of: Callable[[str], str]) -> T:
+    """The dataclass ``section_cls`` from a table (see ``resolve_keys``)."""
+    return section_cls(**resolve_keys(section_cls, table, where, name_of))
+
+
 def _apply(cfg: RunConfig, tree: dict[str, Any], source: str) -> None:
     for section, values in tree.items():
         if section not in SECTIONS:
@@ -297,25 +391,37 @@ def _apply(cfg: RunConfig, tree: dict[str, Any], source: str) -> None:
         for key, value in values.items():
             if key not in names:
                 raise ConfigError(f"{source}: unknown option '{section}.{key}'")
-            tp, optional = _field_kind(type(target), key)
-            setattr(target, key, _coerce(value, tp, optional, f"{section}.{key}"))
+            setattr(target, key, coerce_field(type(target), key, value, f"{section}.{key}"))
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
+def read_toml_text(path: str | Path, what: str = "config file") -> str:
+    """The text of a TOML file; ConfigError (one line) when it is missing, unreadable or not UTF-8."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        raise ConfigError(f"{what} not found: {p}")
     try:
-        tree = tomllib.loads(p.read_bytes().decode("utf-8"))
+        return p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p} is not UTF-8 text (byte {e.start}); a TOML file is expected") from None
     except OSError as e:
         raise ConfigError(f"{p} is unreadable ({e.strerror or e})") from None
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """TOML text as nested dicts; ConfigError naming ``source`` when it is not TOML."""
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: invalid TOML ({e})") from None
+        raise ConfigError(f"{source}: invalid TOML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid TOML (nested too deeply)") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    tree = parse_toml(read_toml_text(path), str(path))
     for section, values in tree.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"{p}: '{section}' must be a table ([{section}]), got {values!r}")
+            raise ConfigError(f"{path}: '{section}' must be a table ([{section}]), got {values!r}")
     return tree
 
 
@@ -325,7 +431,7 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
     model = tree.get("model", {})
     preset = model.get("preset") if isinstance(model, dict) else None
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ConfigError(f"unknown model preset '{preset}' (known: {', '.join(PRESETS)})"
                               f"{did_you_mean(preset, PRESETS)}")
         _apply(cfg, {"model": PRESETS[preset]}, source=f"preset {preset}")

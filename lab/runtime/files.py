@@ -7,11 +7,15 @@ written as null, never as the ``NaN``/``Infinity`` tokens that other JSON reader
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import math
 import os
+import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,27 +25,59 @@ from lab.runtime.config import ConfigError
 def write_atomic(path: Path, text: str | bytes) -> None:
     """Write a text (or binary) file through a uniquely named temporary file in the same folder and a rename,
     durably: the file's bytes reach the disk before the rename, and the rename before this returns."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with replacing(path) as tmp:
+        tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` for the block to write; after it, the file's bytes are synced, it takes
+    ``path``'s name and the rename is synced (it is removed instead when the block raises)."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield tmp
+        fsync_file(tmp)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_folder(path.parent)
 
 
-def fsync_folder(folder: Path) -> None:
-    """Make the entries of ``folder`` (a rename into it) durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_file(path: Path) -> None:
+    """Make the bytes of the file ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable."""
+    fsync_file(folder)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Make every file and folder under ``folder`` durable (a copied tree, before it is renamed into place)."""
+    for parent, _, names in os.walk(folder, topdown=False):
+        for name in names:
+            fsync_file(Path(parent) / name)
+        fsync_folder(Path(parent))
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` (created if missing), durably."""
+    created = not path.exists()
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    if created:
+        fsync_folder(path.parent)
 
 
 class LockHeld(Exception):
@@ -52,22 +88,57 @@ class LockHeld(Exception):
         self.holder = holder
 
 
-def take_lock(path: Path) -> IO[str]:
-    """Hold an exclusive lock on ``path`` (created if missing) until the returned file is closed, with this
-    process's id written in it; LockHeld if another process holds it. The kernel releases it when the process
-    dies, however it dies."""
-    lock = open(path, "a+")
+class LockUnusable(Exception):
+    """A lock file that cannot serve as one (a link, not a plain file, a file system without locks); one line."""
+
+
+def open_lock(path: Path) -> IO[bytes]:
+    """``path`` opened for locking, created if missing: never through a symbolic link, and only as a plain file of
+    one name (a hard link to another file would have it truncated); LockUnusable otherwise."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        handle = open(path, "r+b", opener=lambda name, _: os.open(name, flags, 0o644))
+    except OSError as e:
+        why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror or e})"
+        raise LockUnusable(f"the lock {path} {why}; it must be a plain file: remove it") from None
+    info = os.fstat(handle.fileno())
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        handle.close()
+        raise LockUnusable(f"the lock {path} is not a plain file of one name; remove it")
+    return handle
+
+
+def lock(handle: IO[bytes], wait: bool = False) -> bool:
+    """Take an exclusive ``flock`` on an open lock file: True once held; False when another process holds it and
+    ``wait`` is false; LockUnusable (one line) when the file system refuses locks (some Lustre and FUSE mounts)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "?"
-        lock.close()
-        raise LockHeld(holder) from None
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
-    return lock
+        return False
+    except OSError as e:
+        raise LockUnusable(f"the file system of {handle.name} refuses locks ({e.strerror or e}); put the run or "
+                           f"sweep folder on a file system that supports flock (a local disk, NFS v4)") from None
+    return True
+
+
+def take_lock(path: Path) -> IO[bytes]:
+    """Hold an exclusive lock on ``path`` (created if missing) until the returned file is closed, with this
+    process's id written in it; LockHeld if another process holds it, LockUnusable (one line) if the file cannot
+    be a lock (``open_lock``, ``lock``). The kernel releases it when the process dies, however it dies."""
+    handle = open_lock(path)
+    try:
+        held = lock(handle)
+    except LockUnusable:
+        handle.close()
+        raise
+    if not held:
+        holder = handle.read().decode(errors="replace").strip() or "?"
+        handle.close()
+        raise LockHeld(holder)
+    handle.truncate(0)
+    handle.write(str(os.getpid()).encode())
+    handle.flush()
+    return handle
 
 
 def strict_json(obj: Any) -> Any:
@@ -91,19 +162,39 @@ def save_json(path: str | Path, obj: Any) -> None:
     write_atomic(Path(path), dumps(obj, indent=2) + "\n")
 
 
+JSON_MAX_BYTES = 256 * 2**20  # a run's or a fit's JSON is far smaller; anything larger is not one
+
+
+def read_plain(path: Path, limit: int, follow: bool = True) -> bytes:
+    """The bytes of the plain file ``path``, at most ``limit`` of them; OSError for anything else (a device, a FIFO,
+    a symbolic link when ``follow`` is false, a larger file), so that a crafted path can neither block a reader nor
+    fill its memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a plain file")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit:,} bytes")
+    return data
+
+
 class UnreadableFile(ValueError):
     """A file that is not what it should hold (not UTF-8 text, not JSON); the message is one line naming it."""
 
 
 def read_json(path: Path) -> Any:
-    """The JSON value in ``path``; UnreadableFile (one line) when it is not UTF-8 text or not JSON (OSError passes)."""
-    data = Path(path).read_bytes()
+    """The JSON value in ``path``; UnreadableFile (one line) when it is not UTF-8 text or not JSON, OSError when it is
+    not a plain file of at most JSON_MAX_BYTES (``read_plain``)."""
+    data = read_plain(Path(path), JSON_MAX_BYTES)
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise UnreadableFile(f"{path}: not UTF-8 text (byte {e.start} of {len(data)})") from None
     except json.JSONDecodeError as e:
         raise UnreadableFile(f"{path}: not JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise UnreadableFile(f"{path}: not JSON this lab writes (nested too deeply)") from None
 
 
 def read_lines(path: Path) -> list[str]:

@@ -15,6 +15,8 @@ import socket
 import sys
 from typing import Any
 
+from lab.runtime.processes import AGENT_PID
+
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1")
 _STORE_OPTIONS = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd",
                   "use_libuv")
@@ -54,8 +56,10 @@ def listen_on_loopback() -> None:
 
 
 def main() -> None:
-    """``torchrun`` (``python -m torch.distributed.run``) with the stores on 127.0.0.1; for ``--standalone``."""
+    """``torchrun`` (``python -m torch.distributed.run``) with the stores on 127.0.0.1; for ``--standalone``. Its
+    ranks die with it (``lab.runtime.processes``)."""
     listen_on_loopback()
+    os.environ[AGENT_PID] = str(os.getpid())
     from torch.distributed.run import main as torchrun
 
     torchrun()

@@ -6,8 +6,8 @@ or a fit.json (approach 3: L(N, D) with D the tokens seen so far, the loss a run
 so it reads high mid-way through a decaying schedule). The interval is the law's bootstrap interval at that
 point, widened by ``WIDEN`` times the law's RMSE of log loss on its own runs: a run scatters about the law that
 much even when it is on track. The laws are evaluated here from their files, so that
-the training loop (``--train.expect``) needs nothing of ``analysis``; ``python -m analysis watch`` uses the same
-``Watcher``, and ``analysis.curves`` the same schedule areas.
+the training loop (``--train.expect``) needs nothing of ``analysis``: the laws themselves are ``lab.measure.laws``,
+which the fits use too; ``python -m analysis watch`` uses the same ``Watcher``.
 """
 
 from __future__ import annotations
@@ -19,55 +19,15 @@ from typing import Callable
 
 import numpy as np
 
+from lab.measure.laws import CURVE_LAW, CURVE_THETA, FORMS, curve_loss, point_loss
 from lab.runtime.files import read_json
 
 OFF_TRACK_EVALS = 3
 WIDEN = 2.0
-CURVE_LAW = ("L(N, s) = E + (B/N^beta + A/S1(s))^alpha - C*S2(s) + K*exp(-S1(s)/tau), S1 and S2 in steps at the "
-             "configured peak rate")
-CURVE_THETA = ("log E", "log B", "beta", "log A", "alpha", "log C", "log(1 - lambda)", "log K", "log tau")
-# approach 3's forms (analysis.forms) by their named parameters, as fit.json and bootstrap.csv hold them
-POINT_FORMS: dict[str, tuple[str, ...]] = {"chinchilla": ("E", "A", "B", "alpha", "beta"),
-                                           "kaplan-e": ("E", "N_c", "D_c", "alpha_N", "alpha_D"),
-                                           "shared": ("E", "A", "B", "alpha")}
 
 
 class LawError(ValueError):
     """A law file that cannot be used; the message is one line."""
-
-
-def drops(lr: np.ndarray) -> np.ndarray:
-    """eta_{i-1} - eta_i at each step, zero up to the peak."""
-    out = np.zeros_like(lr)
-    out[1:] = lr[:-1] - lr[1:]
-    out[: int(np.argmax(lr)) + 1] = 0.0
-    return out
-
-
-def areas(lr: np.ndarray, lam: float) -> tuple[np.ndarray, np.ndarray]:
-    """S1 and S2 after each step (arrays as long as ``lr``); S2's drops count from the peak on."""
-    from scipy.signal import lfilter  # imported here: scipy.signal costs a run's startup about a second
-
-    return np.cumsum(lr), np.cumsum(lfilter([1.0], [1.0, -lam], drops(lr)))
-
-
-def curve_loss(theta: np.ndarray, params: float, lr: np.ndarray, steps: np.ndarray, peak: float = 0.0) -> np.ndarray:
-    """``CURVE_LAW`` (theta in ``CURVE_THETA`` order) at 1-based ``steps`` of a run of ``params`` with rates ``lr``, its
-    areas counted in steps at ``peak`` (the configured peak rate; 0: the largest rate of ``lr``)."""
-    log_e, log_b, beta, log_a, alpha, log_c, log_gap, log_k, log_tau = (float(v) for v in theta)
-    lr = np.asarray(lr, float)
-    s1, s2 = areas(lr / (peak or lr.max()), 1.0 - math.exp(log_gap))
-    idx = np.asarray(steps, int) - 1
-    inner = math.exp(log_b - beta * math.log(params)) + math.exp(log_a) / s1[idx]
-    transient = np.exp(log_k - s1[idx] / math.exp(log_tau))
-    return math.exp(log_e) + inner ** alpha - math.exp(log_c) * s2[idx] + transient
-
-
-def point_loss(form: str, p: dict, n: float, d: float) -> np.ndarray:
-    """Approach 3's L(N, D) of ``form`` from its named parameters ``p`` (numbers or arrays of resamples)."""
-    if form == "kaplan-e":
-        return p["E"] + ((p["N_c"] / n) ** (p["alpha_N"] / p["alpha_D"]) + p["D_c"] / d) ** p["alpha_D"]
-    return p["E"] + p["A"] / n ** p["alpha"] + p["B"] / d ** p.get("beta", p["alpha"])
 
 
 def band(samples: np.ndarray, level: float) -> tuple[float, float]:
@@ -181,14 +141,14 @@ def _curves_law(doc: dict, path: Path, params: float, lr: np.ndarray, peak: floa
 def _point_law(doc: dict, path: Path, params: float, batch_tokens: int) -> tuple[Callable, float]:
     a3 = doc["approach3"]
     form = a3.get("form", "chinchilla")
-    if form not in POINT_FORMS:
-        raise LawError(f"{path}: unknown approach 3 form '{form}' (known: {', '.join(POINT_FORMS)})")
-    best = {k: float(a3[k]) for k in POINT_FORMS[form]}
+    if form not in FORMS:
+        raise LawError(f"{path}: unknown approach 3 form '{form}' (known: {', '.join(FORMS)})")
+    best = {k: float(a3[k]) for k in FORMS[form].names}
     boot = path.parent / "bootstrap.csv"
     import pandas as pd
 
     samples = pd.read_csv(boot) if boot.is_file() else None
-    resamples = None if samples is None else {k: samples[k].to_numpy(float) for k in POINT_FORMS[form]}
+    resamples = None if samples is None else {k: samples[k].to_numpy(float) for k in FORMS[form].names}
     level = float((doc.get("config") or {}).get("ci_level", 0.95))
 
     def law(step: int) -> tuple[float, float, float]:

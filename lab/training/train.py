@@ -8,30 +8,34 @@ seed and step), so resuming needs no data state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import math
+import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
 
 from lab.measure import accounting, memory
+from lab.measure.accounting import duration as _duration
 
-from lab.runtime import checkpoint
+from lab.runtime import chaos, checkpoint
 
 from lab import parallel
 
 from lab.training import expect, schedule, trackers
 from lab.runtime.config import NONFINITE, ConfigError, RunConfig, TrainConfig, did_you_mean
-from lab.runtime.files import dumps, read_lines, save_json
+from lab.runtime.files import append_line, dumps, fsync_file, fsync_folder, read_lines, save_json, write_atomic
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak, threads,
                                 resolve_precision, setup_device, synchronize)
@@ -229,19 +233,20 @@ def seed_step(seed: int, device: torch.device) -> None:
 # ---------------------------------------------------------------- the run directory
 
 
+ATTEMPTS = "attempts.jsonl"  # in the run directory: each attempt's start, checkpoints and end (RunLog.attempt)
+
+
 class RunLog:
-    """metrics.jsonl plus one printed line per logged step (rank 0 only), a progress bar on a terminal, and the
-    run's trackers (``lab.training.trackers``; opened by ``open_trackers``)."""
+    """metrics.jsonl plus one printed line per logged step (rank 0 only), a progress bar on a terminal, the run's
+    trackers (``lab.training.trackers``; opened by ``open_trackers``) and its record of attempts (``attempt``)."""
 
     def __init__(self, run_dir: Path, enabled: bool, keep_until_step: int, total_steps: int):
-        self.path, self.enabled = run_dir / "metrics.jsonl", enabled
+        self.run_dir, self.path, self.enabled = run_dir, run_dir / "metrics.jsonl", enabled
         self.trackers: trackers.Trackers | None = None
         if enabled and self.path.exists():
             kept = [line for line in read_lines(self.path)
                     if (rec := _parse_record(line)) is not None and rec["step"] <= keep_until_step]
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
         # The bar (stderr) only when the lines (stdout) go to the terminal too: piped (| tee), they would arrive
         # behind the pipe and land on the bar's line, after Ctrl-C as well, where the bar cannot clear them.
         self.bar = tqdm(total=total_steps, initial=keep_until_step, unit="step", dynamic_ncols=True, leave=False,
@@ -262,6 +267,29 @@ class RunLog:
         if self.trackers:
             self.trackers.summary(summary)
 
+    def sync(self) -> None:
+        """Make the records so far durable: before a checkpoint or the summary that they precede is written (a
+        resumed run keeps the records up to its checkpoint and logs the later steps again)."""
+        if self.enabled and self.path.exists():
+            fsync_file(self.path)
+            fsync_folder(self.run_dir)
+
+    @contextlib.contextmanager
+    def checkpointing(self, step: int) -> Iterator[None]:
+        """Around the save of the checkpoint of ``step``: the records of the steps it covers are made durable before
+        it is written, and it is recorded in attempts.jsonl once sealed."""
+        self.sync()
+        yield
+        self.attempt("checkpoint", step)
+
+    def attempt(self, event: str, step: int, **details: object) -> None:
+        """Append to attempts.jsonl, durably, that this attempt started at ``step`` ("start"), sealed the checkpoint
+        of ``step`` ("checkpoint") or wrote its summary there ("end"): the run's own account of its attempts, in
+        which a run trained twice shows even when its losses are equal."""
+        if self.enabled:
+            append_line(self.run_dir / ATTEMPTS, dumps({"event": event, "step": step, "pid": os.getpid(),
+                                                        "time": time.time(), **details}))
+
     def evals(self) -> list[dict]:
         """The eval records in metrics.jsonl (rank 0): a resumed run's, those its earlier segments kept."""
         if not (self.enabled and self.path.exists()):
@@ -280,20 +308,14 @@ class RunLog:
 
 
 def _parse_record(line: str) -> dict | None:
-    """A metrics record, or None for a blank or torn line (a run killed mid-write)."""
+    """A metrics record, or None for a blank or torn line (a run killed mid-write) or any line that is not a record
+    with a whole step number (a hand-edited one)."""
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return rec if isinstance(rec, dict) and "step" in rec else None
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f}min"
-    return f"{seconds / 3600:.1f}h"
+    step = rec.get("step") if isinstance(rec, dict) else None
+    return rec if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
@@ -422,6 +444,23 @@ class Start:
     eval_loss: float | None = None
 
 
+T = TypeVar("T")
+
+
+def decided_on_main(world: World, decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0, its value handed to every rank; a ConfigError there is raised on every rank."""
+    def attempt() -> tuple[bool, object]:
+        try:
+            return True, decide()
+        except ConfigError as e:
+            return False, str(e)
+
+    ok, value = world.broadcast_from_main(attempt)
+    if not ok:
+        raise ConfigError(value)
+    return value
+
+
 def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
     """The run's strategy, built from the model factory (the strategy applies the split, checkpointing,
     compilation and sharding), the weight-decay rule and AdamW."""
@@ -438,7 +477,7 @@ def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, pla
     Rank 0 picks the checkpoint and hands its name to every rank (on a shared filesystem with caching, ranks on
     other nodes may see another newest one); every rank then checks that it reads the same metadata.
     """
-    folder = world.broadcast_from_main(lambda: checkpoint.latest_readable(run_dir))
+    folder = decided_on_main(world, lambda: checkpoint.latest_readable(run_dir))  # its refusal too, on every rank
     if folder is None:
         raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
     world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
@@ -477,13 +516,17 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             data.tokenizer.save(run_dir / "tokenizer")
             log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
             log.open_trackers(cfg, run_dir, resumed_at=start.step)
+            log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
         try:
             outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
             summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
                                 start.wall_time_s + time.perf_counter() - started)
             summary |= {"resumed_from_step": start.step, "restarts": restarts}
             if world.is_main:
+                log.sync()
                 save_json(run_dir / "summary.json", summary)
+                log.attempt("end", outcome.end_step, status=summary["status"])
+                chaos.point("summary-written")
                 log.summary(summary)
             return summary
         finally:
@@ -544,11 +587,12 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
     def save(step: int) -> None:
         if not strategy.params_finite():
             raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
-        meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started}
-        meta |= {"strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
-                 "eval_loss": eval_loss}
-        checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
-                        t.keep_checkpoints, pinned)
+        meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started,
+                "strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
+                "eval_loss": eval_loss}
+        with log.checkpointing(step):
+            checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
+                            t.keep_checkpoints, pinned)
 
     for step in range(start.step, end_step):
         t0 = time.perf_counter()

@@ -14,16 +14,16 @@ anything else is a failure, explained by the last ``error: ...`` line of the att
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
+from lab.runtime import files
 from lab.runtime.files import read_json
 
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_PY = REPO / "launch" / "run.py"
@@ -40,6 +40,7 @@ class Attempt:
     lock: Path
     job: str | None = None
     submitting: str | None = None
+    number: int = 1  # the attempt's number (its log is attempt-NUMBER.log), in the run's environment
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class Events(Protocol):
         """Whether to start ``attempt`` now (False: it was cancelled or finished meanwhile)."""
 
     def submitting(self, attempt: Attempt, marker: str) -> None:
-        """``attempt`` is about to be submitted to SLURM under ``marker`` (recorded before ``sbatch``)."""
+        """``attempt`` is about to be started, or submitted to SLURM under ``marker`` (recorded before ``sbatch``): it
+        is counted now, so that a driver killed in between leaves its attempt on record."""
 
     def started(self, attempt: Attempt, job: str) -> None:
         """``attempt`` is running as ``job`` (a process id or a SLURM job id)."""
@@ -89,23 +91,28 @@ def run_command(attempt: Attempt) -> list[str]:
             "--resume", "latest" if attempt.run.parent else "auto"]
 
 
-def environment(threads: int) -> dict[str, str]:
-    """The driver's environment with the threads per process set (torchrun would otherwise pick 1)."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+def environment(threads: int, number: int) -> dict[str, str]:
+    """The driver's environment with the threads per process set (torchrun would otherwise pick 1) and the attempt's
+    number (which the run records in its attempts.jsonl)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "LAB_SWEEP_ATTEMPT": str(number)}
 
 
 def open_lock(path: Path) -> IO[bytes]:
+    """The run's lock file, opened (``lab.runtime.files.open_lock``); ExecutorError (one line) if it cannot be one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "ab")
-
-
-def try_lock(lock: IO[bytes]) -> bool:
-    """Take the run's lock if no live attempt holds it."""
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
+        return files.open_lock(path)
+    except files.LockUnusable as e:
+        raise ExecutorError(str(e)) from None
+
+
+def try_lock(lock: IO[bytes], wait: bool = False) -> bool:
+    """Take the run's lock if no live attempt holds it (with ``wait``, once it is free); ExecutorError (one line)
+    where the file system refuses locks."""
+    try:
+        return files.lock(lock, wait)
+    except files.LockUnusable as e:
+        raise ExecutorError(str(e)) from None
 
 
 def read_summary(run_dir: Path) -> dict | None:

@@ -9,9 +9,7 @@ same way; each saves a checkpoint and is recorded as interrupted (a later ``run`
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import fcntl
+import functools
 import os
 import signal
 import subprocess
@@ -21,15 +19,10 @@ from collections import deque
 from pathlib import Path
 from typing import IO
 
+from lab.runtime import chaos
+from lab.runtime.processes import die_with_parent
+
 from sweeps.executors.attempt import Attempt, Events, environment, open_lock, outcome, run_command, try_lock
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def usable_cores() -> int:
@@ -63,6 +56,7 @@ class LocalExecutor:
         """Run every attempt, the longest (by the plan's estimate) first, so that runs done side by side end
         together; return when all have ended (re-raises KeyboardInterrupt after stopping them)."""
         queue = deque(sorted(attempts, key=lambda a: -a.run.est_seconds))
+        with_driver = functools.partial(die_with_parent, signal.SIGTERM, os.getpid())  # in each child, before exec
         active: dict[subprocess.Popen, tuple[Attempt, IO[bytes], IO[bytes], float]] = {}
         try:
             while queue or active:
@@ -74,14 +68,17 @@ class LocalExecutor:
                     lock = open_lock(attempt.lock)
                     if not try_lock(lock):
                         print(f"waiting for an earlier attempt of '{attempt.run.name}' to stop", file=sys.stderr)
-                        fcntl.flock(lock, fcntl.LOCK_EX)
+                        try_lock(lock, wait=True)
                     if not events.start(attempt):  # the earlier attempt may have finished it
                         lock.close()
                         continue
+                    events.submitting(attempt, attempt.log.stem)  # counted before it starts
+                    chaos.point("submit-record")
                     log, since = open(attempt.log, "ab"), time.time()
                     proc = subprocess.Popen(run_command(attempt), stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=environment(self._threads(attempt)),
-                                            pass_fds=(lock.fileno(),), preexec_fn=_die_with_parent)
+                                            stderr=subprocess.STDOUT,
+                                            env=environment(self._threads(attempt), attempt.number),
+                                            pass_fds=(lock.fileno(),), preexec_fn=with_driver)
                     active[proc] = (attempt, log, lock, since)
                     events.started(attempt, str(proc.pid))
                 for proc in [p for p in active if p.poll() is not None]:

@@ -23,9 +23,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lab.runtime import chaos
+
 from sweeps.executors.attempt import REPO, Attempt, Events, ExecutorError, Outcome, outcome, run_command
 from sweeps.executors.job import run_attempt
-from sweeps.spec import Launch
+from sweeps.sweep import Launch
 
 SLURM_PY = REPO / "launch" / "slurm.py"
 SLURM_TOOLS = ("sbatch", "srun", "sacct")  # submit, start tasks (submitit checks it), follow jobs
@@ -132,6 +134,7 @@ class SlurmExecutor:
         name, at = self._submission_name(), time.time()
         for index, a in enumerate(chosen):  # submitit makes an array of several, a plain job of one
             events.submitting(a, submission_marker(name, index if len(chosen) > 1 else None, at))
+        chaos.point("submit-record")
         executor = self.submitit.SlurmExecutor(folder=self.folder)
         executor.update_parameters(**array_parameters(attempts[0].run.launch, self.settings, name))
         jobs = []
@@ -140,7 +143,7 @@ class SlurmExecutor:
                 for a in chosen:
                     threads = a.run.launch.cpus_per_proc
                     jobs.append(executor.submit(run_attempt, run_command(a), threads, str(self.cwd),
-                                                str(a.log), str(a.lock)))
+                                                str(a.log), str(a.lock), a.number))
         except Exception as e:  # submitit raises plain exceptions carrying sbatch's message
             raise SlurmError(f"sbatch failed: {_one_line(str(e))}") from None
         for a, job in zip(chosen, jobs):
@@ -154,6 +157,7 @@ class SlurmExecutor:
         script = attempt.log.with_suffix(".sbatch")
         name = self._submission_name()
         events.submitting(attempt, submission_marker(name, None, time.time()))
+        chaos.point("submit-record")
         written = subprocess.run(script_command(attempt, self.settings, name, script), capture_output=True,
                                  text=True, cwd=self.cwd)
         if written.returncode != 0:

@@ -83,8 +83,8 @@ def test_a_table_in_another_order_gets_the_same_intervals(tmp_path):
     config = FitConfig(n_bootstrap=100, seed=5, progress=False, holdout=False, delta_sensitivity=False)
     first, second = (fit_runs(load_runs(tmp_path / f"{x}.csv"), config).to_dict() for x in "ab")
     assert first["isoflop"]["ci"] == second["isoflop"]["ci"]
-    for name, interval in first["approach3"]["ci"].items():  # sums over runs in another order: rounding only
-        assert second["approach3"]["ci"][name] == pytest.approx(interval, rel=1e-6)
+    for name, interval in first["approach3"]["ci"].items():  # sums in another order: where the optimiser stops
+        assert second["approach3"]["ci"][name] == pytest.approx(interval, rel=1e-4)
 
 
 def test_problem_weights_follow_the_canonical_order():

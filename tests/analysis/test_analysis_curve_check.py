@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from analysis.curve_check import main
-from analysis.curves import Curve, from_named, law_loss, schedule_lr
+from analysis.curves import law_loss, schedule_lr
+from lab.measure.laws import Curve, curve_theta
 
 TRUTH = {"E": 0.5, "B": 2e5, "beta": 1.2, "A": 3e3, "alpha": 0.2, "C": 1e-3, "lambda": 0.995, "K": 0.3, "tau": 60.0}
 BATCH = 512
@@ -22,7 +23,7 @@ def _write_run(folder, n: float, steps: int, seed: int, scale: float = 1.0) -> N
     lr = schedule_lr("cosine", _lr(n), steps)
     points = np.arange(25, steps + 1, 25)
     points = points[points > round(0.05 * steps)]
-    loss = law_loss(from_named(TRUTH), [Curve("probe", n, lr, points, np.zeros(len(points)), "cosine")])
+    loss = law_loss(curve_theta(TRUTH), [Curve("probe", n, lr, points, np.zeros(len(points)), "cosine")])
     loss = scale * loss * np.exp(NOISE * np.random.default_rng(seed).standard_normal(len(points)))
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"train": {

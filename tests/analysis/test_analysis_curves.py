@@ -8,10 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
-from analysis.curves import (Curve, fit_curves, from_named, identification, law_loss, load_fit, relative_errors,
-                             schedule_lr)
-from lab.training.expect import areas
+from analysis.cli import main
+from analysis.curves import fit_curves, identification, law_loss, load_fit, relative_errors, schedule_lr
+from lab.measure.laws import Curve, areas, curve_theta
 
 TRUTH = {"E": 0.5, "B": 2e5, "beta": 1.2, "A": 3e3, "alpha": 0.2, "C": 1e-3, "lambda": 0.995, "K": 0.3, "tau": 60.0}
 SIZES = ((1e4, 2000), (3e4, 1500), (1e5, 1000))  # (N, steps)
@@ -26,7 +25,7 @@ def _curve(n: float, kind: str, steps: int, noise: float = 0.0, seed: int = 0, e
     points = np.arange(every, steps + 1, every)
     points = points[points > round(0.05 * steps)]
     probe = Curve(f"{kind}-{n:g}", n, lr, points, np.zeros(len(points)), kind)
-    loss = law_loss(from_named(TRUTH), [probe])
+    loss = law_loss(curve_theta(TRUTH), [probe])
     loss = loss * np.exp(noise * np.random.default_rng(seed).standard_normal(len(points)))
     return Curve(probe.run_id, n, lr, points, loss, kind)
 
@@ -42,10 +41,10 @@ def test_areas_are_the_summed_rate_and_the_annealed_drop():
 
 
 def test_jacobian_matches_finite_differences():
-    from analysis.curves import _Design
+    from lab.measure.laws import CurvePoints
 
-    design = _Design([_curve(n, kind, steps) for n, steps in SIZES[:2] for kind in ("cosine", "wsd")])
-    theta = from_named(TRUTH)
+    design = CurvePoints([_curve(n, kind, steps) for n, steps in SIZES[:2] for kind in ("cosine", "wsd")])
+    theta = curve_theta(TRUTH)
     _, jac = design.loss_jac(theta)
     for i in range(len(theta)):
         step = np.zeros(len(theta))
@@ -83,7 +82,7 @@ def test_the_default_sweeps_curves_predict_its_largest_budget():
 def test_every_size_starts_on_one_curve_with_its_own_tuned_rate():
     """Sizes whose tuned peak rate falls as N^-0.9 (as the sweep's search finds) follow one curve early and part
     for their own floors: fitted on three sizes, the law predicts a larger size's longer curve within 0.3 %."""
-    truth = from_named(TRUTH)
+    truth = curve_theta(TRUTH)
     made = []
     for n, steps in ((1e4, 3000), (3e4, 2000), (1e5, 1500), (1e4, 1000), (3e4, 800)):
         lr = schedule_lr("cosine", 1e-2 * (n / 1e4) ** -0.9, steps)

@@ -36,7 +36,7 @@ def test_too_few_scored_runs_are_skipped_with_a_reason():
 def test_analysis_fit_fits_task_columns_and_reports_the_predicted_score(tmp_path):
     import json
 
-    from analysis.__main__ import main
+    from analysis.cli import main
     from analysis.synthetic import isoflop_runs, write_sweep
 
     runs = isoflop_runs(np.geomspace(1e18, 1e20, 3), per_budget=5, spread=6, noise=0.01)

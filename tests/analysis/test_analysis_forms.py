@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 from scipy.optimize import minimize_scalar
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.budgets import group_budgets
 from analysis.fit import FitConfig, choose_form, fit_runs
-from analysis.forms import CHINCHILLA, KAPLAN_E, SHARED
+from lab.measure.laws import CHINCHILLA, KAPLAN_E, SHARED
 from analysis.parametric import (
     Centring,
     compute_optimal,
@@ -19,7 +19,7 @@ from analysis.parametric import (
     named_samples,
     predict_loss,
 )
-from analysis.planner import load_fit, plan
+from analysis.allocate import load_fit, plan
 from analysis.synthetic import isoflop_runs
 from analysis.table import RunTable, load_runs
 

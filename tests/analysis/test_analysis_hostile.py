@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.synthetic import isoflop_runs
 
 

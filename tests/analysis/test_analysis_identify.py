@@ -139,7 +139,7 @@ def test_single_budget_holdout_and_envelope_on_continuous_data(tmp_path):
 
 @pytest.mark.slow
 def test_a_law_without_an_optimum_is_reported_not_used(tmp_path, capsys):
-    from analysis.__main__ import main
+    from analysis.cli import main
 
     # Loss that grows with N at every budget: alpha comes out negative, so there is no compute-optimal
     # allocation; every minimum is at the edge. The fit still writes its report and says why.

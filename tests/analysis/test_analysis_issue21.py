@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.fit import FitConfig, fit_runs
 from analysis.parametric import fit_parametric
 from analysis.published import LAWS
@@ -322,7 +322,7 @@ def test_compare_overlays_a_fit_and_a_sweep_with_a_side_by_side_table(tmp_path, 
 
     import matplotlib.pyplot as plt
 
-    from analysis import fits
+    from analysis import compare_fits as fits
     from analysis.plots import plot_compare_allocation, plot_compare_frontier
 
     entries = [fits.entry_from_fit("one", tmp_path / "chinchilla" / "fit.json"),
@@ -341,12 +341,12 @@ def test_compare_overlays_a_fit_and_a_sweep_with_a_side_by_side_table(tmp_path, 
 
 @pytest.mark.slow
 def test_kaplan_form_is_fitted_beside_approach_3_on_request(tmp_path):
-    from analysis.laws import kaplan_log_loss
+    from lab.measure.laws import KAPLAN
 
     rng = np.random.default_rng(0)
     n, d = np.exp(rng.uniform(np.log(1e7), np.log(1e10), 120)), np.exp(rng.uniform(np.log(1e9), np.log(1e11), 120))
     truth = np.array([np.log(8.8e13), np.log(5.4e13), 0.076, 0.095])  # the constants of Kaplan's L(N) and L(D)
-    loss = np.exp(kaplan_log_loss(truth, np.log(n), np.log(d)) + 0.003 * rng.standard_normal(120))
+    loss = np.exp(KAPLAN.log_loss(truth[None], np.log(n), np.log(d))[0] + 0.003 * rng.standard_normal(120))
     path = _csv(tmp_path, pd.DataFrame({"params": n, "tokens": d, "loss": loss}))
     result = fit_runs(load_runs(path), FitConfig(n_bootstrap=0, progress=False, holdout=False, law="kaplan",
                                                  delta_sensitivity=False))
@@ -365,7 +365,7 @@ def test_kaplan_form_is_fitted_beside_approach_3_on_request(tmp_path):
 @pytest.mark.long
 @pytest.mark.slow
 def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constants(tmp_path, capsys):
-    from analysis.laws import data_constrained_log_loss
+    from lab.measure.laws import data_constrained_log_loss
 
     rng = np.random.default_rng(1)
     grid = [(n, d, d / epochs) for n in np.geomspace(1e7, 3e9, 5) for d in np.geomspace(1e9, 2e11, 4)

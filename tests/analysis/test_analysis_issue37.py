@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.table import load_runs
 
 SWEEP_CSV = Path(__file__).parent / "data" / "default-sweep.csv"  # the default sweep's 62 runs and 6 verify runs

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
-from analysis.planner import Unidentified, plan
+from analysis.cli import main
+from analysis.allocate import Unidentified, plan
 from analysis.table import InputError
 
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28

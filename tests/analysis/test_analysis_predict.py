@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.parametric import predict_loss
 from analysis.predict import FAR, load_law
 from analysis.synthetic import isoflop_runs
@@ -75,10 +75,9 @@ def test_predict_cli_pairs_csv_json_and_bad_input(fitted, tmp_path, capsys):
 def test_the_training_loop_evaluates_every_form_and_a_fit_as_the_analysis_does(fitted):
     """lab.training.expect (what --train.expect runs, without the analysis) against analysis.parametric and
     analysis.predict: each form's loss from its named parameters, and a fit.json's loss and bootstrap interval."""
-    from analysis.forms import FORMS
-    from lab.training.expect import POINT_FORMS, point_loss, watcher
+    from lab.measure.laws import FORMS, point_loss
+    from lab.training.expect import watcher
 
-    assert POINT_FORMS == {name: form.names for name, form in FORMS.items()}  # a new form must be added there too
     n, d = np.geomspace(1e6, 1e10, 5), np.geomspace(1e8, 1e13, 5)
     named = {"chinchilla": {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28},
              "shared": {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.31},

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.routed import RoutedError, fit_routed, plan_budgets
 
 L_INF, B, ALPHA, BETA = 1.7, 900.0, 0.34, 0.30

@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import analysis.__main__ as analysis_main
-from analysis.__main__ import main
+import analysis.outputs as outputs
+from analysis.cli import main
 from analysis.synthetic import continuous_runs, isoflop_runs, law_optimum, write_sweep
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,13 +191,13 @@ def test_a_signal_while_the_outputs_are_renamed_into_place_publishes_all_of_them
     out = tmp_path / "out"
     out.mkdir()
     (out / "fit.json").write_text("earlier fit")
-    swap = analysis_main.swap_folders
+    swap = outputs.swap_folders
 
     def swap_after_a_signal(new, target):
         os.kill(os.getpid(), signal.SIGTERM)
         return swap(new, target)
 
-    monkeypatch.setattr(analysis_main, "swap_folders", swap_after_a_signal)
+    monkeypatch.setattr(outputs, "swap_folders", swap_after_a_signal)
     assert main(["fit", str(path), "--out", str(out), "--bootstrap", "0", "--no-progress"]) == 130
     assert json.loads((out / "fit.json").read_text())["data"]["n_runs"] > 0  # the new fit, whole
     assert (out / "report.html").exists() and not list(tmp_path.glob(".out.fit-staging-*"))
@@ -221,7 +221,7 @@ def test_a_fit_replaces_its_outputs_as_a_whole(tmp_path, capsys):
     for folder, text in ((new, "new"), (old, "old")):
         folder.mkdir()
         (folder / "fit.json").write_text(text)
-    analysis_main.swap_folders(new, old)
+    outputs.swap_folders(new, old)
     assert (old / "fit.json").read_text() == "new" and (new / "fit.json").read_text() == "old"
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.__main__ import main
+from analysis.cli import main
 from analysis.synthetic import isoflop_runs, write_sweep
 from analysis.table import MIN_RUNS, InputError, load_runs, parse_column_map
 

@@ -18,7 +18,7 @@ from lab.training import schedule
 from lab.training.train import train
 from sweeps import cli, cooldowns, spec
 from sweeps.executors.attempt import Outcome
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 from sweeps.registry import Registry, Row
 
 WSD = {"schedule": "wsd", "warmup": 0.1}

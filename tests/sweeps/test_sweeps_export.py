@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sweeps.export import results
-from sweeps.plan import PlannedRun
+from sweeps.runs import PlannedRun
 from sweeps.registry import Row
 from sweeps.spec import Launch
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.__main__ import EXIT_UNIDENTIFIED
+from analysis.cli import EXIT_UNIDENTIFIED
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
 
@@ -423,7 +423,7 @@ def test_changed_or_duplicated_run_configs_are_refused_before_any_work(tmp_path,
 @pytest.fixture
 def recorded(tmp_path, write_sweep):
     """A registry holding two planned runs of a tiny sweep: (folder, registry, rows)."""
-    from sweeps import plan as planner, spec
+    from sweeps import runs as planner, spec
     from sweeps.driver import run_dir
     from sweeps.registry import Registry
 

@@ -6,7 +6,7 @@ import pytest
 
 from lab.runtime.config import build_parser, config_from_args
 from lab.model import validate, width_ratio
-from sweeps import plan as planner
+from sweeps import runs as planner
 from sweeps import spec
 
 MUP = """

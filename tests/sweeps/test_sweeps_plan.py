@@ -10,7 +10,7 @@ import pytest
 
 from lab.measure import accounting
 from lab.runtime.config import ModelConfig
-from sweeps import plan as planner
+from sweeps import runs as planner
 from sweeps import shapes, spec
 
 FAMILY = """
@@ -198,6 +198,9 @@ def test_family_sizes_that_round_to_one_shape_are_refused():
     (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e14]\nrouting = []"), "[sweep] routing must be a non-empty list"),
     (("model = { block_size = 256 }", "model = { block_size = 256, moe_experts = 4 }\n[sweep.x]"),
      "[sweep]: unknown key 'x'"),
+    (("budgets = [1e13, 1e14]", "budgets = [1e13, 1e300]"), "[sweep] budgets[1] is 1e+300 FLOPs, above the 1e+30"),
+    (("sizes = [3e5, 1e6, 3e6, 1e7]", "sizes = [3e5, 1e20]"), "[sweep] sizes[1] is 1e+20 parameters, above the 1e+16"),
+    (("[sweep]", "x = " + "[" * 20_000 + "]" * 20_000 + "\n[sweep]"), "invalid TOML (nested too deeply)"),
 ])
 def test_bad_sweep_files_fail_with_one_line(edit, message):
     with pytest.raises(spec.SpecError) as info:
@@ -414,6 +417,8 @@ def test_plan_command_prints_centres_and_warnings(tmp_path, capsys):
      "[sweep] needs 'sizes' (target N) or 'centre'"),
     (('{ prior = "tokens_per_param", tokens_per_param = 20 }', '{ prior = "fit", path = "f.json", approach = "x" }'),
      "[sweep] centre.approach must be one of"),
+    (("per_budget = 7", "per_budget = 1_000_000_000"), "[sweep] per_budget must be at most 100, got 1000000000"),
+    (("decades_each_side = 0.5", "decades_each_side = 1e6"), "[sweep] decades_each_side must be at most 4"),
 ])
 def test_bad_centre_keys_fail_with_one_line(edit, message):
     with pytest.raises(spec.SpecError) as info:
@@ -475,3 +480,20 @@ def test_routing_trains_every_shape_once_per_routing_at_equal_active_compute():
         assert moe.lr == pytest.approx(plain.lr, rel=0.01) and moe.launch == plain.launch  # rules see active N
     with pytest.raises(spec.SpecError, match=r"\[base.model\] moe_experts and \[sweep\] routing both set"):
         parse(text.replace("model = { block_size = 256 }", "model = { block_size = 256, moe_experts = 4 }"))
+
+
+def test_a_budget_at_the_bound_plans_in_seconds():
+    """The family's width is found by doubling and bisecting, not by walking every multiple (issue 48: at 1e26 FLOPs
+    the walk took over a minute; at 1e300 it never ended)."""
+    calls = {"n": 0}
+    model_config = shapes.model_config
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return model_config(*args, **kwargs)
+
+    sweep = parse(CENTRED.replace("budgets = [1e15, 1e16]", f"budgets = [{spec.MAX_BUDGET_FLOPS:g}]"))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(shapes, "model_config", counted)
+        runs = planner.plan(sweep).runs
+    assert len(runs) == sweep.per_budget and calls["n"] < 2_000, calls

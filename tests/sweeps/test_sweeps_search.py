@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from sweeps import plan as planner
+from sweeps import runs as planner
 from sweeps import search, spec, verify
 
 SWEEP = """

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.__main__ import EXIT_UNIDENTIFIED
+from analysis.cli import EXIT_UNIDENTIFIED
 from analysis.synthetic import law_optimum
 from analysis.table import load_runs
 from lab.runtime.config import DataConfig

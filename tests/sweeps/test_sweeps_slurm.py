@@ -219,7 +219,7 @@ def test_names_with_spaces_quotes_and_semicolons_stay_inert_on_slurm(cluster, tm
 def _script_attempt(tmp_path, write_sweep, launch: dict, name: str = NASTY, folder: str = "it's; here",
                     slurm: str = SLURM):
     """A planned attempt of one run with these launch settings, in a sweep folder with an awkward name."""
-    from sweeps import plan as planner
+    from sweeps import runs as planner
     from sweeps import spec
     from sweeps.executors.attempt import Attempt
 

@@ -30,7 +30,7 @@ from analysis.compare import (
     parametric_allocation,
     preferred,
 )
-from analysis.forms import CHINCHILLA, FORMS, Form
+from lab.measure.laws import CHINCHILLA, FORMS, Form
 from analysis.isoflop import PowerLaws
 from analysis.parametric import compute_optimal
 from analysis.table import InputError
@@ -53,8 +53,15 @@ def form_of(fit: dict) -> Form:
 
 
 def theta_of(fit: dict) -> np.ndarray:
-    """Approach 3's theta from a fit.json document's named parameters."""
-    return form_of(fit).theta_of(fit["approach3"])[0]
+    """Approach 3's theta from a fit.json document's named parameters; InputError (one line) when one is missing or
+    null (a hand-edited fit.json: a law without it predicts nothing)."""
+    form, section = form_of(fit), fit["approach3"]
+    absent = [name for name in form.names
+              if isinstance(section.get(name), bool) or not isinstance(section.get(name), (int, float))]
+    if absent:
+        raise InputError(f"fit.json: approach3.{absent[0]} is missing or null, so its {form.name} law predicts "
+                         f"nothing; refit with 'python -m analysis fit'")
+    return form.theta_of(section)[0]
 
 
 def bootstrap_columns(key: str, form: Form) -> list[str]:

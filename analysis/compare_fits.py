@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.compare import APPROACHES, PREFERENCE, TITLES, Allocation
-from analysis.forms import CHINCHILLA, FORMS
-from analysis.planner import allocations, load_fit, theta_of
+from lab.measure.laws import CHINCHILLA, FORMS
+from analysis.allocate import allocations, load_fit, theta_of
 
 ALLOCATION_EXPONENTS = ("a", "b")
 
