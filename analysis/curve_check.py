@@ -65,7 +65,8 @@ def check(folder: Path) -> tuple[dict, law.CurveFit, list[law.Curve], list[law.C
         raise InputError(f"{folder}: every run is at the largest budget; the law needs smaller ones to be fitted on")
     fitted = [c for c, t in zip(curves, top) if not t]
     held = [c for c, t in zip(curves, top) if t]
-    verify = law.load_curves([folder / "verify" / "runs"])[0] if (folder / "verify" / "runs").is_dir() else []
+    finished = folder / "verify" / "runs"
+    verify = law.load_curves([finished])[0] if any(finished.rglob("summary.json")) else []  # none yet: none
     fit = law.fit_curves(fitted, n_bootstrap=0)
     lo, hi = min(c.params for c in fitted), max(c.params for c in fitted)
     gaps = seed_gaps(curves, facts)

@@ -76,3 +76,6 @@ def test_a_curve_off_the_law_is_not_met_and_bad_input_is_refused(tmp_path, capsy
     assert "C4-20000-s0" in printed and "(beyond its bound)" in printed and printed.rstrip().endswith("NOT met")
     assert main([str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+    (off / "verify" / "runs" / "verify-2e4" / "summary.json").unlink()  # verify still running: checked without it
+    assert main([str(off)]) == 1
+    assert "verify-2e4" not in capsys.readouterr().out
