@@ -87,7 +87,7 @@ def _train_docs_strategy(world: World, code: str) -> dict:
     setup = Setup(steps=3, accum=2)
     ref, trace = reference(world, setup), train_tiny(world, setup, parse_spec("ddp_flat"))
     out = {"flat": compare(ref, trace) if world.is_main else None}
-    strategy = create(parse_spec("ddp_flat"), world, Precision("cpu", bf16=False), loop_settings(setup))
+    strategy = create(parse_spec("ddp_flat"), world, Precision("cpu"), loop_settings(setup))
     strategy.build(lambda: GPT(TINY), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     x, y = batch(setup, 0, 2 * world.world_size)
     strategy.backward(strategy.forward(x[:2], y[:2], sync=False))  # an accumulation's first micro-step

@@ -22,6 +22,18 @@ def test_benchmark_script_runs_and_reports_mfu(tmp_path, capsys):
     assert "tiny-modern" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_a_throughput_case_runs_under_the_mixed_policy():
+    """What ``make bench-gpu`` times under the bf16 policy (bf16 weights beside fp32 masters), here on the CPU."""
+    import torch
+
+    from lab.commands.bench import bench_case
+    from lab.measure.device import Precision
+
+    r = bench_case("tiny", 4096, 2, 1, 0, torch.device("cpu"), Precision("cpu", "bf16", mixed=True), compile=False)
+    assert (r["dtype"], r["policy"]) == ("bf16", "mixed") and r["tokens_per_s"] > 0 and r["mem_peak_bytes"] > 0
+
+
 def test_benchmark_rejects_bad_arguments(capsys):
     assert main(["--steps", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
@@ -117,13 +129,37 @@ def test_the_gpu_benchmark_says_in_one_line_that_it_needs_a_gpu(tmp_path, capsys
     assert not out.exists()
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_the_gpu_benchmarks_strategy_runs_run_under_both_policies_on_the_cpu():
+    """``make bench-gpu``'s ddp and zero3 runs under autocast and the bf16 policy, through the same code with the CPU
+    in place of CUDA, a tiny model and 4 sequences of 128 tokens a step: every run's figures and both ratios."""
+    from lab.commands import bench_gpu
+
+    cpu = ["--train.device", "cpu", "--train.dtype", "bf16", "--model.n_layer", "1", "--model.d_model", "32",
+           "--model.n_head", "2", "--model.block_size", "128", "--train.micro_batch", "4", "--train.batch_tokens",
+           "512", "--train.tokens", str(3 * 512), "--train.eval_tokens", "512"]
+    runs, ratios = bench_gpu.strategy_runs(cpu, "gloo")
+    assert set(runs) == {"ddp autocast", "zero3 autocast", "ddp mixed", "zero3 mixed"} and set(ratios) == {
+        "autocast", "mixed"}
+    assert all(r > 0 for r in ratios.values())
+    for name, run in runs.items():
+        assert run["step_time_s"] > 0 and set(run["peak_bytes_theory"]) == {"forward", "backward", "step"}, name
+    for strategy in bench_gpu.STRATEGIES:  # the policy's weights are 2 bytes a value, autocast's 4
+        mixed, autocast = (runs[f"{strategy} {p}"]["model_state_bytes"] for p in ("mixed", "autocast"))
+        assert mixed["params"] == autocast["params"] / 2, strategy
+
+
 def test_the_gpu_benchmark_table_names_the_device_and_every_figure():
     from lab.commands.bench_gpu import markdown
 
-    row = {"model": "gpt2-124m", "compile": True, "tokens_per_s": 1e5, "mfu": 0.4, "mem_peak_bytes": 2**31}
+    row = {"model": "gpt2-124m", "dtype": "bf16", "policy": "mixed", "compile": True, "tokens_per_s": 1e5, "mfu": 0.4,
+           "mem_peak_bytes": 2**31}
     run = {"step_time_s": 0.1, "peak_bytes": {"forward": 3 * 2**20, "rss": 1}, "peak_bytes_theory": {"forward": 2**21}}
     text = markdown({"device": "NVIDIA H100", "torch": "2.13.0", "throughput": [row],
-                     "runs": {"ddp": run, "zero3": run}, "zero3_over_ddp_step_time": 1.1})
+                     "runs": {"ddp mixed": run, "zero3 mixed": run},
+                     "zero3_over_ddp_step_time": {"autocast": 1.2, "mixed": 1.1}})
     assert text.startswith("# GPU benchmark: NVIDIA H100")
-    assert "| gpt2-124m | True | 100,000 | 40.0 % | 2.00 |" in text and "| zero3 | 100.0 | 3 vs 2 (+50%) |" in text
-    assert "zero3 / ddp step time: 1.100x" in text
+    assert "| gpt2-124m | bf16 mixed | True | 100,000 | 40.0 % | 2.00 |" in text
+    assert "| zero3 mixed | 100.0 | 3 vs 2 (+50%) |" in text
+    assert "zero3 / ddp step time under mixed: 1.100x" in text and "under autocast: 1.200x" in text

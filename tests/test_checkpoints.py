@@ -144,7 +144,7 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one(tre
 
 def _gathered(world: World, tree: dict, run_dir: Path) -> dict[str, torch.Tensor]:
     cfg = resolve(tree)
-    strategy = build_strategy(cfg, world, Precision("cpu", bf16=False))
+    strategy = build_strategy(cfg, world, Precision("cpu"))
     checkpoint.load(checkpoint.latest(run_dir), world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()
     return strategy.full_state_dict()

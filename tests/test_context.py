@@ -131,7 +131,7 @@ def _logits(world: World, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
     x, _ = batch(Setup(model=MODERN), 0, 2)
     out = []
     for parallel, on in ((parse_spec(spec), world), (ParallelConfig(), World(0, 1, 0, world.device))):
-        strategy = create(parallel, on, Precision("cpu", bf16=False), LoopSettings(2, 1, 1.0))
+        strategy = create(parallel, on, Precision("cpu"), LoopSettings(2, 1, 1.0))
         strategy.build(lambda: GPT(MODERN), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), on.device))
         with torch.no_grad():
             out.append(strategy.model(x))
@@ -149,7 +149,7 @@ def test_the_logits_of_a_batch_under_cp4_are_singles():
 
 def _step_record(world: World, spec: str) -> dict:
     model = dataclasses.replace(TINY, block_size=64)
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), LoopSettings(4, 1, 1.0))
+    strategy = create(parse_spec(spec), world, Precision("cpu"), LoopSettings(4, 1, 1.0))
     strategy.build(lambda: GPT(model), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     replica, replicas = Layout.of(parse_spec(spec), world.world_size).data_replica(world.rank)
     x, y = batch(Setup(model=model), 0, 4 * replicas)
@@ -173,7 +173,7 @@ def test_the_balanced_split_spreads_the_work_and_the_ring_sends_its_theory():
 def _activation_peak(world: World, spec: str) -> int:
     """The most bytes live during one forward and backward (every tensor allocation, ``LiveBytes``), the gradients
     (as many on every rank) left out."""
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), LoopSettings(1, 1, 1.0))
+    strategy = create(parse_spec(spec), world, Precision("cpu"), LoopSettings(1, 1, 1.0))
     strategy.build(lambda: GPT(LONG), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     x, y = batch(Setup(model=LONG), 0, 1)
     with LiveBytes() as meter:
@@ -203,7 +203,7 @@ def test_the_memory_check_refuses_one_process_and_admits_cp4():
     def estimate(ranks: int, **parallel: object) -> float:
         cfg = RunConfig(model=LONG, parallel=ParallelConfig(**parallel))
         cfg.train.micro_batch, cfg.train.batch_tokens, cfg.train.memory_budget = 1, 2048 * ranks, 20 / 1024
-        return check_resources(cfg, World(0, ranks, 0, torch.device("cpu")), Precision("cpu", False), Peak(1e12, "t"),
+        return check_resources(cfg, World(0, ranks, 0, torch.device("cpu")), Precision("cpu"), Peak(1e12, "t"),
                                256, 20 * 2**20).memory_bytes
 
     with pytest.raises(ConfigError, match="parallel.cp splits every sequence"):
@@ -215,7 +215,7 @@ def test_the_memory_check_refuses_one_process_and_admits_cp4():
 
 
 def _train_and_save(world: World, spec: str, folder: Path) -> None:
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), LoopSettings(4, 1, 1.0))
+    strategy = create(parse_spec(spec), world, Precision("cpu"), LoopSettings(4, 1, 1.0))
     strategy.build(lambda: GPT(MODERN), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     replica, replicas = Layout.of(parse_spec(spec), world.world_size).data_replica(world.rank)
     x, y = batch(Setup(model=MODERN), 0, 4 * replicas)
@@ -224,7 +224,7 @@ def _train_and_save(world: World, spec: str, folder: Path) -> None:
 
 
 def _load_and_save(world: World, spec: str, source: Path, target: Path) -> None:
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), LoopSettings(4, 1, 1.0))
+    strategy = create(parse_spec(spec), world, Precision("cpu"), LoopSettings(4, 1, 1.0))
     strategy.build(lambda: GPT(MODERN), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     checkpoint.load(checkpoint.latest(source), world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()

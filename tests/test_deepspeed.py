@@ -45,7 +45,8 @@ def one_error_line(err: str) -> str:
 
 
 def test_the_lab_writes_its_own_values_into_the_engine_config():
-    config = engine_config(ParallelConfig(strategy="deepspeed", zero_stage=3, offload="all"), 2, LOOP, bf16=True)
+    config = engine_config(ParallelConfig(strategy="deepspeed", zero_stage=3, offload="all"), 2, LOOP,
+                           Precision("cpu", "bf16"))
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"], config["gradient_clipping"]) == (4, 2, 16, 1.0)
     # bf16 as every strategy runs it: autocast, fp32 weights, gradients reduced in fp32
@@ -62,7 +63,7 @@ def test_a_user_file_passes_through_and_may_repeat_the_labs_values(tmp_path):
     path.write_text(json.dumps({"gradient_clipping": 1.0, "train_batch_size": "auto", "wall_clock_breakdown": True,
                                 "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000,
                                                       "contiguous_gradients": False}}))
-    config = engine_config(ParallelConfig(strategy="deepspeed", deepspeed_config=str(path)), 2, LOOP, bf16=False)
+    config = engine_config(ParallelConfig(strategy="deepspeed", deepspeed_config=str(path)), 2, LOOP, Precision("cpu"))
     assert config["wall_clock_breakdown"] is True and config["train_batch_size"] == 16
     assert config["zero_optimization"]["reduce_bucket_size"] == 1000  # a lab default the file may change
     assert config["zero_optimization"]["contiguous_gradients"] is False and config["torch_autocast"]["enabled"] is False
@@ -89,7 +90,7 @@ def test_a_user_file_that_contradicts_the_lab_is_refused_naming_the_key(tmp_path
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(ConfigError) as e:
-        engine_config(ParallelConfig(strategy="deepspeed", deepspeed_config=str(path)), 2, LOOP, bf16=False)
+        engine_config(ParallelConfig(strategy="deepspeed", deepspeed_config=str(path)), 2, LOOP, Precision("cpu"))
     assert str(e.value).startswith(f"parallel.deepspeed_config {path}: {key}"), str(e.value)
     assert "\n" not in str(e.value)
 
@@ -137,7 +138,7 @@ def _equivalences(world: World) -> dict:
                                     "deepspeed:zero_stage=3,activation_checkpointing=selective"],
                             Setup(steps=4, accum=2, grad_clip=0.5))
     # the lab's bf16 (autocast, fp32 weights and gradients) written into the engine as torch_autocast
-    bf16 = equivalence(world, STAGES, Setup(steps=4, grad_clip=0, bf16=True))
+    bf16 = equivalence(world, STAGES, Setup(steps=4, grad_clip=0, dtype="bf16"))
     return {"exact": exact, "regrouped": regrouped, "bf16": bf16}
 
 
@@ -171,7 +172,7 @@ def test_with_accumulation_clipping_and_checkpointing_every_stage_matches_single
 
 def _trained(world: World, spec: str, steps: int = 2, poison_step: int | None = None) -> dict:
     setup = Setup(steps=steps)
-    s = create(parse_spec(spec), world, Precision("cpu", False), loop_settings(setup))
+    s = create(parse_spec(spec), world, Precision("cpu"), loop_settings(setup))
     s.build(lambda: GPT(setup.model, seed=setup.seed), lambda m: param_groups(m, 0.1),
             adamw_factory(TrainConfig(), world.device))
     out = {"stepped": []}

@@ -21,7 +21,7 @@ from lab.commands.ranks import RankFailed, run_ranks
 from pool import run_pooled
 from lab.training.train import train_step
 
-FP32 = Precision("cpu", bf16=False)
+FP32 = Precision("cpu")
 LOOP = LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0)  # as the direct train_step calls
 
 DDP_FAMILY = ["ddp_naive", "ddp", "torch_ddp"]

@@ -103,7 +103,7 @@ def _exchanges(world: World, spec: str, accum: int) -> dict:
     bytes computed from what this rank's router sent where (its counts, and every rank's)."""
     parallel = parse_spec(spec)
     loop = LoopSettings(micro_batch=4, accum_steps=accum, grad_clip=1.0)
-    strategy = create(parallel, world, Precision("cpu", False), loop)
+    strategy = create(parallel, world, Precision("cpu"), loop)
     strategy.build(lambda: GPT(MOE, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     plan = StepPlan(4 * accum * world.world_size, accum, 1, 4, world.world_size)
     x, y = batch(Setup(model=MOE), 0, plan.global_sequences)

@@ -17,7 +17,7 @@ from lab.runtime import checkpoint
 from lab.commands.cli import export_main, resolve_vocab, run_main, sample_main
 from lab.runtime.config import ConfigError, ParallelConfig, build_parser, config_from_args
 from lab.data import load_tokenizer, prepare
-from lab.measure.device import resolve_precision
+from lab.measure.device import Precision
 from lab.runtime.files import save_json, take_lock
 from lab.parallel import World
 from lab.commands.ranks import run_ranks
@@ -97,7 +97,7 @@ def _resume_with_a_stale_view_on_rank_1(world: World, argv: list[str], run_dir: 
     meta.json than rank 0 for the same checkpoint; the step each rank resumed at, and the error of the second."""
     cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--parallel.strategy", "ddp"]))
     resolve_vocab(cfg, 512)
-    strategy = build_strategy(cfg, world, resolve_precision("fp32", world.device))
+    strategy = build_strategy(cfg, world, Precision(world.device.type))
     plan = step_plan(cfg, world.world_size)
     if world.rank == 1:
         dirs = checkpoint.checkpoint_dirs
@@ -204,7 +204,7 @@ def _restore_on(world: World, argv: list[str], run_dir: Path) -> str:
     """Resume ``run_dir`` under ddp on this world: the error each rank meets ('' for none)."""
     cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--parallel.strategy", "ddp"]))
     resolve_vocab(cfg, 512)
-    strategy = build_strategy(cfg, world, resolve_precision("fp32", world.device))
+    strategy = build_strategy(cfg, world, Precision(world.device.type))
     try:
         restore(strategy, run_dir, world, cfg, step_plan(cfg, world.world_size))
         return ""

@@ -184,7 +184,7 @@ def test_the_start_line_names_the_deepspeed_stage_and_the_peak():
 
     cfg = RunConfig()
     cfg.model.vocab_size, cfg.parallel.strategy, cfg.parallel.zero_stage = 512, "deepspeed", 3
-    world, plan, precision = World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu", False)
+    world, plan, precision = World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu")
     strategy = create(cfg.parallel, world, precision, loop_settings(cfg, plan))  # described before it is built
     line = start_line(cfg, world, plan, precision, Peak(3e11, "measured matmul peak (x)"), Start(), None,
                       strategy.describe())

@@ -128,7 +128,7 @@ def test_the_matrix_refuses_only_what_owns_the_step():
 
 
 def _built(world: World, spec: str):
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), LOOP)
+    strategy = create(parse_spec(spec), world, Precision("cpu"), LOOP)
     strategy.build(lambda: GPT(MOE), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     return strategy
 

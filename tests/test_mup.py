@@ -108,7 +108,7 @@ def _first_step_multipliers(world: World, specs: list[str]) -> dict[str, dict[st
     loop = LoopSettings(micro_batch=2, accum_steps=1, grad_clip=0.0)
     for spec in specs:
         here = World(rank=0, world_size=1, local_rank=0, device=world.device) if spec == "single" else world
-        strategy = create(parse_spec(spec), here, Precision("cpu", bf16=False), loop)
+        strategy = create(parse_spec(spec), here, Precision("cpu"), loop)
         strategy.build(lambda: GPT(MUP_TINY, seed=5), lambda m: param_groups(m, 0.0),
                        adamw_factory(TrainConfig(), world.device))
         before = strategy.full_state_dict()

@@ -125,7 +125,7 @@ def test_one_thread_is_named_in_the_singular(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        line = start_line(cfg, world, step_plan(cfg, 1), device.Precision("cpu", False), device.Peak(1e9, "x"),
+        line = start_line(cfg, world, step_plan(cfg, 1), device.Precision("cpu"), device.Peak(1e9, "x"),
                           Start(), None, "single")
         assert device.describe(world.device).endswith(", 1 thread") and "fp32, 1 thread | " in line
     finally:
@@ -329,7 +329,7 @@ def test_the_start_line_gives_the_thread_count():
 
     cfg = RunConfig()
     cfg.model.vocab_size = 512
-    line = start_line(cfg, World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu", False),
+    line = start_line(cfg, World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu"),
                       Peak(1e11, "x"), Start(), None, "single")
     assert f"device cpu, fp32, {torch.get_num_threads()} threads | " in line
 

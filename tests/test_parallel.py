@@ -17,7 +17,7 @@ from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import STRATEGIES, LoopSettings, World, create, strategy_class, validate
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-FP32 = Precision("cpu", bf16=False)
+FP32 = Precision("cpu")
 LOOP = LoopSettings(micro_batch=1, accum_steps=1, grad_clip=1.0)
 SHAPE = ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=50)
 

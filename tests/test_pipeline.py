@@ -250,7 +250,7 @@ def _eval_losses(world: World, spec: str) -> tuple[float, float]:
     x, y = batch(Setup(), 0, 8)
     losses = []
     for parallel, on in ((parse_spec(spec), world), (ParallelConfig(), World(0, 1, 0, world.device))):
-        strategy = create(parallel, on, Precision("cpu", bf16=False), LOOP)
+        strategy = create(parallel, on, Precision("cpu"), LOOP)
         strategy.build(lambda: GPT(TINY), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
         losses.append(strategy.eval_loss(x, y).item())
     return losses[0], losses[1]
@@ -365,7 +365,7 @@ def _sent_bytes(world: World, spec: str, layers: int, accum: int) -> dict:
 
     model = dataclasses.replace(TINY, n_layer=layers)
     setup = Setup(model=model, accum=accum, micro_batch=4)
-    strategy = create(parse_spec(spec), world, Precision("cpu", False),
+    strategy = create(parse_spec(spec), world, Precision("cpu"),
                       LoopSettings(micro_batch=4, accum_steps=accum, grad_clip=1.0))
     strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
@@ -441,7 +441,7 @@ def _reloaded(world: World, source: str, target: str, run_dir: Path) -> tuple[ob
     from lab.training.train import train_step
 
     def built(spec: str):
-        strategy = create(parse_spec(spec), world, Precision("cpu", False), LOOP)
+        strategy = create(parse_spec(spec), world, Precision("cpu"), LOOP)
         strategy.build(lambda: GPT(FOUR), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
         return strategy
 
@@ -546,7 +546,7 @@ def _in_flight(world: World) -> dict:
         meter = memory.Meter(world.device)
         with meter.running():
             strategy = create(parse_spec(f"single:pp=2,pp_schedule={name},pp_microbatches=8"), world,
-                              Precision("cpu", False), LoopSettings(micro_batch=8, accum_steps=1, grad_clip=1.0))
+                              Precision("cpu"), LoopSettings(micro_batch=8, accum_steps=1, grad_clip=1.0))
             strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
                            adamw_factory(TrainConfig(), world.device))
             for _ in range(2):  # the second step holds the optimizer's states from its start, as every later step

@@ -72,7 +72,7 @@ ODD = ModelConfig(n_layer=2, n_head=3, d_model=30, block_size=16, vocab_size=97)
 def _odd_sizes(world: World) -> dict:
     setup = Setup(steps=3, model=ODD)
     results = equivalence(world, ["zero1", "zero2", "zero3", "fsdp"], setup)
-    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False), LOOP)
+    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu"), LOOP)
     s.build(lambda: GPT(ODD, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     return {"results": results, "units": [(u.numel, u.padded) for u in s.units]}
 
@@ -142,7 +142,7 @@ def test_activation_checkpointing_saves_what_it_promises():
 
 @pytest.mark.slow
 def test_bf16_autocast_runs_under_every_sharded_strategy():
-    results = run_pooled(equivalence, 2, SHARDED, dataclasses.replace(Setup(steps=3), bf16=True))[0]
+    results = run_pooled(equivalence, 2, SHARDED, dataclasses.replace(Setup(steps=3), dtype="bf16"))[0]
     for spec, r in results.items():
         assert r.max_rel_loss_diff <= 1e-3, (spec, r)
 
@@ -154,7 +154,7 @@ def _peak_bytes_by_kind(world: World, spec: str) -> dict:
     """Tensor storages tracked by allocation (lab.measure.memory) over two steps after the build, by kind."""
     meter = memory.Meter(world.device)
     with meter.running():
-        s = create(parse_spec(spec), world, Precision("cpu", False), LOOP)
+        s = create(parse_spec(spec), world, Precision("cpu"), LOOP)
         s.build(lambda: GPT(WIDE, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
         built = meter.live.take_peaks()[1]
         for step in range(2):
@@ -179,7 +179,7 @@ def test_zero3_peak_parameter_bytes_are_one_shard_and_two_units_measured_by_allo
 
 def _storages_grown_by_gathers(world: World) -> dict:
     """The sizes storages were given by ``resize_`` (nonzero: fresh memory) during zero3's third step."""
-    s = create(parse_spec("zero3"), world, Precision("cpu", False), LOOP)
+    s = create(parse_spec("zero3"), world, Precision("cpu"), LOOP)
     s.build(lambda: GPT(WIDE, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
     resize, grown = torch.UntypedStorage.resize_, []
 
@@ -258,12 +258,12 @@ def _rank_dependent_frozen_gpt(seed: int) -> GPT:
 def _start_values(world: World) -> dict:
     out = {}
     for spec in ("zero1", "zero2"):
-        s = create(parse_spec(spec), world, Precision("cpu", False), LOOP)
+        s = create(parse_spec(spec), world, Precision("cpu"), LOOP)
         s.build(lambda: _rank_dependent_frozen_gpt(0), lambda m: param_groups(m, 0.1),
                 adamw_factory(TrainConfig(), world.device))
         frozen = {n: p.detach().clone() for n, p in s.module.named_parameters() if not p.requires_grad}
         out[spec] = frozen | {n: b.clone() for n, b in s.module.named_buffers()}
-    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu", False), LOOP)
+    s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu"), LOOP)
     try:
         s.build(lambda: rank_dependent_gpt(0), lambda m: param_groups(m, 0.1),
                 adamw_factory(TrainConfig(), world.device))
@@ -292,7 +292,7 @@ def _peak_against_theory(world: World, cases: list[tuple[str, int]]) -> dict:
     for spec, accum in cases:
         meter = memory.Meter(world.device)
         with meter.running():
-            s = create(parse_spec(spec), world, Precision("cpu", False), LoopSettings(1, accum, 1.0))
+            s = create(parse_spec(spec), world, Precision("cpu"), LoopSettings(1, accum, 1.0))
             s.build(lambda: GPT(THEORY, seed=0), lambda m: param_groups(m, 0.1),
                     adamw_factory(TrainConfig(), world.device))
             for step in range(2):  # the second step holds the optimizer's states from the start

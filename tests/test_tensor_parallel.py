@@ -136,7 +136,7 @@ def test_the_resource_check_divides_what_tp_divides():
     from lab.training.train import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
-    precision = Precision("cpu", False)
+    precision = Precision("cpu")
 
     def estimate(available: float, **parallel: object):
         cfg = RunConfig(model=MODERN, parallel=ParallelConfig(strategy="zero3", **parallel))
@@ -162,7 +162,7 @@ def test_the_resource_check_divides_what_pp_and_ep_divide():
     from lab.training.train import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
-    precision = Precision("cpu", False)
+    precision = Precision("cpu")
 
     def estimate(available: float, model=MODERN, **parallel: object) -> float:
         cfg = RunConfig(model=model, parallel=ParallelConfig(strategy="ddp", **parallel))
@@ -303,7 +303,7 @@ def _tp_meters(world: World, specs: list[str], accum: int, models: dict[str, Mod
         setup = Setup(model=model, accum=accum)
         for spec in specs:
             parallel = parse_spec(spec)
-            strategy = create(parallel, world, Precision("cpu", False), loop_settings(setup))
+            strategy = create(parallel, world, Precision("cpu"), loop_settings(setup))
             strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
                            adamw_factory(TrainConfig(), world.device))
             replica, replicas = data_replica(parallel, world.rank, world.world_size)
@@ -382,7 +382,7 @@ def test_saved_activation_bytes_are_within_a_tenth_of_their_theory_under_tp_and_
 
 
 def _built(world: World, spec: str, setup: Setup):
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), loop_settings(setup))
+    strategy = create(parse_spec(spec), world, Precision("cpu"), loop_settings(setup))
     strategy.build(lambda: GPT(setup.model, seed=setup.seed), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
     return strategy

@@ -37,7 +37,7 @@ LAYOUTS = ("zero2", "zero2:tp=2")
 def _time_checkpoints(world: World, spec: str, run_dir: Path, saves: int) -> tuple[list[float], float]:
     """One step under ``spec``, then ``saves`` checkpoints and one load: seconds of each save, and of the load."""
     setup = Setup(model=MODEL)
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), loop_settings(setup))
+    strategy = create(parse_spec(spec), world, Precision("cpu"), loop_settings(setup))
     strategy.build(lambda: GPT(MODEL, seed=setup.seed), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
     x, y = batch(setup, 0, 2)

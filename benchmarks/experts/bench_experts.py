@@ -36,7 +36,7 @@ def case(world: World, experts: int, ep: int) -> dict:
     torch.set_num_threads(1)
     model = dataclasses.replace(MODEL, moe_experts=experts)
     loop = LoopSettings(micro_batch=MICRO, accum_steps=1, grad_clip=1.0)
-    strategy = create(parse_spec(f"ddp:ep={ep}"), world, Precision("cpu", False), loop)
+    strategy = create(parse_spec(f"ddp:ep={ep}"), world, Precision("cpu"), loop)
     strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
     plan = StepPlan(MICRO * world.world_size, 1, STEPS, MICRO, world.world_size)

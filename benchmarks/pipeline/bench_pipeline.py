@@ -50,7 +50,7 @@ def _case(world: World, spec: str, m: int, steps: int) -> dict:
     """Warm-up step, then ``steps`` timed steps under ``spec``: step seconds and the measured bubble per stage."""
     setup = Setup(model=MODEL)
     loop = LoopSettings(micro_batch=m, accum_steps=1, grad_clip=1.0)
-    strategy = create(parse_spec(spec), world, Precision("cpu", False), loop)
+    strategy = create(parse_spec(spec), world, Precision("cpu"), loop)
     strategy.build(lambda: GPT(MODEL, seed=setup.seed), lambda model: param_groups(model, 0.1),
                    adamw_factory(TrainConfig(), world.device))
     seconds, bubbles = [], []

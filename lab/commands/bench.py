@@ -6,8 +6,9 @@
     python launch/bench.py --measure-peak           # this CPU's matmul peak, measured again and cached
     python launch/bench.py --memory ddp,zero1,zero2,zero3 --nproc 2 --out benchmarks/memory/memory
 
-Throughput: forward, backward and fused AdamW on synthetic tokens; the MFU denominator comes from
-``lab.measure.device`` (a measured matmul peak on a CPU, the data-sheet dense peak on a GPU).
+Throughput: forward, backward and fused AdamW on synthetic tokens, as the lab's ``single`` strategy runs them under
+a precision policy; the MFU denominator comes from ``lab.measure.device`` (a measured matmul peak on a CPU, the
+data-sheet dense peak on a GPU).
 
 Strategies: every strategy trains the same model on the same random batches on ``--nproc`` gloo
 ranks, through the loop's ``train_step``; rounds interleave the strategies (a few steps of each,
@@ -79,30 +80,23 @@ from lab.training.train import train_step
 
 
 def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: int, device: torch.device,
-               bf16: bool, compile: bool) -> dict:
-    """One model's training steps in this process: step time, tokens/s, MFU and this case's memory peak."""
+               precision: Precision, compile: bool) -> dict:
+    """One model's training steps in this process under the lab's ``single`` strategy and ``precision`` (autocast
+    over fp32 weights, or mixed: 16-bit weights beside fp32 masters): step time, tokens/s, MFU and this case's memory
+    peak."""
     cfg = resolve({"model": {"preset": preset, "vocab_size": vocab}}).model
-    precision = Precision(device.type, bf16)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this case's peak, not the largest since the process started
-    with torch.device(device):
-        model = GPT(cfg)
-    if compile:
-        model.compile()
-    params = dict(model.named_parameters())
-    groups = [{"params": [params[n] for n in g.names], "weight_decay": g.weight_decay}
-              for g in param_groups(model, 0.1)]
-    opt = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    strategy = create(ParallelConfig(), World(rank=0, world_size=1, local_rank=0, device=device), precision,
+                      LoopSettings(micro_batch=micro_batch, accum_steps=1, grad_clip=0.0, compile=compile))
+    strategy.build(lambda: GPT(cfg), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), device))
     x = torch.randint(0, vocab, (micro_batch, cfg.block_size), generator=torch.Generator().manual_seed(0)).to(device)
     times = []
     for i in range(warmup + steps):
         synchronize(device)
         t0 = time.perf_counter()
-        with precision.autocast():
-            loss = model(x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        strategy.backward(strategy.forward(x, x, sync=True))
+        strategy.step(1e-4)
         synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -110,7 +104,8 @@ def bench_case(preset: str, vocab: int, micro_batch: int, steps: int, warmup: in
     tokens_per_s = micro_batch * cfg.block_size / step_time
     fpt = accounting.flops_per_token(cfg)
     peak = peak_flops(device, precision).flops
-    return {"model": preset, "params": accounting.param_counts(cfg).total, "dtype": precision.name,
+    return {"model": preset, "params": accounting.param_counts(cfg).total, "dtype": precision.dtype,
+            "policy": "mixed" if precision.mixed else "autocast",
             "compile": compile, "micro_batch": micro_batch, "seq_len": cfg.block_size, "step_time_s": step_time,
             "best_step_time_s": best, "tokens_per_s": tokens_per_s,
             "best_tokens_per_s": micro_batch * cfg.block_size / best, "model_flops_per_s": fpt * tokens_per_s,
@@ -132,7 +127,8 @@ def throughput(steps: int, warmup: int, out: str | None) -> int:
           f"{'tok/s':>10} {'TFLOP/s':>8} {'peak':>8} {'MFU':>6} {'best tok/s':>11} {'best MFU':>8}")
     results = []
     for preset, vocab, mb, bf16, comp in cases:
-        r = bench_case(preset, vocab, mb, steps, warmup, device, bf16, comp)
+        r = bench_case(preset, vocab, mb, steps, warmup, device, Precision(device.type, "bf16" if bf16 else "fp32"),
+                       comp)
         results.append(r)
         print(f"{preset:<12} {r['params']:>12,} {r['dtype']:>5} {str(comp):>7} {mb}×{r['seq_len']:<5} "
               f"{1e3 * r['step_time_s']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['model_flops_per_s'] / 1e12:>8.3f} "
@@ -187,7 +183,7 @@ def _one_process(parallel: ParallelConfig) -> bool:
 
 def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro_batch: int, steps: int,
                       rounds: int, warmup: int) -> list[dict]:
-    precision, loop = Precision("cpu", bf16=False), bench_loop(micro_batch)
+    precision, loop = Precision("cpu"), bench_loop(micro_batch)
     setup_device(world.device)  # as a run sets it up (on the CPU: freed blocks go back to the kernel)
     built = []
     for case in cases:

@@ -31,7 +31,7 @@ from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
-from lab.measure.device import (available_memory_bytes, peak_flops, resolve_device, resolve_precision, size_threads,
+from lab.measure.device import (available_memory_bytes, peak_flops, precision_of, resolve_device, size_threads,
                                 usable_cores)
 from lab.runtime.files import (LockHeld, LockUnusable, dumps, probe_writable, read_json, replacing, save_json,
                                take_lock)
@@ -39,7 +39,7 @@ from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.runtime.processes import AGENT_PID, rank_dies_with_agent
 from lab.runtime.extras import require
 from lab.model import GPT
-from lab.parallel import World, backend_for, join_group_of_one, validate_model
+from lab.parallel import World, backend_for, join_group_of_one, validate_model, validate_precision
 from lab.parallel.comm import AxisFailed
 from lab.training.train import Estimate, TrainingDiverged, check_resources, decided_on_main, train, validate
 
@@ -227,7 +227,8 @@ def _preflight(args: argparse.Namespace,
         check_run_dir(run_dir, mode)
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
-    precision = resolve_precision(cfg.train.dtype, world.device)
+    precision = precision_of(cfg.train, world.device)
+    validate_precision(cfg.parallel, precision)
     budget = cfg.train.memory_budget * 2**30
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, budget or available_memory_bytes(world.device),

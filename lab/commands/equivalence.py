@@ -1,8 +1,10 @@
 """Do the strategies train the same model as one process? Train and compare.
 
     python -m lab equivalence --strategies single,ddp_naive,ddp,torch_ddp --nproc 2 --steps 8 --accum 1
+    python -m lab equivalence --strategies zero1,zero3,fsdp --dtype bf16 --precision mixed
 
-Trains the tiny GPT (dropout 0, fp32, CPU) from one seed under each strategy on ``--nproc`` gloo
+Trains the tiny GPT (dropout 0, fp32 unless ``--dtype`` and ``--precision`` say otherwise, CPU) from one seed
+under each strategy on ``--nproc`` gloo
 ranks, through the loop's own ``train_step``, on a fixed stream of random token batches (the
 global batch of a step is the same for every world size), and prints a table per strategy: the
 largest relative difference from ``single``'s logged loss and global gradient norm at any step,
@@ -56,7 +58,8 @@ class Setup:
     lr: float = 1e-2
     grad_clip: float = 1.0
     seed: int = 1234
-    bf16: bool = False  # autocast
+    dtype: str = "fp32"  # what the matmuls compute in (lab.measure.device.Precision)
+    mixed: bool = False  # train.precision mixed: 16-bit weights and gradients, fp32 masters (else autocast)
     compile: bool = False  # the strategy compiles the model (train.compile)
     model: ModelConfig = dataclasses.field(default_factory=lambda: dataclasses.replace(TINY))
 
@@ -75,6 +78,11 @@ def loop_settings(setup: Setup) -> LoopSettings:
                         compile=setup.compile)
 
 
+def precision(setup: Setup) -> Precision:
+    """The setup's precision policy on the CPU."""
+    return Precision("cpu", setup.dtype, setup.mixed)
+
+
 def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: random tokens, the same for every world size."""
     g = torch.Generator().manual_seed(setup.seed * 100_003 + step)
@@ -84,7 +92,7 @@ def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor,
 
 def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> Trace:
     """Train ``setup`` under ``parallel.strategy`` on ``world``; the losses and (on rank 0) the final weights."""
-    strategy = create(parallel, world, Precision("cpu", bf16=setup.bf16), loop_settings(setup))
+    strategy = create(parallel, world, precision(setup), loop_settings(setup))
     strategy.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
                    adamw_factory(TrainConfig(), world.device))
     replica, replicas = data_replica(parallel, world.rank, world.world_size)
@@ -119,6 +127,7 @@ class Comparison:
     max_param_diff: float
     same_losses: bool  # bitwise
     same_params: bool  # bitwise
+    rel_param_diff: float = 0.0  # ‖Δw‖ / ‖w‖ over every weight: a few elements off by a step (16-bit sums) weigh little
 
     @property
     def bitwise(self) -> bool:
@@ -133,8 +142,11 @@ def compare(ref: Trace, got: Trace) -> Comparison:
     if ref.params.keys() != got.params.keys():
         raise ValueError(f"parameter names differ: {sorted(ref.params.keys() ^ got.params.keys())}")
     diff = max((ref.params[k] - got.params[k]).abs().max().item() for k in ref.params)
+    squares = [((ref.params[k].double() - got.params[k].double()).square().sum().item(),
+                ref.params[k].double().square().sum().item()) for k in ref.params]
+    rel = (sum(d for d, _ in squares) / sum(w for _, w in squares)) ** 0.5
     return Comparison(_max_rel(ref.losses, got.losses), _max_rel(ref.grad_norms, got.grad_norms), diff,
-                      ref.losses == got.losses, all(torch.equal(ref.params[k], got.params[k]) for k in ref.params))
+                      ref.losses == got.losses, all(torch.equal(ref.params[k], got.params[k]) for k in ref.params), rel)
 
 
 def equivalence(world: World, specs: list[str], setup: Setup, refs: dict | None = None,
@@ -161,10 +173,10 @@ def equivalence(world: World, specs: list[str], setup: Setup, refs: dict | None 
 def format_table(results: dict[str, Comparison]) -> str:
     width = max(12, *(len(name) for name in results))
     lines = [f"{'strategy':<{width}} {'max rel loss diff':>18} {'max rel grad-norm diff':>23} {'max |Δparam|':>13} "
-             f"{'bitwise':>8}"]
+             f"{'‖Δw‖/‖w‖':>9} {'bitwise':>8}"]
     for name, c in results.items():
         lines.append(f"{name:<{width}} {c.max_rel_loss_diff:>18.3g} {c.max_rel_grad_norm_diff:>23.3g} "
-                     f"{c.max_param_diff:>13.3g} {'yes' if c.bitwise else 'no':>8}")
+                     f"{c.max_param_diff:>13.3g} {c.rel_param_diff:>9.2g} {'yes' if c.bitwise else 'no':>8}")
     return "\n".join(lines)
 
 
@@ -178,22 +190,28 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab equivalence")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--accum", type=int, default=1, help="micro-steps per rank per step")
     p.add_argument("--grad-clip", type=float, default=Setup.grad_clip, help="0: no clipping")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (then compare with a tolerance)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="what the matmuls compute in (16 bits: then compare with a tolerance)")
+    p.add_argument("--precision", choices=("autocast", "mixed"), default="autocast",
+                   help="autocast over fp32 weights, or mixed: 16-bit weights and gradients, fp32 masters")
     p.add_argument("--out", help="also append the header and the table to this Markdown file")
     args = p.parse_args(argv)
     text = args.strategies
     specs = text.split() if " " in text.strip() or ":" in text else [s for s in text.split(",") if s]
-    setup = Setup(steps=args.steps, accum=args.accum, grad_clip=args.grad_clip, bf16=args.bf16)
+    setup = Setup(steps=args.steps, accum=args.accum, grad_clip=args.grad_clip, dtype=args.dtype,
+                  mixed=args.precision == "mixed")
     try:
         if args.nproc < 1 or args.steps < 1 or args.accum < 1 or args.grad_clip < 0:
             raise ConfigError("--nproc, --steps and --accum must be positive and --grad-clip >= 0")
+        if setup.mixed and setup.dtype == "fp32":
+            raise ConfigError("--precision mixed needs --dtype bf16 or fp16")
         for spec in specs:
             validate(parse_spec(spec), args.nproc, loop_settings(setup)) if spec != "single" else None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     params = sum(p.numel() for p in GPT(setup.model).parameters())
-    header = (f"tiny GPT ({params:,} params), {'bf16 autocast' if setup.bf16 else 'fp32'}, CPU, {args.nproc} gloo "
+    header = (f"tiny GPT ({params:,} params), {precision(setup).name}, CPU, {args.nproc} gloo "
               f"ranks, {setup.steps} steps, {setup.accum} micro-step(s) of {setup.micro_batch} sequences per rank, "
               f"grad clip {setup.grad_clip:g}; against single accumulating {setup.accum * args.nproc} micro-steps")
     print(header, flush=True)

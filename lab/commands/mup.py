@@ -75,7 +75,7 @@ def train_and_measure(cfg: ModelConfig, steps: int, lr: float, sequences: int, s
                       data: torch.Tensor) -> dict[str, float]:
     """Activation scales of ``cfg`` after ``steps`` AdamW steps at ``lr`` (the loop's single strategy)."""
     world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    strategy = create(ParallelConfig(strategy="single"), world, Precision("cpu", bf16=False),
+    strategy = create(ParallelConfig(strategy="single"), world, Precision("cpu"),
                       LoopSettings(micro_batch=sequences, accum_steps=1, grad_clip=0.0))
     strategy.build(lambda: GPT(cfg, seed=seed), lambda m: param_groups(m, 0.0),
                    adamw_factory(TrainConfig(lr=lr, weight_decay=0.0), world.device))

@@ -167,7 +167,7 @@ def _memory(args: argparse.Namespace) -> str:
         header += ["layers", "params", "GB/GPU"]
     rows = []
     for strategy in accounting.STRATEGIES:
-        for precision in accounting.PRECISIONS:
+        for precision in args.precision or accounting.PRECISIONS:
             per_param = accounting.model_state_bytes(1.0, strategy, args.n_gpus, precision, args.offload)
             row = [strategy, precision, f"{per_param.gpu:.4g}"]
             if args.offload:
@@ -183,8 +183,10 @@ def _memory(args: argparse.Namespace) -> str:
                     str(fit.n_layer), _si(fit.params, _COUNT), f"{fit.gpu_bytes / 1e9:.2f}"]
             rows.append(row)
     lines.append(_table(header, rows, left=2))
-    lines.append("mixed: 2 B weights + 2 B grads + 12 B fp32 master/moments; fp32: 4 + 4 + 8 "
-                 "(Rajbhandari et al. 2019); comm/step: elements each rank sends per step in a ring, Ψ = params")
+    lines.append("mixed: 2 B weights + 2 B grads + 12 B fp32 master/moments (Rajbhandari et al. 2019), what a run "
+                 "with --train.precision mixed holds (ddp, zero1-3; fsdp keeps fp32 shards: its fp32 row); fp32: 4 + 4 "
+                 "+ 8, --train.precision autocast (bf16 autocast adds 16-bit copies of the weights in the forward); "
+                 "comm/step: elements each rank sends per step in a ring (2 B each under mixed), Ψ = params")
     if shape is not None:
         lines.append("layers: deepest model at this width whose states + activations fit; '-': not even one layer")
     return "\n".join(lines)
@@ -348,6 +350,9 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     m.add_argument("--memory-gb", type=_positive, help="memory per GPU in GB (default: the GPU's)")
     m.add_argument("--usable", type=_fraction, default=USABLE, help=USABLE_HELP)
     m.add_argument("--offload", action="store_true", help="optimizer states on the host (ZeRO-Offload)")
+    m.add_argument("--precision", choices=accounting.PRECISIONS, action="append",
+                   help="only this precision's rows: mixed (--train.precision mixed) or fp32 (--train.precision "
+                        "autocast); default: both")
     m.add_argument("--micro-batch", type=_count, help="sequences per GPU per micro-step")
     m.add_argument("--seq-len", type=_count, help="tokens per sequence")
     m.add_argument("--d-model", type=_count, help="residual width")

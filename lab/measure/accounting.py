@@ -441,14 +441,15 @@ _TRAFFIC: dict[str, dict[str, int]] = {
 }
 
 
-def comm_bytes_per_step(params: float, strategy: str, n_devices: int, bytes_per_element: float = 4.0
-                        ) -> dict[str, float]:
+def comm_bytes_per_step(params: float, strategy: str, n_devices: int, bytes_per_element: float = 4.0,
+                        gather_bytes_per_element: float | None = None) -> dict[str, float]:
     """Bytes each rank sends per optimizer step, by collective, for Ψ = ``params`` over N_d ranks.
 
     Rajbhandari et al. 2019 §7 with the ring's rank count kept: ddp all-reduces the gradients,
     2(N_d − 1)/N_d·Ψ; zero1 and zero2 reduce-scatter the gradients and all-gather the updated
     weights, the same 2(N_d − 1)/N_d·Ψ; zero3 all-gathers the weights twice (forward, backward) and
-    reduce-scatters the gradients, 3(N_d − 1)/N_d·Ψ. Elements are fp32 (4 bytes) in the lab's runs.
+    reduce-scatters the gradients, 3(N_d − 1)/N_d·Ψ. Gradients are ``bytes_per_element`` wide (the reduce dtype:
+    4 in fp32, 2 under mixed precision), the gathered weights ``gather_bytes_per_element`` (by default the same).
     """
     if strategy not in _TRAFFIC:
         raise ValueError(f"unknown strategy '{strategy}' (known: {', '.join(STRATEGIES)})")
@@ -456,7 +457,9 @@ def comm_bytes_per_step(params: float, strategy: str, n_devices: int, bytes_per_
         raise ValueError("need n_devices >= 1")
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for collective, times in _TRAFFIC[strategy].items():
-        out[collective] = times * ring_elements_sent(collective, params, n_devices) * bytes_per_element
+        width = gather_bytes_per_element if collective == "all_gather" and gather_bytes_per_element else \
+            bytes_per_element
+        out[collective] = times * ring_elements_sent(collective, params, n_devices) * width
     return out
 
 
@@ -489,7 +492,8 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     vocabulary-parallel embedding once forward and the head's input once backward; the loss three times b·s (row
     max, sum of exponentials, target logit). With sequence parallelism each all-reduce of b·s·h becomes an
     all-gather and a reduce-scatter (the same bytes), and the gradients of the whole weights that act on sequence
-    shards (norms, the row-parallel biases, learned positions) are all-reduced once per micro-step. With fewer
+    shards (norms, the row-parallel biases, learned positions) are all-reduced once per micro-step; activations and
+    gradients ``bytes_per_element`` wide (2 under mixed precision), the loss's figures fp32. With fewer
     key/value heads than ``tp`` (GQA, replicated), each block's key and value rows' gradients are all-reduced once
     per backward, every part in its own slot (``n_kv_head`` slots of one head's rows). ``layers`` says what this
     rank holds and runs (a pipeline stage's share; by default the whole model).
@@ -502,7 +506,9 @@ def tensor_parallel_comm_bytes(cfg: ModelShape, micro_batch: int, accum_steps: i
     tokens = micro_batch * cfg.block_size * held.token_share
     activations = tokens * cfg.d_model
     big = (held.column + held.row + held.embeds + held.head) * activations  # elements all-reduced (or gathered...)
-    out["all_reduce"] = ring_elements_sent("all_reduce", 3 * tokens, tp) if held.head else 0.0
+    # the loss's three figures are fp32 whatever the activations' width: counted at 4 bytes
+    loss = ring_elements_sent("all_reduce", 3 * tokens, tp) * 4 / bytes_per_element if held.head else 0.0
+    out["all_reduce"] = loss
     if kv_heads(cfg) < tp:
         replicated = held.attention * 2 * kv_heads(cfg) * head_dim(cfg) * (cfg.d_model + (1 if uses_bias(cfg) else 0))
         out["all_reduce"] += held.backwards * ring_elements_sent("all_reduce", replicated, tp)

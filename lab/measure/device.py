@@ -1,7 +1,10 @@
 """Where a run computes and how fast that hardware could go: one place for the loop and the benchmark.
 
 - ``resolve_device``: cuda (this process's local rank) or cpu;
-- ``Precision``: fp32, or bf16 autocast with fp32 weights (the default on CUDA), and its context;
+- ``Precision``: the run's precision policy (``train.dtype``, ``train.precision``, ``train.reduce_dtype``): fp32;
+  16-bit autocast over fp32 weights (the default on CUDA); or mixed precision as ZeRO and FSDP run it (weights,
+  gradients and their collectives in 16 bits, fp32 master weights and moments in the optimizer); fp16 scales the
+  loss (``lab.parallel.precision.LossScaler``);
 - ``peak_flops``: the dense data-sheet peak on a GPU (``lab.measure.accounting``), or on a CPU a matmul
   peak measured once per machine, thread count, torch version and dtype, within a time budget and
   with a private random generator (the training RNG is never touched), then cached in
@@ -36,8 +39,11 @@ from lab.runtime.files import write_atomic
 from lab.measure.memory import proc_kib_field, return_freed_memory_to_kernel
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+POLICIES = ("autocast", "mixed")
+REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 PEAK_BUDGET_S = 1.5  # measuring a CPU peak stops before this much time has gone
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -64,30 +70,103 @@ def setup_device(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Precision:
-    """fp32 everywhere, or bf16 autocast around forward and loss with fp32 weights, gradients and states."""
+    """A run's precision policy.
+
+    ``dtype`` is what the matmuls compute in (fp32, bf16 or fp16). ``mixed`` False (``train.precision autocast``):
+    fp32 weights, gradients, optimizer states and collectives, a 16-bit ``dtype`` only inside autocast around the
+    forward. ``mixed`` True (``train.precision mixed``, as ZeRO, FSDP2's ``MixedPrecisionPolicy`` and DeepSpeed's
+    bf16/fp16 optimizers train): the weights the forward and backward compute with (``param_dtype``) and their
+    gradients are 16-bit, the gradient collectives run in ``reduce_dtype`` (by default the weights' dtype), and the
+    optimizer updates fp32 master weights with fp32 moments, from which the weights are cast after each step. fp16
+    (either way) scales the loss dynamically: ``loss_scale`` to start, halved at a non-finite gradient (the step
+    skipped), doubled after ``loss_scale_window`` clean steps.
+    """
 
     device_type: str
-    bf16: bool
+    dtype: str = "fp32"
+    mixed: bool = False
+    reduce: str | None = None  # the gradient collectives' dtype (None: the weights')
+    loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The weights' dtype as the forward and backward use them (and the hidden state's between blocks)."""
+        return self.compute_dtype if self.mixed else torch.float32
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in."""
+        return _TORCH_DTYPES[self.reduce] if self.reduce else self.param_dtype
+
+    @property
+    def autocasts(self) -> bool:
+        """16-bit autocast around fp32 weights (which keeps 16-bit copies of them for the forward and backward)."""
+        return self.dtype != "fp32" and not self.mixed
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.dtype == "fp16"
+
+    @property
+    def state_widths(self) -> str:
+        """The ``lab.measure.accounting.model_state_bytes`` precision of a strategy that keeps the ZeRO layout."""
+        return "mixed" if self.mixed else "fp32"
 
     @property
     def name(self) -> str:
-        return "bf16" if self.bf16 else "fp32"
+        """The policy in a few words (the start line's)."""
+        if self.dtype == "fp32":
+            return "fp32"
+        if not self.mixed:
+            return f"{self.dtype} autocast"
+        reduce = {v: k for k, v in _TORCH_DTYPES.items()}[self.reduce_dtype]
+        return f"{self.dtype} mixed ({self.dtype} weights and gradients, {reduce} reduce, fp32 master weights and " \
+               f"moments)"
 
     @property
     def activation_bytes(self) -> int:
-        return 2 if self.bf16 else 4
+        return 4 if self.dtype == "fp32" else 2
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.bf16:
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        """Autocast to the compute dtype around fp32 weights (none where the weights are in it already)."""
+        if self.autocasts:
+            return torch.autocast(self.device_type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
 
-def resolve_precision(dtype: str, device: torch.device) -> Precision:
-    """``auto`` means bf16 autocast on CUDA and fp32 on the CPU."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"train.dtype must be one of {', '.join(DTYPES)}, got '{dtype}'{did_you_mean(dtype, DTYPES)}")
-    return Precision(device.type, dtype == "bf16" or (dtype == "auto" and device.type == "cuda"))
+def resolve_precision(dtype: str, device: torch.device, policy: str = "autocast", reduce_dtype: str = "auto",
+                      loss_scale: float = 2.0**16, loss_scale_window: int = 1000) -> Precision:
+    """The policy the ``train`` options name on ``device``; ``auto`` dtype means bf16 on CUDA and fp32 on the CPU.
+    ConfigError (one line) for a combination that cannot run."""
+    for option, value, allowed in (("dtype", dtype, DTYPES), ("precision", policy, POLICIES),
+                                   ("reduce_dtype", reduce_dtype, REDUCE_DTYPES)):
+        if value not in allowed:
+            raise ConfigError(f"train.{option} must be one of {', '.join(allowed)}, got '{value}'"
+                              f"{did_you_mean(value, allowed)}")
+    if dtype == "auto":
+        dtype = "bf16" if device.type == "cuda" else "fp32"
+    if policy == "mixed" and dtype == "fp32":
+        raise ConfigError("train.precision mixed keeps 16-bit weights beside fp32 masters: set train.dtype bf16 or "
+                          "fp16")
+    if reduce_dtype != "auto" and policy != "mixed" and reduce_dtype != "fp32":
+        raise ConfigError(f"train.reduce_dtype {reduce_dtype} needs train.precision mixed (under {policy} the "
+                          f"gradients are fp32)")
+    if dtype == "fp16" and not (loss_scale > 0 and loss_scale_window >= 1):
+        raise ConfigError(f"fp16 needs train.loss_scale > 0 and train.loss_scale_window >= 1, got {loss_scale} and "
+                          f"{loss_scale_window}")
+    return Precision(device.type, dtype, policy == "mixed", None if reduce_dtype == "auto" else reduce_dtype,
+                     loss_scale, loss_scale_window)
+
+
+def precision_of(train: object, device: torch.device) -> Precision:
+    """The policy of a run's ``train`` section (``lab.runtime.config.TrainConfig``) on ``device``."""
+    return resolve_precision(train.dtype, device, train.precision, train.reduce_dtype, train.loss_scale,
+                             train.loss_scale_window)
 
 
 def usable_cores() -> int:
@@ -138,9 +217,9 @@ def peak_flops(device: torch.device, precision: Precision, override: float = 0.0
         return Peak(override, "train.peak_flops")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        kind = "bf16" if precision.bf16 else "tf32"
+        kind = "tf32" if precision.dtype == "fp32" else precision.dtype
         return Peak(accounting.gpu_peak_flops(name, kind), f"data sheet: {name}, dense {kind}")
-    return cpu_peak_flops(torch.bfloat16 if precision.bf16 else torch.float32)
+    return cpu_peak_flops(precision.compute_dtype)
 
 
 def _cache_file() -> Path:

@@ -4,6 +4,7 @@ that places the model over the data axis and loops over the layout's transforms 
     layout.py, comm.py          the ground: degrees, refusals, the mesh, counted collectives
     axes/                       tensor, experts, pipeline, activation checkpointing: the transforms, in one list
     base.py, accounts.py        the strategy that loops over the list, and what it costs
+    precision.py                mixed precision's fp32 masters and fp16's loss scale (docs/precision.md)
     data/                       the data-parallel strategies: single, ddp, zero, torch's, DeepSpeed
 """
 
@@ -89,10 +90,16 @@ def parse_spec(text: str) -> ParallelConfig:
     return resolve({"parallel": {"strategy": name, **dict(pairs)}}).parallel
 
 
+def validate_precision(cfg: ParallelConfig, precision: Precision) -> None:
+    """Raise ConfigError (one line) when the strategy cannot run the precision policy."""
+    strategy_class(cfg.strategy).validate_precision(precision)
+
+
 def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
     """The strategy ``cfg`` names, validated and constructed (not yet built) on the layout's mesh (collective when an
     axis besides dp is split: every rank calls it)."""
     cls = validate(cfg, world.world_size, loop)
+    cls.validate_precision(precision)
     return cls(Layout.of(cfg, world.world_size, cls, loop).mesh(world), cfg, precision, loop)
 
 
@@ -110,4 +117,4 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
 
 __all__ = ["STRATEGIES", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule",
            "Strategy", "World", "axes", "backend_for", "create", "data_replica", "experts", "join_group_of_one",
-           "parse_spec", "register", "strategy_class", "validate", "validate_model"]
+           "parse_spec", "register", "strategy_class", "validate", "validate_model", "validate_precision"]

@@ -9,9 +9,11 @@ read from the strategy's own tensors when asked:
 - measured: ``state_bytes`` (the storages behind this rank's weights, gradients and optimizer states, from the
   tensors themselves), the bytes the last step sent (counted by ``lab.parallel.comm`` from the tensors sent), the
   most bytes a micro-step kept for its backward;
-- theory (``lab.measure.accounting``, fp32 widths: 4-byte weights and gradients, two 4-byte AdamW moments; the
-  run's bf16, if any, lives only inside autocast): model-state bytes by the ZeRO formulas, bytes sent per step by
-  the ring formulas, and the peak bytes of each phase.
+- theory (``lab.measure.accounting``): model-state bytes by the ZeRO formulas, in the widths of the run's precision
+  policy (``state_widths``: fp32's 4-byte weights and gradients and two 4-byte AdamW moments, or mixed precision's
+  2-byte weights and gradients and 12 bytes of fp32 master and moments), bytes sent per step by the ring formulas
+  (gradients in the policy's ``reduce_dtype``, gathered weights in its ``param_dtype``), and the peak bytes of each
+  phase.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lab.measure import accounting
 from lab.runtime.config import ParallelConfig
 
 if TYPE_CHECKING:
+    from lab.measure.device import Precision
     from lab.parallel.base import StepMeters, Strategy
 
 
@@ -47,6 +50,12 @@ class Accounts:
         """The ``lab.measure.accounting.model_state_bytes`` row the model states of ``strategy`` under ``cfg`` follow
         (known before anything is built: the run's memory check reads it)."""
         return "ddp"
+
+    @classmethod
+    def state_widths(cls, precision: Precision) -> str:
+        """The ``lab.measure.accounting.model_state_bytes`` precision its states follow under ``precision``: the ZeRO
+        paper's mixed widths where the weights and gradients are 16-bit beside fp32 masters."""
+        return precision.state_widths
 
     def comm_row(self) -> str | None:
         """The ``lab.measure.accounting.comm_bytes_per_step`` row of its traffic (None: nothing sent)."""
@@ -77,9 +86,10 @@ class Accounts:
         pieces = self.strategy.holding()
         host_grads, host_masters = self.host_copies()
         moments = [v for p in pieces if p.moments for v in p.moments.values() if isinstance(v, torch.Tensor)]
+        masters = [p.master for p in pieces if p.master is not None]  # mixed precision's fp32 weights
         return accounting.StateBytes(params=storage_bytes(p.weight for p in pieces),
                                      grads=storage_bytes([p.grad for p in pieces if p.grad is not None] + host_grads),
-                                     optimizer=storage_bytes(moments + host_masters), offload=self.offloaded)
+                                     optimizer=storage_bytes(moments + host_masters + masters), offload=self.offloaded)
 
     def host_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Gradients and fp32 master weights copied to the host for an offloaded update (none)."""
@@ -120,7 +130,8 @@ class Accounts:
     def theory_states(self) -> accounting.StateBytes:
         """Model-state bytes per rank from the ZeRO formulas (``lab.measure.accounting.model_state_bytes``), each
         data-parallel group's parameters sharded over its ranks (an expert's over those holding it)."""
-        parts = [accounting.model_state_bytes(count, self.state_layout, n, "fp32", self.offloaded)
+        widths = self.state_widths(self.strategy.precision)
+        parts = [accounting.model_state_bytes(count, self.state_layout, n, widths, self.offloaded)
                  for n, count in self.param_counts().items()]
         return accounting.StateBytes(sum(p.params for p in parts), sum(p.grads for p in parts),
                                      sum(p.optimizer for p in parts), self.offloaded)
@@ -131,8 +142,11 @@ class Accounts:
         theory = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         if self.comm_layout is None:
             return theory
+        precision = self.strategy.precision
         for n, count in self.comm_elements().items():
-            for kind, sent in accounting.comm_bytes_per_step(count, self.comm_layout, n).items():
+            for kind, sent in accounting.comm_bytes_per_step(count, self.comm_layout, n,
+                                                             precision.reduce_dtype.itemsize,
+                                                             precision.param_dtype.itemsize).items():
                 theory[kind] += sent
         return theory
 
@@ -142,8 +156,10 @@ class Accounts:
         return 0.0, between, states.grads
 
     def theory_step_temporaries(self) -> float:
-        """Bytes the clipping and the optimizer step allocate for a while, in theory (none: foreach and fused)."""
-        return 0.0
+        """Bytes the clipping and the optimizer step allocate for a while, in theory: none (foreach and fused), but
+        the masters' fp32 gradients under mixed precision."""
+        masters = self.strategy.master_weights
+        return 0.0 if masters is None else 4.0 * sum(m.numel() for m in masters.tensors)
 
     def peak_bytes_theory(self, activations: float, cast_weights: float = 0.0) -> dict[str, float]:
         """Per phase, the most bytes this rank holds in theory: its weights and optimizer states, the gradients
@@ -238,8 +254,11 @@ class Zero(Accounts):
         return 0.0, 0.0, states.grads + two_units
 
     def theory_step_temporaries(self) -> float:
-        """The optimizer's temporaries: one of a unit's chunks (the clipping's norms are reductions: none)."""
-        return self.width * max(u.chunk for u in self.strategy.units)
+        """The optimizer's temporaries: one of a unit's chunks (the clipping's norms are reductions: none); under mixed
+        precision also the fp32 copies of this rank's averaged gradient chunks."""
+        units = self.strategy.units
+        copies = 4.0 * sum(u.chunk for u in units) if self.strategy.precision.mixed else 0.0
+        return 4.0 * max(u.chunk for u in units) + copies
 
 
 class Zero3(Zero):
@@ -291,6 +310,12 @@ class FSDP(Accounts):
     def state_row(cls, strategy: type[Strategy], cfg: ParallelConfig) -> str:
         return "zero3"
 
+    @classmethod
+    def state_widths(cls, precision: Precision) -> str:
+        """fp32 shards of weights and gradients at rest under any policy (``MixedPrecisionPolicy`` casts each gather
+        and upcasts the reduced gradient)."""
+        return "fp32"
+
     def comm_row(self) -> str | None:
         return "zero3" if self.strategy.reshards else "zero2"
 
@@ -320,7 +345,7 @@ class FSDP(Accounts):
         s = self.strategy
         theory = super().theory_comm()
         steps, m = s.loop.accum_steps, s.microbatches
-        theory["all_gather"] = 4 * sum(
+        theory["all_gather"] = s.precision.param_dtype.itemsize * sum(
             (steps * m * (1 if kept else 2) if s.reshards else 1) * accounting.ring_elements_sent("all_gather", e, n)
             for e, n, kept in self._sharded())
         return theory

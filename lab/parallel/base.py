@@ -7,9 +7,9 @@ and the run directory. The loop's side, in order::
     strategy.build(model_factory, param_group_rule, optimizer_factory)
     for each step:
         for each micro-batch:
-            loss = strategy.forward(x, y, sync=last_micro_batch)   # under the strategy's autocast
+            loss = strategy.forward(x, y, sync=last_micro_batch)   # under the policy's autocast, if any
             strategy.backward(loss / accumulation_steps)           # gradients synced on the last only
-        norm = strategy.clip_grad_norm(max_norm)                    # global over ranks and shards
+        norm = strategy.clip_grad_norm(max_norm)                    # global over ranks and shards (fp16: unscaled)
         strategy.step(lr) if norm is finite else strategy.skip_step()
         meters = strategy.take_step_meters()      # bytes sent, seconds waited, activation bytes saved
     strategy.eval_loss(x, y); strategy.checkpoint_state() (+ after_load()); strategy.full_state_dict()
@@ -28,6 +28,12 @@ global gradient norm, meters, evaluation, checkpoint state and export. It never 
   under every strategy, so a flat-sharded optimizer and a per-tensor one apply the same update.
 - ``full_state_dict`` returns the whole model's weights under the model's own names, on the CPU, on global rank 0
   (an empty dict elsewhere), whatever the layout.
+- The precision policy (``lab.measure.device.Precision``): under ``train.precision mixed`` the weights the model
+  computes with are 16-bit and the optimizer updates fp32 masters (``lab.parallel.precision``): a strategy that holds
+  the weights whole keeps one per weight (``keep_masters``, before ``wrap``); after the sync the optimizer takes
+  fp32 copies of the gradients (``optimizer_gradients``), clipping acts on them, and the step casts the weights back
+  from the masters. Checkpoints and exports hand over the masters. fp16 scales the loss (``scaled``), unscales in
+  ``clip_grad_norm`` and sets the next scale from the norm.
 
 What each rank holds is one record, ``holding()``: per parameter a ``Piece`` (which range of the flattened local
 weight, its gradient and AdamW moments; whether the data axis shards it). With the transforms' answers (which ranks
@@ -39,7 +45,8 @@ the first of them alone, and given back to the others after a load.
 A new data-parallel strategy overrides what differs from plain replicated training, at most: ``wrap``
 (placement), ``forward`` and ``backward`` (gradient sync; ``scaled`` when it scales the loss before the autograd
 pass), ``step`` and ``zero_grad``, ``holding`` (when it shards) and ``restore_derived`` (when weights derive from
-shards); and it names the ``accounting`` it is measured against (``lab.parallel.accounts``). Its gradient sync
+shards), ``keep_masters`` and ``optimizer_gradients`` (when it keeps its own fp32 masters); and it names the
+``accounting`` it is measured against (``lab.parallel.accounts``). Its gradient sync
 averages each parameter over ``comm_of(name)`` (the data axis, or the ranks a transform names for it).
 """
 
@@ -66,6 +73,7 @@ from lab.parallel.axes import GroupReplicas, Replicas, Transform
 from lab.parallel.axes.activations import SavedBytes
 from lab.parallel.comm import Comm
 from lab.parallel.layout import LoopSettings, Mesh, World
+from lab.parallel.precision import LossScaler, Masters
 from lab.runtime.checkpoint import Blocks, CheckpointState, Held, Pieces
 from lab.runtime.config import ConfigError, ParallelConfig
 
@@ -133,9 +141,10 @@ def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
 class Piece:
     """What this rank holds of one parameter: elements [lo, lo + len(weight)) of the flattened local weight of
     ``numel`` elements and ``shape`` (where a transform splits it, this rank's part), the same elements of its gradient,
-    and the AdamW state whose tensors hold them from element ``moments_lo`` on. ``sharded``: the ranks of the data
-    axis hold different ranges (every rank then hands over its range, possibly empty); else ``replicas`` are the
-    data-parallel ranks holding it whole too."""
+    and the AdamW state whose tensors hold them from element ``moments_lo`` on; under mixed precision ``master``, the
+    fp32 master weight of the same elements (what checkpoints and exports hand over: the weight is its 16-bit cast).
+    ``sharded``: the ranks of the data axis hold different ranges (every rank then hands over its range, possibly
+    empty); else ``replicas`` are the data-parallel ranks holding it whole too."""
 
     name: str
     numel: int
@@ -147,10 +156,17 @@ class Piece:
     sharded: bool = False
     shape: tuple[int, ...] = ()
     replicas: Replicas | None = None
+    master: torch.Tensor | None = None
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The weight at full precision: the master where there is one."""
+        return self.weight if self.master is None else self.master
 
     def views(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weight and, where it has them (a sharded piece: always, possibly empty), its AdamW moments, flat."""
-        yield f"model/{self.name}", self.weight
+        """The weight (its master, if any) and, where it has them (a sharded piece: always, possibly empty), its AdamW
+        moments, flat."""
+        yield f"model/{self.name}", self.value
         if self.moments is None and not self.sharded:
             return
         hi = self.moments_lo + self.weight.numel()
@@ -198,6 +214,10 @@ class Strategy:
             raise ConfigError(f"train.compile is not supported under strategy '{cls.name}' (dynamo cannot trace "
                               f"parameters sharded at rest); set train.compile false or choose another strategy")
 
+    @classmethod
+    def validate_precision(cls, precision: Precision) -> None:
+        """Raise ConfigError (one line) when this strategy cannot run ``precision`` (every one can, here)."""
+
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         self.validate(cfg, mesh.data.world_size, loop)
         self.mesh, self.cfg, self.precision, self.loop = mesh, cfg, precision, loop
@@ -205,7 +225,7 @@ class Strategy:
         self.everyone = mesh.world  # every rank of the run
         self.comm = Comm(self.world.world_size, self.world.group, axis="dp")  # a failure names the axis
         self.saved = SavedBytes()
-        self.transforms: list[Transform] = axes.transforms(mesh, cfg, loop, self.saved)
+        self.transforms: list[Transform] = axes.transforms(mesh, cfg, loop, self.saved, precision.param_dtype)
         self._comms: dict[int, tuple[World, Comm]] = {}  # a transform's data group (by its process group's id)
         self._after_load: list[Callable[[], None]] = []
         self.module: nn.Module | None = None  # the model, under its own parameter names
@@ -213,6 +233,8 @@ class Strategy:
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
         self.optimizer: torch.optim.Optimizer | None = None
         self.syncing = True  # whether this micro-step's backward synchronises gradients (forward sets it)
+        self.master_weights: Masters | None = None  # mixed precision: the fp32 masters of the weights it holds whole
+        self.scaler = LossScaler(precision.loss_scale, precision.loss_scale_window) if precision.scales_loss else None
         self.accounts = self.accounting(self)
 
     @property
@@ -251,6 +273,8 @@ class Strategy:
         self.module, self.plan = module, plan
         groups = param_group_rule(module)
         self.world.check_same(layout_digest(module, self.local_name), "the model (parameter names and shapes)")
+        if self.precision.mixed:
+            self.keep_masters(module)
         model = self.wrap(module, groups)
         for transform in reversed(self.transforms):  # the first transform's wrapper outermost
             model = transform.running(self, model)
@@ -261,14 +285,31 @@ class Strategy:
         """``name`` as ranks of the data axis that hold different parts of the model compare their layouts."""
         return functools.reduce(lambda n, t: t.local_name(n), self.transforms, name)
 
+    def keep_masters(self, module: nn.Module) -> None:
+        """Mixed precision, before ``wrap``: fp32 masters of the trainable weights (the first data-parallel rank's
+        values), which become the optimizer's, and the weights cast to ``param_dtype`` (``lab.parallel.precision``).
+        A strategy that shards the weights keeps its own."""
+        self.master_weights = Masters(module, self.precision.param_dtype, self._share_first)
+
+    def _share_first(self, name: str, tensor: torch.Tensor) -> None:
+        comm = self.comm_of(name)
+        if comm.world_size > 1:
+            with comm.paused():
+                comm.broadcast(tensor, src=0)
+
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         """Prepare the built module for training on this rank; returns what forward calls."""
         return module
 
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
-        """torch optimizer groups: each ParamGroup's tensors as this strategy holds them."""
-        params = dict(self.module.named_parameters())
-        return [{"params": [params[n] for n in g.names], **g.options()} for g in groups if g.names]
+        """torch optimizer groups: each ParamGroup's tensors as this strategy holds them (their masters, if any)."""
+        params, masters = dict(self.module.named_parameters()), self._masters_by_id()
+        return [{"params": [masters.get(id(params[n]), params[n]) for n in g.names], **g.options()}
+                for g in groups if g.names]
+
+    def _masters_by_id(self) -> dict[int, torch.Tensor]:
+        """The fp32 master of each weight it holds whole, by the weight's id (none without mixed precision)."""
+        return {} if self.master_weights is None else self.master_weights.of
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -314,9 +355,15 @@ class Strategy:
         if self.syncing:
             self.sync_gradients()
             self.complete_gradients()
+            self.optimizer_gradients()
 
     def sync_gradients(self) -> None:
         """Average the accumulated gradients over the data axis (nothing on one rank)."""
+
+    def optimizer_gradients(self) -> None:
+        """Give the optimizer the synced, completed gradients (mixed precision: the masters' fp32 copies of them)."""
+        if self.master_weights is not None:
+            self.master_weights.take_gradients()
 
     def complete_gradients(self) -> None:
         """Each transform's finish of the synced gradients, on this rank's parts of them."""
@@ -345,15 +392,32 @@ class Strategy:
             torch.autograd.backward(loss, grad)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """What the autograd pass of ``loss`` starts from (a transform that runs microbatches scales each one's so)."""
-        return loss
+        """What the autograd pass of ``loss`` starts from: fp16's loss scale times it (a transform that runs
+        microbatches scales each one's so; a strategy that divides the loss by its ranks calls this on the quotient)."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    def precision_record(self) -> dict[str, float]:
+        """fp16's loss scale now, for the step's record and the summary (nothing when the loss is not scaled)."""
+        return {} if self.scaler is None else {"loss_scale": self.scaler.scale}
+
+    def precision_state(self) -> dict[str, dict]:
+        """What a checkpoint's metadata keeps of the precision policy: fp16's loss scale and its clean steps."""
+        return {} if self.scaler is None else {"loss_scale": self.scaler.state_dict()}
+
+    def load_precision_state(self, meta: dict) -> None:
+        """Go on with the loss scale a checkpoint's metadata kept (one written without it leaves the initial one)."""
+        if self.scaler is not None and "loss_scale" in meta:
+            self.scaler.load_state_dict(meta["loss_scale"])
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping; clip to ``max_norm`` when it is positive.
 
         Each rank adds the squares of the gradient it holds (``holding``) where it is the first of the ranks holding
         the same values (``_handed_over``), over the parts each transform lets it count (a split weight's
-        replicated rows once); one sum over every rank of the run gives the norm.
+        replicated rows once); one sum over every rank of the run gives the norm. Under fp16 the gradients are
+        divided by the loss scale first, and the norm (non-finite on every rank if any gradient is) sets the next
+        step's scale (``LossScaler.observe``). Clipping and unscaling act on the optimizer's gradients (the masters',
+        under mixed precision).
         """
         squares = torch.zeros((), dtype=torch.float32, device=self.world.device)
         for piece in self.holding():
@@ -366,23 +430,31 @@ class Strategy:
                 part = piece.grad[lo - piece.lo:hi - piece.lo]
                 squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(squares.device)
         norm = self.everyone.sum(squares).sqrt()
+        by_mesh: dict[int, list[torch.Tensor]] = {}  # DTensors of different meshes (FSDP over two groups) apart
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+        if self.scaler is not None:
+            norm = norm / self.scaler.scale
+            for params in by_mesh.values():
+                torch._foreach_mul_([p.grad for p in params], 1 / self.scaler.scale)
+            self.scaler.observe(bool(torch.isfinite(norm)))
         if max_norm > 0:
-            by_mesh: dict[int, list[torch.Tensor]] = {}  # DTensors of different meshes (FSDP over two groups) apart
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
             for params in by_mesh.values():
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     def step(self, lr: float) -> None:
-        """Apply the optimizer at learning rate ``lr`` and clear the gradients."""
-        for p in self.trainable:
+        """Apply the optimizer at learning rate ``lr`` (to the masters, which the weights then follow) and clear the
+        gradients."""
+        for p in self.trainable if self.master_weights is None else ():
             if p.grad is None:  # unused in this step: a zero gradient, as under flat sharding
                 p.grad = torch.zeros_like(p)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        if self.master_weights is not None:
+            self.master_weights.write_back()
         self.accounts.measure_once()
         self.zero_grad()
 
@@ -392,6 +464,8 @@ class Strategy:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for p, _ in self.master_weights.pairs if self.master_weights is not None else ():
+            p.grad = None
 
     def take_step_meters(self) -> StepMeters:
         """Bytes sent over the data-parallel groups and seconds waited (on every axis) since the last call (once per
@@ -433,10 +507,15 @@ class Strategy:
     def holding(self) -> list[Piece]:
         """What this rank holds of every parameter (frozen ones included; a tied weight once), in a fixed order:
         replicated, each whole."""
-        return [Piece(name, p.numel(), 0, p.detach().view(-1), None if p.grad is None else p.grad.view(-1),
-                      self.optimizer.state.get(p) or None, shape=tuple(p.shape),
-                      replicas=GroupReplicas(self.world_of(name)))
-                for name, p in self.module.named_parameters()]
+        masters = self._masters_by_id()
+        out = []
+        for name, p in self.module.named_parameters():
+            master = masters.get(id(p))
+            out.append(Piece(name, p.numel(), 0, p.detach().view(-1), None if p.grad is None else p.grad.view(-1),
+                             self.optimizer.state.get(p if master is None else master) or None, shape=tuple(p.shape),
+                             replicas=GroupReplicas(self.world_of(name)),
+                             master=None if master is None else master.view(-1)))
+        return out
 
     def _replicas(self, piece: Piece) -> list[Replicas]:
         """Every group of ranks that holds the same values of ``piece`` as this rank."""
@@ -542,7 +621,10 @@ class Strategy:
         materialize_adam_state(self.optimizer)
 
     def restore_derived(self) -> None:
-        """Restore what derives from the loaded weights (nothing when the strategy holds them whole)."""
+        """Restore what derives from the loaded weights (the 16-bit weights from their loaded masters; nothing when
+        the strategy holds them whole at full precision)."""
+        if self.master_weights is not None:
+            self.master_weights.write_back()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -550,7 +632,7 @@ class Strategy:
         rank sends the parts it hands over (``_region``), rank 0 puts them together."""
         parts = []
         for piece in self.holding():
-            region = self._region(piece, piece.lo if piece.weight.numel() else 0, piece.weight)
+            region = self._region(piece, piece.lo if piece.weight.numel() else 0, piece.value)
             if isinstance(region, torch.Tensor) and not self._handed_over(piece):
                 continue  # a whole weight: its first holder sends it
             parts.append((piece.name, self.whole_shape(piece), _on_host(region)))

@@ -193,8 +193,14 @@ class Comm(Pausable):
 
     @_names_axis
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False,
-                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
-        """Reduce ``tensor`` over ranks (a sum unless ``op`` says otherwise), in place."""
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, dtype: torch.dtype | None = None
+                   ) -> dist.Work | CastBack | None:
+        """Reduce ``tensor`` over ranks (a sum unless ``op`` says otherwise), in place; in ``dtype`` when given (a copy
+        of it in that dtype is reduced and copied back, on ``wait`` when asynchronous)."""
+        if dtype is not None and dtype != tensor.dtype:
+            wire = tensor.to(dtype)
+            back = CastBack(self.all_reduce(wire, async_op, op), wire, tensor, async_op)
+            return back if async_op else None
         self._count("all_reduce", tensor)
         return self._run(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op)
 
@@ -204,10 +210,15 @@ class Comm(Pausable):
         return self.world_size > 1 and dist.get_backend(self.group) == "gloo"
 
     @_names_axis
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
-                       ) -> dist.Work | SummedOnWait | None:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                       dtype: torch.dtype | None = None) -> dist.Work | SummedOnWait | CastBack | None:
         """Sum ``input`` (every rank's shards, concatenated) over ranks; this rank's shard lands in ``output``
-        (it may be a view into ``input``). On gloo: an all-to-all, summed on ``wait`` (see the module docstring)."""
+        (it may be a view into ``input``). On gloo: an all-to-all, summed on ``wait`` (see the module docstring). In
+        ``dtype`` when given, as ``all_reduce``."""
+        if dtype is not None and dtype != input.dtype:
+            wire = output.new_empty(output.shape, dtype=dtype)
+            back = CastBack(self.reduce_scatter(wire, input.to(dtype), async_op), wire, output, async_op)
+            return back if async_op else None
         self._count("reduce_scatter", input)
         if not self._by_hand():
             return self._run(lambda: _reduce_scatter_flat(output, input, group=self.group, async_op=async_op),
@@ -269,6 +280,29 @@ class Exchange:
         for w in self.works:
             w.wait()
         self.works = []
+        return True
+
+
+class CastBack:
+    """A collective run on a copy in another dtype (``wire``): once it is done, the result is copied into ``out``
+    (at once for a blocking one, else on ``wait``)."""
+
+    def __init__(self, work: dist.Work | SummedOnWait | None, wire: torch.Tensor, out: torch.Tensor,
+                 async_op: bool):
+        self.work, self.wire, self.out = work, wire, out
+        if not async_op:
+            self.wait()
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.wire is not None:
+            self.out.copy_(self.wire)
+            self.wire = None
         return True
 
 

@@ -122,7 +122,16 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
     seed: int = _f(1337, "seed for initialisation and data order")
     device: str = _f("auto", "auto, cpu or cuda")
-    dtype: str = _f("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
+    dtype: str = _f("auto", "what the matmuls compute in: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16 "
+                            "(fp16 scales the loss dynamically: train.loss_scale)")
+    precision: str = _f("autocast", "autocast (fp32 weights, gradients and collectives; a 16-bit train.dtype only "
+                                    "inside autocast) or mixed (ZeRO's and FSDP's mixed precision: weights, gradients "
+                                    "and collectives in train.dtype, fp32 master weights and moments in the optimizer; "
+                                    "docs/precision.md)")
+    reduce_dtype: str = _f("auto", "the gradient collectives' dtype: auto (the weights'), fp32, bf16 or fp16")
+    loss_scale: float = _f(65536.0, "fp16's initial loss scale: halved at a non-finite gradient (the step skipped), "
+                                    "doubled after train.loss_scale_window clean steps")
+    loss_scale_window: int = _f(1000, "fp16: clean steps after which the loss scale doubles")
     compile: bool = _f(False, "torch.compile the model")
     memory_budget: float = _f(0.0, "GiB one process may hold (the start-of-run memory check refuses a run whose "
                                     "estimate exceeds it); 0: the machine's memory, shared by its processes")

@@ -37,8 +37,8 @@ from lab.training import expect, schedule, trackers
 from lab.runtime.config import NONFINITE, ConfigError, RunConfig, TrainConfig, did_you_mean
 from lab.runtime.files import append_line, dumps, fsync_file, fsync_folder, read_lines, save_json, write_atomic
 from lab.data import BatchSampler, PreparedData, eval_batches
-from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, remeasure_low_peak, threads,
-                                resolve_precision, setup_device, synchronize)
+from lab.measure.device import (Peak, Precision, peak_flops, peak_memory_bytes, precision_of, remeasure_low_peak,
+                                setup_device, synchronize, threads)
 from lab.model import GPT, router_meters
 from lab.model import validate as validate_model
 from lab.training.optim import adamw_factory, param_groups
@@ -164,14 +164,17 @@ def check_resources(cfg: RunConfig, world: World, precision: Precision, peak: Pe
                     available_bytes: float, local_world_size: int = 1) -> Estimate:
     """Refuse a run whose states and activations cannot fit, or that could not finish within MAX_DAYS.
 
-    Memory: what one process holds under the layout (``Layout.share``: its model states, fp32 widths, and
+    Memory: what one process holds under the layout (``Layout.share``: its model states in the widths of the run's
+    precision policy (``Accounts.state_widths``), and
     ``Layout.activation_bytes``, one micro-batch's activations with a fused attention kernel: a lower bound);
     processes on one CPU host share its available memory. Time: the run's FLOPs over the peak of all its devices.
     """
     shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
     strategy_cls = parallel.strategy_class(cfg.parallel.strategy)
     layout = parallel.Layout.of(cfg.parallel, world.world_size, strategy_cls)
-    states = layout.share(shape, strategy_cls.accounting.state_row(strategy_cls, cfg.parallel)).states.total
+    accounts = strategy_cls.accounting
+    states = layout.share(shape, accounts.state_row(strategy_cls, cfg.parallel), accounts.state_widths(precision)
+                          ).states.total
     activations = layout.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes,
                                           sequence_parallel=cfg.parallel.sequence_parallel)
     share = available_bytes / (local_world_size if world.device.type == "cpu" else 1)
@@ -323,7 +326,8 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
     return (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | grad {grad} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | mfu {100 * rec['mfu']:.2f}% | "
             f"comm {1e3 * rec['comm_time_s']:.0f} ms | mem {rec['mem_peak_bytes'] / 2**20:,.0f} MiB | "
-            f"eta {_duration(eta_s)}" + _bubble(rec) + _router(rec) + _exchanges(rec))
+            f"eta {_duration(eta_s)}" + (f" | loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else "")
+            + _bubble(rec) + _router(rec) + _exchanges(rec))
 
 
 def _exchanges(rec: dict) -> str:
@@ -483,6 +487,7 @@ def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, pla
     world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
     meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()
+    strategy.load_precision_state(meta)
     complete = meta["step"] >= plan.total_steps  # killed before its summary: resuming only writes it
     if cfg.train.stop_after and cfg.train.stop_after <= meta["step"] and not complete:
         raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "
@@ -503,7 +508,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     plan = validate(cfg, world.world_size)
     data = PreparedData.load(data_dir)
     setup_device(world.device)
-    precision = resolve_precision(cfg.train.dtype, world.device)
+    precision = precision_of(cfg.train, world.device)
     peak = peak_flops(world.device, precision, cfg.train.peak_flops)
     with memory.Meter(world.device, track_tensors=cfg.train.memory_meter).running():
         strategy = build_strategy(cfg, world, precision)
@@ -589,7 +594,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
         meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started,
                 "strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
-                "eval_loss": eval_loss}
+                "eval_loss": eval_loss} | strategy.precision_state()
         with log.checkpointing(step):
             checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
                             t.keep_checkpoints, pinned)
@@ -630,7 +635,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
                    "mem_peak_bytes": memory.run_peak(peak_memory_bytes(world.device)), "peak_bytes": peaks,
                    "machine_loopback_tx_bytes": sent}
             router = moe_record(strategy, world, cfg.model.moe_top_k)
-            rec |= meters.layout | router
+            rec |= meters.layout | router | strategy.precision_record()
             log.record(rec)
             eta = (time.perf_counter() - loop_start) / (done - start.step) * (end_step - done)
             log.say(format_step(rec, plan.total_steps, eta))
@@ -708,6 +713,7 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         **({"expect": outcome.expect} if outcome.expect else {}),
         **({"moe_last_step": outcome.router} if outcome.router else {}),
         "strategy": cfg.parallel.strategy, "world_size": world.world_size, "device": str(world.device),
+        "precision": strategy.precision.name, **strategy.precision_record(),
         "peak_flops": peak.flops * world.world_size, "peak_flops_per_device": peak.flops,
         "peak_flops_source": peak.source, "wall_time_s": wall_time_s, "data_dir": str(data_dir),
         **({"signal": signal.Signals(outcome.signal).name} if outcome.signal else {}),
@@ -717,5 +723,5 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             .activation_bytes(cfg.model, cfg.train.micro_batch, strategy.precision.activation_bytes,
                               sequence_parallel=cfg.parallel.sequence_parallel,
                               checkpointing=cfg.parallel.activation_checkpointing == "full"),
-            accounting.autocast_weight_bytes(cfg.model, cfg.parallel.tp) if strategy.precision.bf16 else 0.0),
+            accounting.autocast_weight_bytes(cfg.model, cfg.parallel.tp) if strategy.precision.autocasts else 0.0),
     }

@@ -61,6 +61,9 @@ class Transform:
     """One step of a layout; every method's default adds nothing (see the module docstring)."""
 
     name: ClassVar[str]
+    # the dtype of the hidden states between blocks, which its transfers and their theory move: the weights' (fp32,
+    # or the 16-bit compute dtype under mixed precision), set by ``transforms``
+    values: torch.dtype = torch.float32
 
     def describe(self, layout: str) -> str:
         return layout
@@ -175,8 +178,10 @@ class Compile(Transform):
         return plan
 
 
-def transforms(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object) -> list[Transform]:
-    """The transforms ``cfg`` asks for on ``mesh``, in the order they apply (the data-parallel placement follows)."""
+def transforms(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object,
+               values: torch.dtype = torch.float32) -> list[Transform]:
+    """The transforms ``cfg`` asks for on ``mesh``, in the order they apply (the data-parallel placement follows);
+    ``values``: the hidden states' dtype (``Transform.values``)."""
     from lab.parallel.axes import activations, context, experts, pipeline, tensor
 
     out: list[Transform] = []
@@ -192,4 +197,6 @@ def transforms(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: objec
         out.append(activations.Checkpointing(cfg.activation_checkpointing, saved))
     if loop.compile:
         out.append(Compile())
+    for transform in out:
+        transform.values = values
     return out

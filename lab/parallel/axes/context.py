@@ -198,13 +198,13 @@ class ContextParallel(Pausable, Transform):
 
     # ------------------------------------------------------------ meters
 
-    def theory_bytes(self, tokens: int, layers: int, kv_values: int, bytes_per_value: int = 4) -> float:
+    def theory_bytes(self, tokens: int, layers: int, kv_values: int, bytes_per_value: int | None = None) -> float:
         """Key/value bytes one rank sends per optimizer step: per layer and micro-step, (cp − 1) blocks of
         b · s/cp · 2 · kv_heads · head_dim (``kv_values`` per token) forward (once more under activation
         checkpointing's recomputation), and backward the blocks again (cp − 1) with their gradients (cp: the last hop
         takes them home); the reference all-gathers each block forward and reduce-scatters its gradient backward,
         (cp − 1) blocks each."""
-        block = tokens // self.n * kv_values * bytes_per_value
+        block = tokens // self.n * kv_values * (bytes_per_value or self.values.itemsize)
         forwards = 1 if self.checkpointing == "none" else 2
         per_layer = (forwards * (self.n - 1) + 2 * self.n - 1) * block if self.implementation == "ring" else \
             (forwards + 1) * (self.n - 1) * block

@@ -138,11 +138,12 @@ class ExpertParallel(Pausable, Transform):
     # ------------------------------------------------------------ meters and export
 
     def theory_bytes(self) -> float:
-        """Bytes one rank's exchanges send per optimizer step in theory (balanced routing, fp32 rows)."""
+        """Bytes one rank's exchanges send per optimizer step in theory (balanced routing, rows of ``values``)."""
         cfg = self.plan.config
         tokens = self.loop.micro_batch * cfg.block_size
         forwards = 1 if self.checkpointing == "none" else 2  # the recomputation exchanges again
-        return self.loop.accum_steps * accounting.expert_all_to_all_bytes(cfg, tokens, self.n, forwards)
+        return self.loop.accum_steps * accounting.expert_all_to_all_bytes(cfg, tokens, self.n, forwards,
+                                                                          self.values.itemsize)
 
     def take_meters(self) -> AxisMeters:
         wait_s, self.wait_s = self.wait_s, 0.0

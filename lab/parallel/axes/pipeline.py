@@ -284,8 +284,7 @@ class Pipeline(Transform):
                                                 stage == len(self.runs) - 1)
 
     def _hidden(self, module: nn.Module, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-        dtype = next(p for p in module.parameters() if p.is_floating_point()).dtype
-        return (*x.shape, self.plan.width), dtype
+        return (*x.shape, self.plan.width), self.values
 
     def _order(self) -> list[tuple[str, int, int]]:
         """This rank's schedule as (kind, virtual stage, microbatch)."""

@@ -485,7 +485,8 @@ class TensorParallel(Transform):
         """The group's bytes of the last step, and the bytes this rank sends per optimizer step over the group, by
         collective, in theory (ring convention) for the layers it holds (``held_layers``)."""
         theory = accounting.tensor_parallel_comm_bytes(self.plan.config, self.loop.micro_batch, self.loop.accum_steps,
-                                                       self.n, self.sequence_parallel, layers=self.held_layers())
+                                                       self.n, self.sequence_parallel, self.values.itemsize,
+                                                       layers=self.held_layers())
         return {"tp_comm_bytes_per_step": dict(self._last_bytes), "tp_comm_bytes_per_step_theory": theory}
 
     def held_layers(self) -> accounting.TensorLayers:

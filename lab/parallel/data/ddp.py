@@ -17,6 +17,10 @@ its backward instead, which saves a pass over the gradients. Both start from ran
 (broadcast at build). With two ranks a sum of two numbers does not depend on the order, and
 halving (of the loss or of the sum) is exact, so both reproduce one process that accumulates the
 same micro-batches bit for bit.
+
+Under mixed precision (``lab.parallel.precision``) the weights and gradients are 16-bit, cast once per step from the
+fp32 masters the optimizer updates, and the gradients are reduced in the policy's ``reduce_dtype`` (a copy in that
+dtype where it is not theirs).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class NaiveDDP(Strategy):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            self.comm_of(name).all_reduce(p.grad)
+            self.comm_of(name).all_reduce(p.grad, dtype=self.precision.reduce_dtype)
             p.grad.div_(self.world.world_size)
 
 
@@ -106,7 +110,8 @@ class BucketedDDP(Strategy):
             if p.grad is None:  # unused in every micro-step of this step: its slice still holds the last step's
                 self._slice_of[p].zero_()
                 p.grad = self._slice_of[p]
-        return self.buckets[i].comm.all_reduce(self.buckets[i].buffer, async_op=True)
+        bucket = self.buckets[i]
+        return bucket.comm.all_reduce(bucket.buffer, async_op=True, dtype=self.precision.reduce_dtype)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         if sync:
@@ -125,7 +130,7 @@ class BucketedDDP(Strategy):
         self._launches.arrived(self._bucket_of[p], eager=self.cfg.overlap)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss / self.world.world_size  # the all-reduced sum is then the mean
+        return super().scaled(loss / self.world.world_size)  # the all-reduced sum is then the mean
 
     def sync_gradients(self) -> None:
         for work in self._launches.finish():

@@ -5,7 +5,10 @@
 
 - **Config**: the engine's JSON is built from the lab's config. The values the lab owns come from
   it and are written in: micro-batch, accumulation steps and train batch size, gradient clipping,
-  precision (bf16 runs as ``torch_autocast``: fp32 weights, bf16 autocast, as for every strategy),
+  precision (bf16 autocast runs as ``torch_autocast``: fp32 weights, bf16 autocast, as for every strategy; the
+  mixed policy as DeepSpeed's own ``bf16`` section: bf16 weights and gradients, fp32 master partitions and
+  moments, gradients reduced in ``communication_data_type``, the policy's ``reduce_dtype``; fp16 is refused: its
+  loss scaler would be DeepSpeed's, not the lab's),
   the ZeRO stage and offload from ``[parallel]``, the lab's AdamW (no ``optimizer``
   or ``scheduler`` section: ``step(lr)`` sets the learning rate every step) and the comms logger
   the meters read. ``parallel.deepspeed_config FILE`` passes a user's own DeepSpeed JSON through;
@@ -111,9 +114,9 @@ def import_deepspeed() -> ModuleType:
 
 
 def _lab_values(cfg: ParallelConfig, world_size: int, loop: LoopSettings,
-                bf16: bool | None) -> dict[str, tuple[Any, str]]:
+                precision: Precision | None) -> dict[str, tuple[Any, str]]:
     """The settings the lab owns, by dotted DeepSpeed key: (value, the lab option it comes from); precision
-    is left out when ``bf16`` is None (not known before the device is)."""
+    is left out when ``precision`` is None (not known before the device is)."""
     offload = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "all": ("cpu", "cpu")}[cfg.offload]
     values: dict[str, tuple[Any, str]] = {
         "train_micro_batch_size_per_gpu": (loop.micro_batch, "train.micro_batch"),
@@ -132,19 +135,24 @@ def _lab_values(cfg: ParallelConfig, world_size: int, loop: LoopSettings,
         # DeepSpeed's memory-efficient linear replaces torch.nn.functional.linear in the whole process, for
         # good, and gives wrong gradients under selective checkpointing (measured: 4 % off the norm)
         values["zero_optimization.memory_efficient_linear"] = (False, "the lab's correctness checks")
-    if bf16 is not None:
-        # gradients are reduced in fp32, as under every strategy (DeepSpeed would send nn.Linear's in bf16)
-        values |= {"torch_autocast.enabled": (bf16, "train.dtype"),
+    if precision is not None:
+        # autocast: gradients are reduced in fp32, as under every strategy (DeepSpeed would send nn.Linear's in bf16)
+        values |= {"torch_autocast.enabled": (precision.autocasts, "train.dtype"),
                    "torch_autocast.dtype": ("bfloat16", "train.dtype"),
                    "torch_autocast.lower_precision_safe_modules": ([], "train.dtype")}
+        if precision.mixed:
+            reduce = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[precision.reduce_dtype]
+            values |= {"bf16.enabled": (True, "train.precision"),
+                       "communication_data_type": (reduce, "train.reduce_dtype")}
     return values
 
 
 # Sections the lab owns outright: present and enabled, they contradict it.
 _REFUSED = {"optimizer": "the optimizer is the lab's AdamW (train.beta1, train.beta2, train.weight_decay)",
             "scheduler": "the learning-rate schedule is the lab's (train.schedule; step(lr) sets it each step)",
-            "fp16": "precision is the lab's (train.dtype)", "bf16": "precision is the lab's (train.dtype; bf16 "
-            "runs as torch_autocast with fp32 weights)", "amp": "precision is the lab's (train.dtype)"}
+            "fp16": "precision is the lab's (train.dtype)", "bf16": "precision is the lab's (train.dtype and "
+            "train.precision: bf16 autocast runs as torch_autocast with fp32 weights, train.precision mixed writes "
+            "this section)", "amp": "precision is the lab's (train.dtype)"}
 # Lab defaults a user's file may change: buckets of 25 MiB of fp32 elements as the lab's own strategies use
 # (DeepSpeed's 5e8 would reserve 2 GB per bucket), and stage 3 shards every parameter, as ZeRO-3 does.
 _BUCKET = 25 * 2**20 // 4
@@ -166,7 +174,8 @@ def read_user_config(path: str) -> dict[str, Any]:
     return tree
 
 
-def engine_config(cfg: ParallelConfig, world_size: int, loop: LoopSettings, bf16: bool | None = None) -> dict[str, Any]:
+def engine_config(cfg: ParallelConfig, world_size: int, loop: LoopSettings,
+                  precision: Precision | None = None) -> dict[str, Any]:
     """The engine's config: the user's file (if any) over the lab's defaults, with the lab's own values
     written in; ConfigError naming the key when the file contradicts one of them."""
     user = read_user_config(cfg.deepspeed_config) if cfg.deepspeed_config else {}
@@ -181,7 +190,7 @@ def engine_config(cfg: ParallelConfig, world_size: int, loop: LoopSettings, bf16
     zero = config.get("zero_optimization", {})
     if "param_persistence_threshold" in user.get("zero_optimization", {}):
         zero.pop("stage3_param_persistence_threshold", None)  # the user named it by its other alias
-    for key, (value, source) in _lab_values(cfg, world_size, loop, bf16).items():
+    for key, (value, source) in _lab_values(cfg, world_size, loop, precision).items():
         *parents, leaf = key.split(".")
         node = config
         for name in parents:
@@ -242,11 +251,17 @@ class DeepSpeed(Strategy):
         engine_config(cfg, world_size, loop)
         import_deepspeed()
 
+    @classmethod
+    def validate_precision(cls, precision: Precision) -> None:
+        if precision.scales_loss:
+            raise ConfigError("strategy 'deepspeed' does not run train.dtype fp16: its loss scaler would be "
+                              "DeepSpeed's, not the lab's (checkpoints, the step line); use bf16")
+
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         super().__init__(mesh, cfg, precision, loop)
         world = self.world
         self.stage = cfg.zero_stage
-        self.config = engine_config(cfg, world.world_size, loop, precision.bf16)
+        self.config = engine_config(cfg, world.world_size, loop, precision)
         self.ds = import_deepspeed()
         accelerator = self.ds.accelerator.get_accelerator().device_name()
         if accelerator != world.device.type:
@@ -262,13 +277,24 @@ class DeepSpeed(Strategy):
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
-        """The model and the lab's AdamW as every strategy builds them, then the engine around both."""
+        """The model and the lab's AdamW as every strategy builds them, then the engine around both. Under mixed
+        precision the engine's master partitions start from the fp32 weights, as every strategy's masters do (DeepSpeed
+        would copy them from the bf16 weights it casts first)."""
         super().build(model_factory, param_group_rule, optimizer_factory)
+        initial = {n: p.detach().clone() for n, p in self.module.named_parameters()} if self.precision.mixed else {}
         self.engine, self.optimizer, _, _ = self.ds.initialize(model=self.module, optimizer=self.optimizer,
                                                                config=self.config)
         compat.check_deepspeed_optimizer(self.optimizer, self.stage)
         self.model = self.engine
+        if initial:
+            with torch.no_grad():
+                for piece in self.holding():
+                    piece.weight.copy_(initial[piece.name].view(-1)[piece.lo:piece.lo + piece.weight.numel()])
+            self.restore_derived()
         self._logged()  # the engine's set-up traffic (broadcasting rank 0's weights) is not a step's
+
+    def keep_masters(self, module: torch.nn.Module) -> None:
+        """Its bf16 optimizer keeps the fp32 master partitions (``masters``)."""
 
     @property
     def masters(self) -> list[torch.Tensor]:

@@ -3,19 +3,23 @@
 ``torch_ddp`` is ``torch.nn.parallel.DistributedDataParallel`` with its default reducer, buckets of
 ``parallel.bucket_mb``, and a communication hook that does what its default hook does (divide by
 the world size, all-reduce asynchronously) through the lab's counted collectives, so its bytes are
-counted like everyone else's. DDP waits for its buckets inside the backward, so the time exposed
+counted like everyone else's (in the policy's ``reduce_dtype``: a copy in it where the weights' dtype is another).
+DDP waits for its buckets inside the backward, so the time exposed
 to communication is estimated as the time from the last bucket's launch (the end of the
-backward's compute) to the last bucket's completion. (No ``from __future__ import annotations``
+backward's compute) to the last bucket's completion. Under mixed precision DDP holds 16-bit weights and the
+optimizer their fp32 masters, as ``ddp``'s (``lab.parallel.precision``). (No ``from __future__ import annotations``
 here: DDP checks the hook's annotations as objects.)
 """
 
+import functools
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,12 +50,13 @@ class TorchDDP(Strategy):
 
     def _all_reduce(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         tensor = bucket.buffer().div_(self.world.world_size)
+        wire = tensor.to(self.precision.reduce_dtype)
         self._launched = time.perf_counter()
-        work = self.comm.all_reduce(tensor, async_op=True)
+        work = self.comm.all_reduce(wire, async_op=True)
 
         def finished(fut: torch.futures.Future) -> torch.Tensor:
             self._done = time.perf_counter()
-            return fut.value()[0]
+            return tensor.copy_(wire) if wire is not tensor else fut.value()[0]
 
         return work.get_future().then(finished)
 
@@ -74,7 +79,7 @@ class TorchDDP(Strategy):
         for name, p in self._apart:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            self.comm_of(name).all_reduce(p.grad)
+            self.comm_of(name).all_reduce(p.grad, dtype=self.precision.reduce_dtype)
             p.grad.div_(self.world.world_size)
 
 
@@ -82,7 +87,9 @@ class FSDP(Strategy):
     """PyTorch FSDP2: ``fully_shard`` on every unit of the model's plan and at the root, the reference for the
     ZeRO stages.
 
-    Built on the meta device and materialised shard by shard from the plan's ``initial_value``.
+    Built on the meta device and materialised shard by shard from the plan's ``initial_value``. Under mixed precision
+    its ``MixedPrecisionPolicy``: the fp32 shards at rest are the masters, gathered as ``param_dtype`` for each unit's
+    forward and backward, the gradients reduce-scattered in ``reduce_dtype`` and kept as fp32 shards.
     ``parallel.reshard_after_forward`` (``reshards``) true frees each block's gathered weights after its forward and
     its backward (ZeRO-3-like); false keeps them until the step's last backward (ZeRO-2-like traffic, more memory).
     ``parallel.offload optimizer`` applies ``CPUOffloadPolicy``: sharded weights, gradients and
@@ -97,25 +104,31 @@ class FSDP(Strategy):
     builds_on_meta = True
     accounting = accounts.FSDP
 
+    def keep_masters(self, module: nn.Module) -> None:
+        """Its fp32 shards are the masters (``MixedPrecisionPolicy``)."""
+
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
         offload = self.cfg.offload == "optimizer"
         policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
+        mixed = MixedPrecisionPolicy(self.precision.param_dtype, self.precision.reduce_dtype) \
+            if self.precision.mixed else MixedPrecisionPolicy()
+        shard = functools.partial(fully_shard, reshard_after_forward=self.reshards, offload_policy=policy,
+                                  mp_policy=mixed)
         # every module fully_shard was applied to, whether it keeps its gathered weights from its forward to its
         # backward, the root last
         self.shards: list[tuple[str, World, bool]] = []
         for name, world in self._held_apart(module):  # sharded over their own ranks, averaged over the data axis
             sub = module.get_submodule(name)
-            fully_shard(sub, mesh=world.device_mesh, reshard_after_forward=self.reshards, offload_policy=policy)
+            shard(sub, mesh=world.device_mesh)
             sub.set_gradient_divide_factor(self.world.world_size)
             # summed, then divided: gloo has no pre-scaled sum (on one rank FSDP only divides, and would twice)
             sub.set_force_sum_reduction_for_comms(world.world_size > 1)
             self.shards.append((name, world, not self.reshards))
         for name in self.plan.units:
-            fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=self.reshards,
-                        offload_policy=policy)
+            shard(module.get_submodule(name), mesh=mesh)
             self.shards.append((name, self.world, not self.reshards))
-        fully_shard(module, mesh=mesh, reshard_after_forward=self.reshards, offload_policy=policy)
+        shard(module, mesh=mesh)
         self.shards.append(("", self.world, not self.reshards))
         for transform in self.transforms:  # methods a transform calls in place of the forward gather too
             for method in transform.entry_points():

@@ -57,6 +57,13 @@ the units' flat buffers (zero2 and zero3 then hold a whole gradient until the la
 chunks and Adam's moments live in host memory, the averaged gradient chunk is copied there, the
 optimizer runs there, and the result is copied back (ZeRO-Offload). On a machine without an
 accelerator it runs for correctness; the meters place these bytes on the host.
+
+Under mixed precision (``train.precision mixed``) the weights (the flat units, the shards and what is gathered)
+and the gradients are 16-bit, as the ZeRO paper's rows count them: each rank keeps the fp32 master of its chunks
+beside Adam's moments (the master the offload keeps, on the device unless offloaded), the optimizer updates it
+from an fp32 copy of the averaged gradient chunk, and the chunk's 16-bit weights are cast from it. So the
+reduce-scatters run in the policy's ``reduce_dtype`` and the all-gathers (after the step in stages 1-2, of each
+unit in stage 3) move 16-bit weights: half of fp32's bytes.
 """
 
 from __future__ import annotations
@@ -103,7 +110,7 @@ class Unit:
     flat_grad: torch.Tensor | None = None  # all the gradients, accumulated until reduce-scattered
     written: list[bool] = field(default_factory=list)  # stages 2-3: which parameters' slices of flat_grad hold one
     grad_shard: torch.Tensor | None = None  # this rank's chunk of the averaged gradient
-    master: torch.Tensor | None = None  # offload: the host's fp32 copy of the shard
+    master: torch.Tensor | None = None  # offload or mixed precision: the shard's fp32 master (offloaded: on the host)
     gathered: bool = False  # stage 3: flat's storage holds the weights (or an all-gather into it is under way)
     gathering: dist.Work | Exchange | None = None  # stage 3: the prefetch's all-gather, until waited
     lent: torch.Tensor | None = None  # stage 3: the pool's buffer whose memory flat's storage holds while gathered
@@ -195,8 +202,6 @@ class Zero(Strategy):
             self.units[-1].comm = comm
         for unit in self.units:
             self._place(unit)
-            if self.offloaded:
-                unit.master = unit.shard.detach().to(HOST, copy=True)
         self._unit_of = {id(p): (k, i) for k, u in enumerate(self.units) for i, p in enumerate(u.params)}
         self._launches = InOrder([len(u.params) for u in self.units], self._reduce_scatter)
         self._in_flight: deque[tuple[Unit, dist.Work | SummedOnWait]] = deque()  # launched, not yet settled
@@ -207,14 +212,28 @@ class Zero(Strategy):
                     p.register_post_accumulate_grad_hook(self._on_gradient)
         return module
 
+    def keep_masters(self, module: nn.Module) -> None:
+        """The units keep the masters of this rank's chunks (``_keep_master``), not of every weight."""
+
+    def _keep_master(self, unit: Unit, chunk: torch.Tensor) -> None:
+        """The fp32 master of this rank's ``chunk`` of the unit, where the update needs one apart from the weights: on
+        the host when offloaded, on the device under mixed precision."""
+        if self.offloaded or self.precision.mixed:
+            unit.master = chunk.detach().to(HOST if self.offloaded else self.world.device, torch.float32, copy=True)
+            memory.tag(unit.master, "optimizer")
+
     def _place(self, unit: Unit) -> None:
-        """Stages 1-2: the unit's weights move into one flat buffer (the parameters become views of it)."""
-        unit.flat = torch.zeros(unit.padded, dtype=unit.params[0].dtype, device=self.world.device)
+        """Stages 1-2: the unit's weights move into one flat buffer of the policy's ``param_dtype`` (the parameters
+        become views of it), after this rank's chunk of them gave its master."""
+        whole = torch.zeros(unit.padded, dtype=unit.params[0].dtype, device=self.world.device)
+        for p, offset in zip(unit.params, unit.offsets, strict=True):
+            whole[offset:offset + p.numel()].copy_(p.detach().flatten())
+        r = unit.rank
+        self._keep_master(unit, whole[r * unit.chunk:(r + 1) * unit.chunk])
+        unit.flat = whole.to(self.precision.param_dtype)
         memory.tag(unit.flat, "params")
         for p, offset in zip(unit.params, unit.offsets, strict=True):
-            unit.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
             p.data = unit.flat[offset:offset + p.numel()].view(p.shape)
-        r = unit.rank
         unit.shard = unit.flat[r * unit.chunk:(r + 1) * unit.chunk]
         if self.stage == 1:
             unit.flat_grad = torch.zeros_like(unit.flat)
@@ -226,7 +245,7 @@ class Zero(Strategy):
         self.optimizer_pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
         per_group: list[list[torch.Tensor]] = [[] for _ in groups]
         for unit in self.units:
-            weights = unit.master if self.offloaded else unit.shard
+            weights = unit.master if unit.master is not None else unit.shard
             for g, lo, hi in unit.pieces:
                 piece = weights[lo:hi]
                 self.optimizer_pieces.append((unit, lo, hi, piece))
@@ -296,7 +315,8 @@ class Zero(Strategy):
         else:
             unit.grad_shard = torch.empty(unit.chunk, dtype=unit.flat_grad.dtype, device=self.world.device)
             memory.tag(unit.grad_shard, "grads")
-        self._in_flight.append((unit, unit.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True)))
+        self._in_flight.append((unit, unit.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True,
+                                                               dtype=self.precision.reduce_dtype)))
         self._settle(in_flight=1)  # also when the backward's end launches many at once (stage 1)
 
     def _settle(self, in_flight: int) -> None:
@@ -313,16 +333,21 @@ class Zero(Strategy):
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss is divided by N before its backward (as ddp's), so the reduce-scattered sum is the average without
         a pass over the shards (with N a power of two the same bits as dividing the sum)."""
-        return loss / self.world.world_size
+        return super().scaled(loss / self.world.world_size)
 
     def sync_gradients(self) -> None:
         """Launch what the backward's hooks left (stage 1: everything) and wait for every reduce-scatter."""
         self._launches.finish()
         self._settle(in_flight=0)
         self._spare = None
+
+    def optimizer_gradients(self) -> None:
+        """The optimizer's pieces take their gradients from the averaged shards: views, or copies where the piece is a
+        master elsewhere or of another dtype (offloaded, mixed precision)."""
         for unit, lo, hi, piece in self.optimizer_pieces:
             grad = unit.grad_shard[lo:hi]
-            piece.grad = grad.to(HOST) if self.offloaded and grad.device != HOST else grad
+            same = grad.device == piece.device and grad.dtype == piece.dtype
+            piece.grad = grad if same else grad.to(piece.device, piece.dtype)
 
     # ------------------------------------------------------------ the step
 
@@ -331,7 +356,7 @@ class Zero(Strategy):
         self.optimizer.step()
         self.accounts.measure_once()
         for unit in self.units:
-            if self.offloaded:
+            if unit.master is not None:  # the weights the model computes with, cast from the updated masters
                 unit.shard.copy_(unit.master)
             if self.stage < 3:  # in place: every rank's updated chunk into every rank's flat weights
                 unit.comm.all_gather(unit.flat, unit.shard)
@@ -352,7 +377,8 @@ class Zero(Strategy):
     def holding(self) -> list[Piece]:
         """Each trainable parameter's range in this rank's chunks (weights from the shard, gradients from the
         averaged shard, moments from the optimizer's piece that holds it); frozen parameters whole. An empty range is
-        an empty view of the shard, so the shard's bytes count even when all of this rank's chunk is padding."""
+        an empty view of the shard, so the shard's bytes count even when all of this rank's chunk is padding. Where
+        the update keeps masters, each piece names its range of them."""
         starts = {id(unit): [lo for u, lo, _, _ in self.optimizer_pieces if u is unit] for unit in self.units}
         piece_at = {(id(unit), lo): piece for unit, lo, _, piece in self.optimizer_pieces}
         out = []
@@ -360,25 +386,29 @@ class Zero(Strategy):
             for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
                 size = math.prod(shape)
                 a, b = unit.in_chunk(unit.rank, offset, size)
+                master = unit.master
                 if a >= b:  # empty views: the shards' bytes still count
                     grad = None if unit.grad_shard is None else unit.grad_shard[:0]
-                    out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True, shape=tuple(shape)))
+                    out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True, shape=tuple(shape),
+                                     master=None if master is None else master[:0]))
                     continue
                 first = max(lo for lo in starts[id(unit)] if lo <= a)  # the optimizer's piece that holds it
                 grad = None if unit.grad_shard is None else unit.grad_shard[a:b]
                 moments = self.optimizer.state.get(piece_at[(id(unit), first)]) or None
                 out.append(Piece(name, size, a + unit.rank * unit.chunk - offset, unit.shard[a:b], grad, moments,
-                                 a - first, sharded=True, shape=tuple(shape)))
+                                 a - first, sharded=True, shape=tuple(shape),
+                                 master=None if master is None else master[a:b]))
         return out + [Piece(name, p.numel(), 0, p.detach().view(-1), shape=tuple(p.shape),
                             replicas=GroupReplicas(self.world)) for name, p in self.module.named_parameters()
                       if not p.requires_grad]
 
     @torch.no_grad()
     def restore_derived(self) -> None:
-        """The host master copy and (stages 1-2) the whole weights follow the loaded shards."""
+        """The shards follow the loaded masters, if any (checkpoints hold the masters), and (stages 1-2) the whole
+        weights the shards."""
         for unit in self.units:
             if unit.master is not None:
-                unit.master.copy_(unit.shard)
+                unit.shard.copy_(unit.master)
             if self.stage < 3:
                 with unit.comm.paused():
                     unit.comm.all_gather(unit.flat, unit.shard)
@@ -473,9 +503,8 @@ class Zero3(Zero):
         """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
         storage is empty at rest (it borrows a pool buffer's memory while gathered: ``_lend``)."""
         r, module = unit.rank, self.module
-        unit.shard = torch.zeros(unit.chunk, device=self.world.device)
-        memory.tag(unit.shard, "params")
-        unit.flat = torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device)
+        shard = torch.zeros(unit.chunk, device=self.world.device)
+        unit.flat = torch.empty(unit.padded, dtype=self.precision.param_dtype, device=self.world.device)
         holders = registrations(module)
         for i, (name, offset, shape) in enumerate(zip(unit.names, unit.offsets, unit.shapes, strict=True)):
             size = math.prod(shape)
@@ -483,7 +512,7 @@ class Zero3(Zero):
             value = self._initial_value(name).flatten()
             if a < b:
                 start = a + r * unit.chunk - offset
-                unit.shard[a:b] = value[start:start + b - a]
+                shard[a:b] = value[start:start + b - a]
             param = nn.Parameter(torch.empty(0, device=self.world.device))
             # .data keeps the parameter's own version counter: gathering into flat does not look like an
             # in-place change of the weights autograd saved
@@ -491,6 +520,9 @@ class Zero3(Zero):
             for holder, attr in holders[name]:  # every module it is registered in (a tied weight: several)
                 setattr(holder, attr, param)
             unit.params[i] = param
+        self._keep_master(unit, shard)
+        unit.shard = shard.to(self.precision.param_dtype)
+        memory.tag(unit.shard, "params")
         unit.flat.untyped_storage().resize_(0)
         memory.tag(unit.flat, "params")
 
