@@ -1,7 +1,10 @@
 """Seeded bootstrap over runs, refitting every approach on the same resamples.
 
-A resample draws as many runs as the table has, with replacement; it is stored as a count per
-run (a weight row), so every approach refits the same resample by weighting the same arrays.
+A resample draws, with replacement, as many runs of each compute budget as the budget has (runs in no budget
+form one more group), so every resample keeps the sweep's design, budgets and their sizes; it is stored as a
+count per run (a weight row), so every approach refits the same resample by weighting the same arrays. Runs are
+drawn in a canonical order (by C, N, D and loss), not the table's, so a sweep folder and its export, which list
+the same runs in different orders, get the same resamples.
 Resamples come in chunks of ``CHUNK``: chunk j is drawn from the seed sequence (seed, j), so the
 result does not depend on how chunks are spread over processes, and no more than one chunk of
 weights (CHUNK x runs) exists per process at a time. Per chunk, approach 3 runs one least-squares fit
@@ -28,11 +31,24 @@ from analysis.robust import HUBER_DELTA
 CHUNK = 50
 
 
-def chunk_weights(n_runs: int, seed: int, chunk: int, size: int) -> np.ndarray:
-    """Counts (size, n_runs) of each run in the resamples of chunk ``chunk``."""
+def chunk_weights(n_runs: int, seed: int, chunk: int, size: int, strata: np.ndarray | None = None) -> np.ndarray:
+    """Counts (size, n_runs) of each run in the resamples of chunk ``chunk``; with ``strata`` (a label per run) each
+    stratum's runs are drawn from that stratum alone."""
     rng = np.random.default_rng([seed, chunk])
-    picks = rng.integers(0, n_runs, size=(size, n_runs)) + (np.arange(size) * n_runs)[:, None]
+    if strata is None:
+        picks = rng.integers(0, n_runs, size=(size, n_runs))
+    else:
+        picks = np.empty((size, n_runs), int)
+        for label in np.unique(strata):
+            members = np.flatnonzero(strata == label)
+            picks[:, members] = members[rng.integers(0, len(members), size=(size, len(members)))]
+    picks = picks + (np.arange(size) * n_runs)[:, None]
     return np.bincount(picks.ravel(), minlength=size * n_runs).reshape(size, n_runs)
+
+
+def canonical_order(c: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """The permutation that lists runs by C, then N, D and loss: the order resamples are drawn in."""
+    return np.lexsort((loss, d, n, c))
 
 
 def _chunk_sizes(n_resamples: int) -> list[int]:
@@ -64,13 +80,22 @@ class Problem:
     n: np.ndarray
     d: np.ndarray
     loss: np.ndarray
-    labels: np.ndarray  # budget of each run, -1 for none
+    labels: np.ndarray  # budget of each run, -1 for none: the strata resamples are drawn within
     budget_flops: np.ndarray  # (G,); empty when approach 2 is not run
     flops_k: float
     envelope: Envelope | Frontier | None
     seed: int
     huber_delta: float = HUBER_DELTA
     form: Form = CHINCHILLA
+    order: np.ndarray | None = None  # canonical_order of the runs; None: the table's own
+
+    def weights(self, chunk: int, size: int) -> np.ndarray:
+        """Chunk ``chunk``'s resamples as counts per run, in the table's order."""
+        order = np.arange(len(self.n)) if self.order is None else self.order
+        drawn = chunk_weights(len(self.n), self.seed, chunk, size, self.labels[order])
+        w = np.empty_like(drawn)
+        w[:, order] = drawn
+        return w
 
 
 @dataclass
@@ -84,7 +109,7 @@ class Resamples:
 
 
 def _refit(problem: Problem, chunk: int, size: int) -> Resamples:
-    w = chunk_weights(len(problem.n), problem.seed, chunk, size)
+    w = problem.weights(chunk, size)
     thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, w, problem.huber_delta,
                                      problem.form)
     isoflop = {}

@@ -23,6 +23,7 @@ import pandas as pd
 from analysis.allocate import Unidentified, allocations, describe, load_fit, plan
 from analysis.compare import APPROACHES
 from analysis.fit import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig, fit_runs, json_ready
+from analysis.isoflop import METHODS
 from analysis.other_laws import LAWS
 from analysis.outputs import STAGING_PREFIX, bootstrap_frame, stopping_on_signals, summary_lines, write_outputs
 from analysis.robust import HUBER_DELTA
@@ -84,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"approach 3's Huber threshold on log-loss residuals (default {HUBER_DELTA:g}, as in "
                         "Hoffmann et al.)")
     f.add_argument("--budget-tol", type=float, default=0.05, help="relative spread of C within one budget")
-    f.add_argument("--isoflop-minimum", choices=("vertex", "lowest"), default="vertex",
-                   help="per-budget minimum for the IsoFLOP power laws (default: windowed parabola vertex)")
+    f.add_argument("--isoflop-minimum", choices=METHODS, default=FitConfig.isoflop_minimum,
+                   help="per-budget minimum for the IsoFLOP power laws: akima (Porian et al. 2024: the minimum of "
+                        "an Akima spline through every size), vertex (a parabola in a window symmetric about the "
+                        "lowest run) or lowest (the lowest run); default: %(default)s")
     f.add_argument("--envelope", choices=ENVELOPE_SOURCES, default="final",
                    help="approach 1's points: final losses only (default), or every point of the training curves, "
                         "valid only when each logged point is an end point (not for single cosine schedules)")

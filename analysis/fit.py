@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import identify
-from analysis.bootstrap import Problem, Resamples, bootstrap, interval
+from analysis import akima, identify
+from analysis.bootstrap import Problem, Resamples, bootstrap, canonical_order, interval
 from analysis.budgets import Budgets, group_budgets
 from analysis.compare import TITLES, Allocation, disagreements, parametric_allocation, preferred
 from analysis.downstream import fit_task, predict_score
@@ -65,7 +65,7 @@ class FitConfig:
     """Options of a fit; the defaults follow the issue and Hoffmann et al."""
 
     budget_tol: float = 0.05  # relative spread of C within one budget
-    isoflop_minimum: str = "vertex"  # which per-budget minimum the IsoFLOP power laws use
+    isoflop_minimum: str = "akima"  # which per-budget minimum the IsoFLOP power laws use (analysis.isoflop)
     n_bootstrap: int = 1000
     seed: int = 0
     ci_level: float = 0.95
@@ -274,6 +274,10 @@ class FitResult:
             if m.vertex_ok[0, g]:
                 n_v = float(np.exp(m.vertex_log_n[0, g]))
                 vertex = {"params": n_v, "tokens": float(flops / (t.flops_k * n_v)), "loss": float(m.vertex_loss[0, g])}
+            spline = None
+            if np.isfinite(m.spline_log_n[0, g]):
+                n_s = float(np.exp(m.spline_log_n[0, g]))
+                spline = {"params": n_s, "tokens": float(flops / (t.flops_k * n_s)), "loss": float(m.spline_loss[0, g])}
             centre, half = m.centre[0, g], m.half_width[0, g]
             out.append({
                 "flops": float(flops), "n_runs": len(rows), "spread": float(b.spread[g]),
@@ -284,7 +288,7 @@ class FitResult:
                 "sizes_below": int(m.left[0, g]), "sizes_above": int(m.right[0, g]),
                 "window": {"params": [float(np.exp(centre - half)), float(np.exp(centre + half))],
                            "n_runs": int(m.in_window[0, g])},
-                "vertex": vertex, "status": _status(m, g),
+                "vertex": vertex, "spline": spline, "status": _status(m, g),
                 "used": {k: bool(m.usable(k)[0, g]) for k in METHODS},
             })
         return out
@@ -528,8 +532,7 @@ def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, con
             or not held[budgets.labels == top].all()):
         return out
     budget = float(budgets.flops[top])
-    observed = (float(np.exp(minima.vertex_log_n[0, top])) if method == "vertex"
-                else float(n[minima.lowest_row[0, top]]))
+    observed = float(np.exp(minima.log_n(method, n)[0, top]))
     train_minima = budget_minima(n, loss, budgets.labels, budgets.flops, train.astype(float)[None])
     law = train_minima.power_laws(method, n, d, table.flops_k)
     if law.n_points[0] >= 2:
@@ -553,7 +556,8 @@ def _holdout_bias(holdout: dict) -> str | None:
             f"losses extrapolated beyond the data are likely too {way} as well")
 
 
-def _budget_warnings(budgets: Budgets, minima: BudgetMinima | None, n_runs: int) -> list[tuple[str, str]]:
+def _budget_warnings(budgets: Budgets, minima: BudgetMinima | None, n_runs: int,
+                     method: str) -> list[tuple[str, str]]:
     out = []
     if budgets.continuous:
         out.append(("budgets_continuous", "C does not cluster into compute budgets (fewer than half of the "
@@ -567,7 +571,13 @@ def _budget_warnings(budgets: Budgets, minima: BudgetMinima | None, n_runs: int)
     wide = [f"{f:.3g} ({s:.1%})" for f, s in zip(budgets.flops, budgets.spread) if s > budgets.tol]
     if wide:
         out.append(("budget_wide", f"budget(s) whose C spread more than {budgets.tol:.0%}: {', '.join(wide)}"))
-    if minima is not None:
+    if minima is not None and method == "akima":
+        edge = [f"{budgets.flops[g]:.3g}" for g in np.flatnonzero(~minima.usable(method)[0])]
+        if edge:
+            out.append(("isoflop_edge", f"IsoFLOP: {len(edge)} budget(s) whose spline has its minimum at the "
+                        f"smallest or largest size (or that have under {akima.MIN_SIZES} sizes), so their minimum "
+                        f"was not sampled; left out: C = {', '.join(edge)}"))
+    elif minima is not None:
         edge = [f"{budgets.flops[g]:.3g}" for g in np.flatnonzero(minima.edge[0])]
         if edge:
             out.append(("isoflop_edge", f"IsoFLOP: {len(edge)} budget(s) have their lowest run at the smallest or "
@@ -597,7 +607,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
 
     budgets = group_budgets(c, config.budget_tol)
     minima = budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n)))) if budgets.count else None
-    warnings += _budget_warnings(budgets, minima, len(n))
+    warnings += _budget_warnings(budgets, minima, len(n), config.isoflop_minimum)
 
     refits, refits_skip = form_holdouts(table, budgets, config)
     form, form_choice = choose_form(table, budgets, config, refits, refits_skip)
@@ -645,7 +655,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         problem = Problem(theta0=parametric.theta, n=n, d=d, loss=loss, labels=budgets.labels,
                           budget_flops=budgets.flops if iso_skip is None else np.zeros(0), flops_k=k,
                           envelope=envelope if env_skip is None else None, seed=config.seed,
-                          huber_delta=config.huber_delta, form=form)
+                          huber_delta=config.huber_delta, form=form, order=canonical_order(c, n, d, loss))
         resamples = bootstrap(problem, config.n_bootstrap, config.workers, config.progress)
         failed = int((~resamples.converged).sum())
         if failed > 0.05 * len(resamples.converged):

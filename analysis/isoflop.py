@@ -17,6 +17,9 @@ side the minimum is not located. Unusable budgets stay out of the power laws N_o
 D_opt = k_D C^b (least squares in log space; D_opt = C/(k N_opt) for the vertex, with k from the
 table's C = kND, and the run's own tokens for the lowest run).
 
+A third minimum, ``akima`` (``analysis.akima``), is Porian et al. (2024)'s: the argmin of Akima's spline of log
+loss through every size, usable wherever it lies inside the sampled sizes (no side counts, no window).
+
 Everything is computed for a matrix of run weights (resamples x runs), so the bootstrap and the
 full-data fit (one row of ones) share one code path.
 """
@@ -27,9 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from analysis import akima
+
 MIN_SIDE = 2
 MAX_HALF_WIDTH = np.log(10.0)  # a decade of N either side of the lowest run, at most
-METHODS = ("vertex", "lowest")
+METHODS = ("vertex", "lowest", "akima")
 
 
 @dataclass
@@ -95,6 +100,8 @@ class BudgetMinima:
     vertex_log_n: np.ndarray
     vertex_loss: np.ndarray
     vertex_ok: np.ndarray  # parabola opens upwards and its vertex lies in the window
+    spline_log_n: np.ndarray  # the Akima spline's minimum (NaN at an end of the sampled sizes)
+    spline_loss: np.ndarray
 
     @property
     def edge(self) -> np.ndarray:
@@ -108,16 +115,24 @@ class BudgetMinima:
 
     def usable(self, method: str) -> np.ndarray:
         """Budgets whose minimum (by ``method``) enters the power law."""
+        if method == "akima":
+            return np.isfinite(self.spline_log_n)
         return self.sided & self.vertex_ok if method == "vertex" else self.sided
+
+    def log_n(self, method: str, n: np.ndarray) -> np.ndarray:
+        """log N of every budget's minimum by ``method`` (NaN or meaningless where not usable)."""
+        if method == "lowest":
+            return np.log(n)[self.lowest_row]
+        return self.vertex_log_n if method == "vertex" else self.spline_log_n
 
     def power_laws(self, method: str, n: np.ndarray, d: np.ndarray, flops_k: float) -> PowerLaws:
         mask = self.usable(method)
         log_c = np.log(self.flops)
-        if method == "vertex":
-            log_n = self.vertex_log_n
-            log_d = np.log(self.flops / flops_k)[None, :] - log_n
-        else:
+        if method == "lowest":
             log_n, log_d = np.log(n)[self.lowest_row], np.log(d)[self.lowest_row]
+        else:
+            log_n = self.log_n(method, n)
+            log_d = np.log(self.flops / flops_k)[None, :] - log_n
         a, k_n = fit_power_law(log_c, log_n, mask)
         b, k_d = fit_power_law(log_c, log_d, mask)
         return PowerLaws(a=a, k_n=k_n, b=b, k_d=k_d, n_points=mask.sum(axis=1))
@@ -147,15 +162,17 @@ def _moments(w: np.ndarray, u: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray
 
 def budget_minima(n: np.ndarray, loss: np.ndarray, labels: np.ndarray, flops: np.ndarray,
                   weights: np.ndarray) -> BudgetMinima:
-    """Lowest-run and windowed-vertex minima of every budget (labels >= 0, C ``flops``) per weight row."""
+    """Lowest-run, windowed-vertex and spline minima of every budget (labels >= 0, C ``flops``) per weight row."""
     weights = np.atleast_2d(np.asarray(weights, float))
     n_groups = len(flops)
     shape = (len(weights), n_groups)
+    spline_log_n, spline_loss = akima.budget_minima(n, loss, labels, n_groups, weights)
     out = BudgetMinima(
         flops=np.asarray(flops, float), n_distinct=np.zeros(shape, int), lowest_row=np.zeros(shape, int),
         left=np.zeros(shape, int), right=np.zeros(shape, int), centre=np.full(shape, np.nan),
         half_width=np.full(shape, np.nan), in_window=np.zeros(shape, int), coeffs=np.full(shape + (3,), np.nan),
-        vertex_log_n=np.full(shape, np.nan), vertex_loss=np.full(shape, np.nan), vertex_ok=np.zeros(shape, bool))
+        vertex_log_n=np.full(shape, np.nan), vertex_loss=np.full(shape, np.nan), vertex_ok=np.zeros(shape, bool),
+        spline_log_n=spline_log_n, spline_loss=spline_loss)
     log_n = np.log(n)
     for g in range(n_groups):
         rows = np.flatnonzero(labels == g)

@@ -29,6 +29,7 @@ from matplotlib import ticker  # noqa: E402
 from matplotlib.collections import LineCollection, PathCollection  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from analysis import akima  # noqa: E402
 from analysis.compare import TITLES  # noqa: E402
 from analysis.downstream import task_error  # noqa: E402
 from analysis.fit import FitResult  # noqa: E402
@@ -194,6 +195,7 @@ def plot_isoflop(result: FitResult) -> plt.Figure:
     fig, ax = _figure("isoflop", figsize=(7.5, 5.6))
     outside = b.labels < 0
     dots = _point_style(len(t.n))
+    spline = result.config.isoflop_minimum == "akima"
     if outside.any():
         colours = dict(c=t.c[outside], cmap=cmap, norm=norm) if b.continuous else dict(color="lightgrey")
         ax.scatter(t.n[outside], t.loss[outside], **colours, **dots,
@@ -202,21 +204,31 @@ def plot_isoflop(result: FitResult) -> plt.Figure:
         rows = np.flatnonzero(b.labels == g)
         color = cmap(norm(b.flops[g]))
         ax.scatter(t.n[rows], t.loss[rows], color=color, **dots)
-        if m.vertex_ok[0, g]:
+        if spline:
+            sizes, lowest = akima.profile(np.log(t.n[rows]), t.loss[rows])
+            if len(sizes) >= akima.MIN_SIZES:
+                u, log_loss = akima.curve(sizes, lowest)
+                ax.plot(np.exp(u), np.exp(log_loss[:, 0]), color=color, lw=1.4, zorder=3)
+            if np.isfinite(m.spline_log_n[0, g]):
+                ax.plot(np.exp(m.spline_log_n[0, g]), m.spline_loss[0, g], marker="*", ms=10, color=color,
+                        mec="black", mew=0.5, ls="none", zorder=4)
+        elif m.vertex_ok[0, g]:
             u = np.linspace(-m.half_width[0, g], m.half_width[0, g], 40)
             c0, c1, c2 = m.coeffs[0, g]
             ax.plot(np.exp(u + m.centre[0, g]), c0 + c1 * u + c2 * u * u, color=color, lw=1.4, zorder=3)
             ax.plot(np.exp(m.vertex_log_n[0, g]), m.vertex_loss[0, g], marker="*", ms=10, color=color,
                     mec="black", mew=0.5, ls="none", zorder=4)
         low = m.lowest_row[0, g]
-        bad = not m.sided[0, g]
+        bad = not m.usable(result.config.isoflop_minimum)[0, g]
         ax.plot(t.n[low], t.loss[low], marker="x" if bad else "s", ms=8, mfc="none",
                 mec="red" if bad else "black", ls="none", zorder=4)
     _colorbar(fig, plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax, "compute C (FLOPs)")
     if b.count:
-        ax.plot([], [], marker="*", color="grey", mec="black", ls="none", label="vertex in its window")
+        ax.plot([], [], marker="*", color="grey", mec="black", ls="none",
+                label="minimum of the Akima spline" if spline else "vertex in its window")
         ax.plot([], [], marker="s", mfc="none", mec="black", ls="none", label="lowest run")
-        ax.plot([], [], marker="x", mec="red", ls="none", label="minimum not located (edge or one-sided)")
+        ax.plot([], [], marker="x", mec="red", ls="none", label="minimum not located" + (
+            " (at an end of the sizes)" if spline else " (edge, one-sided or outside its window)"))
     title = (f"{b.count} IsoFLOP budget(s)" if not b.continuous else
              "No IsoFLOP budgets: C is continuous (runs coloured by C)")
     ax.set(xscale="log", xlabel="parameters N", ylabel="loss (nats per token)", title=title)
@@ -253,8 +265,7 @@ def plot_allocation(result: FitResult) -> plt.Figure:
         m = result.minima
         if m is not None and result.approaches["isoflop"].skipped is None:
             used = m.usable(result.config.isoflop_minimum)[0]
-            pts_n = np.exp(m.vertex_log_n[0]) if result.config.isoflop_minimum == "vertex" \
-                else result.table.n[m.lowest_row[0]]
+            pts_n = np.exp(m.log_n(result.config.isoflop_minimum, result.table.n)[0])
             pts = pts_n if which == 0 else m.flops / (result.table.flops_k * pts_n)
             ax.scatter(m.flops[used], pts[used], color="C1", zorder=5, s=20, label="IsoFLOP minima")
         for p in result.predictions:

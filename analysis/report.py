@@ -332,11 +332,13 @@ def _data_blocks(doc: dict) -> list[Block]:
         ("ul", checks)]
     if iso["minima"]:
         blocks.append(("table", ["budget C", "runs", "N range", "lowest run: N (loss)", "vertex: N (loss)",
-                                 "window N", "sizes below / above", "status", f"used ({iso['minimum']})"],
+                                 "spline minimum: N (loss)", "window N", "sizes below / above", "status",
+                                 f"used ({iso['minimum']})"],
                        [[fmt(m["flops"]), str(m["n_runs"]),
                          f"{fmt(m['params_range'][0], 3)} - {fmt(m['params_range'][1], 3)}",
                          f"{fmt(m['lowest']['params'])} ({fmt(m['lowest']['loss'])})",
                          f"{fmt(m['vertex']['params'])} ({fmt(m['vertex']['loss'])})" if m["vertex"] else "-",
+                         f"{fmt(m['spline']['params'])} ({fmt(m['spline']['loss'])})" if m["spline"] else "-",
                          f"{fmt(m['window']['params'][0], 3)} - {fmt(m['window']['params'][1], 3)} "
                          f"({m['window']['n_runs']} runs)", f"{m['sizes_below']} / {m['sizes_above']}",
                          m["status"], "yes" if m["used"][iso["minimum"]] else "no"] for m in iso["minima"]]))

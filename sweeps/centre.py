@@ -12,7 +12,10 @@ Two priors (``[sweep] centre``):
   JSON (the sweep driver does not import the analysis), and only an identified law is used.
 
 Each budget gets ``per_budget`` targets from N_opt / 10^x to N_opt × 10^x (x = ``decades_each_side``),
-log-spaced; the family turns them into shapes (``sweeps.shapes``).
+log-spaced; the family turns them into shapes (``sweeps.shapes``). Where its widths are coarser than the targets'
+spacing (the smallest models), two targets would give one shape; each target then takes a shape of its own
+among those the family has within one target step beyond the outermost targets (``distinct_targets``), or,
+with fewer such shapes than targets, each of them is planned once.
 """
 
 from __future__ import annotations
@@ -98,3 +101,38 @@ def targets(sweep: Sweep, prior: float) -> list[float]:
     """``per_budget`` sizes log-spaced from prior / 10^x to prior × 10^x."""
     return [float(v) for v in prior * np.logspace(-sweep.decades_each_side, sweep.decades_each_side,
                                                   sweep.per_budget)]
+
+
+def distinct_targets(sweep: Sweep, prior: float) -> tuple[list[tuple[float, float]], list[str]]:
+    """(target, N of its shape) with distinct shapes for the targets of a budget (see the module docstring), and a
+    note when there are fewer shapes than targets (each then paired with its nearest target).
+
+    The candidates are the family's shapes within one target step beyond the outermost targets; with more of them
+    than targets, each target takes one, in order, at the least total distance in log N (a monotone assignment).
+    """
+    def size(target: float) -> float:
+        return float(count(model_config(sweep.base, family_shape(target, sweep.family, sweep.count, sweep.base)),
+                           sweep.count))
+
+    raw = targets(sweep, prior)
+    own = [size(t) for t in raw]
+    if len(set(own)) == len(own):  # each target's own shape is its nearest: nothing to share
+        return list(zip(raw, own)), []
+    step = 10 ** (2 * sweep.decades_each_side / (sweep.per_budget - 1))
+    grid = np.geomspace(raw[0] / step, raw[-1] * step, 8 * (len(raw) + 1) + 1)
+    within = {n for n in map(size, grid) if grid[0] <= n <= grid[-1]}
+    sizes = sorted(within | set(own))  # the targets' own shapes, even beyond reach
+    cost = np.abs(np.log(np.asarray(raw))[:, None] - np.log(np.asarray(sizes))[None, :])
+    if len(sizes) <= len(raw):
+        note = [] if len(sizes) == len(raw) else [f"the family has {len(sizes)} shapes within reach of its "
+                                                  f"{len(raw)} targets: each planned once"]
+        return [(raw[int(np.argmin(cost[:, j]))], n) for j, n in enumerate(sizes)], note
+    total = np.full(cost.shape, np.inf)  # total[i, j]: targets 0..i placed, target i on candidate j
+    total[0] = cost[0]
+    for i in range(1, len(raw)):
+        best_before = np.minimum.accumulate(total[i - 1])
+        total[i, 1:] = best_before[:-1] + cost[i, 1:]
+    picks = [int(np.argmin(total[-1]))]
+    for i in range(len(raw) - 1, 0, -1):
+        picks.append(int(np.argmin(total[i - 1, :picks[-1]])))
+    return [(t, sizes[j]) for t, j in zip(raw, reversed(picks))], []

@@ -217,7 +217,7 @@ def _plan(args: argparse.Namespace) -> int:
         print("sweep:")
     result = _planned(sweep, tuned)
     print(planner.table(result.runs, sweep.count, sweep.parallel))
-    for line in result.priors:
+    for line in result.priors + result.moved:
         print(f"centre: {line}")
     if sweep.cooldowns is not None:
         print("\n".join(cooldowns.describe(result.runs) + [cooldowns.savings(result.runs)]))

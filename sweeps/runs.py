@@ -8,8 +8,9 @@ all processes takes (micro_batch × block_size × world size). Entries that cann
 cannot exist, D below one batch, two entries giving the same run) are refused with one line each.
 
 With ``[sweep] centre`` each budget gets its own sizes, centred on a prior N_opt(C) (``sweeps.centre``);
-targets that round to one shape are planned once, and a budget whose shapes do not put
-``BRACKET_SIDE`` sizes on each side of its prior gets a warning: its minimum may not be bracketed.
+targets that would round to one shape move to the family's next width outward (or are left out), and a budget
+whose shapes do not put ``BRACKET_SIDE`` sizes on each side of its prior gets a warning: its minimum may not be
+bracketed.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Plan:
     refused: list[str]  # one line per entry that cannot run
     warnings: list[str] = dataclasses.field(default_factory=list)  # one line each: budgets not bracketed, ...
     priors: list[str] = dataclasses.field(default_factory=list)  # with a centre: each budget's prior N_opt
+    moved: list[str] = dataclasses.field(default_factory=list)  # with a centre: targets moved or left out
 
 
 def format_flops(c: float) -> str:
@@ -157,16 +159,19 @@ def _bracket_warning(sweep: Sweep, prior: centring.Prior, shapes: list[Shape]) -
 
 
 def _shapes(sweep: Sweep, budget: float, fixed: list[Shape] | None, prior: centring.Prior | None
-            ) -> tuple[list[Shape], list[str], list[str]]:
-    """Shapes of one budget, refusals and warnings: the explicit list, fixed sizes or sizes centred on a prior."""
+            ) -> tuple[list[Shape], list[str], list[str], list[str]]:
+    """Shapes of one budget, refusals, warnings and targets moved: the explicit list, fixed sizes or sizes centred
+    on a prior."""
     if sweep.family is None:
-        return [(e.name, None, e.model, e.launch) for e in sweep.shapes], [], []
+        return [(e.name, None, e.model, e.launch) for e in sweep.shapes], [], [], []
     if prior is None:
-        return fixed, [], []
-    shapes, refused, warnings = family_shapes(sweep, centring.targets(sweep, prior.params),
-                                               f"budget {budget:.3g}, ")
+        return fixed, [], [], []
+    pairs, moved = centring.distinct_targets(sweep, prior.params)
+    shapes, refused, warnings = family_shapes(sweep, [n for _, n in pairs], f"budget {budget:.3g}, ")
+    target = dict((n, t) for t, n in pairs)
+    shapes = [(name, target[n], s, launch) for name, n, s, launch in shapes]  # each with the target it stands for
     bracket = _bracket_warning(sweep, prior, shapes)
-    return shapes, refused, warnings + ([bracket] if bracket else [])
+    return shapes, refused, warnings + ([bracket] if bracket else []), [f"budget {budget:.3g}: {m}" for m in moved]
 
 
 @dataclass(frozen=True)
@@ -258,10 +263,12 @@ def plan(sweep: Sweep, tuned: Tuned | None = None) -> Plan:
     runs: list[PlannedRun] = []
     by_name: dict[str, str] = {}
     by_hash: dict[str, str] = {}
+    moved: list[str] = []
     for budget in sweep.budgets:
-        shapes, budget_refused, budget_warnings = _shapes(sweep, budget, fixed, priors.get(budget))
+        shapes, budget_refused, budget_warnings, budget_moved = _shapes(sweep, budget, fixed, priors.get(budget))
         refused += budget_refused
         warnings += budget_warnings
+        moved += budget_moved
         repeated = sweep.seeds and (sweep.seeds_below is None or budget < sweep.seeds_below)
         seeds = sweep.seeds if repeated else sweep.seeds[:1] or (None,)
         routings = sweep.routing or ({},)
@@ -278,7 +285,8 @@ def plan(sweep: Sweep, tuned: Tuned | None = None) -> Plan:
                 continue
             runs.append(run)
     return Plan(runs=runs, refused=refused, warnings=warnings,
-                priors=[f"budget {p.budget:.3g}: prior N_opt {p.params:.4g} ({p.how})" for p in priors.values()])
+                priors=[f"budget {p.budget:.3g}: prior N_opt {p.params:.4g} ({p.how})" for p in priors.values()],
+                moved=moved)
 
 
 def table(runs: list[PlannedRun], count_which: str = "total", parallel: int = 1) -> str:

@@ -3,8 +3,9 @@
 Two grids, in the manner of DeepSeek LLM (2024), who fitted the optimal learning rate and batch as
 power laws of compute:
 
-1. learning rates: every rate of ``lr`` for each size of ``sizes``, at the search ``budget``; the best
-   rate per size is the vertex of a parabola through the lowest loss and its two neighbours in log LR
+1. learning rates: every rate of ``lr`` for each size of ``sizes``, at the search ``budget``, or with
+   ``tokens_per_param`` r at each size's own budget C = F r N (F its FLOPs per token): every size then trains
+   as long, relative to its size, as the sweep's runs near their optimum do; the best rate per size is the vertex of a parabola through the lowest loss and its two neighbours in log LR
    (the lowest rate itself when it lies at the grid's edge, with a warning), and
    LR(N) = c N^e is fitted to those by least squares in log-log;
 2. batches (optional): every batch of ``batch_tokens`` at each of ``batch_budgets``, for the budget's
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from lab.measure import accounting
 from lab.runtime.files import save_json
 
 from sweeps import centre as centring
@@ -32,6 +34,7 @@ from sweeps.driver import EXIT_OK, EXIT_UNFINISHED, execute
 from sweeps.executors.attempt import Executor
 from sweeps.runs import PlannedRun, Tuned, family_shapes, format_flops, planned_run
 from sweeps.registry import Registry
+from sweeps.shapes import count, model_config
 from sweeps.sweep import PowerRule, Sweep
 
 FOLDER = "search"  # inside the sweep folder: runs/, laws.json and search.png
@@ -92,10 +95,18 @@ def lr_runs(sweep: Sweep) -> tuple[list[PlannedRun], list[str]]:
     shapes, refused, _ = family_shapes(sweep, list(search.sizes), "search, ")
     runs: list[PlannedRun] = []
     for shape_name, target, shape, entry_launch in shapes:
+        budget = search.budget or lr_budget(sweep, shape)
         for lr in search.lr:
-            _add(runs, refused, planned_run(sweep, search.budget, shape_name, target, shape, entry_launch, lr=lr,
-                                            role=ROLE, name=_lr_name(search.budget, shape_name, lr)))
+            _add(runs, refused, planned_run(sweep, budget, shape_name, target, shape, entry_launch, lr=lr,
+                                            role=ROLE, name=_lr_name(budget, shape_name, lr)))
     return runs, refused
+
+
+def lr_budget(sweep: Sweep, shape: dict) -> float:
+    """The budget of a shape's learning-rate grid under ``tokens_per_param`` r: F r N, to 3 significant digits."""
+    cfg = model_config(sweep.base, shape)
+    flops = accounting.flops_per_token(cfg) * sweep.search.tokens_per_param * count(cfg, sweep.count)
+    return float(f"{flops:.3g}")
 
 
 def _add(runs: list[PlannedRun], refused: list[str], run: PlannedRun | str) -> None:

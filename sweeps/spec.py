@@ -161,6 +161,11 @@ def _search(table: dict[str, Any], family: Family | None) -> Search | None:
     if family is None:
         raise SpecError("[search] needs the 'aspect' shape family: it plans its sizes like [sweep] sizes")
     search = resolve_table(Search, table, "[search]", "[search] {}".format)
+    if (search.budget is None) == (search.tokens_per_param is None):
+        raise SpecError("[search] needs one of 'budget' (every size at one budget) and 'tokens_per_param' "
+                        "(each size at its own)")
+    if search.batch_tokens and search.budget is None and not search.batch_budgets:
+        raise SpecError("[search] batch_tokens with tokens_per_param needs batch_budgets")
     for key in ("lr", "batch_tokens"):
         if 0 < len(getattr(search, key)) < SEARCH_GRID_MIN:
             raise SpecError(f"[search] {key} needs at least {SEARCH_GRID_MIN} values, got {len(getattr(search, key))}")

@@ -102,15 +102,17 @@ class Centre:
 class Search:
     """``[search]``: hyperparameter grids run before the sweep, whose fitted laws the sweep's runs then use.
 
-    The learning-rate grid runs at ``budget`` for each size of ``sizes``; the best rate per size gives
+    The learning-rate grid runs, for each size of ``sizes``, at ``budget``, or with ``tokens_per_param`` at each
+    size's own budget (D = tokens_per_param x N); the best rate per size gives
     LR(N) = c N^e. With ``batch_tokens``, that grid runs at each of ``batch_budgets`` (default: ``budget``)
     for the budget's prior N_opt (the centre) or the middle search size, at LR(N); the best batch per
     budget gives batch(C) = c C^e (constant with one budget).
     """
 
-    budget: float = checked(**BUDGET)
     sizes: tuple[float, ...] = checked(**SIZE, distinct=True)
     lr: tuple[float, ...] = checked(positive=True, distinct=True)
+    budget: float | None = checked(None, **BUDGET)  # None: each size at tokens_per_param
+    tokens_per_param: float | None = checked(None, positive=True)
     batch_tokens: tuple[float, ...] = checked((), positive=True, distinct=True)
     batch_budgets: tuple[float, ...] = checked((), **BUDGET, distinct=True)
 

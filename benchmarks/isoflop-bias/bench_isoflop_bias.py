@@ -7,10 +7,11 @@ Six budgets from 1e18 to 1e21 FLOPs; at each, sizes N_opt(C) * offset(C) * geoms
 under a known law (Chinchilla's, and the Epoch AI replication's with alpha close to beta), loss with log-normal
 noise. Grids: centred, lopsided by a constant factor, lopsided by a factor that drifts with C (a grid planned
 from a wrong exponent, the case that biases a), sparse (five sizes) and wide. Per budget the minimum is taken
-by four estimators, then N_opt = k_N C^a is fitted over the budgets where the estimator located one:
+by five estimators, then N_opt = k_N C^a is fitted over the budgets where the estimator located one:
 
-- ``vertex``: this lab's default, a parabola in log N fitted in a window symmetric about the lowest run
-  (``analysis.isoflop``);
+- ``vertex``: a parabola in log N fitted in a window symmetric about the lowest run (``analysis.isoflop``);
+- ``akima``: the lab's default, Porian et al. (2024)'s minimum, the argmin of an Akima spline of log loss through
+  every size (``analysis.akima``, their released code read);
 - ``lowest``: the lowest run;
 - ``hoffmann``: a parabola through the whole profile, as Hoffmann et al. (2022) fitted IsoFLOP curves;
 - ``local5``: a parabola through the lowest run and the two sizes on each side of it (five points, shifted
@@ -43,7 +44,7 @@ SETUPS = (
     ("sparse lopsided 2x, 1/6-6x, 5 sizes", 2.0, 2.0, 6.0, 5),
     ("wide 1/30-30x, 15 sizes", 1.0, 1.0, 30.0, 15),
 )
-ESTIMATORS = ("vertex", "lowest", "hoffmann", "local5")
+ESTIMATORS = ("vertex", "akima", "lowest", "hoffmann", "local5")
 
 
 def _parabola_vertex(x: np.ndarray, loss: np.ndarray) -> np.ndarray:
@@ -75,9 +76,10 @@ def exponents(law: dict, offsets: np.ndarray, spread: float, sizes: int, noise: 
     # every (seed, budget) profile is its own group for budget_minima
     minima = budget_minima(np.tile(n.ravel(), seeds), loss.ravel(), np.repeat(np.arange(seeds * g), sizes),
                            np.tile(BUDGETS, seeds), np.ones((1, seeds * g * sizes)))
-    log_n = {"vertex": minima.vertex_log_n[0].reshape(seeds, g),
+    log_n = {"vertex": minima.vertex_log_n[0].reshape(seeds, g), "akima": minima.spline_log_n[0].reshape(seeds, g),
              "lowest": np.log(n.ravel())[minima.lowest_row[0] % (g * sizes)].reshape(seeds, g)}
-    usable = {"vertex": minima.usable("vertex")[0].reshape(seeds, g), "lowest": minima.sided[0].reshape(seeds, g)}
+    usable = {m: minima.usable(m)[0].reshape(seeds, g) for m in ("vertex", "akima")}
+    usable["lowest"] = minima.sided[0].reshape(seeds, g)
     whole, local = np.empty((seeds, g)), np.empty((seeds, g))
     for j in range(g):
         x = np.log(n[j])

@@ -27,7 +27,10 @@ def table(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fitted(table):
-    return fit_runs(table, FitConfig(n_bootstrap=200, seed=7, predict=(1e21, 1e22, 1e24), progress=False))
+    # Independent 0.5 % noise per run: the vertex smooths it, the default spline follows it (its a is 3-5 times as
+    # noisy here: benchmarks/isoflop-bias/README.md), so these checks of the fit's intervals take the vertex.
+    return fit_runs(table, FitConfig(n_bootstrap=200, seed=7, predict=(1e21, 1e22, 1e24), isoflop_minimum="vertex",
+                                     progress=False))
 
 
 def test_draw_weights_are_seeded_resamples_drawn_chunk_by_chunk():
@@ -42,7 +45,8 @@ def test_draw_weights_are_seeded_resamples_drawn_chunk_by_chunk():
 
 @pytest.mark.slow
 def test_same_seed_gives_the_same_intervals(table, fitted):
-    again = fit_runs(table, FitConfig(n_bootstrap=200, seed=7, predict=(1e21, 1e22, 1e24), progress=False))
+    again = fit_runs(table, FitConfig(n_bootstrap=200, seed=7, predict=(1e21, 1e22, 1e24), isoflop_minimum="vertex",
+                                      progress=False))
     first, second = fitted.to_dict(), again.to_dict()
     assert first["approach3"]["ci"] == second["approach3"]["ci"]
     assert first["isoflop"]["ci"] == second["isoflop"]["ci"]

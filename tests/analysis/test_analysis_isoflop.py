@@ -129,10 +129,13 @@ def test_edge_and_one_sided_profiles_are_flagged_and_left_out(tmp_path):
     n, d = runs["params"].to_numpy(), runs["tokens"].to_numpy()
     assert minima.power_laws("vertex", n, d, 6.0).n_points[0] == 4
     assert minima.power_laws("lowest", n, d, 6.0).n_points[0] == 4
-    doc = fit_runs(_table(tmp_path, runs), FitConfig(n_bootstrap=0, progress=False, holdout=False)).to_dict()
+    doc = fit_runs(_table(tmp_path, runs), FitConfig(isoflop_minimum="vertex", n_bootstrap=0, progress=False,
+                                                     holdout=False)).to_dict()
     statuses = [m["status"].split(":")[0] for m in doc["isoflop"]["minima"]]
     assert statuses == ["ok"] * 4 + ["edge", "one-sided"]
-    assert doc["isoflop"]["minima"][4]["used"] == {"vertex": False, "lowest": False}
+    assert doc["isoflop"]["minima"][4]["used"] == {"vertex": False, "lowest": False, "akima": False}
+    # Akima's spline needs no sizes beyond the minimum's neighbours: one below the lowest run is enough.
+    assert doc["isoflop"]["minima"][5]["used"] == {"vertex": False, "lowest": False, "akima": True}
     codes = {w["code"]: w["message"] for w in doc["warnings"]}
     assert f"{BUDGETS[4]:.3g}" in codes["isoflop_edge"] and f"{BUDGETS[5]:.3g}" in codes["isoflop_one_sided"]
     assert doc["isoflop"]["a"] == pytest.approx(TRUE_A, abs=1e-6)  # the flagged budgets did not bias it

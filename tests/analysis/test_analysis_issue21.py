@@ -390,7 +390,7 @@ def test_data_constrained_law_needs_unique_tokens_and_recovers_its_decay_constan
     assert [c for c, _ in hint].count("unique_tokens") == 1  # Chinchilla's form only, with a pointer to --law
 
 
-def test_the_default_isoflop_minimum_is_the_least_biased_on_a_drifting_grid():
+def test_the_default_isoflop_minimum_and_the_vertex_are_unbiased_on_a_drifting_grid():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_isoflop_bias", Path(__file__).resolve().parents[2]
@@ -401,8 +401,8 @@ def test_the_default_isoflop_minimum_is_the_least_biased_on_a_drifting_grid():
     offsets = np.geomspace(1 / 3, 3, len(bench.BUDGETS))  # sizes planned from a too steep exponent
     found = bench.exponents(bench.CHINCHILLA, offsets, 8.0, 9, 0.0, 1, np.random.default_rng(0))
     bias = {k: abs(float(v[0]) - truth) for k, v in found.items()}
-    assert bias["vertex"] < 0.001 < 0.004 < bias["hoffmann"] < bias["lowest"]
-    assert FitConfig().isoflop_minimum == "vertex"
+    assert max(bias["vertex"], bias["akima"]) < 0.001 < 0.004 < bias["hoffmann"] < bias["lowest"]
+    assert FitConfig().isoflop_minimum == "akima"  # right on Porian et al.'s published setups
 
 
 @pytest.mark.slow

@@ -85,7 +85,8 @@ def test_lopsided_isoflop_profiles_give_the_optimum_and_flag_one_sided_ones(tmp_
     runs = isoflop_runs(BUDGETS[:6], per_budget=12, spread=10, offset=5.0, noise=0.0, law=EPOCH)
     one_sided = isoflop_runs(BUDGETS[6:], per_budget=9, spread=10, offset=6.0, noise=0.0, law=EPOCH)
     runs = pd.concat([runs, one_sided.assign(run_id=one_sided["run_id"] + "x")], ignore_index=True)
-    rc, doc, _, _ = _fit(capsys, _csv(tmp_path, runs), tmp_path / "out", "--bootstrap", "0")
+    rc, doc, _, _ = _fit(capsys, _csv(tmp_path, runs), tmp_path / "out", "--bootstrap", "0",
+                         "--isoflop-minimum", "vertex")  # the windowed vertex and its flags
     assert rc == 0
     truth = np.log10(law_optimum(BUDGETS, EPOCH)[0])
     minima = doc["isoflop"]["minima"]

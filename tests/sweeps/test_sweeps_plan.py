@@ -374,9 +374,19 @@ def test_budgets_the_family_cannot_bracket_are_warned_about_and_repeats_planned_
     bracket = [w for w in result.warnings if "may not be bracketed" in w]
     assert len(bracket) == 1 and bracket[0].startswith("budget 1e+11: the shapes the family allows put 0 size(s) "
                                                        "below and 1 above the prior N_opt")
-    repeats = [w for w in result.warnings if "give the same shape" in w]
-    assert len(repeats) == 6 and all(w.startswith("budget 1e+11, target sizes ") for w in repeats)
+    assert result.moved == ["budget 1e+11: the family has 1 shapes within reach of its 7 targets: each planned once"]
     assert all("\n" not in w for w in result.warnings)
+
+
+@pytest.mark.slow
+def test_the_default_sweep_plans_seven_distinct_shapes_per_budget_without_a_warning():
+    # Its smallest budgets' targets are spaced finer than the family's narrowest widths (4,896 then 11,360
+    # parameters): each target takes a shape of its own instead of two sharing one (planned once, with a warning).
+    result = planner.plan(spec.load("sweeps/tiny_isoflop.toml"))
+    assert not result.warnings and not result.refused and not result.moved
+    for budget in {r.budget for r in result.runs}:
+        runs = [r for r in result.runs if r.budget == budget and not r.name.endswith("-s1")]
+        assert len({r.params for r in runs}) == len(runs) == 7
 
 
 @pytest.mark.slow
@@ -387,7 +397,8 @@ def test_plan_command_prints_centres_and_warnings(tmp_path, capsys):
     path.write_text(CENTRED.replace("budgets = [1e15, 1e16]", "budgets = [1e11, 1e16]"))
     assert main(["plan", str(path), "--folder", str(tmp_path / "out")]) == 0
     out, err = capsys.readouterr()
-    assert sum(line.startswith("centre: budget ") for line in out.splitlines()) == 2
+    assert sum(line.startswith("centre: budget ") and "prior N_opt" in line for line in out.splitlines()) == 2
+    assert "centre: budget 1e+11: the family has 1 shapes within reach of its 7 targets: each planned once" in out
     assert any(line.startswith("warning: budget 1e+11: the shapes the family allows") for line in err.splitlines())
     assert not (tmp_path / "out").exists()
 

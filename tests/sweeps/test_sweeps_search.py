@@ -42,15 +42,20 @@ def parse(text: str = SWEEP) -> spec.Sweep:
 
 
 @pytest.mark.parametrize("change, message", [
-    (("budget = 2e11\n", ""), "[search] needs 'budget'"),
+    (("budget = 2e11\n", ""), "[search] needs one of 'budget' (every size at one budget) and 'tokens_per_param'"),
+    (("budget = 2e11\n", "budget = 2e11\ntokens_per_param = 40\n"), "[search] needs one of 'budget'"),
+    (("budget = 2e11\nsizes", "tokens_per_param = 40\nsizes"), None),
     (("lr = [2e-3, 4e-3, 8e-3, 1.6e-2]", "lr = [2e-3, 4e-3]"), "[search] lr needs at least 3 values"),
     (("sizes = [8e3, 2.5e4, 8e4]", "sizes = [8e3]"), "[search] sizes needs at least 2 sizes"),
     (("batch_tokens = [512, 1024, 2048, 4096]\n", ""), "[search] batch_budgets needs batch_tokens"),
     (("budget = 2e11\n", "budget = 2e11\nsteps = 3\n"), "[search]: unknown key 'steps'"),
 ])
 def test_bad_search_tables_are_refused_in_one_line(change, message):
+    text = SWEEP.replace(*change)
+    if message is None:  # a batch grid at each size's own budget: batch_budgets must say where
+        text, message = text.replace("batch_budgets = [1e11, 4e11]\n", ""), "batch_tokens with tokens_per_param needs"
     with pytest.raises(spec.SpecError) as e:
-        parse(SWEEP.replace(*change))
+        parse(text)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -82,6 +87,19 @@ def test_the_search_plans_every_rate_per_size_and_every_batch_per_budget_at_its_
     # a search run computing what a sweep run computes is still its own run
     hashes = {r.config_hash for r in planner.plan(sweep).runs}
     assert not hashes & {r.config_hash for r in lr_runs + batch_runs}
+
+
+def test_with_tokens_per_param_each_size_searches_at_its_own_budget():
+    sweep = parse(SWEEP.replace("budget = 2e11\n", "tokens_per_param = 40\n").replace(
+        "batch_tokens = [512, 1024, 2048, 4096]\nbatch_budgets = [1e11, 4e11]\n", ""))
+    runs, refused = search.lr_runs(sweep)
+    assert refused == [] and len(runs) == 3 * 4
+    for n in {r.params for r in runs}:
+        grid = [r for r in runs if r.params == n]
+        assert len({r.budget for r in grid}) == 1 and sorted(r.lr for r in grid) == [2e-3, 4e-3, 8e-3, 1.6e-2]
+        assert grid[0].tokens == pytest.approx(40 * n, rel=0.01)  # D = 40 N, to whole batches
+        assert grid[0].budget == pytest.approx(grid[0].flops, rel=0.01) and grid[0].name.startswith(
+            f"search-C{planner.format_flops(grid[0].budget)}-")
 
 
 def test_batches_that_round_to_one_run_are_refused():
