@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lab.runtime import checkpoint
-from lab.commands.cli import export_main, resolve_vocab, sample_main
+from lab.commands.cli import export_main, sample_main
+from lab.training.lifecycle import resolve_vocab
 from lab.runtime.config import build_parser, config_from_args, resolve
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import Precision

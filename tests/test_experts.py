@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.commands.cli import resolve_vocab, run_main
+from lab.commands.cli import run_main
+from lab.training.lifecycle import resolve_vocab
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.measure import accounting
 from lab.measure.device import Precision
@@ -33,7 +34,9 @@ from lab.runtime import checkpoint
 from lab.data import load_tokenizer, prepare
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
 from lab.training.optim import adamw_factory, param_groups
-from lab.training.train import StepPlan, format_step, train, train_step
+from lab.training.runlog import format_step
+from lab.training.steps import StepPlan
+from lab.training.train import train, train_step
 from pool import run_pooled
 
 MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2, moe_granularity=2, moe_shared_experts=1)

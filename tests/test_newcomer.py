@@ -118,7 +118,9 @@ def test_processes_that_start_together_measure_the_peak_once(tmp_path, monkeypat
 def test_one_thread_is_named_in_the_singular(monkeypatch):
     from lab.parallel import World
     from lab.runtime.config import RunConfig
-    from lab.training.train import Start, start_line, step_plan
+    from lab.training.runlog import start_line
+    from lab.training.steps import step_plan
+    from lab.training.train import Start
 
     cfg, world = RunConfig(), World(0, 1, 0, torch.device("cpu"))
     cfg.model.vocab_size = 512
@@ -210,7 +212,7 @@ def test_plot_refuses_what_is_not_a_run(tmp_path, capsys):
 def test_the_progress_bar_shows_only_when_the_step_lines_reach_the_terminal_too(tmp_path, monkeypatch, capsys):
     """Piped (| tee), the lines arrive behind the pipe and would land on the bar's line, the last eval line after
     Ctrl-C too: then there is no bar, and each line is printed and flushed as it comes."""
-    from lab.training.train import RunLog
+    from lab.training.runlog import RunLog
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     for stdout_is_a_terminal in (True, False):
@@ -325,7 +327,9 @@ def test_the_start_line_gives_the_thread_count():
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak, Precision
     from lab.parallel import World
-    from lab.training.train import Start, start_line, step_plan
+    from lab.training.runlog import start_line
+    from lab.training.steps import step_plan
+    from lab.training.train import Start
 
     cfg = RunConfig()
     cfg.model.vocab_size = 512

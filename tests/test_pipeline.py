@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.commands.cli import resolve_vocab
+from lab.training.lifecycle import resolve_vocab
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.data import load_tokenizer, prepare
 from lab.model import GPT
@@ -361,7 +361,8 @@ def _losses(run_dir: Path) -> list[float]:
 
 def _sent_bytes(world: World, spec: str, layers: int, accum: int) -> dict:
     """The bytes one training step sent between stages on this rank (measured, theory), after an evaluation."""
-    from lab.training.train import StepPlan, train_step
+    from lab.training.steps import StepPlan
+    from lab.training.train import train_step
 
     model = dataclasses.replace(TINY, n_layer=layers)
     setup = Setup(model=model, accum=accum, micro_batch=4)

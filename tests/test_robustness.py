@@ -6,6 +6,7 @@ Each names the problem it guards against; each failed on the code before the fix
 import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -449,3 +450,14 @@ def test_train_reads_top_to_bottom_in_short_steps():
     functions = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert functions["train"] <= 40, functions["train"]
     assert max(functions.values()) <= 80, max(functions.items(), key=lambda kv: kv[1])
+
+
+def test_the_loop_only_loops_and_names_no_axis_or_model_feature():
+    """What a transform or a model feature reports reaches the log through the strategy (``Strategy.take_record``,
+    ``Accounts.meters``) and ``lab.parallel.step_line``: train.py names none of them, and stays nanoGPT-sized."""
+    source = (ROOT / "lab" / "training" / "train.py").read_text()
+    words = set(re.findall(r"[a-z0-9]+", source.lower()))
+    named = words & {"tp", "pp", "ep", "cp", "sp", "pipeline", "bubble", "expert", "experts", "router", "routing",
+                     "exchange", "exchanges", "a2a", "moe", "mixture", "stage", "stages"}
+    assert not named, sorted(named)
+    assert len(source.splitlines()) <= 320, len(source.splitlines())

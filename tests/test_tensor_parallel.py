@@ -133,7 +133,7 @@ def test_the_resource_check_divides_what_tp_divides():
     share of the activations: a memory budget between the two estimates refuses tp 1 and admits tp 2."""
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak
-    from lab.training.train import check_resources
+    from lab.measure.admission import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
     precision = Precision("cpu")
@@ -159,7 +159,7 @@ def test_the_resource_check_divides_what_pp_and_ep_divide():
     the whole model under pp and ep)."""
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak
-    from lab.training.train import check_resources
+    from lab.measure.admission import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
     precision = Precision("cpu")
@@ -296,7 +296,8 @@ def test_a_compiled_model_under_tp_reproduces_the_eager_losses():
 def _tp_meters(world: World, specs: list[str], accum: int, models: dict[str, ModelConfig] = ARCHS) -> dict:
     """The tensor-parallel bytes of one step (measured, theory) under each spec, on each of ``models``."""
     from lab.commands.equivalence import batch
-    from lab.training.train import StepPlan, train_step
+    from lab.training.steps import StepPlan
+    from lab.training.train import train_step
 
     out = {}
     for arch, model in models.items():
@@ -390,7 +391,8 @@ def _built(world: World, spec: str, setup: Setup):
 
 def _steps(world: World, strategy, spec: str, setup: Setup, steps: range) -> None:
     from lab.commands.equivalence import batch
-    from lab.training.train import StepPlan, train_step
+    from lab.training.steps import StepPlan
+    from lab.training.train import train_step
 
     replica, replicas = data_replica(parse_spec(spec), world.rank, world.world_size)
     plan = StepPlan(8, 1, len(steps), 8 // replicas, replicas)  # one global batch of 8 sequences for every layout

@@ -17,7 +17,7 @@ from lab.commands.cli import run_main, sample_main
 from lab.runtime.config import ConfigError, RunConfig, build_parser, config_from_args, resolve
 from lab.model import GPT
 from pool import run_pooled
-from lab.training.train import checkpoint_interval, validate
+from lab.training.steps import checkpoint_interval, validate
 from test_checkpoints import train_argv
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,8 @@ from lab.model import GPT
 from lab.parallel import LoopSettings, World, create, parse_spec
 from lab.runtime.config import ModelConfig, TrainConfig
 from lab.training.optim import adamw_factory, param_groups
-from lab.training.train import StepPlan, train_step
+from lab.training.steps import StepPlan
+from lab.training.train import train_step
 
 MODEL = ModelConfig(n_layer=2, n_head=2, d_model=64, block_size=64, vocab_size=256, moe_top_k=2)
 RANKS, MICRO, STEPS = 4, 4, 6

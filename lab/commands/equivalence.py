@@ -43,7 +43,8 @@ from lab.training.optim import adamw_factory, param_groups
 from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate
 from lab.parallel.axes.pipeline import microbatches
 from lab.commands.ranks import RankFailed, run_ranks
-from lab.training.train import StepPlan, train_step
+from lab.training.steps import StepPlan
+from lab.training.train import train_step
 
 TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32, vocab_size=96)
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from lab.measure import accounting
+from lab.measure.figures import Figures
 from lab.runtime.config import ConfigError, ModelConfig, did_you_mean
 from lab.model.plan import ColumnSplit, ContextPlan, ExpertPlan, ParallelPlan, PipelinePlan, TensorPlan
 
@@ -283,6 +284,31 @@ def router_meters(counts: torch.Tensor, top_k: int) -> dict[str, float]:
             "moe_router_entropy": (entropy.sum() / tokens.sum()).item()}
 
 
+class RouterFigures(Figures):
+    """A mixture's router as its run reports it: since the last logged step, the counts of every rank summed
+    (``sum_tokens``: each token once) into ``router_meters``; the last of them in the summary."""
+
+    def __init__(self, model: GPT, sum_tokens: Callable[[torch.Tensor], torch.Tensor]):
+        self.model, self.sum_tokens, self.last = model, sum_tokens, {}
+
+    def record(self) -> dict[str, object]:
+        self.last = router_meters(self.sum_tokens(self.model.take_router_counts()).cpu(), self.model.cfg.moe_top_k)
+        return self.last
+
+    def meters(self) -> dict[str, object]:
+        return {"moe_last_step": self.last} if self.last else {}
+
+    @staticmethod
+    def line(rec: dict) -> str:
+        """The router's figures."""
+        if "moe_load_max_over_mean" not in rec:
+            return ""
+        per_expert = rec["moe_tokens_per_expert"]
+        return (f" | moe load max/mean {rec['moe_load_max_over_mean']:.2f}, tokens/expert {min(per_expert):,}-"
+                f"{max(per_expert):,}, dropped {rec['moe_dropped_tokens']:,}, "
+                f"router entropy {rec['moe_router_entropy']:.3f}")
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -406,6 +432,11 @@ class GPT(nn.Module):
     def moe_layers(self) -> list[MoE]:
         """The blocks' mixture-of-experts MLPs (none in a dense model)."""
         return [block.mlp for block in self.blocks if block is not None and isinstance(block.mlp, MoE)]
+
+    def figures(self, sum_tokens: Callable[[torch.Tensor], torch.Tensor]) -> list[Figures]:
+        """What this model reports on its run (``lab.measure.figures``): a mixture's router; ``sum_tokens`` sums
+        per-token figures over the run's ranks."""
+        return [RouterFigures(self, sum_tokens)] if self.cfg.moe_experts else []
 
     def take_router_counts(self) -> torch.Tensor | None:
         """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``; zeros for a block this

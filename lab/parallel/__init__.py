@@ -11,6 +11,8 @@ that places the model over the data axis and loops over the layout's transforms 
 from __future__ import annotations
 
 from lab.measure.device import Precision
+from lab.measure.figures import Figures
+from lab.model.gpt import RouterFigures
 from lab.parallel import axes
 from lab.parallel.axes import activations, context, experts, pipeline, tensor
 from lab.parallel.base import (
@@ -30,6 +32,7 @@ from lab.parallel.data.torch_ref import FSDP, TorchDDP
 from lab.parallel.data.zero import Zero1, Zero2, Zero3
 from lab.parallel.layout import OPTIONS as layout_options
 from lab.parallel.layout import Layout, LoopSettings, World, refuse_model
+from lab.parallel.precision import LossScaler
 from lab.runtime import compat
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
 
@@ -109,6 +112,15 @@ def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     context.check_options(cfg, model.block_size)
 
 
+# the parts whose fragments the step line shows, in its order (each formats its own: ``Figures.line``)
+LINE_PARTS: tuple[type[Figures], ...] = (LossScaler, pipeline.Pipeline, RouterFigures, experts.ExpertParallel)
+
+
+def step_line(rec: dict) -> str:
+    """The step line's fragments for the figures in ``rec``, each part's own (empty for a part absent from it)."""
+    return "".join(part.line(rec) for part in LINE_PARTS)
+
+
 def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:
     """(which, how many): the data-parallel replica global rank ``rank`` belongs to, among how many. The ranks of
     a replica read the same sequences (and draw the same dropout masks)."""
@@ -117,4 +129,4 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
 
 __all__ = ["STRATEGIES", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule",
            "Strategy", "World", "axes", "backend_for", "create", "data_replica", "experts", "join_group_of_one",
-           "parse_spec", "register", "strategy_class", "validate", "validate_model", "validate_precision"]
+           "parse_spec", "register", "step_line", "strategy_class", "validate", "validate_model", "validate_precision"]

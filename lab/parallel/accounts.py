@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from lab.measure import accounting
-from lab.runtime.config import ParallelConfig
+from lab.parallel.layout import Layout
+from lab.runtime.config import ModelConfig, ParallelConfig
 
 if TYPE_CHECKING:
     from lab.measure.device import Precision
@@ -174,10 +175,20 @@ class Accounts:
                 "backward": held + grads_backward + gathered + activations,
                 "step": held + states.grads + self.theory_step_temporaries()}
 
+    def run_peak_bytes_theory(self, shape: ModelConfig) -> dict[str, float]:
+        """``peak_bytes_theory`` of a run training a model of ``shape``: one micro-batch's activations under the
+        layout, and the copies autocast makes of the weights."""
+        s = self.strategy
+        activations = Layout.of(s.cfg, s.everyone.world_size).activation_bytes(
+            shape, s.loop.micro_batch, s.precision.activation_bytes, sequence_parallel=s.cfg.sequence_parallel,
+            checkpointing=s.cfg.activation_checkpointing == "full")
+        cast = accounting.autocast_weight_bytes(shape, s.cfg.tp) if s.precision.autocasts else 0.0
+        return self.peak_bytes_theory(activations, cast)
+
     def meters(self) -> dict[str, dict[str, float]]:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and theory),
-        the most activation bytes a micro-step saved for its backward, the tensor-parallel group's bytes and the
-        pipeline's bubble."""
+        the most activation bytes a micro-step saved for its backward, and every reporting part's own figures
+        (``Strategy.figures``)."""
         s = self.strategy
         return {
             "model_state_bytes": (self.measured or self.state_bytes()).as_dict(),
@@ -185,7 +196,7 @@ class Accounts:
             "comm_bytes_per_step": dict(self.last_comm_bytes),
             "comm_bytes_per_step_theory": self.theory_comm(),
             "activation_saved_bytes": self.most_saved,
-            **{k: v for transform in s.transforms for k, v in transform.meters().items()},
+            **{k: v for part in s.figures() for k, v in part.meters().items()},
         }
 
 

@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lab.measure.device import Precision
+from lab.measure.figures import Figures
 from lab.model.plan import ParallelPlan, plan_of
 from lab.parallel import axes
 from lab.parallel.accounts import Accounts
@@ -228,6 +229,7 @@ class Strategy:
         self.transforms: list[Transform] = axes.transforms(mesh, cfg, loop, self.saved, precision.param_dtype)
         self._comms: dict[int, tuple[World, Comm]] = {}  # a transform's data group (by its process group's id)
         self._after_load: list[Callable[[], None]] = []
+        self._model_figures: list[Figures] | None = None  # the model's own, once it is built (``figures``)
         self.module: nn.Module | None = None  # the model, under its own parameter names
         self.plan: ParallelPlan | None = None  # what the model declares of itself, after the transforms
         self.model: nn.Module | None = None  # what forward calls (the module, or a wrapper around it)
@@ -398,7 +400,7 @@ class Strategy:
 
     def precision_record(self) -> dict[str, float]:
         """fp16's loss scale now, for the step's record and the summary (nothing when the loss is not scaled)."""
-        return {} if self.scaler is None else {"loss_scale": self.scaler.scale}
+        return {} if self.scaler is None else self.scaler.record()
 
     def precision_state(self) -> dict[str, dict]:
         """What a checkpoint's metadata keeps of the precision policy: fp16's loss scale and its clean steps."""
@@ -483,6 +485,19 @@ class Strategy:
         meters = StepMeters(sent, wait_s, self.saved.take(), layout)
         self.accounts.record(meters)
         return meters
+
+    def figures(self) -> list[Figures]:
+        """Every part of the run that reports on it (``lab.measure.figures``): the transforms, the model's own (its
+        ``figures``, where it has them: a mixture's router; once it is built) and fp16's loss scaler."""
+        if self._model_figures is None and self.module is not None:
+            own = getattr(self.module, "figures", None)
+            self._model_figures = own(self.sum_token_figures) if own is not None else []
+        return [*self.transforms, *(self._model_figures or []), *([self.scaler] if self.scaler is not None else [])]
+
+    def take_record(self) -> dict[str, object]:
+        """Every part's fields of a logged step's record since the last one (every rank calls it at the same
+        steps)."""
+        return {k: v for part in self.figures() for k, v in part.record().items()}
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

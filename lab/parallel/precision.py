@@ -20,10 +20,12 @@ import torch
 import torch.nn as nn
 
 from lab.measure import memory
+from lab.measure.figures import Figures
 
 
-class LossScaler:
-    """fp16's dynamic loss scale: ``scale`` and the clean steps since it last changed."""
+class LossScaler(Figures):
+    """fp16's dynamic loss scale: ``scale`` and the clean steps since it last changed; it reports the scale in the step
+    record and line."""
 
     def __init__(self, scale: float, window: int):
         self.scale, self.window, self.clean = float(scale), window, 0
@@ -40,6 +42,13 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale, "clean_steps": self.clean}
+
+    def record(self) -> dict[str, object]:
+        return {"loss_scale": self.scale}
+
+    @staticmethod
+    def line(rec: dict) -> str:
+        return f" | loss scale {rec['loss_scale']:g}" if "loss_scale" in rec else ""
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.scale, self.clean = float(state["scale"]), int(state["clean_steps"])

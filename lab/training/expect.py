@@ -19,8 +19,11 @@ from typing import Callable
 
 import numpy as np
 
+from lab.measure import accounting
 from lab.measure.laws import CURVE_LAW, CURVE_THETA, FORMS, curve_loss, point_loss
+from lab.runtime.config import ConfigError, RunConfig
 from lab.runtime.files import read_json
+from lab.training import schedule
 
 OFF_TRACK_EVALS = 3
 WIDEN = 2.0
@@ -95,6 +98,12 @@ class Watcher:
                        f"a row (steps {', '.join(str(x.step) for x in recent)}; now {loss:.4f} against "
                        f"{expected:.4f} [{lo:.4f}, {hi:.4f}], {e.deviation:+.2%}; law {self.law_path})")
         return e, None
+
+    def eval_fields(self, step: int, loss: float) -> tuple[dict, str, str | None]:
+        """``observe`` as an eval reports it: the eval record's fields, the suffix of its line and the warning."""
+        e, off_track = self.observe(step, loss)
+        fields = {"expected_loss": e.expected, "expected_interval": [e.lo, e.hi], "deviation": e.deviation}
+        return fields | ({"warning": off_track} if off_track else {}), f" | {e.line()}", off_track
 
     def summary(self) -> dict:
         """What the run's summary.json records."""
@@ -173,3 +182,19 @@ def watcher(law_path: str | Path, params: float, lr: np.ndarray, batch_tokens: i
     except (KeyError, TypeError, ValueError) as exc:
         raise LawError(f"{law_path}: not a usable {kind} law ({type(exc).__name__}: {exc})") from None
     return Watcher(str(law_path), kind, lr, law, rmse)
+
+
+def for_run(cfg: RunConfig, total_steps: int, earlier: list[dict]) -> Watcher | None:
+    """train.expect's watcher (None without it): the run's N and its schedule's rate at every step under the law; a
+    resumed run's watcher has seen its ``earlier`` eval records, so it warns once over the whole run."""
+    if not cfg.train.expect:
+        return None
+    lr = [schedule.learning_rate(s, total_steps, cfg.train) for s in range(total_steps)]
+    try:
+        run_watcher = watcher(cfg.train.expect, accounting.param_counts(cfg.model).total, lr, cfg.train.batch_tokens,
+                              cfg.train.lr)
+    except LawError as e:
+        raise ConfigError(f"train.expect: {e}") from None
+    for rec in earlier:
+        run_watcher.observe(rec["step"], rec["eval_loss"])  # a warning among them was given when its segment ran
+    return run_watcher

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lab.commands.cli import resolve_vocab
+from lab.training.lifecycle import resolve_vocab
 from lab.data import load_tokenizer, prepare
 from lab.parallel import World
 from lab.runtime.config import build_parser, config_from_args
@@ -262,7 +262,7 @@ def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, s
 @pytest.mark.parametrize("steps", ["0", "9,x", "9,13", "-1", "9;10"])
 def test_checkpoint_steps_outside_the_run_are_refused_in_one_line(steps):
     from lab.runtime.config import ConfigError, RunConfig
-    from lab.training.train import validate
+    from lab.training.steps import validate
 
     cfg = RunConfig.from_dict({"model": {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32},
                                "train": {"tokens": 3072, "batch_tokens": 256, "micro_batch": 4,

@@ -12,7 +12,8 @@ the context of the autograd pass (``autograd``), the ranks a parameter's gradien
 the strategy's (``data_group``: an expert's), the parts of a gradient this rank adds to the global norm
 (``counted``), the gradients it completes after the data-parallel sync (``complete_gradients``: a weight two stages
 hold), what a checkpoint stores of a parameter (``whole_region``) and which ranks hold the same values
-(``replicas``), its meters (``take_meters``, ``meters``) and what evaluation must not count (``paused``).
+(``replicas``), its step's cost (``take_meters``), what it reports (``lab.measure.figures.Figures``: its summary
+fields, ``meters``, and its fragment of the step line, ``line``) and what evaluation must not count (``paused``).
 
 A new axis implements these methods in one file and adds one entry to ``transforms``.
 """
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn as nn
 
+from lab.measure.figures import Figures
 from lab.model.plan import ParallelPlan
 from lab.runtime.checkpoint import Blocks, Held, Pieces
 from lab.runtime.config import ParallelConfig
@@ -57,7 +59,7 @@ class Replicas:
         raise NotImplementedError
 
 
-class Transform:
+class Transform(Figures):
     """One step of a layout; every method's default adds nothing (see the module docstring)."""
 
     name: ClassVar[str]
@@ -140,10 +142,6 @@ class Transform:
     def take_meters(self) -> AxisMeters:
         """This step's figures (once per step: every rank calls it)."""
         return AxisMeters()
-
-    def meters(self) -> dict[str, object]:
-        """The run's figures, for the summary."""
-        return {}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

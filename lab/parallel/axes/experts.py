@@ -153,6 +153,14 @@ class ExpertParallel(Pausable, Transform):
     def meters(self) -> dict[str, object]:
         return {"ep_a2a_bytes_per_step": self.last_sent_bytes, "ep_a2a_bytes_per_step_theory": self.theory_bytes()}
 
+    @staticmethod
+    def line(rec: dict) -> str:
+        """The all-to-all bytes beside their theory."""
+        if "ep_a2a_bytes" not in rec:
+            return ""
+        return (f" | a2a {rec['ep_a2a_bytes'] / 2**10:,.0f} KiB (theory at balanced routing "
+                f"{rec['ep_a2a_bytes_theory'] / 2**10:,.0f})")
+
 
 class _Exchange(torch.autograd.Function):
     """Rows to the ranks of the expert group (``sent`` to each) and ``received`` from each; the backward sends the

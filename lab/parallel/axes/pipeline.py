@@ -422,6 +422,18 @@ class Pipeline(Transform):
         return {"pp_bubble": _fractions(self.totals), "pp_bubble_theory": self.theory,
                 **_in_flight(self.in_flight_run)}
 
+    @staticmethod
+    def line(rec: dict) -> str:
+        """The measured bubble per stage beside its theory, the bytes sent and held in flight."""
+        if "pp_bubble" not in rec:
+            return ""
+        stages = " ".join(f"{100 * b:.0f}%" for b in rec["pp_bubble"])
+        held = " ".join(f"{b / 2**10:,.0f}" for b in rec.get("pp_in_flight_bytes", []))
+        theory = " ".join(f"{b / 2**10:,.0f}" for b in rec.get("pp_in_flight_bytes_theory", []))
+        return (f" | bubble {stages} by stage (theory {100 * rec['pp_bubble_theory']:.0f}%) | p2p "
+                f"{rec['pp_sent_bytes'] / 2**10:,.0f} KiB (theory {rec['pp_sent_bytes_theory'] / 2**10:,.0f})"
+                + (f" | activations in flight {held} KiB by stage (theory {theory})" if held else ""))
+
     @_on_pp
     @torch.no_grad()
     def hand_over(self, view: torch.Tensor) -> None:
