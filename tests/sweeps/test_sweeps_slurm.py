@@ -194,10 +194,15 @@ def test_a_submission_is_recorded_before_sbatch_so_a_stopped_driver_never_submit
     rows = registry_rows(folder)
     assert all(r["status"] == "done" and r["attempts"] == 1 for r in rows.values()), rows
     assert all(completions(folder, name) == 1 for name in rows)
-    out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", since, "-o", "JobID,JobName"], capture_output=True,
-                         text=True, check=True).stdout.split()
-    submitted = sorted(line.split("|")[0] for line in out if line.split("|")[1].startswith(job_name(sweep_name)))
-    assert submitted == sorted(job_id(r) for r in rows.values())  # one job per run, the one recorded
+
+    def submitted() -> list[str]:  # the accounting database records a job a moment after it ends
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", since, "-o", "JobID,JobName"], capture_output=True,
+                             text=True, check=True).stdout.split()
+        return sorted(line.split("|")[0] for line in out if line.split("|")[1].startswith(job_name(sweep_name)))
+
+    recorded = sorted(job_id(r) for r in rows.values())
+    wait_for(lambda: len(submitted()) >= len(recorded), timeout=60, what="sacct to list the sweep's jobs")
+    assert submitted() == recorded  # one job per run, the one recorded
 
 
 NASTY = "it's a \"run\"; touch PWNED-$(id -u) `touch PWNED2` && rm -rf nothing"
