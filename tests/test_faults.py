@@ -354,8 +354,12 @@ def _axis_timeouts(world: World) -> list[float]:
 
     n = world.world_size
     axes, experts = (Layout.of(ParallelConfig(tp=2), n).mesh(world), Layout.of(ParallelConfig(ep=2), n).mesh(world))
-    return [axis.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for axis in (axes.dp, axes.tp, experts.ep, experts.edp)]
+    timeouts = [axis.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for axis in (axes.dp, axes.tp, experts.ep, experts.edp)]
+    # rank 0 holds the store: returning (and tearing it down) while a peer still reads it to finish its groups
+    # resets the peer's connection
+    torch.distributed.barrier()
+    return timeouts
 
 
 @pytest.mark.slow
