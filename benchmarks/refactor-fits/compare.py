@@ -41,7 +41,7 @@ def datasets() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     table = load_runs(ROOT / "tests/analysis/data/default-sweep.csv", exclude=["role == 'verify'"])
     runs = isoflop_runs(np.geomspace(1e18, 1e21, 7), per_budget=9, noise=0.01, seed=0)
     return {"sweep": (table.n, table.d, table.loss),
-            "chinchilla": (runs["params"].to_numpy(float), runs["tokens"].to_numpy(float), runs["loss"].to_numpy(float))}
+            "chinchilla": tuple(runs[column].to_numpy(float) for column in ("params", "tokens", "loss"))}
 
 
 def run_fits(tree: Path, arrays: Path, ftol: str = "") -> dict:
@@ -117,8 +117,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     arrays = {}
     for name, (n, d, loss) in data.items():
-        arrays |= {f"{name}_n": n, f"{name}_d": d, f"{name}_loss": loss,
-                   f"{name}_weights": rng.multinomial(len(n), np.full(len(n), 1 / len(n)), size=RESAMPLES).astype(float)}
+        weights = rng.multinomial(len(n), np.full(len(n), 1 / len(n)), size=RESAMPLES).astype(float)
+        arrays |= {f"{name}_n": n, f"{name}_d": d, f"{name}_loss": loss, f"{name}_weights": weights}
         for form in FORMS.values():
             arrays[f"{name}_{form.name}_theta0"] = fit_parametric(n, d, loss, form=form).theta
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +128,8 @@ def main() -> None:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", OLD, "analysis", "lab"], capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
-        results = {"old": run_fits(old_tree, Path(tmp) / "arrays.npz"), "new": run_fits(ROOT, Path(tmp) / "arrays.npz", ftol)}
+        results = {"old": run_fits(old_tree, Path(tmp) / "arrays.npz"),
+                   "new": run_fits(ROOT, Path(tmp) / "arrays.npz", ftol)}
 
     print(f"{'case':34} {'side':4} {'objective':>22} {'|grad|':>9} {'polished objective':>22} {'to polished':>11}")
     for name in data:
