@@ -12,14 +12,13 @@ import torch
 
 from lab.runtime import checkpoint
 from lab.commands.cli import export_main, sample_main
-from lab.training.lifecycle import resolve_vocab
+from lab.training.lifecycle import build_strategy, resolve_vocab, train
 from lab.runtime.config import build_parser, config_from_args, resolve
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import Precision
 from lab.parallel import World
 from lab.commands.ranks import RankFailed, free_port, run_ranks
 from pool import run_pooled
-from lab.training.train import build_strategy, train
 
 pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make test` only, not test-fast
 

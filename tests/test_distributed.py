@@ -212,7 +212,7 @@ def _first_dropout_mask(world: World, cfg_tree: dict, data_dir, run_dir) -> torc
     import torch.nn.functional as F
 
     from lab.runtime.config import resolve
-    from lab.training.train import train
+    from lab.training.lifecycle import train
 
     masks = []
     dropout = F.dropout

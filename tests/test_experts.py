@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lab.commands.cli import run_main
-from lab.training.lifecycle import resolve_vocab
+from lab.training.lifecycle import resolve_vocab, train
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.measure import accounting
 from lab.measure.device import Precision
@@ -36,7 +36,7 @@ from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_p
 from lab.training.optim import adamw_factory, param_groups
 from lab.training.runlog import format_step
 from lab.training.steps import StepPlan
-from lab.training.train import train, train_step
+from lab.training.train import train_step
 from pool import run_pooled
 
 MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2, moe_granularity=2, moe_shared_experts=1)

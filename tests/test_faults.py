@@ -15,7 +15,7 @@ import torch
 
 from lab.runtime import checkpoint
 from lab.commands.cli import export_main, run_main, sample_main
-from lab.training.lifecycle import resolve_vocab
+from lab.training.lifecycle import build_strategy, resolve_vocab, restore, train
 from lab.runtime.config import ConfigError, ParallelConfig, build_parser, config_from_args
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import Precision
@@ -23,7 +23,6 @@ from lab.runtime.files import save_json, take_lock
 from lab.parallel import World
 from lab.commands.ranks import run_ranks
 from lab.training.steps import step_plan
-from lab.training.train import build_strategy, restore, train
 
 
 def run(run_dir: Path, *argv: str) -> int:

@@ -182,7 +182,7 @@ def test_the_start_line_names_the_deepspeed_stage_and_the_peak():
     from lab.parallel import World, create
     from lab.training.runlog import start_line
     from lab.training.steps import loop_settings, step_plan
-    from lab.training.train import Start
+    from lab.training.steps import Start
 
     cfg = RunConfig()
     cfg.model.vocab_size, cfg.parallel.strategy, cfg.parallel.zero_stage = 512, "deepspeed", 3

@@ -120,7 +120,7 @@ def test_one_thread_is_named_in_the_singular(monkeypatch):
     from lab.runtime.config import RunConfig
     from lab.training.runlog import start_line
     from lab.training.steps import step_plan
-    from lab.training.train import Start
+    from lab.training.steps import Start
 
     cfg, world = RunConfig(), World(0, 1, 0, torch.device("cpu"))
     cfg.model.vocab_size = 512
@@ -329,7 +329,7 @@ def test_the_start_line_gives_the_thread_count():
     from lab.parallel import World
     from lab.training.runlog import start_line
     from lab.training.steps import step_plan
-    from lab.training.train import Start
+    from lab.training.steps import Start
 
     cfg = RunConfig()
     cfg.model.vocab_size = 512

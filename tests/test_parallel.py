@@ -116,6 +116,56 @@ def test_single_meters_measure_sixteen_bytes_per_parameter_and_no_traffic():
     assert set(m["comm_bytes_per_step"].values()) == {0.0} == set(m["comm_bytes_per_step_theory"].values())
 
 
+STEP = {"step": 3, "loss": 4.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e3, "mfu": 0.01, "comm_time_s": 0.0,
+        "mem_peak_bytes": 2**20}
+
+
+def test_a_transform_added_to_the_one_list_is_applied_and_shows_its_fragment_in_the_step_line(monkeypatch):
+    """A new transform is one entry in ``axes.kinds``: the strategy applies it where its ``on`` says, its record reaches
+    the step's record, and the step line shows its fragment, with no other list to edit."""
+    from lab.parallel import axes
+    from lab.training.runlog import format_step
+
+    class Probe(axes.Transform):
+        name = "probe"
+
+        @classmethod
+        def on(cls, mesh, cfg, loop, saved):
+            return cls()
+
+        def record(self):
+            return {"probe_count": 7}
+
+        @staticmethod
+        def line(rec):
+            return f" | probe {rec['probe_count']}" if "probe_count" in rec else ""
+
+    kinds = axes.kinds
+    monkeypatch.setattr(axes, "kinds", lambda: (*kinds(), Probe), raising=False)
+    strategy = built()
+    assert [type(t) for t in strategy.transforms] == [Probe]
+    line = format_step(STEP | strategy.take_record(), 8, 0.0)
+    assert line.endswith(" | probe 7") and line.startswith("step     3/8 | loss 4.0000")
+
+
+def test_the_step_lines_fragments_keep_their_order():
+    """The loss scale, the pipeline's bubble, the router and the experts' exchanges, in that order (as before the
+    line was gathered from the transforms' list), each part's own fragment."""
+    from lab.model.gpt import RouterFigures
+    from lab.parallel import step_line
+    from lab.parallel.axes.experts import ExpertParallel
+    from lab.parallel.axes.pipeline import Pipeline
+    from lab.parallel.precision import LossScaler
+
+    rec = STEP | {"loss_scale": 1024.0, "pp_bubble": [0.25, 0.5], "pp_bubble_theory": 0.2, "pp_sent_bytes": 4096,
+                  "pp_sent_bytes_theory": 4096, "moe_load_max_over_mean": 1.5, "moe_tokens_per_expert": [3, 5],
+                  "moe_dropped_tokens": 0, "moe_router_entropy": 0.6, "ep_a2a_bytes": 2048,
+                  "ep_a2a_bytes_theory": 1024}
+    fragments = [part.line(rec) for part in (LossScaler, Pipeline, RouterFigures, ExpertParallel)]
+    assert all(fragments) and step_line(rec) == "".join(fragments)
+    assert step_line(STEP) == ""
+
+
 def test_the_loop_names_no_strategy_and_asks_no_strategy_its_type():
     source = Path(__file__).resolve().parents[1] / "lab" / "training" / "train.py"
     tree = ast.parse(source.read_text())

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.training.lifecycle import resolve_vocab
+from lab.training.lifecycle import resolve_vocab, train
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.data import load_tokenizer, prepare
 from lab.model import GPT
@@ -35,7 +35,6 @@ from lab.runtime import checkpoint
 from lab.runtime.checkpoint import Held
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig, build_parser, config_from_args
 from lab.training.optim import adamw_factory, param_groups
-from lab.training.train import train
 from pool import run_pooled
 
 ROOT = Path(__file__).resolve().parents[1]

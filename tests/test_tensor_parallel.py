@@ -550,7 +550,7 @@ def test_a_flat_checkpoint_loads_under_tp_as_one_written_before_blocks(tmp_path)
 
 def _train(world: World, tree: dict, data_dir, run_dir) -> dict:
     from lab.runtime.config import resolve
-    from lab.training.train import train
+    from lab.training.lifecycle import train
 
     cfg = resolve(tree)
     cfg.model.vocab_size = 512

@@ -70,7 +70,7 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, results:
 
 # Imported once by the fork server; every rank forked from it starts with them loaded (importing
 # torch and the optimizer's lazy torch._dynamo costs several seconds per fresh process).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "lab.training.train", "lab.parallel"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "lab.training.lifecycle", "lab.parallel"]
 
 
 def fork_context() -> mp.context.BaseContext:

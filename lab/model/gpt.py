@@ -30,6 +30,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -288,8 +289,15 @@ class RouterFigures(Figures):
     """A mixture's router as its run reports it: since the last logged step, the counts of every rank summed
     (``sum_tokens``: each token once) into ``router_meters``; the last of them in the summary."""
 
+    line_place = 30
+
     def __init__(self, model: GPT, sum_tokens: Callable[[torch.Tensor], torch.Tensor]):
         self.model, self.sum_tokens, self.last = model, sum_tokens, {}
+
+    @classmethod
+    def of(cls, model: GPT, sum_tokens: Callable[[torch.Tensor], torch.Tensor]) -> RouterFigures | None:
+        """The router's figures of ``model``; None for a dense one."""
+        return cls(model, sum_tokens) if model.cfg.moe_experts else None
 
     def record(self) -> dict[str, object]:
         self.last = router_meters(self.sum_tokens(self.model.take_router_counts()).cpu(), self.model.cfg.moe_top_k)
@@ -325,6 +333,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # the model's features that report on its run, in one list (``figures`` makes those it has, each with ``of``; the
+    # step line shows the fragments of all of them, ``lab.parallel.step_line``)
+    FIGURES: ClassVar[tuple[type[RouterFigures], ...]] = (RouterFigures,)
+
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         """Build the model and give it its initial weights (nothing is allocated on the meta device)."""
         super().__init__()
@@ -436,7 +448,7 @@ class GPT(nn.Module):
     def figures(self, sum_tokens: Callable[[torch.Tensor], torch.Tensor]) -> list[Figures]:
         """What this model reports on its run (``lab.measure.figures``): a mixture's router; ``sum_tokens`` sums
         per-token figures over the run's ranks."""
-        return [RouterFigures(self, sum_tokens)] if self.cfg.moe_experts else []
+        return [part for kind in self.FIGURES if (part := kind.of(self, sum_tokens)) is not None]
 
     def take_router_counts(self) -> torch.Tensor | None:
         """Every MoE layer's counts since the last call ([layers, E + 3], for ``router_meters``; zeros for a block this

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lab.measure.device import Precision
 from lab.measure.figures import Figures
-from lab.model.gpt import RouterFigures
+from lab.model import GPT
 from lab.parallel import axes
 from lab.parallel.axes import activations, context, experts, pipeline, tensor
 from lab.parallel.base import (
@@ -112,13 +112,15 @@ def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     context.check_options(cfg, model.block_size)
 
 
-# the parts whose fragments the step line shows, in its order (each formats its own: ``Figures.line``)
-LINE_PARTS: tuple[type[Figures], ...] = (LossScaler, pipeline.Pipeline, RouterFigures, experts.ExpertParallel)
+def line_parts() -> list[type[Figures]]:
+    """Every part a run can have that reports on it, in the step line's order (each part's ``line_place``): fp16's loss
+    scaler, the transforms' one list (``axes.kinds``) and the model's features (``GPT.FIGURES``)."""
+    return sorted((LossScaler, *axes.kinds(), *GPT.FIGURES), key=lambda part: part.line_place)
 
 
 def step_line(rec: dict) -> str:
     """The step line's fragments for the figures in ``rec``, each part's own (empty for a part absent from it)."""
-    return "".join(part.line(rec) for part in LINE_PARTS)
+    return "".join(part.line(rec) for part in line_parts())
 
 
 def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, int]:

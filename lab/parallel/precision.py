@@ -27,6 +27,8 @@ class LossScaler(Figures):
     """fp16's dynamic loss scale: ``scale`` and the clean steps since it last changed; it reports the scale in the step
     record and line."""
 
+    line_place = 10  # the step line's first fragment
+
     def __init__(self, scale: float, window: int):
         self.scale, self.window, self.clean = float(scale), window, 0
 

@@ -1,37 +1,51 @@
 """A run's lifecycle, from its config to its exit code: the checks before any process group (``preflight``), the run
 directory (a new name, its lock, whether to resume, a resumed run's config), the process group, the data, the stop
-signals, the loop (``lab.training.train``), what each way of ending means (``run``; the exit codes are in
-``lab.commands.cli``'s docstring) and the teardown. ``lab.commands.cli`` parses the command line and launches ranks.
+signals (``run``), then the run itself (``train``): its strategy built (``build_strategy``), a checkpoint restored
+(``restore``), its log opened, the loop (``lab.training.train.run_steps``), its summary; what each way of ending
+means (``run``; the exit codes are in ``lab.commands.cli``'s docstring) and the teardown. ``lab.commands.cli``
+parses the command line and launches ranks.
+
+A run writes its directory: ``config.json`` (resolved config), ``metrics.jsonl`` (one record per logged step, plus
+eval records), ``summary.json`` (final figures and status), ``attempts.jsonl``, ``tokenizer/`` and
+``checkpoints/step-N/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, TypeVar
 
 import torch.distributed as dist
 
-from lab.data import check_source, load_tokenizer, prepare
+from lab import parallel
+from lab.data import PreparedData, check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
+from lab.measure import memory
 from lab.measure.admission import Estimate, check_resources
-from lab.measure.device import available_memory_bytes, peak_flops, precision_of, resolve_device
-from lab.parallel import World, backend_for, join_group_of_one, validate_model, validate_precision
+from lab.measure.device import (Precision, available_memory_bytes, peak_flops, precision_of, resolve_device,
+                                setup_device)
+from lab.model import GPT
+from lab.parallel import Strategy, World, backend_for, join_group_of_one, validate_model, validate_precision
 from lab.parallel.comm import AxisFailed
-from lab.runtime import checkpoint
+from lab.runtime import chaos, checkpoint
 from lab.runtime.config import ConfigError, RunConfig, print_error
 from lab.runtime.files import LockHeld, LockUnusable, dumps, probe_writable, read_json, save_json, take_lock
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
-from lab.training.steps import validate
-from lab.training.train import TrainingDiverged, decided_on_main, train
+from lab.training.optim import adamw_factory, param_groups
+from lab.training.runlog import RunLog, start_line, summarise
+from lab.training.steps import Start, StepPlan, loop_settings, step_plan, validate
+from lab.training.train import TrainingDiverged, run_steps
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
 # the accumulation, micro-batch, precision, logging), never what it is (model, data, schedule, optimizer).
@@ -226,25 +240,107 @@ def preflight(cfg: RunConfig, run_dir: Path | None, resume: str | None,
     return world, mode, estimate
 
 
+# ---------------------------------------------------------------- the run
+
+
+T = TypeVar("T")
+
+
+def decided_on_main(world: World, decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0, its value handed to every rank; a ConfigError there is raised on every rank."""
+    def attempt() -> tuple[bool, object]:
+        try:
+            return True, decide()
+        except ConfigError as e:
+            return False, str(e)
+
+    ok, value = world.broadcast_from_main(attempt)
+    if not ok:
+        raise ConfigError(value)
+    return value
+
+
+def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
+    """The run's strategy, built from the model factory (the strategy applies the split, checkpointing,
+    compilation and sharding), the weight-decay rule and AdamW."""
+    strategy = parallel.create(cfg.parallel, world, precision, loop_settings(cfg, step_plan(cfg, world.world_size)))
+    strategy.build(functools.partial(GPT, cfg.model, seed=cfg.train.seed),
+                   lambda model: param_groups(model, cfg.train.weight_decay),
+                   adamw_factory(cfg.train, world.device))
+    return strategy
+
+
+def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, plan: StepPlan) -> Start:
+    """Load the newest readable checkpoint into the strategy, whatever strategy and world size wrote it.
+
+    Rank 0 picks the checkpoint and hands its name to every rank (on a shared filesystem with caching, ranks on
+    other nodes may see another newest one); every rank then checks that it reads the same metadata.
+    """
+    folder = decided_on_main(world, lambda: checkpoint.latest_readable(run_dir))  # its refusal too, on every rank
+    if folder is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+    world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
+    meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
+    strategy.after_load()
+    strategy.load_precision_state(meta)
+    complete = meta["step"] >= plan.total_steps  # killed before its summary: resuming only writes it
+    if cfg.train.stop_after and cfg.train.stop_after <= meta["step"] and not complete:
+        raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "
+                          f"({meta['step']})")
+    return Start(meta["step"], meta["wall_time_s"], list(meta.get("recent_losses", [])),
+                 int(meta.get("skipped_steps", 0)), meta.get("eval_loss"))
+
+
+def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: bool = False,
+          stop_signal: Callable[[], int] = lambda: 0, estimate: Estimate | None = None, restarts: int = 0) -> dict:
+    """Train ``cfg`` on prepared data; write the run directory (rank 0); return the summary.
+
+    ``stop_signal`` returns the number of a signal asking this rank to stop (0: none); the run then
+    stops at the end of the step every rank is in, saves a checkpoint and reports ``interrupted``.
+    ``restarts`` (how often torchrun restarted the group) is recorded in the summary.
+    """
+    started = time.perf_counter()
+    plan = validate(cfg, world.world_size)
+    data = PreparedData.load(data_dir)
+    setup_device(world.device)
+    precision = precision_of(cfg.train, world.device)
+    peak = peak_flops(world.device, precision, cfg.train.peak_flops)
+    with memory.Meter(world.device, track_tensors=cfg.train.memory_meter).running():
+        strategy = build_strategy(cfg, world, precision)
+        start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
+        log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
+        if world.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.clean_stale_temporaries(run_dir)
+            save_json(run_dir / "config.json", cfg.to_dict())
+            data.tokenizer.save(run_dir / "tokenizer")
+            log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
+            log.open_trackers(cfg, run_dir, resumed_at=start.step)
+            log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
+        try:
+            outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
+            summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
+                                start.wall_time_s + time.perf_counter() - started)
+            summary |= {"resumed_from_step": start.step, "restarts": restarts}
+            if world.is_main:
+                log.sync()
+                save_json(run_dir / "summary.json", summary)
+                log.attempt("end", outcome.end_step, status=summary["status"])
+                chaos.point("summary-written")
+                log.summary(summary)
+            return summary
+        finally:
+            log.close()
+
+
 def run(cfg: RunConfig, world: World, run_dir: Path | None, mode: str, estimate: Estimate) -> int:
     """Train a run that passed ``preflight``, from the process group to its teardown; return the exit code. Without
     ``run_dir`` the run gets a new folder (``default_run_dir``), named in its first and last lines."""
     named = run_dir is not None  # on the command line
     if world.is_main and (warning := shared_store_warning()):
         print(warning, file=sys.stderr, flush=True)
-
-    if world.world_size > 1:
-        if os.environ.get("MASTER_ADDR") in LOOPBACK_HOSTS:
-            listen_on_loopback()  # rank 0 hosts the store when torchrun does not share its own
-        try:
-            dist.init_process_group(backend=backend_for(world.device),
-                                    timeout=timedelta(seconds=cfg.parallel.timeout_s))
-        except RuntimeError as e:  # torch.distributed.DistError and its kinds derive from it
-            print(f"error: the {world.world_size} processes did not meet within parallel.timeout_s "
-                  f"({cfg.parallel.timeout_s:g} s), is a rank missing? ({_first_line(e)})", file=sys.stderr)
-            return 1
-    elif cfg.parallel.strategy != "single" and not dist.is_initialized():
-        join_group_of_one(world.device)  # a multi-rank strategy as a world of one (plain python, or torchrun with 1)
+    if not join_group(cfg, world):
+        return 1
     held: list[IO[bytes]] = []  # rank 0's lock on the run directory, released when this returns
 
     def claim() -> bool:
@@ -287,19 +383,7 @@ def run(cfg: RunConfig, world: World, run_dir: Path | None, mode: str, estimate:
     except RuntimeError as e:
         if world.world_size == 1:
             raise  # one process: a bug, with its traceback
-        log = run_dir / "logs" / f"rank-{world.rank}-error.txt"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(traceback.format_exc())
-        failed = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, AxisFailed)), None)
-        if failed:
-            print(f"error: rank {world.rank}: a rank on the {failed.axis} axis died or did not answer within "
-                  f"parallel.timeout_s ({cfg.parallel.timeout_s:g} s) ({_first_line(failed.__cause__ or failed)}); "
-                  f"the last checkpoint is kept; traceback in {log}", file=sys.stderr)
-            return 1
-        print(f"error: rank {world.rank}: a collective failed or timed out after parallel.timeout_s "
-              f"({cfg.parallel.timeout_s:g} s), a rank died or the ranks diverged ({_first_line(e)}); the last "
-              f"checkpoint is kept; traceback in {log}", file=sys.stderr)
-        return 1
+        return collective_failed(e, cfg, world, run_dir)
     except KeyboardInterrupt:
         print("error: interrupted (a second Ctrl-C stops without a checkpoint; the last one is kept)", file=sys.stderr)
         return 130
@@ -309,6 +393,48 @@ def run(cfg: RunConfig, world: World, run_dir: Path | None, mode: str, estimate:
         for lock in held:
             lock.close()
 
+    return ended(summary, world, run_dir, named)
+
+
+def join_group(cfg: RunConfig, world: World) -> bool:
+    """Start the process group of a run of several ranks (False, said in one line: the ranks did not meet), or a
+    group of one for a multi-rank strategy run alone (plain python, or torchrun with 1)."""
+    if world.world_size > 1:
+        if os.environ.get("MASTER_ADDR") in LOOPBACK_HOSTS:
+            listen_on_loopback()  # rank 0 hosts the store when torchrun does not share its own
+        try:
+            dist.init_process_group(backend=backend_for(world.device),
+                                    timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        except RuntimeError as e:  # torch.distributed.DistError and its kinds derive from it
+            print(f"error: the {world.world_size} processes did not meet within parallel.timeout_s "
+                  f"({cfg.parallel.timeout_s:g} s), is a rank missing? ({_first_line(e)})", file=sys.stderr)
+            return False
+    elif cfg.parallel.strategy != "single" and not dist.is_initialized():
+        join_group_of_one(world.device)
+    return True
+
+
+def collective_failed(e: RuntimeError, cfg: RunConfig, world: World, run_dir: Path) -> int:
+    """Exit code 1 for a rank of several whose run failed (a peer died or timed out, or the ranks diverged): the
+    traceback in the run's logs, one line naming the axis where it is known."""
+    log = run_dir / "logs" / f"rank-{world.rank}-error.txt"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(traceback.format_exc())
+    failed = next((c for c in (e, e.__cause__, e.__context__) if isinstance(c, AxisFailed)), None)
+    if failed:
+        print(f"error: rank {world.rank}: a rank on the {failed.axis} axis died or did not answer within "
+              f"parallel.timeout_s ({cfg.parallel.timeout_s:g} s) ({_first_line(failed.__cause__ or failed)}); "
+              f"the last checkpoint is kept; traceback in {log}", file=sys.stderr)
+        return 1
+    print(f"error: rank {world.rank}: a collective failed or timed out after parallel.timeout_s "
+          f"({cfg.parallel.timeout_s:g} s), a rank died or the ranks diverged ({_first_line(e)}); the last "
+          f"checkpoint is kept; traceback in {log}", file=sys.stderr)
+    return 1
+
+
+def ended(summary: dict, world: World, run_dir: Path, named: bool) -> int:
+    """The exit code of a run that returned its summary, and its last lines (rank 0): how to resume an interrupted
+    one (``named``: its run directory was on the command line), or what a finished one did."""
     if summary["status"] == "interrupted":
         if world.is_main:
             print(f"interrupted by {summary['signal']} after step {summary['steps']} of {summary['total_steps']}; "

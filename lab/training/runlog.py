@@ -26,10 +26,10 @@ from lab.parallel import Strategy, World
 from lab.runtime.config import RunConfig
 from lab.runtime.files import append_line, dumps, fsync_file, fsync_folder, read_lines, write_atomic
 from lab.training import expect, trackers
-from lab.training.steps import StepPlan
+from lab.training.steps import Start, StepPlan
 
 if TYPE_CHECKING:
-    from lab.training.train import Outcome, Start
+    from lab.training.train import Outcome
 
 ATTEMPTS = "attempts.jsonl"  # in the run directory: each attempt's start, checkpoints and end (RunLog.attempt)
 

@@ -1,12 +1,12 @@
-"""The step plan and its checks: how the token budget becomes steps and a global batch micro-batches per rank, every
-check of a run's config that needs neither data nor hardware (``validate``), when checkpoints are written, and the
-seed of each step's random stream."""
+"""The step plan and its checks: how the token budget becomes steps and a global batch micro-batches per rank, where a
+run (re)starts (``Start``), every check of a run's config that needs neither data nor hardware (``validate``), when
+checkpoints are written, and the seed of each step's random stream."""
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,17 @@ class StepPlan:
         """Which sequences of the step's global batch this rank reads in micro-step ``micro``."""
         lo = rank * (self.global_sequences // self.world_size) + micro * self.micro_batch
         return lo, lo + self.micro_batch
+
+
+@dataclass
+class Start:
+    """Where a run (re)starts: its step, and the figures the steps before it left in their checkpoint."""
+
+    step: int = 0
+    wall_time_s: float = 0.0
+    recent_losses: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    eval_loss: float | None = None
 
 
 def step_plan(cfg: RunConfig, world_size: int) -> StepPlan:

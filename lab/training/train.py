@@ -1,45 +1,35 @@
-"""The training loop: it asks the registry for a strategy and from then on calls only its interface; what the run's
-parts report (a transform's traffic, a model feature's figures) reaches the log through ``Strategy.take_record`` and
-``lab.parallel.step_line``, named nowhere here.
+"""The training loop: one step (``train_step``), the held-out loss (``evaluate``) and the steps of a run
+(``run_steps``: logging, evaluation, checkpoints, the non-finite policy and a stop asked for). It calls only the
+strategy's interface; what the run's parts report (a transform's traffic, a model feature's figures) reaches the log
+through ``Strategy.take_record`` and ``lab.parallel.step_line``, named nowhere here.
 
-A run writes its directory: ``config.json`` (resolved config), ``metrics.jsonl`` (one record per
-logged step, plus eval records), ``summary.json`` (final figures and status), ``tokenizer/`` and
-``checkpoints/step-N/``. The data position is the step number (the sampler is a pure function of
-seed and step), so resuming needs no data state. The step plan and the config's checks are ``steps``, the log, the
-lines and the summary ``runlog``, the admission ``lab.measure.admission``.
+The data position is the step number (the sampler is a pure function of seed and step), so resuming needs no data
+state. Setting a run up, restoring it and ending it are ``lifecycle``, the step plan and the config's checks
+``steps``, the log, the lines and the summary ``runlog``, the admission ``lab.measure.admission``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-import os
 import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from lab import parallel
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure import accounting, memory
-from lab.measure.admission import Estimate
-from lab.measure.device import Peak, Precision, peak_flops, peak_memory_bytes, precision_of, setup_device, synchronize
-from lab.model import GPT
+from lab.measure.device import Peak, peak_memory_bytes, synchronize
 from lab.parallel import Strategy, World
 from lab.parallel.comm import loopback_tx_bytes
-from lab.runtime import chaos, checkpoint
-from lab.runtime.config import ConfigError, RunConfig
-from lab.runtime.files import save_json
+from lab.runtime import checkpoint
+from lab.runtime.config import RunConfig
 from lab.training import expect, schedule
-from lab.training.optim import adamw_factory, param_groups
-from lab.training.runlog import RunLog, checked_peak, format_step, log_eval, start_line, summarise
-from lab.training.steps import (StepPlan, checkpoint_interval, checkpoint_steps, loop_settings, seed_step, step_plan,
-                                step_seed, validate)
+from lab.training.runlog import RunLog, checked_peak, format_step, log_eval
+from lab.training.steps import Start, StepPlan, checkpoint_interval, checkpoint_steps, seed_step, step_seed
 
 
 class TrainingDiverged(RuntimeError):
@@ -113,108 +103,7 @@ def evaluate(strategy: Strategy, world: World, data: PreparedData, cfg: RunConfi
     return (sums[:, 0].sum() / sums[:, 1].sum()).item()
 
 
-# ---------------------------------------------------------------- the run
-
-
-@dataclass
-class Start:
-    """Where a run (re)starts: its step, and the figures the steps before it left in their checkpoint."""
-
-    step: int = 0
-    wall_time_s: float = 0.0
-    recent_losses: list[float] = dataclasses.field(default_factory=list)
-    skipped_steps: int = 0
-    eval_loss: float | None = None
-
-
-T = TypeVar("T")
-
-
-def decided_on_main(world: World, decide: Callable[[], T]) -> T:
-    """``decide()`` on rank 0, its value handed to every rank; a ConfigError there is raised on every rank."""
-    def attempt() -> tuple[bool, object]:
-        try:
-            return True, decide()
-        except ConfigError as e:
-            return False, str(e)
-
-    ok, value = world.broadcast_from_main(attempt)
-    if not ok:
-        raise ConfigError(value)
-    return value
-
-
-def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
-    """The run's strategy, built from the model factory (the strategy applies the split, checkpointing,
-    compilation and sharding), the weight-decay rule and AdamW."""
-    strategy = parallel.create(cfg.parallel, world, precision, loop_settings(cfg, step_plan(cfg, world.world_size)))
-    strategy.build(functools.partial(GPT, cfg.model, seed=cfg.train.seed),
-                   lambda model: param_groups(model, cfg.train.weight_decay),
-                   adamw_factory(cfg.train, world.device))
-    return strategy
-
-
-def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, plan: StepPlan) -> Start:
-    """Load the newest readable checkpoint into the strategy, whatever strategy and world size wrote it.
-
-    Rank 0 picks the checkpoint and hands its name to every rank (on a shared filesystem with caching, ranks on
-    other nodes may see another newest one); every rank then checks that it reads the same metadata.
-    """
-    folder = decided_on_main(world, lambda: checkpoint.latest_readable(run_dir))  # its refusal too, on every rank
-    if folder is None:
-        raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-    world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
-    meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
-    strategy.after_load()
-    strategy.load_precision_state(meta)
-    complete = meta["step"] >= plan.total_steps  # killed before its summary: resuming only writes it
-    if cfg.train.stop_after and cfg.train.stop_after <= meta["step"] and not complete:
-        raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "
-                          f"({meta['step']})")
-    return Start(meta["step"], meta["wall_time_s"], list(meta.get("recent_losses", [])),
-                 int(meta.get("skipped_steps", 0)), meta.get("eval_loss"))
-
-
-def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: bool = False,
-          stop_signal: Callable[[], int] = lambda: 0, estimate: Estimate | None = None, restarts: int = 0) -> dict:
-    """Train ``cfg`` on prepared data; write the run directory (rank 0); return the summary.
-
-    ``stop_signal`` returns the number of a signal asking this rank to stop (0: none); the run then
-    stops at the end of the step every rank is in, saves a checkpoint and reports ``interrupted``.
-    ``restarts`` (how often torchrun restarted the group) is recorded in the summary.
-    """
-    started = time.perf_counter()
-    plan = validate(cfg, world.world_size)
-    data = PreparedData.load(data_dir)
-    setup_device(world.device)
-    precision = precision_of(cfg.train, world.device)
-    peak = peak_flops(world.device, precision, cfg.train.peak_flops)
-    with memory.Meter(world.device, track_tensors=cfg.train.memory_meter).running():
-        strategy = build_strategy(cfg, world, precision)
-        start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
-        log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
-        if world.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            checkpoint.clean_stale_temporaries(run_dir)
-            save_json(run_dir / "config.json", cfg.to_dict())
-            data.tokenizer.save(run_dir / "tokenizer")
-            log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
-            log.open_trackers(cfg, run_dir, resumed_at=start.step)
-            log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
-        try:
-            outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
-            summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
-                                start.wall_time_s + time.perf_counter() - started)
-            summary |= {"resumed_from_step": start.step, "restarts": restarts}
-            if world.is_main:
-                log.sync()
-                save_json(run_dir / "summary.json", summary)
-                log.attempt("end", outcome.end_step, status=summary["status"])
-                chaos.point("summary-written")
-                log.summary(summary)
-            return summary
-        finally:
-            log.close()
+# ---------------------------------------------------------------- the steps
 
 
 @dataclass

@@ -15,7 +15,7 @@ from lab.data import load_tokenizer, prepare
 from lab.parallel import World
 from lab.runtime.config import build_parser, config_from_args
 from lab.training import schedule
-from lab.training.train import train
+from lab.training.lifecycle import train
 from sweeps import cli, cooldowns, spec
 from sweeps.executors.attempt import Outcome
 from sweeps.runs import PlannedRun

@@ -13,9 +13,11 @@ the strategy's (``data_group``: an expert's), the parts of a gradient this rank 
 (``counted``), the gradients it completes after the data-parallel sync (``complete_gradients``: a weight two stages
 hold), what a checkpoint stores of a parameter (``whole_region``) and which ranks hold the same values
 (``replicas``), its step's cost (``take_meters``), what it reports (``lab.measure.figures.Figures``: its summary
-fields, ``meters``, and its fragment of the step line, ``line``) and what evaluation must not count (``paused``).
+fields, ``meters``, and its fragment of the step line, ``line``, at its ``line_place``) and what evaluation must not
+count (``paused``). Whether a layout applies it, and how it is made, is its own (``on``).
 
-A new axis implements these methods in one file and adds one entry to ``transforms``.
+A new axis implements these methods in one file and adds one entry to ``kinds``, the one ordered list of transforms:
+``transforms`` makes those a layout asks for from it, and the step line shows the fragments of all of them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from lab.runtime.checkpoint import Blocks, Held, Pieces
 from lab.runtime.config import ParallelConfig
 
 if TYPE_CHECKING:
+    from lab.parallel.axes.activations import SavedBytes
     from lab.parallel.layout import LoopSettings, Mesh, World
 
 
@@ -66,6 +69,12 @@ class Transform(Figures):
     # the dtype of the hidden states between blocks, which its transfers and their theory move: the weights' (fp32,
     # or the 16-bit compute dtype under mixed precision), set by ``transforms``
     values: torch.dtype = torch.float32
+
+    @classmethod
+    def on(cls, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: SavedBytes) -> Transform | None:
+        """This transform as ``cfg`` asks for it on ``mesh`` (``saved``: the meter of activation bytes saved for the
+        backward); None where the layout does not apply it (an axis of one rank, a feature that is off)."""
+        raise NotImplementedError
 
     def describe(self, layout: str) -> str:
         return layout
@@ -171,30 +180,29 @@ class Compile(Transform):
 
     name = "compile"
 
+    @classmethod
+    def on(cls, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: SavedBytes) -> Compile | None:
+        return cls() if loop.compile else None
+
     def split(self, model: nn.Module, plan: ParallelPlan) -> ParallelPlan:
         model.compile()
         return plan
 
 
-def transforms(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object,
+def kinds() -> tuple[type[Transform], ...]:
+    """Every transform a layout can apply, in the order they apply: the one list (``transforms`` makes from it those
+    a layout asks for; ``lab.parallel.step_line`` shows the fragments of all of them)."""
+    from lab.parallel.axes import activations, context, experts, pipeline, tensor
+
+    return (tensor.TensorParallel, context.ContextParallel, experts.ExpertParallel, pipeline.Pipeline,
+            activations.Checkpointing, Compile)
+
+
+def transforms(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: SavedBytes,
                values: torch.dtype = torch.float32) -> list[Transform]:
     """The transforms ``cfg`` asks for on ``mesh``, in the order they apply (the data-parallel placement follows);
     ``values``: the hidden states' dtype (``Transform.values``)."""
-    from lab.parallel.axes import activations, context, experts, pipeline, tensor
-
-    out: list[Transform] = []
-    if mesh.tp.world_size > 1:
-        out.append(tensor.on_axis(mesh, cfg, loop))
-    if mesh.cp.world_size > 1:
-        out.append(context.ContextParallel(mesh.cp, cfg, loop))
-    if mesh.ep.world_size > 1:
-        out.append(experts.ExpertParallel(mesh, cfg, loop))
-    if mesh.pp.world_size > 1:
-        out.append(pipeline.on_axis(mesh.pp, cfg, loop.accum_steps))
-    if cfg.activation_checkpointing != "none":
-        out.append(activations.Checkpointing(cfg.activation_checkpointing, saved))
-    if loop.compile:
-        out.append(Compile())
+    out = [transform for kind in kinds() if (transform := kind.on(mesh, cfg, loop, saved)) is not None]
     for transform in out:
         transform.values = values
     return out

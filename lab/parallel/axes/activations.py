@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lab.runtime import compat
 from lab.model.plan import ParallelPlan
 from lab.parallel.axes import Transform
+
+if TYPE_CHECKING:
+    from lab.parallel.layout import LoopSettings, Mesh
+    from lab.runtime.config import ParallelConfig
 
 MODES = ("none", "full", "selective")
 
@@ -118,6 +123,11 @@ class Checkpointing(Transform):
     """Activation checkpointing of the plan's units (``parallel.activation_checkpointing``)."""
 
     name = "ac"
+
+    @classmethod
+    def on(cls, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: SavedBytes) -> Checkpointing | None:
+        mode = cfg.activation_checkpointing
+        return cls(mode, saved) if mode != "none" else None
 
     def __init__(self, mode: str, meter: SavedBytes):
         self.mode, self.meter = mode, meter

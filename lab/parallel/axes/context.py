@@ -39,7 +39,7 @@ import torch.nn as nn
 from lab.model.plan import ContextPlan, ParallelPlan
 from lab.parallel.axes import AxisMeters, Transform
 from lab.parallel.comm import Pausable, naming_axis
-from lab.parallel.layout import LoopSettings, World
+from lab.parallel.layout import LoopSettings, Mesh, World
 from lab.runtime.config import ConfigError, ParallelConfig
 
 SPLITS = ("zigzag", "contiguous")
@@ -84,6 +84,10 @@ class ContextParallel(Pausable, Transform):
     """This rank's shard of every sequence, the ring that brings it the others' keys and values, and its meters."""
 
     name = "cp"
+
+    @classmethod
+    def on(cls, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object) -> ContextParallel | None:
+        return cls(mesh.cp, cfg, loop) if mesh.cp.world_size > 1 else None
 
     def __init__(self, axis: World, cfg: ParallelConfig, loop: LoopSettings):
         self.axis, self.rank, self.n = axis, axis.rank, axis.world_size

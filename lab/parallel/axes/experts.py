@@ -51,6 +51,11 @@ class ExpertParallel(Pausable, Transform):
     """This rank's experts, the exchanges that feed them, and their meters."""
 
     name = "ep"
+    line_place = 40
+
+    @classmethod
+    def on(cls, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object) -> ExpertParallel | None:
+        return cls(mesh, cfg, loop) if mesh.ep.world_size > 1 else None
 
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings):
         self.axis, self.holders = mesh.ep, mesh.expert_data

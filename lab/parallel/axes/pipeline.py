@@ -63,7 +63,7 @@ from lab.measure import accounting
 from lab.model.plan import ParallelPlan, PipelinePlan
 from lab.parallel.axes import AxisMeters, Replicas, Transform
 from lab.parallel.comm import naming_axis
-from lab.parallel.layout import World
+from lab.parallel.layout import LoopSettings, Mesh, World
 from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -139,11 +139,6 @@ def interleaved(stage: int, stages: int, m: int, virtual: int) -> list[tuple[str
     return order + [op("B", k) for k in range(total - warm, total)]
 
 
-def on_axis(axis: World, cfg: ParallelConfig, accum_steps: int) -> Pipeline:
-    """The pipeline transform of ``cfg`` on ``axis`` (the mesh's pp axis)."""
-    return (TorchPipeline if cfg.pp_impl == "torch" else Pipeline)(axis, cfg, accum_steps)
-
-
 class TiedReplicas(Replicas):
     """A weight the first stage and the last both hold (a tied embedding): the first hands it over."""
 
@@ -162,6 +157,14 @@ class Pipeline(Transform):
     """This rank's stage, its schedule, and the point-to-point traffic between stages."""
 
     name = "pp"
+    line_place = 20
+
+    @classmethod
+    def on(cls, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object) -> Pipeline | None:
+        """The pipeline transform of ``cfg`` (``parallel.pp_impl``'s) on the mesh's pp axis."""
+        if mesh.pp.world_size == 1:
+            return None
+        return (TorchPipeline if cfg.pp_impl == "torch" else Pipeline)(mesh.pp, cfg, loop.accum_steps)
 
     def __init__(self, axis: World, cfg: ParallelConfig, accum_steps: int):
         self.axis, self.stage, self.n = axis, axis.rank, axis.world_size

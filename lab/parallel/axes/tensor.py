@@ -225,17 +225,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------- the step
 
 
-def on_axis(mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings) -> TensorParallel:
-    """The tensor-parallel transform of ``cfg`` on the mesh's tp axis."""
-    return (TorchTensorParallel if cfg.tp_impl == "torch" else TensorParallel)(mesh.tp, cfg.sequence_parallel, loop,
-                                                                              mesh.data.world_size)
-
-
 class TensorParallel(Transform):
     """The tensor-parallel group of this rank, the rewrite of the model, and what follows from it."""
 
     name = "tp"
     implementation = "lab"
+
+    @classmethod
+    def on(cls, mesh: Mesh, cfg: ParallelConfig, loop: LoopSettings, saved: object) -> TensorParallel | None:
+        """The tensor-parallel transform of ``cfg`` (``parallel.tp_impl``'s) on the mesh's tp axis."""
+        if mesh.tp.world_size == 1:
+            return None
+        kind = TorchTensorParallel if cfg.tp_impl == "torch" else TensorParallel
+        return kind(mesh.tp, cfg.sequence_parallel, loop, mesh.data.world_size)
 
     def __init__(self, world: World, sequence_parallel: bool, loop: LoopSettings | None = None,
                  data_ranks: int = 1):
