@@ -33,12 +33,35 @@ MIN_SPREAD = 0.33  # N*'s spread is at least this fraction of the mean gap betwe
 MIN_SIZES = 3  # sizes a budget needs
 
 
-def profile(log_n: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One budget's distinct sizes (ascending log N) with the lowest loss of each."""
-    order = np.lexsort((loss, log_n))
-    log_n, loss = np.asarray(log_n, float)[order], np.asarray(loss, float)[order]
-    first = np.r_[True, np.diff(log_n) > 0]
-    return log_n[first], loss[first]
+def profile(log_n: np.ndarray, loss: np.ndarray, experiments: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """One budget's distinct sizes (ascending log N) with the lowest loss of each: the lowest over a size's
+    experiments (their tuned settings), each experiment's seed replicates averaged first (``experiments``: one
+    integer per run, None: every run an experiment of its own)."""
+    best = size_losses(np.asarray(log_n, float), np.asarray(loss, float)[None, :], np.ones((1, len(loss))),
+                       experiments)
+    sizes = np.unique(np.asarray(log_n, float))
+    return sizes, best[0]
+
+
+def size_losses(log_n: np.ndarray, loss: np.ndarray, weights: np.ndarray, experiments: np.ndarray | None
+                ) -> np.ndarray:
+    """(B, sizes) per weight row: each distinct size's lowest experiment loss, an experiment's loss the
+    weight-averaged loss of its drawn seed replicates; inf where a row draws no run of the size. ``loss``
+    (1, runs) or (B, runs)."""
+    sizes, by_size = np.unique(log_n, return_inverse=True)
+    runs = len(log_n)
+    exp = np.arange(runs) if experiments is None else np.asarray(experiments)
+    keys, by_key = np.unique(np.stack([by_size, exp]), axis=1, return_inverse=True)
+    by_key = by_key.ravel()
+    total = np.zeros((len(weights), keys.shape[1]))
+    count = np.zeros_like(total)
+    np.add.at(total.T, by_key, (weights * loss).T)
+    np.add.at(count.T, by_key, weights.T)
+    mean = np.where(count > 0, total / np.where(count > 0, count, 1.0), np.inf)
+    best = np.full((len(weights), len(sizes)), np.inf)
+    np.minimum.at(best.T, keys[0], mean.T)
+    return best
 
 
 def grid(log_n: np.ndarray) -> np.ndarray:
@@ -137,11 +160,12 @@ def exponent(flops: np.ndarray, log_n: np.ndarray, loss: np.ndarray, noise: floa
 
 
 def budget_minima(n: np.ndarray, loss: np.ndarray, labels: np.ndarray, n_budgets: int,
-                  weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                  weights: np.ndarray, experiments: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """log N* and L* of the spline per weight row and budget, (B, G) each; NaN where not located.
 
-    A row's budget takes the sizes its runs drawn (weight > 0) hold, each at its lowest drawn loss, as
-    ``analysis.isoflop.budget_minima`` takes runs; rows drawing the same sizes share one interpolation.
+    A row's budget takes the sizes its runs drawn (weight > 0) hold, each at its lowest experiment's loss
+    (seed replicates averaged over their draws: ``size_losses``), as ``analysis.isoflop.budget_minima`` takes
+    runs; rows drawing the same sizes share one interpolation.
     """
     weights = np.atleast_2d(np.asarray(weights, float))
     log_n, loss = np.log(np.asarray(n, float)), np.asarray(loss, float)
@@ -149,10 +173,9 @@ def budget_minima(n: np.ndarray, loss: np.ndarray, labels: np.ndarray, n_budgets
     out_loss = np.full_like(out_n, np.nan)
     for g in range(n_budgets):
         rows = np.flatnonzero(labels == g)
-        sizes, inverse = np.unique(log_n[rows], return_inverse=True)
-        drawn_loss = np.where(weights[:, rows] > 0, loss[rows][None, :], np.inf)  # (B, runs)
-        best = np.full((len(weights), len(sizes)), np.inf)
-        np.minimum.at(best.T, inverse, drawn_loss.T)  # lowest drawn loss per size
+        sizes = np.unique(log_n[rows])
+        best = size_losses(log_n[rows], loss[rows][None, :], weights[:, rows],
+                           None if experiments is None else np.asarray(experiments)[rows])
         drawn = np.isfinite(best)
         patterns, which = np.unique(drawn, axis=0, return_inverse=True)
         for p, pattern in enumerate(patterns):

@@ -88,6 +88,7 @@ class Problem:
     huber_delta: float = HUBER_DELTA
     form: Form = CHINCHILLA
     order: np.ndarray | None = None  # canonical_order of the runs; None: the table's own
+    experiments: np.ndarray | None = None  # RunTable.experiments: seed replicates, averaged by the spline
 
     def weights(self, chunk: int, size: int) -> np.ndarray:
         """Chunk ``chunk``'s resamples as counts per run, in the table's order."""
@@ -114,7 +115,7 @@ def _refit(problem: Problem, chunk: int, size: int) -> Resamples:
                                      problem.form)
     isoflop = {}
     if len(problem.budget_flops):
-        minima = budget_minima(problem.n, problem.loss, problem.labels, problem.budget_flops, w)
+        minima = budget_minima(problem.n, problem.loss, problem.labels, problem.budget_flops, w, problem.experiments)
         isoflop = {m: minima.power_laws(m, problem.n, problem.d, problem.flops_k) for m in METHODS}
     envelope = None if problem.envelope is None else problem.envelope.power_laws(w)
     return Resamples(thetas, converged, isoflop, envelope)

@@ -22,7 +22,7 @@ import pandas as pd
 
 from analysis.allocate import Unidentified, allocations, describe, load_fit, plan
 from analysis.compare import APPROACHES
-from analysis.fit import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig, fit_runs, json_ready
+from analysis.fit import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig, fit_runs, fit_without_outliers, json_ready
 from analysis.isoflop import METHODS
 from analysis.other_laws import LAWS
 from analysis.outputs import STAGING_PREFIX, bootstrap_frame, stopping_on_signals, summary_lines, write_outputs
@@ -32,6 +32,7 @@ from analysis.table import (
     DUPLICATE_POLICIES,
     PARAMS_COUNTS,
     InputError,
+    RunTable,
     load_runs,
     parse_column_map,
 )
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. \"loss > 4\" or \"params < 1e7\"); repeatable; the report lists what was dropped")
     f.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
                    help="leave out the K runs with the highest loss (after --exclude)")
+    f.add_argument("--drop-outliers", action="store_true",
+                   help="fit again without the runs the fit flags as outliers (robust residuals from approach 3); "
+                        "the report lists them with the runs left out")
     f.add_argument("--side-runs", action="store_true",
                    help="also fit the rows a table's role column marks as a sweep's search or verify runs "
                         "(left out by default, as they are from a sweep folder)")
@@ -223,11 +227,21 @@ def _fit(args: argparse.Namespace) -> int:
                        envelope=args.envelope, huber_delta=args.huber_delta, holdout_budgets=args.holdout_budgets,
                        holdout_above=args.holdout_above, law=args.law)
     config.validate()
-    table = load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates,
-                      exclude=args.exclude, drop_highest_loss=args.drop_highest_loss, side_runs=args.side_runs)
+
+    def load(flagged: tuple[str, ...]) -> RunTable:
+        return load_runs(args.results, parse_column_map(args.column), args.params_count, args.duplicates,
+                         exclude=[*args.exclude, *flagged], drop_highest_loss=args.drop_highest_loss,
+                         side_runs=args.side_runs)
+
+    table = load(())
     if table.side_runs:
         print(table.side_runs)
-    result = fit_runs(table, config)
+    if args.drop_outliers:
+        result, flagged = fit_without_outliers(load, config)
+        if flagged:
+            print(f"dropped the {len(flagged)} run(s) the first fit flagged as outliers: {', '.join(flagged)}")
+    else:
+        result = fit_runs(table, config)
     doc = result.to_dict()
     names = write_outputs(result, doc, out, args.format)
     print("\n".join(summary_lines(doc)))

@@ -85,11 +85,14 @@ class Frontier:
     rows: np.ndarray  # run index in the table
     group: np.ndarray  # (R,) budget of each position, consecutive from 0
     starts: np.ndarray  # (G,) first position of each budget
+    experiments: np.ndarray | None = None  # (R,) RunTable.experiments in this order: seed replicates, averaged
 
     def winners(self, weights: np.ndarray) -> np.ndarray:
-        """(B, R) whether each run, in budget order, is on the frontier of the runs drawn."""
-        present = np.atleast_2d(weights)[:, self.rows] > 0
-        loss = np.where(present, self.loss[None, :], np.inf)
+        """(B, R) whether each run, in budget order, is on the frontier of the runs drawn (a run's loss the
+        average over the drawn seed replicates of its experiment)."""
+        drawn = np.atleast_2d(weights)[:, self.rows]
+        present = drawn > 0
+        loss = np.where(present, self._replicate_mean(drawn), np.inf)
         lowest = np.minimum.reduceat(loss, self.starts, axis=1)  # (B, G)
         before = np.concatenate([np.full((len(loss), 1), np.inf), np.minimum.accumulate(lowest, axis=1)[:, :-1]],
                                 axis=1)
@@ -98,6 +101,17 @@ class Frontier:
         seen_before = np.concatenate([np.zeros((len(loss), 1), int), seen[:, self.starts[1:] - 1]], axis=1)
         first = candidate & (seen - seen_before[:, self.group] == 1)  # one run per budget, even on ties
         return first & (lowest < before)[:, self.group]
+
+    def _replicate_mean(self, drawn: np.ndarray) -> np.ndarray:
+        """(B, R) each run's loss, or with experiments the weighted mean over its experiment's drawn runs."""
+        if self.experiments is None:
+            return np.broadcast_to(self.loss, drawn.shape)
+        _, which = np.unique(self.experiments, return_inverse=True)
+        total = np.zeros((len(drawn), which.max() + 1))
+        count = np.zeros_like(total)
+        np.add.at(total.T, which, (drawn * self.loss).T)
+        np.add.at(count.T, which, drawn.T)
+        return (total / np.where(count > 0, count, 1.0))[:, which]
 
     def power_laws(self, weights: np.ndarray) -> PowerLaws:
         on = self.winners(weights)
@@ -113,14 +127,15 @@ class Frontier:
 
 
 def build_frontier(flops: np.ndarray, params: np.ndarray, tokens: np.ndarray, loss: np.ndarray,
-                   budget: np.ndarray | None = None) -> Frontier:
-    """The final-loss frontier of a table of runs; ``budget``: each run's budget C (default: its own C)."""
+                   budget: np.ndarray | None = None, experiments: np.ndarray | None = None) -> Frontier:
+    """The final-loss frontier of a table of runs; ``budget``: each run's budget C (default: its own C);
+    ``experiments``: which runs are seed replicates of one experiment (``RunTable.experiments``)."""
     key = flops if budget is None else np.asarray(budget, float)
     order = np.lexsort((loss, key))
     starts = np.flatnonzero(np.r_[True, np.diff(key[order]) != 0])
     group = np.cumsum(np.r_[True, np.diff(key[order]) != 0]) - 1
     return Frontier(flops=flops[order], params=params[order], tokens=tokens[order], loss=loss[order], rows=order,
-                    group=group, starts=starts)
+                    group=group, starts=starts, experiments=None if experiments is None else experiments[order])
 
 
 def build_envelope(curves: list[Curve], n_points: int = 40) -> Envelope:

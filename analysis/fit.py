@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -533,7 +534,7 @@ def _holdout(table: RunTable, budgets: Budgets, minima: BudgetMinima | None, con
         return out
     budget = float(budgets.flops[top])
     observed = float(np.exp(minima.log_n(method, n)[0, top]))
-    train_minima = budget_minima(n, loss, budgets.labels, budgets.flops, train.astype(float)[None])
+    train_minima = budget_minima(n, loss, budgets.labels, budgets.flops, train.astype(float)[None], table.experiments)
     law = train_minima.power_laws(method, n, d, table.flops_k)
     if law.n_points[0] >= 2:
         pred = float(law.at(budget)[0][0, 0])
@@ -590,6 +591,21 @@ def _budget_warnings(budgets: Budgets, minima: BudgetMinima | None, n_runs: int,
     return out
 
 
+def fit_without_outliers(load: Callable[[tuple[str, ...]], RunTable], config: FitConfig
+                         ) -> tuple[FitResult, tuple[str, ...]]:
+    """Fit the table ``load(())`` gives; if the fit flags outliers (``find_outliers``), fit ``load(flagged)``, the
+    table without them, instead. (The result, the runs left out.)"""
+    result = fit_runs(load(()), config)
+    flagged = tuple(o["run_id"] for o in result.outliers.get("runs", []))
+    if not flagged:
+        return result, ()
+    table = load(flagged)
+    for run in table.dropped:
+        if run["run_id"] in flagged:
+            run["reason"] = "an outlier of the fit of every run (--drop-outliers)"
+    return fit_runs(table, config), flagged
+
+
 def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     """Fit all approaches to ``table`` with bootstrap intervals; see the module docstring."""
     config = config or FitConfig()
@@ -606,7 +622,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     level = config.ci_level
 
     budgets = group_budgets(c, config.budget_tol)
-    minima = budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n)))) if budgets.count else None
+    minima = (budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n))), table.experiments)
+              if budgets.count else None)
     warnings += _budget_warnings(budgets, minima, len(n), config.isoflop_minimum)
 
     refits, refits_skip = form_holdouts(table, budgets, config)
@@ -643,7 +660,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         else:
             in_budget = budgets.labels >= 0
             budget_c = np.where(in_budget, budgets.flops[np.maximum(budgets.labels, 0)] if budgets.count else c, c)
-            envelope = build_frontier(c, n, d, loss, budget_c)
+            envelope = build_frontier(c, n, d, loss, budget_c, table.experiments)
     env_law = None
     if envelope is not None and env_skip is None:
         env_law = envelope.power_laws(np.ones((1, len(n))))
@@ -655,7 +672,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         problem = Problem(theta0=parametric.theta, n=n, d=d, loss=loss, labels=budgets.labels,
                           budget_flops=budgets.flops if iso_skip is None else np.zeros(0), flops_k=k,
                           envelope=envelope if env_skip is None else None, seed=config.seed,
-                          huber_delta=config.huber_delta, form=form, order=canonical_order(c, n, d, loss))
+                          huber_delta=config.huber_delta, form=form, order=canonical_order(c, n, d, loss),
+                          experiments=table.experiments)
         resamples = bootstrap(problem, config.n_bootstrap, config.workers, config.progress)
         failed = int((~resamples.converged).sum())
         if failed > 0.05 * len(resamples.converged):

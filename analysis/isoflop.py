@@ -161,12 +161,13 @@ def _moments(w: np.ndarray, u: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray
 
 
 def budget_minima(n: np.ndarray, loss: np.ndarray, labels: np.ndarray, flops: np.ndarray,
-                  weights: np.ndarray) -> BudgetMinima:
-    """Lowest-run, windowed-vertex and spline minima of every budget (labels >= 0, C ``flops``) per weight row."""
+                  weights: np.ndarray, experiments: np.ndarray | None = None) -> BudgetMinima:
+    """Lowest-run, windowed-vertex and spline minima of every budget (labels >= 0, C ``flops``) per weight row
+    (``experiments``: which runs are seed replicates of one experiment, for the spline; ``RunTable.experiments``)."""
     weights = np.atleast_2d(np.asarray(weights, float))
     n_groups = len(flops)
     shape = (len(weights), n_groups)
-    spline_log_n, spline_loss = akima.budget_minima(n, loss, labels, n_groups, weights)
+    spline_log_n, spline_loss = akima.budget_minima(n, loss, labels, n_groups, weights, experiments)
     out = BudgetMinima(
         flops=np.asarray(flops, float), n_distinct=np.zeros(shape, int), lowest_row=np.zeros(shape, int),
         left=np.zeros(shape, int), right=np.zeros(shape, int), centre=np.full(shape, np.nan),

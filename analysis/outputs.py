@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis.allocate import LAW_COLUMNS
@@ -121,8 +122,13 @@ def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, .
 def summary_lines(doc: dict) -> list[str]:
     """What `analysis fit` prints: the runs, each approach's allocation exponent, the law, what the plan uses."""
     b = doc["data"]["budgets"]
+    replicates = [g for g in doc["data"]["duplicates"] if g.get("replicates")]
+    seeds = (f", {sum(len(g['run_ids']) for g in replicates)} of them seed replicates of {len(replicates)} "
+             f"experiment(s): median loss range {np.median([g['loss_range'] for g in replicates]):.3g} nats"
+             if replicates else "")
     lines = [f"fitted {doc['data']['n_runs']} runs ("
-             + ("continuous C, no IsoFLOP budgets)" if b["mode"] == "continuous" else f"{len(b['groups'])} budgets)")]
+             + ("continuous C, no IsoFLOP budgets" if b["mode"] == "continuous" else f"{len(b['groups'])} budgets")
+             + f"{seeds})"]
     for key in APPROACHES:
         section = doc[key]
         if section.get("skipped"):

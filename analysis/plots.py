@@ -205,7 +205,8 @@ def plot_isoflop(result: FitResult) -> plt.Figure:
         color = cmap(norm(b.flops[g]))
         ax.scatter(t.n[rows], t.loss[rows], color=color, **dots)
         if spline:
-            sizes, lowest = akima.profile(np.log(t.n[rows]), t.loss[rows])
+            replicates = None if t.experiments is None else t.experiments[rows]
+            sizes, lowest = akima.profile(np.log(t.n[rows]), t.loss[rows], replicates)
             if len(sizes) >= akima.MIN_SIZES:
                 u, log_loss = akima.curve(sizes, lowest)
                 ax.plot(np.exp(u), np.exp(log_loss[:, 0]), color=color, lw=1.4, zorder=3)

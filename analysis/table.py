@@ -10,13 +10,15 @@ fitting starts. Runs can be left out by id or by a pandas query condition (``exc
 ``drop_highest_loss`` highest losses dropped; the table records what was dropped and why. Two checks
 look at the rows together: runs with the same N and D (repeats, or runs at one N and D on different
 unique data) are each kept as their own point, as the published fits do, with a warning giving
-their spread, or averaged into one run, or refused (``duplicates``); and the FLOPs column is
+their spread (a note instead for seed replicates: runs sharing an ``experiment``, ``RunTable.experiments``),
+or averaged into one run, or refused (``duplicates``); and the FLOPs column is
 compared with k*N*D for one k fitted to the whole table (the median of C/(N D)), flagging rows
 that are off by more than ``FLOPS_OUTLIER_FACTOR``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -96,6 +98,16 @@ class RunTable:
     @property
     def loss(self) -> np.ndarray:
         return self.runs["loss"].to_numpy(float)
+
+    @property
+    def experiments(self) -> np.ndarray | None:
+        """Each run's experiment as an integer (runs sharing one are seed replicates: same config, another seed), or
+        None when the table has no ``experiment`` column; a run without one is an experiment of its own."""
+        if "experiment" not in self.runs.columns:
+            return None
+        names = self.runs["experiment"].astype(object).where(self.runs["experiment"].notna(), None)
+        unique = [f"\0row {i}" if e is None or e == "" else str(e) for i, e in enumerate(names)]
+        return pd.factorize(pd.Series(unique))[0].astype(int)
 
     @property
     def dataset(self) -> str | None:
@@ -317,7 +329,7 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
                    params_active=summary.get("params_active", summary.get("params")),
                    flops_per_token=summary.get("flops_per_token"), **{
                        k: summary.get(k, v) for k, v in (("moe_experts", 0), ("moe_top_k", 1), ("moe_granularity", 1))})
-        row.update(task_columns(summary_path.parent))
+        row.update(task_columns(summary_path.parent), experiment=_experiment(summary_path.parent))
         rows.append(row)
         dirs.append(summary_path.parent)
         sources.append(source)
@@ -325,6 +337,21 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
         warnings.append(("runs_skipped", f"skipped {len(unusable)} completed run(s) with neither an eval "
                          f"nor a train loss: {_preview(unusable)}"))
     return pd.DataFrame(rows), dirs, sources
+
+
+def _experiment(run_dir: Path) -> str | None:
+    """What a run computes apart from its seed and layout (its config.json without ``train.seed``, ``parallel`` and
+    ``log``), as a short hash: runs that share it are seed replicates of one experiment. None without a config."""
+    try:
+        config = read_json(run_dir / "config.json")
+    except (ValueError, OSError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    kept = {k: v for k, v in config.items() if k not in ("parallel", "log")}
+    if isinstance(kept.get("train"), dict):
+        kept["train"] = {k: v for k, v in kept["train"].items() if k != "seed"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _resolve(root: Path, run_dir: str) -> Path:
@@ -449,9 +476,25 @@ def _log_key(values: np.ndarray) -> np.ndarray:
     return np.round(np.log(values) * 1e9).astype(np.int64)
 
 
+def _summary(ids: np.ndarray, repeated: list[np.ndarray]) -> str:
+    """How many runs share N and D with another, with up to three groups as examples."""
+    examples = "; ".join(" = ".join(ids[rows[:3]]) + (" ..." if len(rows) > 3 else "") for rows in repeated[:3])
+    return (f"{sum(len(r) for r in repeated)} runs share N and D with another run "
+            f"({len(repeated)} group(s): {examples}{' ...' if len(repeated) > 3 else ''})")
+
+
+def _spread(groups: list[dict]) -> str:
+    """The loss range within groups of runs sharing N and D: median and largest, with the largest's runs."""
+    spreads = np.array([g["loss_range"] for g in groups])
+    worst = groups[int(np.argmax(spreads))]
+    return (f"loss range within a group: median {np.median(spreads):.3g}, largest {spreads.max():.3g} nats "
+            f"({worst['loss_spread']:.2%}, {' = '.join(worst['run_ids'][:3])})")
+
+
 def _merge_duplicates(table: RunTable, policy: str) -> int:
-    """Runs that share N and D: keep each (warned with their spread), average each group into one run
-    (curves kept), or refuse them. Returns how many rows averaging removed."""
+    """Runs that share N and D: keep each (warned with their spread, unless the group is one experiment's seed
+    replicates, which a note reports as the seed noise), average each group into one run (curves kept), or refuse
+    them. Returns how many rows averaging removed."""
     runs = table.runs
     keys = pd.DataFrame({"n": _log_key(table.n), "d": _log_key(table.d)})
     group = keys.groupby(["n", "d"], sort=False).ngroup().to_numpy()
@@ -460,25 +503,30 @@ def _merge_duplicates(table: RunTable, policy: str) -> int:
         return 0
     repeated = [np.flatnonzero(group == g) for g in np.flatnonzero(counts > 1)]
     ids = runs["run_id"].to_numpy()
-    examples = "; ".join(" = ".join(ids[rows[:3]]) + (" ..." if len(rows) > 3 else "") for rows in repeated[:3])
-    summary = (f"{sum(len(r) for r in repeated)} runs share N and D with another run "
-               f"({len(repeated)} group(s): {examples}{' ...' if len(repeated) > 3 else ''})")
+    summary = _summary(ids, repeated)
     if policy == "refuse":
         raise InputError(f"duplicate runs: {summary}; keep each with --duplicates keep or average them with "
                          "--duplicates mean")
     loss = table.loss
+    experiments = table.experiments
     table.duplicates = [{"params": float(table.n[r[0]]), "tokens": float(table.d[r[0]]),
                          "run_ids": [str(i) for i in ids[r]], "loss_range": float(loss[r].max() - loss[r].min()),
                          "loss_std": float(loss[r].std(ddof=1)),
-                         "loss_spread": float((loss[r].max() - loss[r].min()) / loss[r].mean())} for r in repeated]
-    spreads = np.array([d["loss_range"] for d in table.duplicates])
-    worst = table.duplicates[int(np.argmax(spreads))]
-    spread = (f"loss range within a group: median {np.median(spreads):.3g}, largest {spreads.max():.3g} nats "
-              f"({worst['loss_spread']:.2%}, {' = '.join(worst['run_ids'][:3])})")
+                         "loss_spread": float((loss[r].max() - loss[r].min()) / loss[r].mean()),
+                         "replicates": experiments is not None and len(np.unique(experiments[r])) == 1}
+                        for r in repeated]
     if policy == "keep":
-        table.warnings.append(("duplicates", f"{summary}: each is kept as its own point, as the published fits do; "
-                               f"{spread}. Average each group with --duplicates mean if they are repeats of one "
-                               "experiment"))
+        replicates = [g for g in table.duplicates if g["replicates"]]
+        if replicates:
+            table.notes.append(f"{sum(len(g['run_ids']) for g in replicates)} runs are seed replicates ("
+                               f"{len(replicates)} experiment(s) run with more than one seed), each kept as its own "
+                               f"point; the seed noise, {_spread(replicates)}")
+        unexplained = [rows for rows, g in zip(repeated, table.duplicates) if not g["replicates"]]
+        if unexplained:
+            others = [g for g in table.duplicates if not g["replicates"]]
+            table.warnings.append(("duplicates", f"{_summary(ids, unexplained)}: each is kept as its own point, as "
+                                   f"the published fits do; {_spread(others)}. Average each group with "
+                                   "--duplicates mean if they are repeats of one experiment"))
         return 0
     first = np.unique(group, return_index=True)[1]
     merged = runs.iloc[first].reset_index(drop=True)
@@ -489,7 +537,7 @@ def _merge_duplicates(table: RunTable, policy: str) -> int:
     for curve in table.curves:
         curve.row = int(group[curve.row])
     table.warnings.append(("duplicates", f"{summary}: each group is averaged into one run (--duplicates mean), so it "
-                           f"counts once in the fit and the bootstrap; {spread}"))
+                           f"counts once in the fit and the bootstrap; {_spread(table.duplicates)}"))
     table.runs = merged
     return len(runs) - len(merged)
 

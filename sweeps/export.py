@@ -3,7 +3,9 @@
 Strategy twins, runs whose options differ only in ``--parallel.*`` (how a run is spread over
 processes, not what it computes) and in their process count, are one experiment: the first
 finished one gives the row and the others are named in its ``twins`` column, so that the analysis
-does not count one experiment twice.
+does not count one experiment twice. Seed replicates, runs whose options differ only in ``--train.seed``, are
+separate rows that share an ``experiment`` column: the analysis averages them where it takes one loss per size
+(``analysis.akima``) and does not warn about them as unexplained duplicates.
 """
 
 from __future__ import annotations
@@ -21,18 +23,21 @@ from sweeps.registry import Row
 FORMATS = (".csv", ".parquet")
 
 
-def experiment_hash(row: Row) -> str:
+def experiment_hash(row: Row, seed: bool = True) -> str:
     """Identity of what a run computes: its options without the ``--parallel.*`` ones (its config hash also
-    covers those and the process count), and its role (a search run is not a sweep run's twin)."""
+    covers those and the process count), and its role (a search run is not a sweep run's twin); with ``seed``
+    false, without ``--train.seed`` too (the identity its seed replicates share)."""
     args = row.plan.args
-    kept = [pair for pair in zip(args[::2], args[1::2]) if not pair[0].startswith("--parallel.")]
+    kept = [pair for pair in zip(args[::2], args[1::2])
+            if not pair[0].startswith("--parallel.") and (seed or pair[0] != "--train.seed")]
     return hashlib.sha256(json.dumps([row.plan.role, kept]).encode()).hexdigest()[:16]
 
 
 def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFrame:
     """Finished experiments of the given roles (the sweep's own; ``search`` and ``verify`` runs on request) as a
     table: ``params``, ``params_non_embedding``, ``tokens``, ``flops``, ``loss`` (the final eval loss, else the
-    final train loss), the run's other figures, its ``role`` and its strategy ``twins``, a cooldown branch's
+    final train loss), the run's other figures, its ``role``, its strategy ``twins`` and the ``experiment`` its
+    seed replicates share, a cooldown branch's
     ``parent`` and ``branch_step`` (empty and 0 for a run of its own), ``flops_spent`` (what the run itself spent:
     a branch's ``flops`` also counts its parent's steps before the branch), and a ``task_NAME`` column per
     downstream task scored by ``python -m lab eval``."""
@@ -57,7 +62,8 @@ def results(rows: list[Row], roles: tuple[str, ...] = ("sweep",)) -> pd.DataFram
             "d_model": p.shape["d_model"], "n_head": p.shape["n_head"], "lr": p.lr, "batch_tokens": p.batch_tokens,
             "strategy": s.get("strategy"), "world_size": s.get("world_size"), "wall_time_s": s.get("wall_time_s"),
             "steps": s.get("steps"), "config_hash": row.config_hash, "run_dir": str(row.run_dir), "role": p.role,
-            "twins": "", "parent": p.parent or "", "branch_step": p.branch_step,
+            "twins": "", "experiment": experiment_hash(row, seed=False), "parent": p.parent or "",
+            "branch_step": p.branch_step,
             "flops_spent": s["flops"] - p.branch_step * p.batch_tokens * p.flops_per_token,
             **task_columns(row.run_dir),
         })

@@ -226,16 +226,20 @@ def fit(folder: Path, budget: float, progress: bool, exclude: tuple[str, ...] = 
     ``drop_outliers``, fit again without the runs the first fit flags as outliers. (FitResult, fit.json document,
     fit folder)."""
     from analysis.outputs import write_outputs
-    from analysis.fit import FitConfig, fit_runs
-    from analysis.table import load_runs
+    from analysis.fit import FitConfig, fit_runs, fit_without_outliers
+    from analysis.table import RunTable, load_runs
 
     config = FitConfig(predict=(budget,), progress=progress, workers=len(os.sched_getaffinity(0)), form="auto",
                        n_bootstrap=n_bootstrap)
-    result = fit_runs(load_runs(folder, exclude=exclude, drop_highest_loss=drop_highest_loss), config)
-    flagged = tuple(o["run_id"] for o in result.outliers.get("runs", [])) if drop_outliers else ()
-    if flagged:
-        print(f"dropping the {len(flagged)} run(s) the fit flags as outliers: {', '.join(flagged)}")
-        result = fit_runs(load_runs(folder, exclude=exclude + flagged, drop_highest_loss=drop_highest_loss), config)
+    def load(flagged: tuple[str, ...]) -> RunTable:
+        return load_runs(folder, exclude=exclude + flagged, drop_highest_loss=drop_highest_loss)
+
+    if drop_outliers:
+        result, flagged = fit_without_outliers(load, config)
+        if flagged:
+            print(f"dropped the {len(flagged)} run(s) the first fit flagged as outliers: {', '.join(flagged)}")
+    else:
+        result = fit_runs(load(()), config)
     doc = result.to_dict()
     out = folder / FOLDER / f"fit-C{format_flops(budget)}"
     write_outputs(result, doc, out)

@@ -10,8 +10,9 @@ from sweeps.registry import Row
 from sweeps.spec import Launch
 
 
-def _row(name: str, strategy: str, nproc: int, d_model: int, loss: float) -> Row:
+def _row(name: str, strategy: str, nproc: int, d_model: int, loss: float, seed: int | None = None) -> Row:
     args = ("--model.d_model", str(d_model), "--parallel.strategy", strategy, "--train.tokens", "1000")
+    args += () if seed is None else ("--train.seed", str(seed))
     plan = PlannedRun(name=name, budget=1e9, target=None, shape={"n_layer": 2, "d_model": d_model, "n_head": 2},
                       params=1000 * d_model, params_non_embedding=900 * d_model, flops_per_token=6e3 * d_model,
                       tokens=1000, batch_tokens=100, lr=1e-2, launch=Launch(strategy=strategy, nproc=nproc),
@@ -31,6 +32,16 @@ def test_strategy_twins_are_one_row_naming_the_others():
     assert list(table["run_id"]) == ["small", "wide"]
     assert list(table["twins"]) == ["small-ddp2;small-zero2", ""]
     assert list(table["loss"]) == [3.0, 2.5]  # the first finished twin's own figures, not a blend
+
+
+def test_seed_replicates_are_rows_of_their_own_sharing_one_experiment():
+    rows = [_row("small", "single", 1, 32, 3.0), _row("small-s1", "single", 1, 32, 3.05, seed=1),
+            _row("small-s1-zero2", "zero2", 2, 32, 3.051, seed=1), _row("wide", "single", 1, 64, 2.5)]
+    table = results(rows)
+    assert list(table["run_id"]) == ["small", "small-s1", "wide"]  # the seed is another run, the layout is not
+    assert list(table["twins"]) == ["", "small-s1-zero2", ""]
+    experiment = list(table["experiment"])
+    assert experiment[0] == experiment[1] != experiment[2]
 
 
 def test_task_scores_beside_a_run_are_a_column_per_task(tmp_path):
