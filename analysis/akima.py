@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from analysis.table import replicate_means
+
 PER_GAP = 25  # interpolation points per gap between sizes (their interp_num_multiplier)
 DRAWS = 1000  # seed-noise draws per budget (their bootstrap_iters)
 MIN_SPREAD = 0.33  # N*'s spread is at least this fraction of the mean gap between sizes in log N
@@ -50,17 +52,11 @@ def size_losses(log_n: np.ndarray, loss: np.ndarray, weights: np.ndarray, experi
     weight-averaged loss of its drawn seed replicates; inf where a row draws no run of the size. ``loss``
     (1, runs) or (B, runs)."""
     sizes, by_size = np.unique(log_n, return_inverse=True)
-    runs = len(log_n)
-    exp = np.arange(runs) if experiments is None else np.asarray(experiments)
-    keys, by_key = np.unique(np.stack([by_size, exp]), axis=1, return_inverse=True)
-    by_key = by_key.ravel()
-    total = np.zeros((len(weights), keys.shape[1]))
-    count = np.zeros_like(total)
-    np.add.at(total.T, by_key, (weights * loss).T)
-    np.add.at(count.T, by_key, weights.T)
-    mean = np.where(count > 0, total / np.where(count > 0, count, 1.0), np.inf)
+    by_size = by_size.ravel()
+    exp = np.arange(len(log_n)) if experiments is None else np.asarray(experiments)
+    mean = replicate_means(loss, weights, by_size * (exp.max(initial=0) + 1) + exp)  # one size's replicates
     best = np.full((len(weights), len(sizes)), np.inf)
-    np.minimum.at(best.T, keys[0], mean.T)
+    np.minimum.at(best.T, by_size, mean.T)
     return best
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.isoflop import PowerLaws, fit_power_law
-from analysis.table import Curve
+from analysis.table import Curve, replicate_means
 
 
 @dataclass
@@ -92,7 +92,8 @@ class Frontier:
         average over the drawn seed replicates of its experiment)."""
         drawn = np.atleast_2d(weights)[:, self.rows]
         present = drawn > 0
-        loss = np.where(present, self._replicate_mean(drawn), np.inf)
+        runs = np.arange(len(self.rows)) if self.experiments is None else self.experiments
+        loss = replicate_means(self.loss, drawn, self.group * (runs.max(initial=0) + 1) + runs)
         lowest = np.minimum.reduceat(loss, self.starts, axis=1)  # (B, G)
         before = np.concatenate([np.full((len(loss), 1), np.inf), np.minimum.accumulate(lowest, axis=1)[:, :-1]],
                                 axis=1)
@@ -101,17 +102,6 @@ class Frontier:
         seen_before = np.concatenate([np.zeros((len(loss), 1), int), seen[:, self.starts[1:] - 1]], axis=1)
         first = candidate & (seen - seen_before[:, self.group] == 1)  # one run per budget, even on ties
         return first & (lowest < before)[:, self.group]
-
-    def _replicate_mean(self, drawn: np.ndarray) -> np.ndarray:
-        """(B, R) each run's loss, or with experiments the weighted mean over its experiment's drawn runs."""
-        if self.experiments is None:
-            return np.broadcast_to(self.loss, drawn.shape)
-        _, which = np.unique(self.experiments, return_inverse=True)
-        total = np.zeros((len(drawn), which.max() + 1))
-        count = np.zeros_like(total)
-        np.add.at(total.T, which, (drawn * self.loss).T)
-        np.add.at(count.T, which, drawn.T)
-        return (total / np.where(count > 0, count, 1.0))[:, which]
 
     def power_laws(self, weights: np.ndarray) -> PowerLaws:
         on = self.winners(weights)

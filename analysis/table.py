@@ -476,6 +476,18 @@ def _log_key(values: np.ndarray) -> np.ndarray:
     return np.round(np.log(values) * 1e9).astype(np.int64)
 
 
+def replicate_means(loss: np.ndarray, weights: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """(B, runs): each run's ``loss`` averaged, with ``weights`` (B, runs), over the drawn runs (weight > 0) of its
+    group (integers: one experiment's seed replicates); inf where a row does not draw the run."""
+    _, which = np.unique(groups, return_inverse=True)
+    which = which.ravel()
+    total = np.zeros((len(weights), which.max(initial=-1) + 1))
+    count = np.zeros_like(total)
+    np.add.at(total.T, which, (weights * loss).T)
+    np.add.at(count.T, which, weights.T)
+    return np.where(weights > 0, (total / np.where(count > 0, count, 1.0))[:, which], np.inf)
+
+
 def _summary(ids: np.ndarray, repeated: list[np.ndarray]) -> str:
     """How many runs share N and D with another, with up to three groups as examples."""
     examples = "; ".join(" = ".join(ids[rows[:3]]) + (" ..." if len(rows) > 3 else "") for rows in repeated[:3])
