@@ -89,6 +89,8 @@ class Problem:
     form: Form = CHINCHILLA
     order: np.ndarray | None = None  # canonical_order of the runs; None: the table's own
     experiments: np.ndarray | None = None  # RunTable.experiments: seed replicates, averaged by the spline
+    noiseless_envelope: Frontier | None = None  # the frontier of approach 3's losses at the same runs
+    fit_weights: np.ndarray | None = None  # RunTable.replicate_weights: approach 3's weight of each run
 
     def weights(self, chunk: int, size: int) -> np.ndarray:
         """Chunk ``chunk``'s resamples as counts per run, in the table's order."""
@@ -107,18 +109,21 @@ class Resamples:
     converged: np.ndarray  # (B,)
     isoflop: dict[str, PowerLaws]  # by minimum method; empty when approach 2 is not run
     envelope: PowerLaws | None
+    noiseless_envelope: PowerLaws | None = None  # Problem.noiseless_envelope on the same resamples
 
 
 def _refit(problem: Problem, chunk: int, size: int) -> Resamples:
     w = problem.weights(chunk, size)
-    thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, w, problem.huber_delta,
+    counts = w if problem.fit_weights is None else w * problem.fit_weights
+    thetas, converged = fit_weighted(problem.theta0, problem.n, problem.d, problem.loss, counts, problem.huber_delta,
                                      problem.form)
     isoflop = {}
     if len(problem.budget_flops):
         minima = budget_minima(problem.n, problem.loss, problem.labels, problem.budget_flops, w, problem.experiments)
         isoflop = {m: minima.power_laws(m, problem.n, problem.d, problem.flops_k) for m in METHODS}
     envelope = None if problem.envelope is None else problem.envelope.power_laws(w)
-    return Resamples(thetas, converged, isoflop, envelope)
+    noiseless = None if problem.noiseless_envelope is None else problem.noiseless_envelope.power_laws(w)
+    return Resamples(thetas, converged, isoflop, envelope, noiseless)
 
 
 _PROBLEM: Problem | None = None
@@ -156,7 +161,9 @@ def bootstrap(problem: Problem, n_resamples: int, workers: int = 1, progress: bo
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
     envelope = None if problem.envelope is None else PowerLaws.concat([p.envelope for p in parts])
+    noiseless = (None if problem.noiseless_envelope is None
+                 else PowerLaws.concat([p.noiseless_envelope for p in parts]))
     return Resamples(thetas=np.concatenate([p.thetas for p in parts]),
                      converged=np.concatenate([p.converged for p in parts]),
                      isoflop={m: PowerLaws.concat([p.isoflop[m] for p in parts]) for m in parts[0].isoflop},
-                     envelope=envelope)
+                     envelope=envelope, noiseless_envelope=noiseless)

@@ -1,7 +1,7 @@
 """Compute budgets: runs clustered in log C, or no budgets at all when C is continuous.
 
-Runs that share one C exactly (to 1e-6) in groups of at least ``MIN_BUDGET_RUNS`` are designed
-budgets: each is a budget of its own however close its neighbour is (a ladder of budgets 1 % apart
+Runs that share one C exactly (to 1e-6) in groups of at least ``MIN_BUDGET_RUNS`` sizes are designed
+budgets (seed replicates of one size share its C as well, so with ``params`` given distinct sizes are counted): each is a budget of its own however close its neighbour is (a ladder of budgets 1 % apart
 stays a ladder). Every other run joins the nearest such budget within the tolerance ``tol``
 (relative C). The rest are linked, sorted by C, wherever neighbours differ by at most ``tol``;
 such a chain is a budget when it has at least ``MIN_BUDGET_RUNS`` runs and spans at most ``tol``
@@ -48,8 +48,9 @@ def _runs(sorted_x: np.ndarray, gap: float) -> list[np.ndarray]:
     return np.split(np.arange(len(sorted_x)), cuts)
 
 
-def group_budgets(flops: np.ndarray, tol: float) -> Budgets:
-    """Cluster runs into budgets by their C; see the module docstring."""
+def group_budgets(flops: np.ndarray, tol: float, params: np.ndarray | None = None) -> Budgets:
+    """Cluster runs into budgets by their C (``params``: each run's N, to tell seed replicates of one size from a
+    budget's sizes); see the module docstring."""
     if not tol >= 0:
         raise ValueError("budget tolerance must be >= 0")
     log_c = np.log(np.asarray(flops, float))
@@ -58,8 +59,10 @@ def group_budgets(flops: np.ndarray, tol: float) -> Budgets:
     xs = log_c[order]
     members: list[list[int]] = []  # positions in xs of each budget
     loose = []
+    sizes = None if params is None else np.asarray(params, float)[order]
     for atom in _runs(xs, _SAME_C):
-        (members.append(list(atom)) if len(atom) >= MIN_BUDGET_RUNS else loose.extend(atom))
+        designed = len(atom) if sizes is None else len(np.unique(sizes[atom]))
+        (members.append(list(atom)) if designed >= MIN_BUDGET_RUNS else loose.extend(atom))
     seeds = np.array([xs[m[0]] for m in members])
     unplaced = []
     for i in loose:

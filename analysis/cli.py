@@ -247,6 +247,8 @@ def _fit(args: argparse.Namespace) -> int:
     print("\n".join(summary_lines(doc)))
     for code, message in result.warnings:
         print(f"warning [{code}]: {message}")
+    for message in result.design_notes:
+        print(f"note [design]: {message}")
     print(f"wrote {', '.join(sorted(names))} to {out}")
     if result.preferred is None:
         print(f"error: {result.why}; {out / 'report.html'} says why", file=sys.stderr)

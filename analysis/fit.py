@@ -51,6 +51,9 @@ HOLDOUT_FRACTION = 0.2  # with continuous budgets, the runs with the largest C t
 # deviations (1.4826 x the median absolute deviation) from the median residual: Iglewicz and Hoaglin's cut-off
 # for modified z-scores. The scale is floored at OUTLIER_SCALE_FLOOR so that noiseless data flag nothing.
 OUTLIER_Z = 3.5
+# What would identify an approach that the design cannot (``Identification.by_design``).
+DESIGN_REMEDY = {"envelope": "; more sizes per budget, or training curves whose every point is an end point "
+                             "(cooldowns, --envelope curves), would"}
 OUTLIER_SCALE_FLOOR = 1e-4
 # RMSE of log loss below which the data are called noiseless: no measured loss is reproducible to 1e-6.
 NOISELESS_RMSE = 1e-6
@@ -152,6 +155,7 @@ class FitResult:
     form_choice: dict | None = None  # with --form auto: each form's hold-out error and the choice
     forms: list[dict] = field(default_factory=list)  # every form fitted side by side (``forms_table``)
     downstream: list[dict] = field(default_factory=list)  # per task column: the loss -> error link, predictions
+    design_notes: list[str] = field(default_factory=list)  # approaches the design cannot identify (not warnings)
 
     @property
     def flops_max(self) -> float:
@@ -186,6 +190,7 @@ class FitResult:
             "law": self.law,
             "downstream": [{k: v for k, v in d.items() if k not in ("theta", "thetas")} for d in self.downstream],
             "warnings": [{"code": c, "message": m} for c, m in self.warnings],
+            "design_notes": self.design_notes,
         })
 
     def _data(self) -> dict:
@@ -401,8 +406,9 @@ def _holdout_parametric(table: RunTable, held: np.ndarray, what: str, config: Fi
     """Approach 3 in ``form`` refitted without the ``held`` runs (described by ``what``), and its errors on them."""
     n, d, c, loss = table.n, table.d, table.c, table.loss
     train = ~held
+    weights = table.replicate_weights
     fit = fit_parametric(n[train], d[train], loss[train], n_starts=config.n_starts, delta=config.huber_delta,
-                         form=form)
+                         form=form, weights=None if weights is None else weights[train])
     predicted = predict_loss(fit.theta, n[held], d[held], form)
     err = predicted - loss[held]
     runs = [{"run_id": str(r), "params": float(nn), "tokens": float(dd), "flops": float(cc), "loss": float(obs),
@@ -480,10 +486,11 @@ def forms_table(table: RunTable, chosen: ParametricFit, refits: dict[str, tuple[
         if form is chosen.form:
             theta, converged = chosen.theta, chosen.converged
         elif name in refits:  # from its hold-out refit's optimum, which lies close: one start, no grid
-            thetas, ok = fit_weighted(refits[name][0].theta, n, d, loss, np.ones((1, len(n))), config.huber_delta, form)
+            thetas, ok = fit_weighted(refits[name][0].theta, n, d, loss, _fit_weights(table), config.huber_delta, form)
             theta, converged = thetas[0], bool(ok[0])
         else:
-            fit = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form)
+            fit = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form,
+                                 weights=table.replicate_weights)
             theta, converged = fit.theta, fit.converged
         params = params_from_theta(theta, k, form)
         rmse = float(np.sqrt(np.mean((np.log(loss) - np.log(predict_loss(theta, n, d, form))) ** 2)))
@@ -621,21 +628,23 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
     n, d, c, loss, k = table.n, table.d, table.c, table.loss, table.flops_k
     level = config.ci_level
 
-    budgets = group_budgets(c, config.budget_tol)
+    budgets = group_budgets(c, config.budget_tol, n)
     minima = (budget_minima(n, loss, budgets.labels, budgets.flops, np.ones((1, len(n))), table.experiments)
               if budgets.count else None)
     warnings += _budget_warnings(budgets, minima, len(n), config.isoflop_minimum)
 
     refits, refits_skip = form_holdouts(table, budgets, config)
     form, form_choice = choose_form(table, budgets, config, refits, refits_skip)
-    parametric = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form)
+    parametric = fit_parametric(n, d, loss, n_starts=config.n_starts, delta=config.huber_delta, form=form,
+                                weights=table.replicate_weights)
     forms = forms_table(table, parametric, refits, refits_skip, config)
     condition = gauss_newton_condition(parametric.theta, n, d, form)
     outliers = find_outliers(table, parametric.theta, form)
     if outliers["runs"]:
         shown = ", ".join(f"{o['run_id']} ({o['residual']:+.3g} nats, z = {o['z']:+.1f})" for o in outliers["runs"][:5])
+        averaged = " (seed replicates averaged)" if outliers["replicates_averaged"] else ""
         warnings.append(("outliers", f"{len(outliers['runs'])} run(s) lie more than {OUTLIER_Z:g} robust standard "
-                         f"deviations from approach 3's law: {shown}{' ...' if len(outliers['runs']) > 5 else ''}; "
+                         f"deviations from approach 3's law{averaged}: {shown}{' ...' if len(outliers['runs']) > 5 else ''}; "
                          "drop them with --exclude RUN_ID (or a condition) or --drop-highest-loss K"))
     noise = _noise_check(table, parametric.theta, form)
     if noise is not None:
@@ -654,6 +663,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         if usable < 2:
             iso_skip = f"{usable} budget(s) with a located minimum; the power law needs 2"
     envelope, env_skip = None, single if budgets.single else None
+    noiseless: Frontier | None = None  # approach 1 on approach 3's losses: what the design alone identifies
     if env_skip is None:
         if config.envelope == "curves":
             envelope = build_envelope(table.curves)
@@ -661,6 +671,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
             in_budget = budgets.labels >= 0
             budget_c = np.where(in_budget, budgets.flops[np.maximum(budgets.labels, 0)] if budgets.count else c, c)
             envelope = build_frontier(c, n, d, loss, budget_c, table.experiments)
+            noiseless = build_frontier(c, n, d, predict_loss(parametric.theta, n, d, form), budget_c,
+                                       table.experiments)
     env_law = None
     if envelope is not None and env_skip is None:
         env_law = envelope.power_laws(np.ones((1, len(n))))
@@ -673,7 +685,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
                           budget_flops=budgets.flops if iso_skip is None else np.zeros(0), flops_k=k,
                           envelope=envelope if env_skip is None else None, seed=config.seed,
                           huber_delta=config.huber_delta, form=form, order=canonical_order(c, n, d, loss),
-                          experiments=table.experiments)
+                          experiments=table.experiments, fit_weights=table.replicate_weights,
+                          noiseless_envelope=noiseless if env_skip is None else None)
         resamples = bootstrap(problem, config.n_bootstrap, config.workers, config.progress)
         failed = int((~resamples.converged).sum())
         if failed > 0.05 * len(resamples.converged):
@@ -682,9 +695,13 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
 
     approaches = _approaches(table, config, budgets, parametric, condition, resamples, isoflop_laws, iso_skip,
                              env_law, env_skip, envelope)
+    design_notes = []
     for key, app in approaches.items():
         if app.skipped is not None:
             warnings.append((f"{key}_skipped", f"{TITLES[key]} skipped: {app.skipped}"))
+        elif app.identification.by_design:
+            design_notes.append(f"{TITLES[key]} cannot be identified by this design, whatever the runs' noise: "
+                                + "; ".join(app.identification.reasons) + DESIGN_REMEDY.get(key, ""))
         elif not app.identification.identified:
             warnings.append(("unidentified", f"{TITLES[key]} is not identified by the data: "
                              + "; ".join(app.identification.reasons)))
@@ -729,7 +746,7 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
                      approaches=approaches, preferred=choice, why=why, disagreements=disagree,
                      predictions=predictions, holdout=holdout, warnings=warnings, outliers=outliers,
                      noiseless=noise is not None, delta_sensitivity=sensitivity, law=other,
-                     form_choice=form_choice, forms=forms, downstream=downstream)
+                     form_choice=form_choice, forms=forms, downstream=downstream, design_notes=design_notes)
 
 
 def downstream_fits(table: RunTable, predictions: list[dict], config: FitConfig) -> list[dict]:
@@ -762,16 +779,26 @@ def _unique_tokens(table: RunTable) -> np.ndarray:
 
 
 def find_outliers(table: RunTable, theta: np.ndarray, form: Form = CHINCHILLA) -> dict:
-    """Runs whose log-loss residual from ``theta`` is more than OUTLIER_Z robust standard deviations from the median."""
+    """Runs whose log-loss residual from ``theta`` is more than OUTLIER_Z robust standard deviations from the median.
+
+    With seed replicates (``RunTable.experiments``) the unit is the experiment: its runs' residuals are averaged
+    before the median and scale are taken, and its runs are flagged together. A seed off its replicates is the
+    seed noise the replicates measure (the fit's first line reports it), not a point off the law; in a design whose
+    short runs are noisier, per-run residuals would flag their unlucky seeds and leave the law's misfit unjudged.
+    """
     predicted = predict_loss(theta, table.n, table.d, form)
     resid = np.log(table.loss) - np.log(predicted)
-    centre = float(np.median(resid))
-    scale = max(1.4826 * float(np.median(np.abs(resid - centre))), OUTLIER_SCALE_FLOOR)
-    z = (resid - centre) / scale
+    groups = np.arange(len(resid)) if table.experiments is None else table.experiments
+    _, which = np.unique(groups, return_inverse=True)
+    means = np.bincount(which, resid) / np.bincount(which)
+    centre = float(np.median(means))
+    scale = max(1.4826 * float(np.median(np.abs(means - centre))), OUTLIER_SCALE_FLOOR)
+    z = ((means - centre) / scale)[which]
     ids = table.runs["run_id"].to_numpy()
     flagged = np.flatnonzero(np.abs(z) > OUTLIER_Z)
     flagged = flagged[np.argsort(-np.abs(z[flagged]), kind="stable")]
     return {"threshold_z": OUTLIER_Z, "median_log_residual": centre, "robust_scale": scale,
+            "replicates_averaged": bool(len(means) < len(resid)),
             "runs": [{"run_id": str(ids[i]), "params": float(table.n[i]), "tokens": float(table.d[i]),
                       "loss": float(table.loss[i]), "predicted": float(predicted[i]),
                       "residual": float(table.loss[i] - predicted[i]), "z": float(z[i])} for i in flagged]}
@@ -787,6 +814,12 @@ def _noise_check(table: RunTable, theta: np.ndarray, form: Form) -> str | None:
             "(near) zero width then measure rounding, not uncertainty")
 
 
+def _fit_weights(table: RunTable) -> np.ndarray:
+    """One row of approach 3's weights for ``fit_weighted``: every run's ``replicate_weights``, or ones."""
+    weights = table.replicate_weights
+    return np.ones((1, len(table.n))) if weights is None else weights[None, :]
+
+
 def delta_sensitivity(table: RunTable, parametric: ParametricFit, delta: float) -> list[dict]:
     """Approach 3 refitted at each Huber delta of DELTA_GRID (and ``delta``), from the fit's optimum."""
     rows, form = [], parametric.form
@@ -794,8 +827,8 @@ def delta_sensitivity(table: RunTable, parametric: ParametricFit, delta: float) 
         if value == delta:
             theta, converged = parametric.theta, parametric.converged
         else:
-            thetas, ok = fit_weighted(parametric.theta, table.n, table.d, table.loss, np.ones((1, len(table.n))),
-                                      value, form)
+            thetas, ok = fit_weighted(parametric.theta, table.n, table.d, table.loss, _fit_weights(table), value,
+                                      form)
             theta, converged = thetas[0], bool(ok[0])
         params = params_from_theta(theta, table.flops_k, form)
         rows.append({"huber_delta": value, "fitted": value == delta, "converged": converged,
@@ -815,8 +848,10 @@ def _approaches(table: RunTable, config: FitConfig, budgets: Budgets, parametric
         samples = None if resamples is None else resamples.envelope
         points = envelope.points()
         sizes = len({p["params"] for p in points})
+        noiseless = None if resamples is None or resamples.noiseless_envelope is None else \
+            interval(resamples.noiseless_envelope.a, level)
         ident = identify.power_law(env_law.row(), sizes, "distinct sizes on the envelope",
-                                   None if samples is None else interval(samples.a, level), level)
+                                   None if samples is None else interval(samples.a, level), level, noiseless)
         if isinstance(envelope, Frontier) and budgets.count:
             ident.checks.append(_edge_check(points, table.n, budgets.labels))
         out["envelope"] = Approach("envelope", None, env_law, samples, ident)

@@ -10,6 +10,10 @@ a name, a verdict and a one-line detail that the report and ``plan`` show. The t
 - ``MAX_CONDITION``: the condition number of the Gauss-Newton matrix J^T J of approach 3
   (``parametric.gauss_newton_condition``): about 1e3 on IsoFLOP grids over several budgets, 1e9 and
   above on one budget, so 1e6 separates the two with room on both sides.
+- A spread over the bound is the design's doing, not the data's (``Check.by_design``), when the same
+  resamples of losses without noise (approach 3's law at the same runs) are as wide: approach 1 on an
+  IsoFLOP grid takes each budget's N_opt from the sizes sampled, and a resample that leaves out a
+  budget's lowest run moves its N_opt to a neighbouring size whatever the noise.
 - ``MIN_POINTS`` usable budgets (approach 2) or distinct envelope sizes (approach 1): a power law
   through two points has no residual to check it by.
 - ``MIN_DISTINCT`` distinct N and distinct D (approach 3): each of A/N^alpha and B/D^beta competes
@@ -35,6 +39,7 @@ class Check:
     name: str
     passed: bool
     detail: str
+    by_design: bool = False  # failed because of the design (what was sampled), whatever the runs' noise
 
 
 @dataclass
@@ -48,12 +53,19 @@ class Identification:
         return bool(self.checks) and all(c.passed for c in self.checks)
 
     @property
+    def by_design(self) -> bool:
+        """Not identified, and only for reasons of the design: more runs of it would not identify the law."""
+        failed = [c for c in self.checks if not c.passed]
+        return bool(failed) and all(c.by_design for c in failed)
+
+    @property
     def reasons(self) -> list[str]:
         return [c.detail for c in self.checks if not c.passed]
 
     def to_dict(self) -> dict:
-        return {"identified": self.identified, "reasons": self.reasons,
-                "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in self.checks]}
+        return {"identified": self.identified, "reasons": self.reasons, "by_design": self.by_design,
+                "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail, "by_design": c.by_design}
+                           for c in self.checks]}
 
 
 def refused(reason: str) -> Identification:
@@ -110,15 +122,28 @@ def parametric(params: dict[str, float], converged: bool, condition: float, n_di
 
 
 def power_law(law: dict[str, float], n_points: int, what: str, a_interval: list[float] | None,
-              level: float) -> Identification:
-    """Checks of approach 1 or 2: enough points, exponents in (0, 1), bootstrap spread."""
+              level: float, noiseless_interval: list[float] | None = None) -> Identification:
+    """Checks of approach 1 or 2: enough points, exponents in (0, 1), bootstrap spread; with
+    ``noiseless_interval`` (the same resamples of losses without noise) a spread that the design alone leaves."""
     a, b = law["a"], law["b"]
     ok = bool(np.isfinite(a) and np.isfinite(b) and 0 < a < 1 and 0 < b < 1)
     return Identification([
         Check("points", n_points >= MIN_POINTS, f"{n_points} {what} (need {MIN_POINTS})"),
         Check("exponents", ok, f"a = {a:.3g}, b = {b:.3g} ({'both' if ok else 'not both'} in (0, 1))"),
-        _spread_check(a_interval, level),
+        _design_spread(_spread_check(a_interval, level), noiseless_interval),
     ])
+
+
+def _design_spread(spread: Check, noiseless: list[float] | None) -> Check:
+    """``spread`` beside the interval the same resamples give on losses without noise: when that is too wide as
+    well, the design, not the runs' noise, leaves the law unidentified."""
+    if spread.passed or noiseless is None:
+        return spread
+    width = _width(noiseless)
+    limited = width > MAX_A_WIDTH
+    return Check(spread.name, False, f"{spread.detail}; on losses without noise (approach 3's law at the same runs) "
+                 f"the same resamples give width {width:.3g}"
+                 + (": the design limits it, not the runs' noise" if limited else ""), by_design=limited)
 
 
 def _fmt(interval: list[float] | None) -> str:

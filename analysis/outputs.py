@@ -135,7 +135,9 @@ def summary_lines(doc: dict) -> list[str]:
             lines.append(f"{TITLES[key]}: skipped: {section['reason']}")
             continue
         a_ci = (section.get("ci") or {}).get("a")
-        state = "identified" if section["identification"]["identified"] else "NOT identified"
+        ident = section["identification"]
+        state = ("identified" if ident["identified"] else
+                 "NOT identified: by the design" if ident.get("by_design") else "NOT identified")
         extra = (f" {section['form']} form, L = {section['formula'][4:]}: "
                  + " ".join(f"{name}={section[name]:.4g}" for name in FORMS[section['form']].names)
                  if key == "approach3" else "")

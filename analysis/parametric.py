@@ -204,8 +204,10 @@ def compute_optimal(thetas: np.ndarray, flops: np.ndarray, flops_k: float = 6.0,
 
 
 def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int = 8,
-                   delta: float = HUBER_DELTA, form: Form = CHINCHILLA) -> ParametricFit:
-    """Fit L(N, D) to runs: grid of starts evaluated at once, the engine from the best ``n_starts``.
+                   delta: float = HUBER_DELTA, form: Form = CHINCHILLA, weights: np.ndarray | None = None
+                   ) -> ParametricFit:
+    """Fit L(N, D) to runs: grid of starts evaluated at once, the engine from the best ``n_starts``; ``weights``
+    (one per run, e.g. ``RunTable.replicate_weights``) scale each run's term of the objective.
 
     Only choosing starts, the grid is evaluated on at most ``GRID_RUNS`` runs (every k-th, in C order).
     """
@@ -215,7 +217,7 @@ def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_starts: int
     order = np.argsort(values, kind="stable")[:max(1, n_starts)]
     centring = Centring(float(x.mean()), float(y.mean()), form)
     centred = problem(form, x - centring.x0, y - centring.y0, log_loss, delta)
-    res, finals = robust.fit(centred, [centring.to_centred(points[i]) for i in order])
+    res, finals = robust.fit(centred, [centring.to_centred(points[i]) for i in order], weights)
     best = int(np.argmin(finals))
     tol = max(1e-6 * abs(finals[best]), OBJECTIVE_ATOL_PER_RUN * len(x))
     agreeing = int(np.sum(np.abs(finals - finals[best]) <= tol))

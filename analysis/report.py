@@ -106,6 +106,8 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
     warnings = doc["warnings"]
     blocks += [("h", 2, "Warnings"),
                ("warn", [f"[{w['code']}] {w['message']}" for w in warnings]) if warnings else ("p", "None.")]
+    if doc.get("design_notes"):
+        blocks += [("h", 3, "What the design cannot identify"), ("ul", doc["design_notes"])]
     blocks += [("h", 2, "Method"), ("p", _METHOD), ("h", 2, "References"),
                ("ul", [HOFFMANN + ". Approaches 1-3, Table 3, appendix D.", BESIROGLU + ".", KAPLAN + ".",
                        MUENNIGHOFF + "."])]
@@ -115,7 +117,8 @@ def build_blocks(doc: dict, title: str = "Scaling-law fit") -> list[Block]:
 def _verdict(doc: dict) -> list[Block]:
     comp = doc["comparison"]
     loud = [f"{TITLES[k]} is NOT identified: {'; '.join(doc[k]['identification']['reasons'])}"
-            for k in APPROACHES if not doc[k].get("skipped") and not _identified(doc[k])]
+            for k in APPROACHES if not doc[k].get("skipped") and not _identified(doc[k])
+            and not doc[k]["identification"].get("by_design")]
     loud += [f"Approaches disagree: {x['message']}" for x in comp["disagreements"]]
     loud += [w["message"] for w in doc["warnings"] if w["code"] in LOUD_WARNINGS]
     if comp["preferred"] is None:

@@ -107,9 +107,11 @@ def solve(problem: Problem, start: np.ndarray, weights: np.ndarray | None = None
                          ftol=OBJECTIVE_TOLERANCE, gtol=TOLERANCE, max_nfev=MAX_EVALUATIONS)
 
 
-def fit(problem: Problem, starts: Sequence[np.ndarray]) -> tuple[OptimizeResult, np.ndarray]:
-    """The lowest optimum reached from ``starts``, and the objective each start reached (inf where not finite)."""
-    results = [solve(problem, s) for s in starts]
+def fit(problem: Problem, starts: Sequence[np.ndarray], weights: np.ndarray | None = None
+        ) -> tuple[OptimizeResult, np.ndarray]:
+    """The lowest optimum reached from ``starts`` (each point's term times ``weights``, when given), and the objective
+    each start reached (inf where not finite)."""
+    results = [solve(problem, s, weights) for s in starts]
     costs = np.array([r.cost if np.isfinite(r.cost) else np.inf for r in results])
     return results[int(np.argmin(costs))], costs
 

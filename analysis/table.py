@@ -110,6 +110,16 @@ class RunTable:
         return pd.factorize(pd.Series(unique))[0].astype(int)
 
     @property
+    def replicate_weights(self) -> np.ndarray | None:
+        """Each run's weight in approach 3, 1 / its experiment's seed replicates, so that every experiment counts once
+        however many seeds it has; None when no run has a replicate."""
+        experiments = self.experiments
+        if experiments is None:
+            return None
+        count = np.bincount(experiments)[experiments]
+        return None if np.all(count == 1) else 1.0 / count
+
+    @property
     def dataset(self) -> str | None:
         """The data set every run names in a ``dataset`` column, or None (no column, gaps or several)."""
         if "dataset" not in self.runs.columns or self.runs["dataset"].isna().any():

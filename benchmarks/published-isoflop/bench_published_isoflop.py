@@ -51,7 +51,7 @@ def lab_fits(runs: pd.DataFrame, folder: Path) -> dict[str, dict]:
         path, index=False)
     table, config = load_runs(path), FitConfig()
     n, d, c, loss = table.n, table.d, table.c, table.loss
-    budgets = group_budgets(c, config.budget_tol)
+    budgets = group_budgets(c, config.budget_tol, n)
     problem = Problem(theta0=np.zeros(0), n=n, d=d, loss=loss, labels=budgets.labels, budget_flops=budgets.flops,
                       flops_k=table.flops_k, envelope=None, seed=config.seed, order=canonical_order(c, n, d, loss))
     count = config.n_bootstrap

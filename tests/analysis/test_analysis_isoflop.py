@@ -55,6 +55,19 @@ def test_a_ladder_of_exact_budgets_stays_a_ladder():
     assert with_stray.labels[-1] == 1
 
 
+def test_three_seeds_of_one_size_are_not_a_budget_of_their_own():
+    # Two budgets of 7 sizes whose C differ a little from size to size (rounded shapes), each size trained with
+    # three seeds: every size's C occurs three times exactly, which is no designed budget of one size.
+    sizes = np.geomspace(1e4, 1e5, 7)
+    jitter = 1 + np.linspace(-0.01, 0.01, 7)
+    flops = np.repeat(np.concatenate([1e12 * jitter, 4e12 * jitter]), 3)
+    params = np.repeat(np.concatenate([sizes, 2 * sizes]), 3)
+    budgets = group_budgets(flops, 0.05, params)
+    assert budgets.count == 2
+    np.testing.assert_array_equal(budgets.labels, np.repeat([0, 1], 21))
+    assert group_budgets(flops, 0.05).count == 14  # counting runs, not sizes: each size a "budget"
+
+
 def test_continuous_budgets_form_no_groups_and_chains_are_reported():
     runs = continuous_runs(245, seed=0)
     budgets = group_budgets(runs["flops"].to_numpy(), 0.05)

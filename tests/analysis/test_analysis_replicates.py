@@ -111,3 +111,43 @@ def test_the_final_loss_frontier_averages_an_experiments_seeds():
     assert [p["params"] for p in build_frontier(c, n, c / (6 * n), loss).points()] == [1e3]
     assert seeds.winners(np.array([[1.0, 0.0, 1.0]]))[0, seeds.rows.tolist().index(0)]  # seed 1 drawn alone: 3.0
     assert seeds.winners(runs).sum() == 1
+
+
+
+
+def _replicated(disagree: float) -> pd.DataFrame:
+    """Two seeds of every synthetic IsoFLOP run (1 % noise); at the smallest budget the three largest sizes (its
+    shortest runs) have seeds that disagree, one ``disagree`` high and the other as much low."""
+    runs = isoflop_runs(BUDGETS, per_budget=7, spread=4, noise=0.01, seed=2)
+    runs["experiment"] = runs["run_id"]
+    noise = np.exp(0.01 * np.random.default_rng(3).standard_normal(len(runs)))
+    second = runs.assign(run_id=runs["run_id"] + "-s1", loss=runs["loss"] * noise)
+    short = [4, 5, 6]  # budget 1e18's largest sizes
+    runs.loc[short, "loss"] /= 1 + disagree
+    second.loc[short, "loss"] *= 1 + disagree
+    return pd.concat([runs, second], ignore_index=True)
+
+
+def test_outliers_are_judged_on_experiments_when_runs_have_seed_replicates(tmp_path):
+    from analysis.fit import FitConfig, find_outliers, fit_runs
+
+    def table(frame: pd.DataFrame, name: str):
+        frame.to_csv(tmp_path / name, index=False)
+        return load_runs(tmp_path / name)
+
+    law = fit_runs(table(_replicated(0.0), "clean.csv"), FitConfig(n_bootstrap=0, progress=False, holdout=False))
+    theta, form = law.parametric.theta, law.parametric.form
+    runs = _replicated(0.06)
+    # the disagreeing seeds average on the law: seed noise the replicates show, no outlier of the law
+    found = find_outliers(table(runs, "seeds.csv"), theta, form)
+    assert found["runs"] == [] and found["replicates_averaged"]
+    # the same numbers without the experiment column: every run its own point, and the stray seeds are outliers
+    alone = find_outliers(table(runs.drop(columns="experiment"), "alone.csv"), theta, form)
+    assert not alone["replicates_averaged"]
+    strays = {f"run{i:04d}{s}" for i in (4, 5, 6) for s in ("", "-s1")}
+    assert {o["run_id"] for o in alone["runs"]} == strays
+    # an experiment whose both seeds are off the law is flagged, with both its runs
+    both = runs.copy()
+    both.loc[both["run_id"].isin(["run0010", "run0010-s1"]), "loss"] *= 1.1
+    assert {o["run_id"] for o in find_outliers(table(both, "both.csv"), theta, form)["runs"]} == {"run0010",
+                                                                                                  "run0010-s1"}
