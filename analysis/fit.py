@@ -644,7 +644,8 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         shown = ", ".join(f"{o['run_id']} ({o['residual']:+.3g} nats, z = {o['z']:+.1f})" for o in outliers["runs"][:5])
         averaged = " (seed replicates averaged)" if outliers["replicates_averaged"] else ""
         warnings.append(("outliers", f"{len(outliers['runs'])} run(s) lie more than {OUTLIER_Z:g} robust standard "
-                         f"deviations from approach 3's law{averaged}: {shown}{' ...' if len(outliers['runs']) > 5 else ''}; "
+                         f"deviations from approach 3's law{averaged}: {shown}"
+                         f"{' ...' if len(outliers['runs']) > 5 else ''}; "
                          "drop them with --exclude RUN_ID (or a condition) or --drop-highest-loss K"))
     noise = _noise_check(table, parametric.theta, form)
     if noise is not None:
