@@ -151,3 +151,22 @@ def test_outliers_are_judged_on_experiments_when_runs_have_seed_replicates(tmp_p
     both.loc[both["run_id"].isin(["run0010", "run0010-s1"]), "loss"] *= 1.1
     assert {o["run_id"] for o in find_outliers(table(both, "both.csv"), theta, form)["runs"]} == {"run0010",
                                                                                                   "run0010-s1"}
+
+
+def test_approach_3_counts_each_experiment_once_however_many_seeds_it_has(tmp_path):
+    from analysis.fit import FitConfig, fit_runs
+
+    def theta(frame: pd.DataFrame, name: str) -> np.ndarray:
+        frame.to_csv(tmp_path / name, index=False)
+        result = fit_runs(load_runs(tmp_path / name), FitConfig(n_bootstrap=0, progress=False, holdout=False))
+        return result.parametric.theta
+
+    runs = isoflop_runs(BUDGETS, per_budget=7, spread=4, noise=0.01, seed=4).assign(experiment=lambda r: r["run_id"])
+    small = runs[runs["flops"] == BUDGETS[0]]
+    copies = pd.concat([small.assign(run_id=small["run_id"] + f"-s{k}") for k in (1, 2)])
+    tripled = pd.concat([runs, copies], ignore_index=True)  # the smallest budget's runs three times, same losses
+    once = theta(runs, "once.csv")
+    # as seeds of their experiments they weigh what one run did: the same objective, the same law
+    np.testing.assert_allclose(theta(tripled, "seeds.csv"), once, rtol=1e-5, atol=1e-8)
+    # as runs of their own they weigh three times, and the law moves
+    assert not np.allclose(theta(tripled.drop(columns="experiment"), "runs.csv"), once, rtol=1e-3)
