@@ -1,9 +1,10 @@
 """How wide approach 1's bootstrap interval of a is by design: the default sweep's grid and alternatives, simulated.
 
-    python benchmarks/sweep/approach1_design.py [RUNS_CSV]   # default: benchmarks/sweep/issue51-sweep-runs.csv
+    python benchmarks/sweep/approach1_design.py [RUNS_CSV]   # default: benchmarks/sweep/sweep-3seeds-runs.csv
 
 The truth is approach 3's law fitted to the sweep's runs (form auto, as `make sweep` fits it); the noise is the
-sweep's own seed noise, a power law in the run's steps fitted to its seed pairs' loss ranges. Each design lays out
+sweep's own seed noise, a power law in the run's steps fitted to its experiments' seed spreads (each experiment's
+standard deviation over its seeds, unbiased by c4). Each design lays out
 its budgets and sizes (centred on 40 tokens per parameter, as the default file), draws losses, and takes approach
 1's interval exactly as `analysis fit` does: the final-loss frontier (seed replicates averaged) refitted on 1,000
 bootstrap resamples drawn within budgets. Printed per design: the median width over 20 noise draws, how often it is
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy.special import gammaln
 
 from analysis.bootstrap import chunk_weights, interval
 from analysis.envelope import build_frontier
@@ -31,8 +33,8 @@ DRAWS = 20
 RESAMPLES = 1000
 
 
-def design(budgets=BUDGETS, per_budget=7, decades=0.5, seeds=lambda c: 2 if c < 1e12 else 1) -> pd.DataFrame:
-    """The runs of a design: each budget's sizes log-spaced around 40 tokens per parameter, seeds below 1e12."""
+def design(budgets=BUDGETS, per_budget=7, decades=0.5, seeds=lambda c: 3 if c < 1e12 else 1) -> pd.DataFrame:
+    """The runs of a design: each budget's sizes log-spaced around 40 tokens per parameter, ``seeds(C)`` of each."""
     rows = []
     for c in budgets:
         centre = np.sqrt(c / (6 * 40))
@@ -68,27 +70,29 @@ def main(path: Path) -> None:
         return predict_loss(theta, n, d, form)
 
     runs = pd.read_csv(path)
-    pairs = runs[runs["role"] == "sweep"].groupby("experiment").agg(
-        steps=("steps", "first"), spread=("loss", lambda v: v.max() - v.min()), count=("loss", "size"))
-    pairs = pairs[pairs["count"] == 2]
-    # the range of two normal draws averages 2 / sqrt(pi) = 1.128 sigma
-    slope, intercept = np.polyfit(np.log(pairs["steps"]), np.log(pairs["spread"] / 1.128), 1)
+    groups = runs[runs["role"] == "sweep"].groupby("experiment").agg(
+        steps=("steps", "first"), sd=("loss", "std"), count=("loss", "size"))
+    groups = groups[groups["count"] >= 2]
+    k = groups["count"].to_numpy(float)
+    c4 = np.sqrt(2 / (k - 1)) * np.exp(gammaln(k / 2) - gammaln((k - 1) / 2))  # E[sample sd] = c4 sigma
+    slope, intercept = np.polyfit(np.log(groups["steps"]), np.log(groups["sd"] / c4), 1)
 
     def noise(steps: np.ndarray) -> np.ndarray:
         return np.exp(intercept) * steps ** slope
 
     print(f"law: approach 3 ({form.name}) fitted to {len(table.n)} runs of {path}")
-    print(f"seed noise: sigma = {np.exp(intercept):.3g} x steps^{slope:.2f} from {len(pairs)} seed pairs "
+    print(f"seed noise: sigma = {np.exp(intercept):.3g} x steps^{slope:.2f} from {len(groups)} experiments with seeds "
           f"({noise(np.array([300.0]))[0]:.3f} nats at 300 steps, {noise(np.array([3000.0]))[0]:.4f} at 3,000)")
     cases = {
-        "default: 7 sizes, +-0.5 decade, 2 seeds below 1e12": design(),
-        "9 sizes": design(per_budget=9),
-        "11 sizes": design(per_budget=11),
+        "7 sizes, +-0.5 decade, 2 seeds below 1e12": design(seeds=lambda c: 2 if c < 1e12 else 1),
+        "the default: 3 seeds below 1e12": design(),
+        "9 sizes, 3 seeds below 1e12": design(per_budget=9),
+        "11 sizes, 3 seeds below 1e12": design(per_budget=11),
         "2 seeds everywhere": design(seeds=lambda c: 2),
         "3 seeds below 1e12, 2 above": design(seeds=lambda c: 3 if c < 1e12 else 2),
         "9 sizes, +-0.4 decade, 2 seeds everywhere": design(per_budget=9, decades=0.4, seeds=lambda c: 2),
-        "11 budgets (x sqrt 2 apart), 7 sizes": design(budgets=tuple(np.geomspace(6e10, 2e12, 11))),
-        "a 7th budget, 4e12": design(budgets=BUDGETS + (4e12,)),
+        "11 budgets (x sqrt 2 apart), 3 seeds below 1e12": design(budgets=tuple(np.geomspace(6e10, 2e12, 11))),
+        "a 7th budget, 4e12, 3 seeds below 1e12": design(budgets=BUDGETS + (4e12,)),
     }
     print(f"{'design':<52} {'runs':>4} {'FLOPs':>8} {'width':>6} {'<= 0.2':>6} {'no noise':>8}")
     for name, runs_of in cases.items():
@@ -98,4 +102,4 @@ def main(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/sweep/issue51-sweep-runs.csv"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/sweep/sweep-3seeds-runs.csv"))
