@@ -1,11 +1,11 @@
 """Compute budgets: runs clustered in log C, or no budgets at all when C is continuous.
 
-Runs that share one C exactly (to 1e-6) in groups of at least ``MIN_BUDGET_RUNS`` sizes are designed
-budgets (seed replicates of one size share its C too, so with ``params`` given distinct sizes are counted):
-each is a budget of its own however close its neighbour is (a ladder of budgets 1 % apart stays a ladder). Every other run joins the nearest such budget within the tolerance ``tol``
-(relative C). The rest are linked, sorted by C, wherever neighbours differ by at most ``tol``;
-such a chain is a budget when it has at least ``MIN_BUDGET_RUNS`` runs and spans at most ``tol``
-from its smallest to its largest C. A longer chain is "wide": neighbouring C values, not one
+Runs that share one C exactly (to 1e-6) in groups of at least ``MIN_BUDGET_RUNS`` sizes are designed budgets (seed
+replicates of one size share its C too, so with ``params`` given distinct sizes are counted): each is a budget of
+its own however close its neighbour is (a ladder of budgets 1 % apart stays a ladder). Every other run joins the
+nearest such budget within the tolerance ``tol`` (relative C). The rest are linked, sorted by C, wherever
+neighbours differ by at most ``tol``; such a chain is a budget when it has at least ``MIN_BUDGET_RUNS`` runs and
+spans at most ``tol`` from its smallest to its largest C. A longer chain is "wide": neighbouring C values, not one
 budget, so its runs belong to no budget and a warning names it.
 
 When fewer than half of the runs end up in budgets, the data has continuous budgets (every run

@@ -5,7 +5,10 @@ compute budgets (``budgets``), fits approach 3 (``parametric``), approach 2 (``i
 are budgets) and approach 1 (``envelope``: the frontier of final losses, or the envelope of training
 curves with ``envelope="curves"``), refits all of them on the same bootstrap resamples, checks whether each law is
 identified (``identify``), compares them and picks the one to plan with (``compare``), predicts
-N_opt, D_opt and loss at the requested budgets, runs a hold-out check and gathers warnings.
+N_opt, D_opt and loss at the requested budgets, runs a hold-out check and gathers warnings. Seed replicates
+(``RunTable.experiments``) count once each: averaged where an approach takes one loss per size, weighted 1/k in
+approach 3 (``RunTable.replicate_weights``) and averaged in the outlier check. An approach that the design cannot
+identify, even on approach 3's losses without noise, gets a design note instead of a warning.
 """
 
 from __future__ import annotations
@@ -51,12 +54,12 @@ HOLDOUT_FRACTION = 0.2  # with continuous budgets, the runs with the largest C t
 # deviations (1.4826 x the median absolute deviation) from the median residual: Iglewicz and Hoaglin's cut-off
 # for modified z-scores. The scale is floored at OUTLIER_SCALE_FLOOR so that noiseless data flag nothing.
 OUTLIER_Z = 3.5
-# What would identify an approach that the design cannot (``Identification.by_design``).
-DESIGN_REMEDY = {"envelope": "; more sizes per budget, or training curves whose every point is an end point "
-                             "(cooldowns, --envelope curves), would"}
 OUTLIER_SCALE_FLOOR = 1e-4
 # RMSE of log loss below which the data are called noiseless: no measured loss is reproducible to 1e-6.
 NOISELESS_RMSE = 1e-6
+# What would identify an approach that the design cannot (``Identification.by_design``).
+DESIGN_REMEDY = {"envelope": "; more sizes per budget, or training curves whose every point is an end point "
+                             "(cooldowns, --envelope curves), would"}
 # Huber deltas of the sensitivity table (the fit's own delta is added).
 DELTA_GRID = (1e-4, 1e-3, 1e-2, 1e-1)
 # What approach 1 takes its points from: end points only (final losses), or every point of the training curves,
