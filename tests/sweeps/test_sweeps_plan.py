@@ -249,8 +249,9 @@ def test_the_default_sweep_brackets_five_budgets_over_thirty_fold_within_its_tim
         assert all(abs(r.flops / budget - 1) < 0.01 for r in runs)
     assert sweep.search is not None and not search.refusals(sweep)
     searched = search.lr_runs(sweep)[0] + search.batch_runs(sweep, sweep.lr)[0]
-    # the plan's own estimate (calibrated on the 2-core machine) keeps sweep and search within 25 minutes
-    assert sum(r.est_seconds for r in result.runs + searched) / sweep.parallel < 25 * 60
+    # the plan's own estimate (calibrated on the 2-core machine) keeps sweep and search within 30 minutes (28 with the
+    # third seed below 1e12; measured from scratch at load 3-4.6: 43 minutes)
+    assert sum(r.est_seconds for r in result.runs + searched) / sweep.parallel < 30 * 60
 
 
 def test_the_tours_sweep_plans_six_distinct_runs_without_a_warning_in_about_a_minute(tmp_path):
