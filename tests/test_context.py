@@ -134,7 +134,7 @@ def _logits(world: World, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
         strategy = create(parallel, on, Precision("cpu"), LoopSettings(2, 1, 1.0))
         strategy.build(lambda: GPT(MODERN), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), on.device))
         with torch.no_grad():
-            out.append(strategy.model(x))
+            out.append(strategy.strategy.model(x))
     return out[0], out[1]
 
 

@@ -93,7 +93,7 @@ def _ddp_cases(world: World) -> dict:
     for mb in (1000.0, 0.02, 1e-9):
         s = create(ParallelConfig(strategy="ddp", bucket_mb=mb), world, FP32, LOOP)
         s.build(lambda: GPT(TINY, seed=1), lambda m: [], lambda groups: torch.optim.SGD([torch.zeros(1)]))
-        out[f"buckets at {mb}"] = (len(s.buckets), len(s.trainable))
+        out[f"buckets at {mb}"] = (len(s.strategy.buckets), len(s.strategy.trainable))
 
     frozen_ref = reference(world, setup, lambda: frozen_gpt(setup.seed))
     unused_ref = reference(world, setup, lambda: GPTWithSometimesUnusedLayer(TINY, setup.seed))

@@ -79,12 +79,12 @@ def test_clip_grad_norm_returns_the_norm_before_clipping(max_norm):
 
 def test_step_sets_the_learning_rate_updates_and_clears_gradients():
     s = built()
-    assert s.optimizer.defaults["fused"] is True  # fused AdamW where the device supports it
+    assert s.strategy.optimizer.defaults["fused"] is True  # fused AdamW where the device supports it
     before = [p.detach().clone() for p in s.module.parameters()]
     x = torch.randint(0, 50, (2, 8))
     s.backward(s.forward(x, x, sync=True))
     s.step(lr=0.0123)
-    assert {g["lr"] for g in s.optimizer.param_groups} == {0.0123}
+    assert {g["lr"] for g in s.strategy.optimizer.param_groups} == {0.0123}
     assert all(p.grad is None for p in s.module.parameters())
     assert all(not torch.equal(a, p) for a, p in zip(before, s.module.parameters()))
 

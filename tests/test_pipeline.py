@@ -471,7 +471,10 @@ def _loaded_as_saved(world: World, source: str, target: str, run_dir: Path) -> b
     parallelism: each rank holds ranges of the whole flattened tensors)."""
     strategy, saved = _reloaded(world, source, target, run_dir)
     stored = checkpoint.load_everything(saved)
-    held = strategy.held_state()  # before the pipeline's transform: the last stage's parts of the tied weight too
+    held = {}  # as this rank holds them, before the pipeline's transform: the last stage's parts of the tied weight too
+    for piece in strategy.strategy.holding():
+        for key, view in piece.views():
+            held[key] = Held(piece.numel, piece.lo if view.numel() else 0, view) if piece.sharded else view
     return all(torch.equal(value.view, stored[key][value.lo:value.lo + value.view.numel()])
                if isinstance(value, Held) else torch.equal(value.flatten(), stored[key].flatten())
                for key, value in held.items())

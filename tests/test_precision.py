@@ -265,14 +265,15 @@ def _fp16_run(world: World, spec: str, poisoned: int | None, skipped_by_hand: in
     out = {"losses": [], "stepped": [], "scales": []}
     for step["now"] in range(setup.steps):
         if step["now"] == skipped_by_hand:
-            strategy.scaler.load_state_dict({"scale": strategy.scaler.scale / 2, "clean_steps": 0})
+            scaler = strategy.precision_step.scaler
+            scaler.load_state_dict({"scale": scaler.scale / 2, "clean_steps": 0})
         else:
             x, y = batch(setup, step["now"], plan.global_sequences)
             lo, hi = plan.micro_range(world.rank, 0)
             result = train_step(strategy, world, [(x[lo:hi], y[lo:hi])], 1, setup.lr, setup.grad_clip)
             out["losses"].append(result.loss)
             out["stepped"].append(result.stepped)
-        out["scales"].append(strategy.scaler.scale)
+        out["scales"].append(strategy.precision_step.scaler.scale)
     out["weights"] = strategy.full_state_dict()
     return out
 

@@ -74,7 +74,7 @@ def _odd_sizes(world: World) -> dict:
     results = equivalence(world, ["zero1", "zero2", "zero3", "fsdp"], setup)
     s = create(ParallelConfig(strategy="zero3"), world, Precision("cpu"), LOOP)
     s.build(lambda: GPT(ODD, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), world.device))
-    return {"results": results, "units": [(u.numel, u.padded) for u in s.units]}
+    return {"results": results, "units": [(u.numel, u.padded) for u in s.strategy.units]}
 
 
 @pytest.mark.slow
@@ -162,9 +162,10 @@ def _peak_bytes_by_kind(world: World, spec: str) -> dict:
             train_step(s, world, [(x[2 * world.rank:2 * world.rank + 2], y[2 * world.rank:2 * world.rank + 2])], 1,
                        1e-3, 1.0)
         phases, kinds = meter.live.take_peaks()
-    return {"built": built, "kinds": kinds, "phases": phases, "shard": sum(u.chunk for u in s.units) * 4,
-            "units": [u.padded * 4 for u in s.units], "largest_param": max(p.numel() for p in s.units[0].params) * 4,
-            "largest_vector": max(p.numel() for u in s.units for p in u.params if p.dim() == 1) * 4}
+    return {"built": built, "kinds": kinds, "phases": phases, "shard": sum(u.chunk for u in s.strategy.units) * 4,
+            "units": [u.padded * 4 for u in s.strategy.units],
+            "largest_param": max(p.numel() for p in s.strategy.units[0].params) * 4,
+            "largest_vector": max(p.numel() for u in s.strategy.units for p in u.params if p.dim() == 1) * 4}
 
 
 @pytest.mark.slow

@@ -37,14 +37,16 @@ import torch
 
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from lab.measure.device import Precision
+from lab.runtime import checkpoint
 from lab.runtime.files import write_atomic
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate
+from lab.parallel import Engine, LoopSettings, World, create, data_replica, parse_spec, validate
+from lab.parallel.data.deepspeed import DeepSpeed
 from lab.parallel.axes.pipeline import microbatches
 from lab.commands.ranks import RankFailed, run_ranks
 from lab.training.steps import StepPlan
-from lab.training.train import train_step
+from lab.training.train import StepResult, train_step
 
 TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32, vocab_size=96)
 
@@ -71,6 +73,7 @@ class Trace:
     grad_norms: list[float]
     params: dict[str, torch.Tensor]  # the final weights (rank 0), under the model's names
     meters: dict = dataclasses.field(default_factory=dict)  # this rank's accounts and the last step's record
+    resumes: bool | None = None  # saved at the end, loaded into a fresh engine: the next step the same (rank 0)
 
 
 def loop_settings(setup: Setup) -> LoopSettings:
@@ -91,25 +94,53 @@ def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor,
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> Trace:
-    """Train ``setup`` under ``parallel.strategy`` on ``world``; the losses and (on rank 0) the final weights."""
-    strategy = create(parallel, world, precision(setup), loop_settings(setup))
-    strategy.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
-                   adamw_factory(TrainConfig(), world.device))
+def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None,
+               resume_dir: Path | None = None) -> Trace:
+    """Train ``setup`` under ``parallel.strategy`` on ``world``; the losses and (on rank 0) the final weights. With
+    ``resume_dir`` (the same folder on every rank) the run also evaluates and saves a checkpoint at its end there, as
+    the loop does, and ``Trace.resumes`` tells whether a fresh engine loaded from it trains a step more to the same
+    loss and weights as the run going on."""
+    engine = _built(world, setup, parallel, model_factory)
     replica, replicas = data_replica(parallel, world.rank, world.world_size)
     plan = StepPlan(global_sequences=setup.micro_batch * setup.accum * replicas, accum_steps=setup.accum,
-                    total_steps=setup.steps, micro_batch=setup.micro_batch, world_size=replicas)
-    trace = Trace([], [], {})
-    for step in range(setup.steps):
+                    total_steps=setup.steps + 1, micro_batch=setup.micro_batch, world_size=replicas)
+
+    def step(engine: Engine | DeepSpeed, step: int) -> StepResult:
         x, y = batch(setup, step, plan.global_sequences)
         micro = [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(replica, m) for m in range(plan.accum_steps))]
-        result = train_step(strategy, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
+        return train_step(engine, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
+
+    trace = Trace([], [], {})
+    for i in range(setup.steps):
+        result = step(engine, i)
         trace.losses.append(result.loss)
         trace.grad_norms.append(result.grad_norm)
-        step_record = strategy.take_step_meters().layout
-    trace.params = strategy.full_state_dict()
-    trace.meters = strategy.accounts.meters() | {"step": step_record}
+        step_record = engine.take_step_meters().layout
+    trace.params = engine.full_state_dict()
+    trace.meters = engine.accounts.meters() | {"step": step_record}
+    if resume_dir is not None:  # as the loop ends: an evaluation, the finiteness check, the save
+        x, y = batch(setup, setup.steps, setup.micro_batch)
+        engine.eval_loss(x, y)
+        if not engine.params_finite():
+            raise ValueError("weights are not finite at the end; not saved")
+        saved = checkpoint.save(resume_dir, setup.steps, world.rank, world.world_size, engine.checkpoint_state(),
+                                engine.precision_state(), keep=1)
+        resumed = _built(world, setup, parallel, model_factory)
+        meta = checkpoint.load(saved, world.rank, world.world_size, resumed.checkpoint_state())
+        resumed.after_load()
+        resumed.load_precision_state(meta)
+        going_on, again = step(engine, setup.steps), step(resumed, setup.steps)
+        weights, reloaded = engine.full_state_dict(), resumed.full_state_dict()
+        trace.resumes = going_on.loss == again.loss and weights.keys() == reloaded.keys() and all(
+            torch.equal(weights[k], reloaded[k]) for k in weights)
     return trace
+
+
+def _built(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> Engine | DeepSpeed:
+    engine = create(parallel, world, precision(setup), loop_settings(setup))
+    engine.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
+                 adamw_factory(TrainConfig(), world.device))
+    return engine
 
 
 def reference(world: World, setup: Setup, model_factory=None, replicas: int | None = None, split: int = 1) -> Trace:
@@ -151,9 +182,10 @@ def compare(ref: Trace, got: Trace) -> Comparison:
 
 
 def equivalence(world: World, specs: list[str], setup: Setup, refs: dict | None = None,
-                traces: dict | None = None) -> dict[str, Comparison]:
+                traces: dict | None = None, resume_dir: Path | None = None) -> dict[str, Comparison]:
     """Every strategy (``name[:key=value,...]``) against ``single`` (rank 0's view; run on every rank); ``refs`` keeps
-    the references between calls of one setup, ``traces`` gets this rank's trace of each."""
+    the references between calls of one setup, ``traces`` gets this rank's trace of each; with ``resume_dir`` each
+    also saves at its end and resumes (``train_tiny``)."""
     refs = {} if refs is None else refs
     out = {}
     for spec in specs:
@@ -163,7 +195,7 @@ def equivalence(world: World, specs: list[str], setup: Setup, refs: dict | None 
         if key not in refs:
             refs[key] = reference(world, setup, replicas=replicas, split=key[1])
         ref = refs[key]
-        trace = ref if spec == "single" else train_tiny(world, setup, parallel)
+        trace = ref if spec == "single" else train_tiny(world, setup, parallel, resume_dir=resume_dir)
         if world.is_main:
             out[spec] = compare(ref, trace)
         if traces is not None:

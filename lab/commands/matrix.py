@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +87,12 @@ class Row:
     seconds: float = 0.0
     refused: str | None = None
     meters: tuple[str, ...] = ()  # where a rank's measured bytes left their theory
+    resumes: bool | None = None  # saved at its end and resumed from it, the next step the same bits
     rel_params: float | None = None  # under a 16-bit policy: ‖Δw‖ / ‖w‖ (held to TOLERANCE_16 instead of params)
 
     @property
     def passed(self) -> bool:
-        if self.refused is not None or self.meters:
+        if self.refused is not None or self.meters or self.resumes is False:
             return False
         if self.rel_params is not None:
             return self.loss <= TOLERANCE_16["loss"] and self.grad_norm <= TOLERANCE_16["grad_norm"] and \
@@ -99,9 +101,15 @@ class Row:
             self.params <= TOLERANCE["params"]
 
 
+# the experts' exchanges against their theory at balanced routing: a tiny router is not balanced (128 tokens a
+# micro-step, top 2 of 4 experts on 2 ranks: 44.5 % of the rows went to the other rank where the theory has 50 %)
+EXPERT_BYTES = 0.25
+
+
 def meter_problems(meters: dict) -> list[str]:
     """Where one rank's meters leave their theory: the bytes sent over the data axis, the tensor-parallel group and
-    the pipeline's links must equal it; the model states' bytes be within 5 %."""
+    the pipeline's links must equal it; the model states' bytes be within 5 % and the
+    experts' exchanges within ``EXPERT_BYTES``."""
     out = []
     pairs = [("comm_bytes_per_step", "comm_bytes_per_step_theory"),
              ("tp_comm_bytes_per_step", "tp_comm_bytes_per_step_theory")]
@@ -117,6 +125,9 @@ def meter_problems(meters: dict) -> list[str]:
     for sent in ("pp_sent_bytes", "cp_kv_bytes"):
         if sent in step and step[sent] != step[f"{sent}_theory"]:
             out.append(f"{sent} {step[sent]:.0f}, theory {step[f'{sent}_theory']:.0f}")
+    if "ep_a2a_bytes" in step and abs(step["ep_a2a_bytes"] - step["ep_a2a_bytes_theory"]) > \
+            EXPERT_BYTES * step["ep_a2a_bytes_theory"]:
+        out.append(f"ep_a2a_bytes {step['ep_a2a_bytes']:.0f}, theory {step['ep_a2a_bytes_theory']:.0f}")
     return out
 
 
@@ -148,16 +159,18 @@ def refusal(layout: Layout) -> str | None:
     return None
 
 
-def _run(world: World, cells: list[Layout], base: Setup = SETUP) -> list[Row]:
+def _run(world: World, cells: list[Layout], base: Setup = SETUP, folder: Path | None = None) -> list[Row]:
     """Every cell on this world under ``base``'s precision, against single (the references shared between cells of
-    one model), and every rank's meters against their theory (``meter_problems``)."""
+    one model), every rank's meters against their theory (``meter_problems``), and (given a ``folder``) its
+    checkpoint at the end, saved there and resumed."""
     import torch.distributed as dist
 
     rows, references = [], {}
-    for cell in cells:
+    for i, cell in enumerate(cells):
         setup = dataclasses.replace(base, model=cell.model_config())
         started, traces = time.perf_counter(), {}
-        result = equivalence(world, [cell.spec], setup, references.setdefault((cell.model, cell.arch), {}), traces)
+        result = equivalence(world, [cell.spec], setup, references.setdefault((cell.model, cell.arch), {}), traces,
+                             resume_dir=None if folder is None else folder / f"{world.world_size}-ranks-{i}")
         seconds = time.perf_counter() - started
         problems: list = [None] * world.world_size
         dist.all_gather_object(problems, meter_problems(traces[cell.spec].meters) if cell.strategy != "deepspeed"
@@ -166,7 +179,8 @@ def _run(world: World, cells: list[Layout], base: Setup = SETUP) -> list[Row]:
             c = result[cell.spec]
             found = tuple(f"rank {r}: {p}" for r, ps in enumerate(problems) for p in ps)
             rows.append(Row(cell, c.max_rel_loss_diff, c.max_rel_grad_norm_diff, c.max_param_diff, seconds,
-                            meters=found, rel_params=c.rel_param_diff if setup.dtype != "fp32" else None))
+                            meters=found, rel_params=c.rel_param_diff if setup.dtype != "fp32" else None,
+                            resumes=traces[cell.spec].resumes))
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -183,18 +197,21 @@ def format_row(row: Row) -> str:
         return head + f"{'':>9} {'':>9} {'':>9} {'':>5}  refused: {row.refused}"
     weights = f"{row.params:>9.2e}" + (f" ({row.rel_params:.1e} rel)" if row.rel_params is not None else "")
     return head + (f"{row.loss:>9.2e} {row.grad_norm:>9.2e} {weights} {row.seconds:>5.1f}  "
-                   f"{'pass' if row.passed else 'FAIL'}{'; meters: ' + row.meters[0] if row.meters else ''}")
+                   f"{'pass' if row.passed else 'FAIL'}{'; meters: ' + row.meters[0] if row.meters else ''}"
+                   f"{'; does not resume from its checkpoint' if row.resumes is False else ''}")
 
 
 def run(cells: list[Layout], deadline_s: float = 1800.0, base: Setup = SETUP) -> list[Row]:
     """Every cell: refused ones from ``refusal``, the others trained under ``base``'s precision on worlds of their rank
-    count (one each)."""
+    count (one each), their checkpoints in a temporary folder removed at the end."""
     rows = [Row(cell, refused=reason) for cell in cells if (reason := refusal(cell)) is not None]
     for row in rows:
         print(format_row(row), flush=True)
     runnable = [cell for cell in cells if refusal(cell) is None]
-    for n in sorted({cell.ranks for cell in runnable}):
-        rows += run_ranks(_run, n, [cell for cell in runnable if cell.ranks == n], base, deadline_s=deadline_s)[0]
+    with tempfile.TemporaryDirectory(prefix="lab-matrix-") as folder:
+        for n in sorted({cell.ranks for cell in runnable}):
+            rows += run_ranks(_run, n, [cell for cell in runnable if cell.ranks == n], base, Path(folder),
+                              deadline_s=deadline_s)[0]
     return rows
 
 

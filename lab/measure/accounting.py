@@ -464,16 +464,17 @@ def comm_bytes_per_step(params: float, strategy: str, n_devices: int, bytes_per_
 
 
 def expert_all_to_all_bytes(cfg: ModelShape, tokens: int, ep: int, forwards: int = 1,
-                            bytes_per_element: float = 4.0) -> float:
+                            bytes_per_element: float = 4.0, layers: int | None = None) -> float:
     """Bytes one rank of an expert-parallel group of ``ep`` sends through its all-to-alls in one micro-step of
     ``tokens`` tokens, in theory: at balanced routing, dropless. Each MoE layer's forward sends the k·N assignments'
     rows (d elements each) to their experts' ranks, (P − 1)/P of them to other ranks, and sends back as many outputs,
     after the E/P·(P − 1) 8-byte row counts; the backward sends the gradients of both exchanges, and activation
-    checkpointing runs the forward ``forwards`` times."""
+    checkpointing runs the forward ``forwards`` times. ``layers``: the MoE layers the rank runs (under a pipeline, its
+    stages'; by default every one)."""
     share = (ep - 1) / ep
     rows = 2 * tokens * cfg.moe_top_k * share * cfg.d_model * bytes_per_element
     counts = moe_experts(cfg) * share * 8
-    return cfg.n_layer * (forwards * (rows + counts) + rows)
+    return (cfg.n_layer if layers is None else layers) * (forwards * (rows + counts) + rows)
 
 
 def comm_elements_per_step(params: float, strategy: str, n_devices: int) -> float:

@@ -3,41 +3,39 @@ that places the model over the data axis and loops over the layout's transforms 
 
     layout.py, comm.py          the ground: degrees, refusals, the mesh, counted collectives
     axes/                       tensor, experts, pipeline, activation checkpointing: the transforms, in one list
-    base.py, accounts.py        the strategy that loops over the list, and what it costs
+    base.py                     a data-parallel strategy: places, syncs gradients, steps
+    holding.py                  what each rank holds: the global norm, checkpoint state and export, written once
     precision.py                mixed precision's fp32 masters and fp16's loss scale (docs/precision.md)
-    data/                       the data-parallel strategies: single, ddp, zero, torch's, DeepSpeed
+    meters.py, accounts.py      what the steps cost, measured and in theory
+    engine.py                   parallelize() and the engine the loop drives: the parts above, in reading order
+    data/                       the data-parallel strategies: single, ddp, zero, torch's; DeepSpeed's own engine
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from lab.measure.device import Precision
 from lab.measure.figures import Figures
 from lab.model import GPT
 from lab.parallel import axes
 from lab.parallel.axes import activations, context, experts, pipeline, tensor
-from lab.parallel.base import (
-    ModelFactory,
-    OptimizerFactory,
-    ParamGroup,
-    ParamGroupRule,
-    Strategy,
-    backend_for,
-    changed_options,
-    join_group_of_one,
-)
+from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroup, ParamGroupRule, Strategy
+from lab.parallel.comm import backend_for, join_group_of_one
 from lab.parallel.data.ddp import BucketedDDP, NaiveDDP
 from lab.parallel.data.deepspeed import DeepSpeed
 from lab.parallel.data.single import Single
 from lab.parallel.data.torch_ref import FSDP, TorchDDP
 from lab.parallel.data.zero import Zero1, Zero2, Zero3
+from lab.parallel.engine import Engine
 from lab.parallel.layout import OPTIONS as layout_options
 from lab.parallel.layout import Layout, LoopSettings, World, refuse_model
 from lab.parallel.precision import LossScaler
 from lab.runtime import compat
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, did_you_mean
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, NaiveDDP, BucketedDDP, TorchDDP, Zero1,
-                                                                   Zero2, Zero3, FSDP, DeepSpeed)}
+STRATEGIES: dict[str, type[Strategy] | type[DeepSpeed]] = {
+    cls.name: cls for cls in (Single, NaiveDDP, BucketedDDP, TorchDDP, Zero1, Zero2, Zero3, FSDP, DeepSpeed)}
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
@@ -78,7 +76,19 @@ def validate(cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> type[S
             users = [name for name, c in STRATEGIES.items() if option in c.options]
             raise ConfigError(f"parallel.{option} has no effect under strategy '{cls.name}' "
                               f"(it applies to: {', '.join(users) or 'no strategy'})")
-    cls.validate(cfg, layout.dp * layout.cp, loop)
+    world = layout.dp * layout.cp
+    if world < cls.min_world_size:
+        raise ConfigError(f"strategy '{cls.name}' needs at least {cls.min_world_size} processes, got "
+                          f"world size {world} (start it with torchrun --nproc_per_node=N)")
+    if cls.max_world_size is not None and world > cls.max_world_size:
+        raise ConfigError(f"strategy '{cls.name}' runs on at most {cls.max_world_size} process(es), "
+                          f"got world size {world}: choose a data-parallel --strategy (ddp, zero1, zero2, "
+                          f"zero3, fsdp) or run fewer processes")
+    if loop.compile and not cls.compiles:
+        raise ConfigError(f"train.compile is not supported under strategy '{cls.name}' (dynamo cannot trace "
+                          f"parameters sharded at rest); set train.compile false or choose another strategy")
+    if cls is DeepSpeed:
+        DeepSpeed.check(cfg, world, loop)
     return cls
 
 
@@ -95,15 +105,25 @@ def parse_spec(text: str) -> ParallelConfig:
 
 def validate_precision(cfg: ParallelConfig, precision: Precision) -> None:
     """Raise ConfigError (one line) when the strategy cannot run the precision policy."""
-    strategy_class(cfg.strategy).validate_precision(precision)
+    cls = strategy_class(cfg.strategy)
+    if precision.scales_loss and cls is DeepSpeed:
+        raise ConfigError(f"strategy '{cls.name}' does not run train.dtype fp16: {DeepSpeed.runs_fp16}")
 
 
-def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Strategy:
-    """The strategy ``cfg`` names, validated and constructed (not yet built) on the layout's mesh (collective when an
-    axis besides dp is split: every rank calls it)."""
+def create(cfg: ParallelConfig, world: World, precision: Precision, loop: LoopSettings) -> Engine | DeepSpeed:
+    """The engine of the strategy ``cfg`` names, validated and constructed (not yet built) on the layout's mesh
+    (collective when an axis besides dp is split: every rank calls it)."""
     cls = validate(cfg, world.world_size, loop)
-    cls.validate_precision(precision)
-    return cls(Layout.of(cfg, world.world_size, cls, loop).mesh(world), cfg, precision, loop)
+    validate_precision(cfg, precision)
+    mesh = Layout.of(cfg, world.world_size, cls, loop).mesh(world)
+    return DeepSpeed(mesh, cfg, precision, loop) if cls is DeepSpeed else Engine(cls, mesh, cfg, precision, loop)
+
+
+def changed_options(cfg: ParallelConfig) -> list[str]:
+    """The [parallel] options set to something other than their default (strategy and timeout aside)."""
+    default = ParallelConfig()
+    return [f.name for f in dataclasses.fields(cfg) if f.name not in ("strategy", "timeout_s")
+            and getattr(cfg, f.name) != getattr(default, f.name)]
 
 
 def validate_model(cfg: ParallelConfig, model: ModelConfig) -> None:
@@ -129,6 +149,7 @@ def data_replica(cfg: ParallelConfig, rank: int, world_size: int) -> tuple[int, 
     return Layout.of(cfg, world_size).data_replica(rank)
 
 
-__all__ = ["STRATEGIES", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup", "ParamGroupRule",
+__all__ = ["STRATEGIES", "Engine", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup",
+           "ParamGroupRule",
            "Strategy", "World", "axes", "backend_for", "create", "data_replica", "experts", "join_group_of_one",
            "parse_spec", "register", "step_line", "strategy_class", "validate", "validate_model", "validate_precision"]

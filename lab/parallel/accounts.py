@@ -18,18 +18,20 @@ read from the strategy's own tensors when asked:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from lab.measure import accounting
+from lab.measure.figures import Figures
 from lab.parallel.layout import Layout
 from lab.runtime.config import ModelConfig, ParallelConfig
 
 if TYPE_CHECKING:
     from lab.measure.device import Precision
-    from lab.parallel.base import StepMeters, Strategy
+    from lab.parallel.base import Strategy
+    from lab.parallel.meters import StepMeters
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -69,6 +71,7 @@ class Accounts:
         self.measured: accounting.StateBytes | None = None  # at the end of the first step
         self.last_comm_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         self.most_saved = 0
+        self.parts: Callable[[], list[Figures]] = list  # every part that reports on the run (set by the engine)
 
     def measure_once(self) -> None:
         """Measure the model states at the end of the first step (states exist; gradients until they are cleared)."""
@@ -124,7 +127,7 @@ class Accounts:
 
     @property
     def world_size(self) -> int:
-        return self.strategy.world.world_size
+        return self.strategy.data.world_size
 
     offloaded: ClassVar[bool] = False  # whether its theory places the optimizer states on the host
 
@@ -159,7 +162,7 @@ class Accounts:
     def theory_step_temporaries(self) -> float:
         """Bytes the clipping and the optimizer step allocate for a while, in theory: none (foreach and fused), but
         the masters' fp32 gradients under mixed precision."""
-        masters = self.strategy.master_weights
+        masters = self.strategy.masters
         return 0.0 if masters is None else 4.0 * sum(m.numel() for m in masters.tensors)
 
     def peak_bytes_theory(self, activations: float, cast_weights: float = 0.0) -> dict[str, float]:
@@ -179,7 +182,7 @@ class Accounts:
         """``peak_bytes_theory`` of a run training a model of ``shape``: one micro-batch's activations under the
         layout, and the copies autocast makes of the weights."""
         s = self.strategy
-        activations = Layout.of(s.cfg, s.everyone.world_size).activation_bytes(
+        activations = Layout.of(s.cfg, s.mesh.world.world_size).activation_bytes(
             shape, s.loop.micro_batch, s.precision.activation_bytes, sequence_parallel=s.cfg.sequence_parallel,
             checkpointing=s.cfg.activation_checkpointing == "full")
         cast = accounting.autocast_weight_bytes(shape, s.cfg.tp) if s.precision.autocasts else 0.0
@@ -196,7 +199,7 @@ class Accounts:
             "comm_bytes_per_step": dict(self.last_comm_bytes),
             "comm_bytes_per_step_theory": self.theory_comm(),
             "activation_saved_bytes": self.most_saved,
-            **{k: v for part in s.figures() for k, v in part.meters().items()},
+            **{k: v for part in self.parts() for k, v in part.meters().items()},
         }
 
 
@@ -234,7 +237,7 @@ class Zero(Accounts):
     def host_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Offloaded: the averaged gradient's pieces copied to the host (on an accelerator) and the fp32 masters."""
         s = self.strategy
-        on_host = s.offloaded and s.world.device.type != "cpu"
+        on_host = s.offloaded and s.data.device.type != "cpu"
         grads = [piece.grad for *_, piece in s.optimizer_pieces
                  if on_host and piece.grad is not None and piece.grad.device.type == "cpu"]
         return grads, [u.master for u in s.units if u.master is not None]
@@ -384,8 +387,9 @@ class DeepSpeed(Accounts):
         opt = s.optimizer
         weights = list(opt.fp16_partitioned_groups_flat if s.stage == 3 else opt.bit16_groups_flat)
         stored = {t.untyped_storage().data_ptr() for t in weights}
-        moments = [v for m in s.masters for v in opt.optimizer.state.get(m, {}).values() if torch.is_tensor(v)]
-        masters = [m for m in s.masters if m.untyped_storage().data_ptr() not in stored]
+        moments = [v for m in s.master_partitions for v in opt.optimizer.state.get(m, {}).values()
+                   if torch.is_tensor(v)]
+        masters = [m for m in s.master_partitions if m.untyped_storage().data_ptr() not in stored]
         return accounting.StateBytes(params=storage_bytes(weights), grads=s.grad_bytes or 0,
                                      optimizer=storage_bytes(moments + masters), offload=s.cfg.offload != "none")
 

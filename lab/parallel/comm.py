@@ -378,3 +378,15 @@ class InOrder:
         while self.next < len(self.sizes) and (everything or self.pending[self.next] == 0):
             self.works.append(self.launch(self.next))
             self.next += 1
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's backends: gloo on a CPU; on a GPU NCCL for CUDA tensors and gloo for the few small
+    CPU tensors some collectives carry (flags, meters)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group_of_one(device: torch.device) -> None:
+    """A process group holding this process alone (an in-process store, no port), so that a strategy written
+    for N ranks runs as a world of one, started by plain python or by torchrun with one process."""
+    dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)

@@ -89,3 +89,61 @@ class Masters:
         """The weights from the masters (each rounded to the weights' dtype)."""
         for p, master in self.pairs:
             p.copy_(master)
+
+
+class PrecisionStep:
+    """The precision policy's part of every step, one component the step owns: the fp32 masters of the weights a
+    strategy holds whole (``keep_masters``; a strategy that shards keeps its own) and fp16's loss scale (``scaler``)."""
+
+    def __init__(self, param_dtype: torch.dtype, scaler: LossScaler | None):
+        self.param_dtype, self.scaler = param_dtype, scaler
+        self.masters: Masters | None = None
+
+    def keep_masters(self, module: nn.Module, share: Callable[[str, torch.Tensor], None]) -> Masters:
+        """fp32 masters of ``module``'s trainable weights (the first data-parallel rank's values: ``share``), which
+        become the optimizer's; the weights are cast to ``param_dtype``."""
+        self.masters = Masters(module, self.param_dtype, share)
+        return self.masters
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the autograd pass of ``loss`` starts from: fp16's loss scale times it."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    def take_gradients(self) -> None:
+        """The masters' fp32 gradients from the synced weights' gradients."""
+        if self.masters is not None:
+            self.masters.take_gradients()
+
+    def unscale(self, norm: torch.Tensor, grads: list[list[torch.Tensor]]) -> torch.Tensor:
+        """fp16: the gradients (lists of tensors that can be scaled together) and their global ``norm`` divided by the
+        loss scale, which the norm's finiteness then sets for the next step; the norm unscaled."""
+        if self.scaler is None:
+            return norm
+        norm = norm / self.scaler.scale
+        for tensors in grads:
+            torch._foreach_mul_(tensors, 1 / self.scaler.scale)
+        self.scaler.observe(bool(torch.isfinite(norm)))
+        return norm
+
+    def write_back(self) -> None:
+        """The 16-bit weights from their updated (or loaded) masters."""
+        if self.masters is not None:
+            self.masters.write_back()
+
+    def zero_grad(self) -> None:
+        """The 16-bit weights' gradients cleared (the optimizer clears the masters')."""
+        for p, _ in self.masters.pairs if self.masters is not None else ():
+            p.grad = None
+
+    def record(self) -> dict[str, float]:
+        """fp16's loss scale now, for the step's record and the summary."""
+        return {} if self.scaler is None else self.scaler.record()
+
+    def state(self) -> dict[str, dict]:
+        """What a checkpoint's metadata keeps: fp16's loss scale and its clean steps."""
+        return {} if self.scaler is None else {"loss_scale": self.scaler.state_dict()}
+
+    def load_state(self, meta: dict) -> None:
+        """Go on with the loss scale a checkpoint's metadata kept (one written without it leaves the initial one)."""
+        if self.scaler is not None and "loss_scale" in meta:
+            self.scaler.load_state_dict(meta["loss_scale"])

@@ -62,6 +62,7 @@ class ExpertParallel(Pausable, Transform):
         self.rank, self.n = mesh.ep.rank, mesh.ep.world_size
         self.checkpointing, self.loop = cfg.activation_checkpointing, loop
         self.plan: ExpertPlan | None = None
+        self.model: nn.Module | None = None
         self.local = range(0)  # this rank's experts
         self._renamed: dict[str, str] = {}  # "<layer>.experts.<e>." -> "<layer>.experts.<local index>."
         self.sent_bytes = 0.0  # since the last take
@@ -80,6 +81,7 @@ class ExpertParallel(Pausable, Transform):
         if plan.experts.count % self.n:
             raise ConfigError(f"parallel.ep ({self.n}) must divide the experts per layer ({plan.experts.count})")
         self._split(model, plan.experts)
+        self.model = model  # a later transform may drop some of its layers (a pipeline stage runs its own)
         return plan
 
     def _split(self, model: nn.Module, plan: ExpertPlan) -> None:
@@ -148,7 +150,17 @@ class ExpertParallel(Pausable, Transform):
         tokens = self.loop.micro_batch * cfg.block_size
         forwards = 1 if self.checkpointing == "none" else 2  # the recomputation exchanges again
         return self.loop.accum_steps * accounting.expert_all_to_all_bytes(cfg, tokens, self.n, forwards,
-                                                                          self.values.itemsize)
+                                                                          self.values.itemsize, self.layers_run())
+
+    def layers_run(self) -> int:
+        """The mixture layers this rank runs: those still in the model once every transform split it."""
+        def present(name: str) -> bool:
+            try:
+                return self.model.get_submodule(name) is not None
+            except AttributeError:
+                return False
+
+        return sum(present(layer) for layer in self.plan.layers)
 
     def take_meters(self) -> AxisMeters:
         wait_s, self.wait_s = self.wait_s, 0.0

@@ -56,14 +56,16 @@ class NaiveDDP(Strategy):
         broadcast_from_rank0(self, module)
         return module
 
-    def sync_gradients(self) -> None:
+    def finish_backward(self, sync: bool) -> None:
+        if not sync:
+            return
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self.comm_of(name).all_reduce(p.grad, dtype=self.precision.reduce_dtype)
-            p.grad.div_(self.world.world_size)
+            p.grad.div_(self.data.world_size)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class BucketedDDP(Strategy):
     name = "ddp"
     options = Strategy.options | {"bucket_mb", "overlap"}
     accounting = accounts.Bucketed
+    divides_loss = True  # the loss is divided by N before its backward: the all-reduced sum is then the mean
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         broadcast_from_rank0(self, module)
@@ -129,16 +132,9 @@ class BucketedDDP(Strategy):
             self._arrivals.append(p)
         self._launches.arrived(self._bucket_of[p], eager=self.cfg.overlap)
 
-    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return super().scaled(loss / self.world.world_size)  # the all-reduced sum is then the mean
-
-    def sync_gradients(self) -> None:
-        for work in self._launches.finish():
+    def finish_backward(self, sync: bool) -> None:
+        for work in self._launches.finish() if sync else ():
             self.comm.wait(work)
-
-    def zero_grad(self) -> None:
-        for p in self._slice_of:  # every trainable parameter
-            p.grad = None  # the backward's own gradient is copied into the bucket: no memset, no accumulation
 
     def step(self, lr: float) -> None:
         super().step(lr)

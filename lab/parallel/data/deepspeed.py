@@ -56,25 +56,19 @@ import torch
 import torch.distributed as dist
 
 from lab.measure import accounting
-
-from lab.runtime import compat
-from lab.runtime.config import ConfigError, ParallelConfig
 from lab.measure.device import Precision
-from lab.parallel.base import (
-    LoopSettings,
-    ModelFactory,
-    OptimizerFactory,
-    ParamGroupRule,
-    Piece,
-    StepMeters,
-    Strategy,
-    join_group_of_one,
-    materialize_adam_state,
-    set_lr,
-)
-from lab.parallel.layout import Mesh
-from lab.parallel import accounts
+from lab.parallel import accounts, holding
 from lab.parallel.accounts import storage_bytes
+from lab.parallel.axes.activations import SavedBytes
+from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, set_lr
+from lab.parallel.comm import Comm, join_group_of_one
+from lab.parallel.engine import layout_digest
+from lab.parallel.holding import Piece, materialize_adam_state
+from lab.parallel.layout import LoopSettings, Mesh, World
+from lab.parallel.meters import RunMeters, StepMeters
+from lab.runtime import compat
+from lab.runtime.checkpoint import CheckpointState
+from lab.runtime.config import ConfigError, ParallelConfig
 
 EXTRA = "pip install '.[deepspeed]'"
 ZERO_STAGES = (1, 2, 3)
@@ -224,22 +218,21 @@ def _merge(base: dict, over: dict) -> dict:
 # ---------------------------------------------------------------- the strategy
 
 
-class DeepSpeed(Strategy):
-    """See the module docstring."""
+class DeepSpeed:
+    """DeepSpeed's engine, its own path beside the lab's (``lab.parallel.engine.Engine``), with the same calls for the
+    loop; see the module docstring."""
 
     name = "deepspeed"
-    options = Strategy.options | {"zero_stage", "offload", "deepspeed_config"}
+    options = frozenset({"zero_stage", "offload", "deepspeed_config"})
     offload_modes = ("none", "optimizer", "all")
     accounting = accounts.DeepSpeed
-    shards = "optimizer"
+    min_world_size, max_world_size, compiles, shards, builds_on_meta = 1, None, True, "optimizer", False
+    runs_fp16 = "its loss scaler would be DeepSpeed's, not the lab's (checkpoints, the step line); use bf16"
     owns_step = "its engine owns the whole step over the whole world; choose any other strategy"
 
-    def describe(self) -> str:
-        return f"{self.name} (ZeRO stage {self.cfg.zero_stage})"
-
     @classmethod
-    def validate(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
-        super().validate(cfg, world_size, loop)
+    def check(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
+        """Raise ConfigError (one line) for what DeepSpeed cannot run."""
         if cfg.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"parallel.zero_stage must be one of 1, 2, 3, got {cfg.zero_stage}")
         if loop.compile and cfg.zero_stage == 3:
@@ -251,56 +244,70 @@ class DeepSpeed(Strategy):
         engine_config(cfg, world_size, loop)
         import_deepspeed()
 
-    @classmethod
-    def validate_precision(cls, precision: Precision) -> None:
-        if precision.scales_loss:
-            raise ConfigError("strategy 'deepspeed' does not run train.dtype fp16: its loss scaler would be "
-                              "DeepSpeed's, not the lab's (checkpoints, the step line); use bf16")
-
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
-        super().__init__(mesh, cfg, precision, loop)
-        world = self.world
+        self.mesh, self.cfg, self.precision, self.loop = mesh, cfg, precision, loop
+        self.data = self.everyone = mesh.world  # the engine runs over the whole world, its only axis
+        self.transforms: list = []
+        self.comm = Comm(self.data.world_size, self.data.group, axis="dp")
+        self.saved = SavedBytes()
         self.stage = cfg.zero_stage
-        self.config = engine_config(cfg, world.world_size, loop, precision)
+        self.config = engine_config(cfg, self.data.world_size, loop, precision)
         self.ds = import_deepspeed()
         accelerator = self.ds.accelerator.get_accelerator().device_name()
-        if accelerator != world.device.type:
-            raise ConfigError(f"DeepSpeed's accelerator is '{accelerator}' but the run's device is {world.device}; "
-                              f"set DS_ACCELERATOR={world.device.type}")
-        if world.world_size == 1:  # one process: the engine still wants torchrun's variables and a process group
+        if accelerator != self.data.device.type:
+            raise ConfigError(f"DeepSpeed's accelerator is '{accelerator}' but the run's device is {self.data.device}; "
+                              f"set DS_ACCELERATOR={self.data.device.type}")
+        if self.data.world_size == 1:  # one process: the engine still wants torchrun's variables and a process group
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             if not dist.is_initialized():
-                join_group_of_one(world.device)
+                join_group_of_one(self.data.device)
         self.grad_bytes: int | None = None
+        self.module: torch.nn.Module | None = None
+        self.master_partitions: list[torch.Tensor] = []  # this rank's flat fp32 masters, one per group
+        self.masters = None  # no masters of whole weights (the accounts' theory reads this)
+        self.microbatches, self.token_share, self.syncing, self.reshards = 1, 1.0, True, True
+        self.accounts = accounts.DeepSpeed(self)
+        self.meters = RunMeters(lambda: [self.comm], [], self.saved, self.everyone, [], self.accounts.record)
+        self.accounts.parts = self.meters.figures
+        self._after_load: list = []
+
+    def describe(self) -> str:
+        return f"{self.name} (ZeRO stage {self.cfg.zero_stage})"
+
+    def world_of(self, name: str) -> World:
+        return self.data
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------ building
 
     def build(self, model_factory: ModelFactory, param_group_rule: ParamGroupRule,
               optimizer_factory: OptimizerFactory) -> None:
-        """The model and the lab's AdamW as every strategy builds them, then the engine around both. Under mixed
-        precision the engine's master partitions start from the fp32 weights, as every strategy's masters do (DeepSpeed
-        would copy them from the bf16 weights it casts first)."""
-        super().build(model_factory, param_group_rule, optimizer_factory)
-        initial = {n: p.detach().clone() for n, p in self.module.named_parameters()} if self.precision.mixed else {}
-        self.engine, self.optimizer, _, _ = self.ds.initialize(model=self.module, optimizer=self.optimizer,
+        """The model and the lab's AdamW as every strategy builds them (fp32, in place), then the engine around both.
+        Under mixed precision the engine's master partitions start from the fp32 weights, as every strategy's masters
+        do (DeepSpeed would copy them from the bf16 weights it casts first)."""
+        with torch.device(self.data.device):
+            self.module = model_factory()
+        self.data.check_same(layout_digest(self.module), "the model (parameter names and shapes)")
+        params = dict(self.module.named_parameters())
+        optimizer = optimizer_factory([{"params": [params[n] for n in g.names], **g.options()}
+                                       for g in param_group_rule(self.module) if g.names])
+        initial = {n: p.detach().clone() for n, p in params.items()} if self.precision.mixed else {}
+        self.engine, self.optimizer, _, _ = self.ds.initialize(model=self.module, optimizer=optimizer,
                                                                config=self.config)
         compat.check_deepspeed_optimizer(self.optimizer, self.stage)
-        self.model = self.engine
+        opt = self.optimizer
+        self.master_partitions = list(opt.fp32_partitioned_groups_flat if self.stage == 3
+                                      else opt.single_partition_of_fp32_groups)
         if initial:
             with torch.no_grad():
                 for piece in self.holding():
                     piece.weight.copy_(initial[piece.name].view(-1)[piece.lo:piece.lo + piece.weight.numel()])
-            self.restore_derived()
+            self._restore_derived()
+        self.meters.watch_model(self.module)
         self._logged()  # the engine's set-up traffic (broadcasting rank 0's weights) is not a step's
-
-    def keep_masters(self, module: torch.nn.Module) -> None:
-        """Its bf16 optimizer keeps the fp32 master partitions (``masters``)."""
-
-    @property
-    def masters(self) -> list[torch.Tensor]:
-        """This rank's flat fp32 master partitions, one per group, which the optimizer updates."""
-        opt = self.optimizer
-        return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
 
     # ------------------------------------------------------------ one step
 
@@ -337,7 +344,10 @@ class DeepSpeed(Strategy):
 
     def take_step_meters(self) -> StepMeters:
         self._take_logged()
-        return super().take_step_meters()
+        return self.meters.take_step()
+
+    def take_record(self) -> dict[str, object]:
+        return self.meters.take_record()
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -347,6 +357,15 @@ class DeepSpeed(Strategy):
                 return self.engine(x, y)
         finally:
             self.engine.train()
+
+    def precision_record(self) -> dict[str, float]:
+        return {}  # no loss scale: fp16 is refused
+
+    def precision_state(self) -> dict[str, dict]:
+        return {}
+
+    def load_precision_state(self, meta: dict) -> None:
+        """Nothing to go on with: the lab's bf16 policies keep no loss scale."""
 
     # ------------------------------------------------------------ communication, from DeepSpeed's comms logger
 
@@ -371,7 +390,7 @@ class DeepSpeed(Strategy):
 
     def _take_logged(self) -> None:
         """Add the logged collectives to the lab's meter: bytes sent by kind, and their time as waiting."""
-        n = self.world.world_size
+        n = self.data.world_size
         logged, seconds = self._logged()
         self.comm.add_wait(seconds)
         for op, sizes in logged.items():
@@ -387,14 +406,14 @@ class DeepSpeed(Strategy):
     def holding(self) -> list[Piece]:
         """Each parameter's range in this rank's fp32 master partition (what the engine's weights are copied from),
         and its Adam moments, as live views (the engine keeps its gradients: it clips them itself)."""
-        opt, masters, out = self.optimizer, self.masters, []
+        opt, masters, out = self.optimizer, self.master_partitions, []
         moments_of = {id(m): opt.optimizer.state.get(m) or None for m in masters}
         for name, p in self.module.named_parameters():
             numel = p.ds_numel if self.stage == 3 else p.numel()
             lo, view, moments, lo_in = 0, torch.empty(0), None, 0
             if self.stage == 3:
                 group, offset, size = opt.grad_position[opt.get_param_id(p)]
-                lo = self.world.rank * p.partition_numel()
+                lo = self.data.rank * p.partition_numel()
                 size = max(0, min(size, numel - lo))
                 if size:
                     view, lo_in = masters[group].narrow(0, offset, size), offset
@@ -406,20 +425,33 @@ class DeepSpeed(Strategy):
             out.append(Piece(name, numel, lo, view, None, moments, lo_in, sharded=True))
         return out
 
-    def materialize_states(self) -> None:
-        """Adam's states for the master partitions before the first step (zeros), so a checkpoint loads into them."""
+    def params_finite(self) -> bool:
+        return holding.all_finite(self.holding(), self.everyone)
+
+    def checkpoint_state(self) -> CheckpointState:
+        """This rank's ranges of the master partition and Adam's moments (``holding.checkpoint_state``); Adam's states
+        exist before the first step (zeros), so that a checkpoint loads into them."""
         if self.stage == 3:
             with compat.deepspeed_fp32_groups(self.optimizer):
                 materialize_adam_state(self.optimizer.optimizer)
         else:
             materialize_adam_state(self.optimizer.optimizer)
+        state, self._after_load = holding.checkpoint_state(self.holding(), [], self.everyone)
+        return state
 
     @torch.no_grad()
-    def restore_derived(self) -> None:
-        """The weights the model computes with follow the loaded masters (stages 1-2: gathered again)."""
+    def after_load(self) -> None:
+        """The weights the model computes with follow the loaded masters."""
+        with self.meters.uncounted():
+            for share in self._after_load:
+                share()
+        self._restore_derived()
+
+    def _restore_derived(self) -> None:
+        """The weights the model computes with from the masters (stages 1-2: gathered again)."""
         with self._uncounted():
             if self.stage == 3:
-                for group in range(len(self.masters)):
+                for group in range(len(self.master_partitions)):
                     self.optimizer._reassign_or_swap_out_partitioned_parameters(group)
             else:
                 self.optimizer.update_lp_params()
@@ -431,7 +463,7 @@ class DeepSpeed(Strategy):
 
         with self._uncounted():  # every rank takes part in stage 3's gathers
             full = {id(p): safe_get_full_fp32_param(p).detach().cpu().clone() for p in self.module.parameters()}
-        if not self.world.is_main:
+        if not self.data.is_main:
             return {}
         params = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight under each name
         return {name: full[id(params[name])] if name in params else value.detach().cpu().clone()
@@ -444,5 +476,5 @@ class DeepSpeed(Strategy):
         opt = self.optimizer
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         grads += [g for group in opt.averaged_gradients.values() if group is not None for g in group if g is not None]
-        grads += [m.grad for m in self.masters if m.grad is not None]
+        grads += [m.grad for m in self.master_partitions if m.grad is not None]
         return storage_bytes(grads)

@@ -11,6 +11,7 @@ optimizer their fp32 masters, as ``ddp``'s (``lab.parallel.precision``). (No ``f
 here: DDP checks the hook's annotations as objects.)
 """
 
+import contextlib
 import functools
 import time
 
@@ -24,8 +25,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lab.parallel import accounts
-from lab.parallel.base import ParamGroup, Piece, Strategy
+from lab.parallel.base import ParamGroup, Strategy
 from lab.parallel.data.ddp import broadcast_from_rank0
+from lab.parallel.holding import Piece
 from lab.parallel.layout import World
 from lab.runtime import compat
 
@@ -35,21 +37,21 @@ class TorchDDP(Strategy):
     options = Strategy.options | {"bucket_mb"}
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
-        device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
+        device_ids = [self.data.device.index] if self.data.device.type == "cuda" else None
         # weights averaged over other ranks than the data axis (``comm_of``) are synced by hand
-        self._apart = [(name, p) for name, p in module.named_parameters() if self.world_of(name) is not self.world]
+        self._apart = [(name, p) for name, p in module.named_parameters() if self.world_of(name) is not self.data]
         if self._apart:
             compat.ddp_ignore(module, [name for name, _ in self._apart])
             broadcast_from_rank0(self, module)
         ddp = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=self.cfg.bucket_mb,
-                                      process_group=self.world.group, **compat.ddp_without_buffer_sync())
+                                      process_group=self.data.group, **compat.ddp_without_buffer_sync())
         ddp.register_comm_hook(state=None, hook=self._all_reduce)
         self._launched = self._done = 0.0
         self._ddp, self._readied = ddp, False
         return ddp
 
     def _all_reduce(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        tensor = bucket.buffer().div_(self.world.world_size)
+        tensor = bucket.buffer().div_(self.data.world_size)
         wire = tensor.to(self.precision.reduce_dtype)
         self._launched = time.perf_counter()
         work = self.comm.all_reduce(wire, async_op=True)
@@ -64,23 +66,25 @@ class TorchDDP(Strategy):
         self._ddp.require_backward_grad_sync = sync  # what DistributedDataParallel.no_sync toggles
         return super().forward(x, y, sync=sync)
 
-    def autograd(self, loss, grad=None) -> None:
+    def autograd_context(self) -> contextlib.AbstractContextManager:
         """Where a transform calls the model's methods in place of DDP's forward, the reducer is readied for the
         step's last backward here, as DDP's forward would have."""
         bypassed = any(t.entry_points() for t in self.transforms)
         if self.syncing and bypassed and not self._readied:  # once, for the step's last backward
             compat.ddp_expect_backward(self._ddp)
             self._readied = True
-        super().autograd(loss, grad)
+        return contextlib.nullcontext()
 
-    def sync_gradients(self) -> None:
+    def finish_backward(self, sync: bool) -> None:
+        if not sync:
+            return
         self._readied = False
         self.comm.add_wait(max(0.0, self._done - self._launched))
         for name, p in self._apart:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self.comm_of(name).all_reduce(p.grad, dtype=self.precision.reduce_dtype)
-            p.grad.div_(self.world.world_size)
+            p.grad.div_(self.data.world_size)
 
 
 class FSDP(Strategy):
@@ -99,18 +103,15 @@ class FSDP(Strategy):
 
     name = "fsdp"
     options = Strategy.options | {"offload", "reshard_after_forward"}
-    shards_gradients = True
     shards = "weights"
     builds_on_meta = True
+    keeps_own_masters = True  # its fp32 shards are the masters (``MixedPrecisionPolicy``)
     accounting = accounts.FSDP
 
-    def keep_masters(self, module: nn.Module) -> None:
-        """Its fp32 shards are the masters (``MixedPrecisionPolicy``)."""
-
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
-        mesh = self.world.device_mesh or init_device_mesh(self.world.device.type, (self.world.world_size,))
+        mesh = self.data.device_mesh or init_device_mesh(self.data.device.type, (self.data.world_size,))
         offload = self.cfg.offload == "optimizer"
-        policy = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") if offload else OffloadPolicy()
+        policy = CPUOffloadPolicy(pin_memory=self.data.device.type == "cuda") if offload else OffloadPolicy()
         mixed = MixedPrecisionPolicy(self.precision.param_dtype, self.precision.reduce_dtype) \
             if self.precision.mixed else MixedPrecisionPolicy()
         shard = functools.partial(fully_shard, reshard_after_forward=self.reshards, offload_policy=policy,
@@ -121,19 +122,19 @@ class FSDP(Strategy):
         for name, world in self._held_apart(module):  # sharded over their own ranks, averaged over the data axis
             sub = module.get_submodule(name)
             shard(sub, mesh=world.device_mesh)
-            sub.set_gradient_divide_factor(self.world.world_size)
+            sub.set_gradient_divide_factor(self.data.world_size)
             # summed, then divided: gloo has no pre-scaled sum (on one rank FSDP only divides, and would twice)
             sub.set_force_sum_reduction_for_comms(world.world_size > 1)
             self.shards.append((name, world, not self.reshards))
         for name in self.plan.units:
             shard(module.get_submodule(name), mesh=mesh)
-            self.shards.append((name, self.world, not self.reshards))
+            self.shards.append((name, self.data, not self.reshards))
         shard(module, mesh=mesh)
-        self.shards.append(("", self.world, not self.reshards))
+        self.shards.append(("", self.data, not self.reshards))
         for transform in self.transforms:  # methods a transform calls in place of the forward gather too
             for method in transform.entry_points():
                 register_fsdp_forward_method(module, method)
-        module.to_empty(device=torch.device("cpu") if offload else self.world.device)
+        module.to_empty(device=torch.device("cpu") if offload else self.data.device)
         with torch.no_grad():
             for name, p in module.named_parameters():
                 full = self.plan.initial_value(name).to(mesh.device_type)
@@ -151,24 +152,29 @@ class FSDP(Strategy):
                 continue
             worlds = {id(w): w for w in (self.world_of(f"{name}.{n}" if name else n)
                                          for n, _ in sub.named_parameters())}
-            if len(worlds) == 1 and next(iter(worlds.values())) is not self.world and \
+            if len(worlds) == 1 and next(iter(worlds.values())) is not self.data and \
                     not any(name.startswith(f"{outer}.") for outer, _ in found):
                 found.append((name, next(iter(worlds.values()))))
         return found
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        """Kept gathered for the backward (``reshards`` false), the weights a forward without one gathered (an
+        evaluation) are freed after it: the shards at rest are what the norm, checkpoints and exports read."""
         self.module.set_requires_gradient_sync(sync)
         with self.comm.counting_torch():
-            return super().forward(x, y, sync=sync)
+            loss = super().forward(x, y, sync=sync)
+        if not self.reshards and not torch.is_grad_enabled():
+            for name, _, _ in self.shards:
+                (self.module.get_submodule(name) if name else self.module).reshard()
+        return loss
 
-    def autograd(self, loss, grad=None) -> None:
+    def autograd_context(self) -> contextlib.AbstractContextManager:
         """A transform may run several backwards per micro-step: gradients reduce-scatter on the last of them
         (``syncing``) only."""
         self.module.set_requires_gradient_sync(self.syncing)
         if not self.reshards:  # gathered weights kept until the step's last backward
             self.module.set_reshard_after_backward(self.syncing)
-        with self.comm.counting_torch():
-            super().autograd(loss, grad)
+        return self.comm.counting_torch()
 
     def _start(self, name: str, param: nn.Parameter) -> int:
         """Where this rank's rows of ``param`` start in the flattened parameter (FSDP shards dim 0 as torch.chunk

@@ -85,7 +85,8 @@ from lab.runtime.checkpoint import overlap
 from lab.model.plan import segments
 from lab.parallel import accounts
 from lab.parallel.axes import GroupReplicas
-from lab.parallel.base import ParamGroup, Piece, Strategy, set_lr
+from lab.parallel.base import ParamGroup, Strategy
+from lab.parallel.holding import Piece
 from lab.parallel.layout import World
 from lab.parallel.comm import Comm, Exchange, InOrder, SummedOnWait, buckets
 from lab.parallel.data.ddp import broadcast_from_rank0
@@ -162,8 +163,9 @@ class Zero(Strategy):
 
     stage = 0
     options = Strategy.options | {"bucket_mb", "offload"}
-    shards_gradients = True
     accounting = accounts.Zero
+    keeps_own_masters = True  # the units keep the masters of this rank's chunks (``_keep_master``)
+    divides_loss = True  # the reduce-scattered sum is then the average, without a pass over the shards
 
     def held_apart(self) -> set[str]:
         """Parameters the transforms complete after the sync (a weight two ranks of another axis hold)."""
@@ -212,20 +214,17 @@ class Zero(Strategy):
                     p.register_post_accumulate_grad_hook(self._on_gradient)
         return module
 
-    def keep_masters(self, module: nn.Module) -> None:
-        """The units keep the masters of this rank's chunks (``_keep_master``), not of every weight."""
-
     def _keep_master(self, unit: Unit, chunk: torch.Tensor) -> None:
         """The fp32 master of this rank's ``chunk`` of the unit, where the update needs one apart from the weights: on
         the host when offloaded, on the device under mixed precision."""
         if self.offloaded or self.precision.mixed:
-            unit.master = chunk.detach().to(HOST if self.offloaded else self.world.device, torch.float32, copy=True)
+            unit.master = chunk.detach().to(HOST if self.offloaded else self.data.device, torch.float32, copy=True)
             memory.tag(unit.master, "optimizer")
 
     def _place(self, unit: Unit) -> None:
         """Stages 1-2: the unit's weights move into one flat buffer of the policy's ``param_dtype`` (the parameters
         become views of it), after this rank's chunk of them gave its master."""
-        whole = torch.zeros(unit.padded, dtype=unit.params[0].dtype, device=self.world.device)
+        whole = torch.zeros(unit.padded, dtype=unit.params[0].dtype, device=self.data.device)
         for p, offset in zip(unit.params, unit.offsets, strict=True):
             whole[offset:offset + p.numel()].copy_(p.detach().flatten())
         r = unit.rank
@@ -291,7 +290,7 @@ class Zero(Strategy):
         if spare is not None and spare.numel() == unit.padded and spare.dtype == dtype:
             buffer = spare
         else:
-            buffer = torch.empty(unit.padded, dtype=dtype, device=self.world.device)
+            buffer = torch.empty(unit.padded, dtype=dtype, device=self.data.device)
         buffer[unit.numel:].zero_()
         unit.written = [False] * len(unit.params)
         memory.tag(buffer, "grads")
@@ -313,7 +312,7 @@ class Zero(Strategy):
         if self.stage == 1:
             unit.grad_shard = unit.flat_grad[r * unit.chunk:(r + 1) * unit.chunk]
         else:
-            unit.grad_shard = torch.empty(unit.chunk, dtype=unit.flat_grad.dtype, device=self.world.device)
+            unit.grad_shard = torch.empty(unit.chunk, dtype=unit.flat_grad.dtype, device=self.data.device)
             memory.tag(unit.grad_shard, "grads")
         self._in_flight.append((unit, unit.comm.reduce_scatter(unit.grad_shard, unit.flat_grad, async_op=True,
                                                                dtype=self.precision.reduce_dtype)))
@@ -330,13 +329,10 @@ class Zero(Strategy):
                 self._spare = unit.flat_grad
                 unit.flat_grad = None
 
-    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss is divided by N before its backward (as ddp's), so the reduce-scattered sum is the average without
-        a pass over the shards (with N a power of two the same bits as dividing the sum)."""
-        return super().scaled(loss / self.world.world_size)
-
-    def sync_gradients(self) -> None:
-        """Launch what the backward's hooks left (stage 1: everything) and wait for every reduce-scatter."""
+    def finish_backward(self, sync: bool) -> None:
+        """Synced: launch what the backward's hooks left (stage 1: everything) and wait for every reduce-scatter."""
+        if not sync:
+            return
         self._launches.finish()
         self._settle(in_flight=0)
         self._spare = None
@@ -350,17 +346,6 @@ class Zero(Strategy):
             piece.grad = grad if same else grad.to(piece.device, piece.dtype)
 
     # ------------------------------------------------------------ the step
-
-    def step(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.accounts.measure_once()
-        for unit in self.units:
-            if unit.master is not None:  # the weights the model computes with, cast from the updated masters
-                unit.shard.copy_(unit.master)
-            if self.stage < 3:  # in place: every rank's updated chunk into every rank's flat weights
-                unit.comm.all_gather(unit.flat, unit.shard)
-        self.zero_grad()
 
     def zero_grad(self) -> None:
         for _, _, _, piece in self.optimizer_pieces:
@@ -399,19 +384,18 @@ class Zero(Strategy):
                                  a - first, sharded=True, shape=tuple(shape),
                                  master=None if master is None else master[a:b]))
         return out + [Piece(name, p.numel(), 0, p.detach().view(-1), shape=tuple(p.shape),
-                            replicas=GroupReplicas(self.world)) for name, p in self.module.named_parameters()
+                            replicas=GroupReplicas(self.data)) for name, p in self.module.named_parameters()
                       if not p.requires_grad]
 
     @torch.no_grad()
     def restore_derived(self) -> None:
-        """The shards follow the loaded masters, if any (checkpoints hold the masters), and (stages 1-2) the whole
-        weights the shards."""
+        """The shards follow the updated or loaded masters, if any (the weights the model computes with are cast from
+        them), and (stages 1-2) every rank's updated chunk goes into every rank's flat weights, in place."""
         for unit in self.units:
             if unit.master is not None:
                 unit.shard.copy_(unit.master)
             if self.stage < 3:
-                with unit.comm.paused():
-                    unit.comm.all_gather(unit.flat, unit.shard)
+                unit.comm.all_gather(unit.flat, unit.shard)
 
 
 class Zero1(Zero):
@@ -438,7 +422,7 @@ class Zero3(Zero):
     def _initial_value(self, name: str) -> torch.Tensor:
         """The plan's initial value of ``name`` on this rank's device, added to the digest of the initial values of
         the ranks that hold the same ones (``world_of``)."""
-        value = self.plan.initial_value(name).detach().to(self.world.device)
+        value = self.plan.initial_value(name).detach().to(self.data.device)
         world = self.world_of(name)
         digest = self._initial.setdefault(id(world.group), (world, hashlib.sha256()))[1]
         digest.update(name.encode())
@@ -503,8 +487,8 @@ class Zero3(Zero):
         """Fill this rank's chunk from the model's own init. The unit's weights are views of one flat buffer whose
         storage is empty at rest (it borrows a pool buffer's memory while gathered: ``_lend``)."""
         r, module = unit.rank, self.module
-        shard = torch.zeros(unit.chunk, device=self.world.device)
-        unit.flat = torch.empty(unit.padded, dtype=self.precision.param_dtype, device=self.world.device)
+        shard = torch.zeros(unit.chunk, device=self.data.device)
+        unit.flat = torch.empty(unit.padded, dtype=self.precision.param_dtype, device=self.data.device)
         holders = registrations(module)
         for i, (name, offset, shape) in enumerate(zip(unit.names, unit.offsets, unit.shapes, strict=True)):
             size = math.prod(shape)
@@ -513,7 +497,7 @@ class Zero3(Zero):
             if a < b:
                 start = a + r * unit.chunk - offset
                 shard[a:b] = value[start:start + b - a]
-            param = nn.Parameter(torch.empty(0, device=self.world.device))
+            param = nn.Parameter(torch.empty(0, device=self.data.device))
             # .data keeps the parameter's own version counter: gathering into flat does not look like an
             # in-place change of the weights autograd saved
             param.data = unit.flat[offset:offset + size].view(shape)
@@ -572,7 +556,7 @@ class Zero3(Zero):
                     idle.pop()
                     self._pooled -= size
             if self._pooled + unit.padded <= self.pool_budget:
-                spares.append(torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.world.device))
+                spares.append(torch.empty(unit.padded, dtype=unit.shard.dtype, device=self.data.device))
                 memory.tag(spares[-1], "params")
                 self._pooled += unit.padded
         if spares:
@@ -632,19 +616,10 @@ class Zero3(Zero):
             self._free(self._roots)
         return loss
 
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
-        if self.reshards or self.syncing:  # units with a parameter unused in this micro-step are still gathered
+    def finish_backward(self, sync: bool) -> None:
+        super().finish_backward(sync)
+        if self.reshards or sync:  # units with a parameter unused in this micro-step are still gathered
             self._free(self.units)
-
-    @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.uncounted():
-            self._gather(self._roots)
-            try:
-                return super().eval_loss(x, y)
-            finally:
-                self._free(self._roots)
 
 
 class _AfterBackward(torch.autograd.Function):
