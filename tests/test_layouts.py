@@ -7,6 +7,7 @@ and weights (1e-6, 1e-5, 1e-3) and every rank's meters to their theory (bytes ov
 and the pipeline's links equal; model states within 5 %). CI runs a sample of it; the long tier runs it all.
 """
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from lab.commands import matrix
 from lab.commands.equivalence import TINY, Setup, batch
 from lab.measure.device import Precision
 from lab.model import GPT
-from lab.parallel import Layout, LoopSettings, World, create, parse_spec, strategy_class, validate
+from lab.parallel import Layout, LoopSettings, World, axes, create, parse_spec, step_line, strategy_class, validate
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig
 from lab.training.optim import adamw_factory, param_groups
@@ -38,10 +39,7 @@ def test_one_record_places_every_rank_on_every_axis():
     place = [(c["pp"], c["dp"], c["tp"], c["ep"], c["edp"]) for c in map(layout.coordinates, (0, 1, 2, 5))]
     assert place == [(0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 1, 0, 1, 0), (1, 0, 1, 0, 0)]
     assert [layout.data_replica(r) for r in (0, 3, 6)] == [(0, 2), (1, 2), (1, 2)]
-    zero = Layout.of(ParallelConfig(strategy="zero2", tp=2), 4, strategy_class("zero2"))
-    assert (zero.dp_shard, zero.dp_replicate) == (2, 1)
-    ddp = Layout.of(ParallelConfig(strategy="ddp", tp=2), 4, strategy_class("ddp"))
-    assert (ddp.dp_shard, ddp.dp_replicate) == (1, 2)
+    assert Layout.of(ParallelConfig(strategy="zero2", tp=2), 4, strategy_class("zero2")).shards == "gradients"
 
 
 @pytest.mark.parametrize("options, world_size, message", [
@@ -98,10 +96,10 @@ def test_a_sample_of_the_matrix_reproduces_single_on_two_and_four_ranks(tmp_path
     """The combinations this issue added, on 2 and 4 ranks: zero3, fsdp and torch_ddp under pp; ep with tp and pp and
     under zero3, fsdp and torch_ddp; a mixture of experts in stages; each within its tolerance, meters at theory (the
     experts' exchanges under stages too), and each saves at its end and resumes from it to the same next step."""
-    two = [matrix.Layout(s, 1, 1, 2, 1, "moe", "gpt2") for s in ("zero3", "fsdp")] + \
-          [matrix.Layout(s, 2, 1, 1, 2, "moe", "modern") for s in ("zero3", "fsdp", "torch_ddp")]
-    four = [matrix.Layout("torch_ddp", 2, 1, 2, 1, "dense", "gpt2"), matrix.Layout("zero3", 2, 1, 2, 2, "moe", "gpt2"),
-            matrix.Layout("fsdp", 2, 2, 1, 2, "moe", "modern"), matrix.Layout("zero2", 2, 2, 1, 2, "moe", "gpt2")]
+    two = [matrix.Cell(s, 1, 1, 2, 1, "moe", "gpt2") for s in ("zero3", "fsdp")] + \
+          [matrix.Cell(s, 2, 1, 1, 2, "moe", "modern") for s in ("zero3", "fsdp", "torch_ddp")]
+    four = [matrix.Cell("torch_ddp", 2, 1, 2, 1, "dense", "gpt2"), matrix.Cell("zero3", 2, 1, 2, 2, "moe", "gpt2"),
+            matrix.Cell("fsdp", 2, 2, 1, 2, "moe", "modern"), matrix.Cell("zero2", 2, 2, 1, 2, "moe", "gpt2")]
     _check(run_pooled(_matrix, 2, two, tmp_path)[0])
     _check(run_pooled(_matrix, 4, four, tmp_path)[0])
 
@@ -219,3 +217,82 @@ def test_no_data_parallel_strategy_names_an_axis():
         found = [m.group(0) for m in axis.finditer(code)]
         assert not found, (path.name, found[:5])
     assert not re.search(r"class (Unsplit|Unpiped)\b", "".join(p.read_text() for p in root.rglob("*.py")))
+
+
+# ---------------------------------------------------------------- a new axis is one list entry
+
+
+class ToyAxis(axes.Transform):
+    """An axis defined here, as a newcomer would write one: it counts the forwards of the model's units (hooks placed at
+    ``split``) and sums the count over the data axis each step (its own collective, paused in evaluation), names
+    itself in the start line and shows its fragment in the step line."""
+
+    name = "toy"
+    line_place = 90
+
+    @classmethod
+    def on(cls, mesh, cfg, loop, saved):
+        return cls(mesh)
+
+    def __init__(self, mesh):
+        self.data, self.forwards, self.counting = mesh.data, 0, True
+
+    def describe(self, layout):
+        return f"{layout} (toy axis)"
+
+    def split(self, model, plan):
+        for name in plan.units:
+            model.get_submodule(name).register_forward_pre_hook(lambda *_: self._count())
+        return plan
+
+    def _count(self):
+        self.forwards += self.counting
+
+    def take_meters(self):
+        total = self.data.sum(torch.tensor(float(self.forwards)))
+        self.forwards = 0
+        return axes.AxisMeters(record={"toy_unit_forwards": total.item()})
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    @staticmethod
+    def line(rec):
+        return f" | toy {rec['toy_unit_forwards']:.0f}" if "toy_unit_forwards" in rec else ""
+
+
+def _with_toy_axis(world: World, setup: Setup) -> dict:
+    from lab.commands.equivalence import reference, train_tiny
+
+    kinds = axes.kinds
+    axes.kinds = lambda: (*kinds(), ToyAxis)  # the one list entry
+    try:
+        engine = create(parse_spec("ddp"), world, Precision("cpu"), LOOP)
+        described = engine.describe()
+        trace = train_tiny(world, setup, parse_spec("ddp"))
+        line = step_line(trace.meters["step"])
+    finally:
+        axes.kinds = kinds
+    ref = reference(world, setup)
+    return {"described": described, "record": trace.meters["step"], "line": line,
+            "same": world.is_main and ref.losses == trace.losses and ref.params.keys() == trace.params.keys()
+            and all(torch.equal(ref.params[k], trace.params[k]) for k in ref.params)}
+
+
+@pytest.mark.slow
+def test_a_toy_axis_added_with_one_list_entry_trains_as_single_does():
+    """A transform written in this test and added to ``axes.kinds`` alone is applied by every layout's engine: ddp on
+    2 ranks with it trains to single's losses and weights bit for bit (one micro-step each, unclipped), its
+    collective reports every unit forward of both ranks, and it names itself where the run is described."""
+    setup = Setup(steps=3, accum=1, grad_clip=0.0)
+    out = run_pooled(_with_toy_axis, 2, setup)[0]
+    assert out["same"], out
+    assert out["described"] == "ddp (toy axis)"
+    units = len(GPT(TINY).parallel_plan().units)
+    assert out["record"] == {"toy_unit_forwards": 2 * units}  # the last step: one forward of every unit on each rank
+    assert out["line"] == f" | toy {2 * units}"

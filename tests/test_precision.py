@@ -130,9 +130,9 @@ def test_tensor_pipeline_and_context_parallel_transfers_move_the_compute_dtype()
     (``matrix.meter_problems``: tp's all-reduces, pp's activations, cp's key/value blocks), and the layouts reproduce
     single under the same policy within the 16-bit tolerance."""
     base = dataclasses.replace(matrix.SETUP, dtype="bf16", mixed=True)
-    cells = [matrix.Layout("zero2", 1, 2, 1, 1, "dense", "gpt2"), matrix.Layout("zero3", 1, 1, 2, 1, "dense", "modern"),
-             matrix.Layout("ddp", 1, 1, 1, 1, "dense", "gpt2", cp=2),
-             matrix.Layout("fsdp", 1, 1, 2, 1, "dense", "gpt2")]
+    cells = [matrix.Cell("zero2", 1, 2, 1, 1, "dense", "gpt2"), matrix.Cell("zero3", 1, 1, 2, 1, "dense", "modern"),
+             matrix.Cell("ddp", 1, 1, 1, 1, "dense", "gpt2", cp=2),
+             matrix.Cell("fsdp", 1, 1, 2, 1, "dense", "gpt2")]
     rows = run_pooled(matrix._run, 2, cells, base)[0]
     assert len(rows) == len(cells)
     for row in rows:

@@ -88,13 +88,12 @@ def test_a_run_with_a_bad_degree_fails_in_one_line_before_any_work(capsys, tmp_p
 
 
 @pytest.mark.parametrize("shape, dim, blocks", [((12, 4), 0, (4, 4, 4)), ((16, 8), 1, (8,)), ((8,), 0, (4, 4))])
-def test_a_split_takes_assembles_and_places_every_element_once(shape, dim, blocks):
+def test_a_split_takes_and_places_every_element_once(shape, dim, blocks):
     """Every element of the whole weight is handed over once, from two ranges of each shard; a column shard as at
     most three rectangles per range (not one range per row: DCP's cost grows with the pieces)."""
     whole = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
     split = Split(shape, dim, blocks)
     shards = [split.take(whole, r, 2) for r in range(2)]
-    assert torch.equal(split.assemble(shards), whole)
     placed = torch.full(shape, -1.0)
     for r, shard in enumerate(shards):
         flat = shard.reshape(-1)

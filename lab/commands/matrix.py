@@ -51,7 +51,7 @@ SETUP = Setup(steps=3, accum=2, micro_batch=4, grad_clip=0.05)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Cell:
     """One cell of the matrix."""
 
     strategy: str
@@ -80,7 +80,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Row:
-    layout: Layout
+    layout: Cell
     loss: float | None = None
     grad_norm: float | None = None
     params: float | None = None
@@ -132,7 +132,7 @@ def meter_problems(meters: dict) -> list[str]:
 
 
 def layouts(max_ranks: int, strategies: list[str], models: list[str], archs: list[str],
-            cps: tuple[int, ...] = (1, 2)) -> list[Layout]:
+            cps: tuple[int, ...] = (1, 2)) -> list[Cell]:
     """Every cell: strategy × dp × tp × pp × ep × cp (ep ≤ dp, a mixture of experts only; cp a dense model only) on 2 to
     ``max_ranks`` ranks."""
     out = []
@@ -144,11 +144,11 @@ def layouts(max_ranks: int, strategies: list[str], models: list[str], archs: lis
             for model in models:
                 for arch in archs:
                     if (ep == 1 or model == "moe") and (cp == 1 or model == "dense"):
-                        out.append(Layout(strategy, dp, tp, pp, ep, model, arch, cp))
+                        out.append(Cell(strategy, dp, tp, pp, ep, model, arch, cp))
     return out
 
 
-def refusal(layout: Layout) -> str | None:
+def refusal(layout: Cell) -> str | None:
     """The one line the lab refuses ``layout`` with before any rank starts, or None when it runs."""
     try:
         validate(parse_spec(layout.spec), layout.ranks, LoopSettings(micro_batch=SETUP.micro_batch,
@@ -159,7 +159,7 @@ def refusal(layout: Layout) -> str | None:
     return None
 
 
-def _run(world: World, cells: list[Layout], base: Setup = SETUP, folder: Path | None = None) -> list[Row]:
+def _run(world: World, cells: list[Cell], base: Setup = SETUP, folder: Path | None = None) -> list[Row]:
     """Every cell on this world under ``base``'s precision, against single (the references shared between cells of
     one model), every rank's meters against their theory (``meter_problems``), and (given a ``folder``) its
     checkpoint at the end, saved there and resumed."""
@@ -201,7 +201,7 @@ def format_row(row: Row) -> str:
                    f"{'; does not resume from its checkpoint' if row.resumes is False else ''}")
 
 
-def run(cells: list[Layout], deadline_s: float = 1800.0, base: Setup = SETUP) -> list[Row]:
+def run(cells: list[Cell], deadline_s: float = 1800.0, base: Setup = SETUP) -> list[Row]:
     """Every cell: refused ones from ``refusal``, the others trained under ``base``'s precision on worlds of their rank
     count (one each), their checkpoints in a temporary folder removed at the end."""
     rows = [Row(cell, refused=reason) for cell in cells if (reason := refusal(cell)) is not None]

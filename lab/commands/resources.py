@@ -210,12 +210,12 @@ def _cluster(args: argparse.Namespace) -> layouts.Cluster:
                            args.inter_gbps * 1e9, args.mfu)
 
 
-def _layout_row(r: layouts.Layout, cp: bool) -> list[str]:
+def _layout_row(r: layouts.LayoutCost, cp: bool) -> list[str]:
     return [r.name, r.stage, str(r.microbatches), _gb(r.states), _gb(r.activations), _gb(r.memory),
             "yes" if r.fits else "no", *(f"{t:.3f}" for t in r.terms(cp).values()), f"{r.step_s:.3f}"]
 
 
-def _versus(other: layouts.Layout, choice: layouts.Layout) -> str:
+def _versus(other: layouts.LayoutCost, choice: layouts.LayoutCost) -> str:
     """How ``other`` differs from the choice: memory, and each term of the step that moves by 1 % of it or more."""
     moved = [f"{name} {theirs - ours:+.3f} s" for (name, theirs), ours in zip(other.terms().items(),
                                                                              choice.terms().values())

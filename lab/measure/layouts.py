@@ -52,7 +52,7 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class Layout:
+class LayoutCost:
     """One dp × cp × tp × pp layout and data-parallel stage, with its costs (seconds per step, bytes per GPU)."""
 
     pp: int
@@ -91,7 +91,7 @@ class Layout:
 
 
 def cost(cfg: ModelShape, tp: int, pp: int, stage: str, micro_batch: int, batch_tokens: float, cluster: Cluster,
-         checkpointing: bool = False, cp: int = 1) -> Layout:
+         checkpointing: bool = False, cp: int = 1) -> LayoutCost:
     """The costs of one layout (tp must split the model, pp divide its layers and tp · cp · pp the GPUs)."""
     dp = cluster.n_gpus // (tp * pp * cp)
     s, h = cfg.block_size, cfg.d_model
@@ -120,14 +120,14 @@ def cost(cfg: ModelShape, tp: int, pp: int, stage: str, micro_batch: int, batch_
     in_flight = min(pp, m)
     activations = max(in_flight * (layers - logits), layers) if pp > 1 else layers
     states = accounting.model_state_bytes(params, stage, dp, "mixed").gpu
-    return Layout(pp=pp, dp=dp, tp=tp, stage=stage, microbatches=m, states=states, activations=activations,
+    return LayoutCost(pp=pp, dp=dp, tp=tp, stage=stage, microbatches=m, states=states, activations=activations,
                   compute_s=compute, bubble_s=compute * (pp - 1) / m, tp_s=tp_bytes / cluster.intra,
                   pp_s=pp_bytes / pp_link, dp_s=dp_s, dp_exposed_s=max(0.0, dp_s - BACKWARD_SHARE * compute),
                   fits=states + activations <= cluster.memory, cp=cp, cp_s=cp_bytes / cp_link)
 
 
 def layouts(cfg: ModelShape, micro_batch: int, batch_tokens: float, cluster: Cluster, checkpointing: bool = False,
-            max_cp: int = 1) -> tuple[list[Layout], list[str]]:
+            max_cp: int = 1) -> tuple[list[LayoutCost], list[str]]:
     """Every layout of the model on the cluster, each stage: tp a divisor of the GPUs within a node that splits
     the heads and the MLP, cp up to ``max_cp`` that fits in the node beside it and cuts the sequence into 2·cp chunks
     (the lab's balanced split), pp one of the rest that divides the layers; and why each other tp cannot be."""
@@ -147,7 +147,7 @@ def layouts(cfg: ModelShape, micro_batch: int, batch_tokens: float, cluster: Clu
     return rows, refused
 
 
-def choose(rows: list[Layout]) -> Layout | None:
+def choose(rows: list[LayoutCost]) -> LayoutCost | None:
     """The fastest layout that fits; ties go to less tensor parallelism, then less context parallelism, then fewer
     stages, then the lower stage."""
     fitting = [r for r in rows if r.fits]

@@ -176,16 +176,6 @@ class Layout:
     def degrees(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep}
 
-    @property
-    def dp_shard(self) -> int:
-        """The data-parallel ranks the strategy shards something over (1 for a replicating strategy)."""
-        return self.dp if self.shards != "nothing" else 1
-
-    @property
-    def dp_replicate(self) -> int:
-        """The data-parallel ranks that hold whole copies of the weights and gradients (ddp's)."""
-        return self.dp if self.shards == "nothing" else 1
-
     def refuse(self, cfg: ParallelConfig, strategy: type, loop: LoopSettings) -> None:
         """Raise ConfigError (one line) for axes, a strategy and loop settings that do not run together: every refusal
         of the matrix (data-parallel strategy × tp × pp × ep) is here."""

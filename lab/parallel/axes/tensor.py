@@ -104,13 +104,6 @@ class Split:
         """Rank ``rank``'s shard of ``whole`` (a copy; on the meta device, a meta tensor)."""
         return torch.cat([whole.narrow(self.dim, g, size) for _, g, size in self.segments(rank, n)], dim=self.dim)
 
-    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The whole weight from every rank's shard, in rank order (a replicated part from its first rank)."""
-        n = len(shards)
-        parts = [shards[r].narrow(self.dim, local, size) for b in range(len(self.blocks))
-                 for r in range(0, n, self.sharing(b)) for local, _, size in [self.segments(r, n)[b]]]
-        return torch.cat(parts, dim=self.dim)
-
     def checkpoint_pieces(self, rank: int, n: int, lo: int, view: torch.Tensor) -> Pieces | Blocks:
         """Where elements [lo, lo + len(view)) of the flattened shard sit in the whole weight, counting only what this
         rank hands over: cut along rows, ranges of the flattened whole weight (one per block); cut along columns,
