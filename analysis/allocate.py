@@ -34,7 +34,7 @@ from lab.measure.laws import CHINCHILLA, FORMS, Form
 from analysis.isoflop import PowerLaws
 from analysis.parametric import compute_optimal
 from analysis.table import InputError
-from lab.measure.accounting import gpu_peak_flops, training_seconds
+from lab.measure.hardware import gpu_peak_flops, training_seconds
 
 SCHEMA_VERSION = 2
 LAW_COLUMNS = ("a", "k_N", "b", "k_D")

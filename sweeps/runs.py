@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lab.measure import accounting
+from lab.measure import accounting, hardware
 from lab.runtime.config import RunConfig
 
 from sweeps import centre as centring
@@ -301,11 +301,11 @@ def table(runs: list[PlannedRun], count_which: str = "total", parallel: int = 1)
         shape = f"{r.shape['n_layer']}×{r.shape['d_model']}/{r.shape['n_head']}h"
         launch = f"{r.launch.strategy}×{r.launch.world_size}"
         lines.append(f"{r.name:<{width}} {n:>10,} {shape:>14} {r.tokens:>12,} {r.flops:>10.3g} {r.batch_tokens:>7,} "
-                     f"{r.lr:>8.3g} {launch:>14} {accounting.duration(r.est_seconds):>9}{branch}")
+                     f"{r.lr:>8.3g} {launch:>14} {hardware.duration(r.est_seconds):>9}{branch}")
     total = sum(r.est_seconds for r in runs)
-    at_once = f", about {accounting.duration(total / parallel)} with {parallel} at once" if parallel > 1 else ""
+    at_once = f", about {hardware.duration(total / parallel)} with {parallel} at once" if parallel > 1 else ""
     spent = sum(r.flops_spent for r in runs)
     branched = sum(r.parent is not None for r in runs)
     flops = f"{spent:.3g} FLOPs" + (f" spent ({branched} cooldown branches: C is each end point's)" if branched else "")
-    lines.append(f"{len(runs)} runs, {flops}, estimated {accounting.duration(total)} one after another{at_once}")
+    lines.append(f"{len(runs)} runs, {flops}, estimated {hardware.duration(total)} one after another{at_once}")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lab.measure import accounting as acc
+from lab.measure import fits, hardware
 from lab.runtime.config import ModelConfig, resolve
 from lab.commands.resources import main
 
@@ -86,13 +87,13 @@ def test_flops_per_token_small() -> None:
 
 
 def test_peaks_are_dense() -> None:
-    assert acc.gpu_peak_flops("H100") == 989e12 != 1979e12
-    assert acc.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
-    assert acc.gpu_peak_flops("a100") == 312e12 and acc.gpu_peak_flops("H200") == 989e12
-    assert max(t["bf16"] for t in acc.GPU_PEAK_FLOPS.values()) == 989e12
-    assert acc.gpu_memory_bytes("H200") == 141e9
+    assert hardware.gpu_peak_flops("H100") == 989e12 != 1979e12
+    assert hardware.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert hardware.gpu_peak_flops("a100") == 312e12 and hardware.gpu_peak_flops("H200") == 989e12
+    assert max(t["bf16"] for t in hardware.GPU_PEAK_FLOPS.values()) == 989e12
+    assert hardware.gpu_memory_bytes("H200") == 141e9
     with pytest.raises(ValueError, match="unknown GPU"):
-        acc.gpu_peak_flops("V100")
+        hardware.gpu_peak_flops("V100")
 
 
 def test_70b_on_15t_tokens_1024_h100_half_mfu() -> None:
@@ -100,10 +101,10 @@ def test_70b_on_15t_tokens_1024_h100_half_mfu() -> None:
     rate = 1024 * 989e12 * 0.5  # 5.06368e17 FLOP/s
     days = flops / rate / 86_400  # 12,441,544 s ≈ 144.0 days
     assert acc.training_flops(70e9, 15e12) == pytest.approx(6.3e24)
-    assert acc.training_days(70e9, 15e12, "H100", 1024, 0.5) == pytest.approx(days)
+    assert hardware.training_days(70e9, 15e12, "H100", 1024, 0.5) == pytest.approx(days)
     assert days == pytest.approx(144.0, abs=0.01)
     with pytest.raises(ValueError):
-        acc.training_days(70e9, 15e12, "H100", 1024, 1.5)
+        hardware.training_days(70e9, 15e12, "H100", 1024, 1.5)
 
 
 # ---------------------------------------------------------------- model states
@@ -112,10 +113,10 @@ def test_70b_on_15t_tokens_1024_h100_half_mfu() -> None:
 def test_naive_adamw_on_8_h100() -> None:
     # fp32 AdamW: 4 + 4 + 8 = 16 B/param. Replicated (ddp) every GPU holds all of it: 80e9 / 16 = 5e9.
     assert acc.model_state_bytes(1, "ddp", 8, "fp32").gpu == 16
-    assert acc.largest_model(80e9, 8, "ddp", "fp32") == 5_000_000_000
+    assert fits.largest_model(80e9, 8, "ddp", "fp32") == 5_000_000_000
     # Pooling the 8 GPUs (fully sharded, zero3) gives CS336's answer: 8 × 80e9 / 16 = 40e9.
-    assert acc.largest_model(80e9, 8, "zero3", "fp32") == 40_000_000_000
-    assert acc.largest_model(80e9, 8, "zero3", "fp32", usable=0.9) == 36_000_000_000
+    assert fits.largest_model(80e9, 8, "zero3", "fp32") == 40_000_000_000
+    assert fits.largest_model(80e9, 8, "zero3", "fp32", usable=0.9) == 36_000_000_000
 
 
 @pytest.mark.parametrize("n, expected", [
@@ -126,7 +127,7 @@ def test_naive_adamw_on_8_h100() -> None:
 def test_zero_rows_mixed(n: int, expected: dict[str, float]) -> None:
     for strategy, per_param in expected.items():
         assert acc.model_state_bytes(1e9, strategy, n).gpu == pytest.approx(per_param * 1e9)
-        assert acc.largest_model(80e9, n, strategy) == pytest.approx(80e9 / per_param, abs=1)
+        assert fits.largest_model(80e9, n, strategy) == pytest.approx(80e9 / per_param, abs=1)
 
 
 @pytest.mark.parametrize("n, expected", [
@@ -154,7 +155,7 @@ def test_offload_moves_optimizer_states_to_host() -> None:
     assert (fp32.gpu, fp32.cpu) == (pytest.approx(2e9), pytest.approx(3e9))
     ddp = acc.model_state_bytes(1e9, "ddp", 8, offload=True)
     assert (ddp.gpu, ddp.cpu, ddp.total) == (4e9, 12e9, 16e9)
-    assert acc.largest_model(80e9, 8, "ddp", offload=True) == 20_000_000_000  # 80e9 / 4
+    assert fits.largest_model(80e9, 8, "ddp", offload=True) == 20_000_000_000  # 80e9 / 4
 
 
 def test_comm_per_step_keeps_the_rank_count() -> None:
@@ -213,14 +214,14 @@ def test_largest_depth_at_the_boundary() -> None:
     # fixed: 16·(final norm 128 + embeddings 10,240 + head 8,192) + logits 32,768 = 296,960 + 32,768
     # per layer: 16·49,984 params + 139,264 activations = 939,008
     fits_three = 329_728 + 3 * 939_008
-    fit = acc.largest_depth(GPT2_UNTIED, 2, fits_three, 1, "ddp")
-    assert fit == acc.DepthFit(n_layer=3, params=18_560 + 3 * 49_984, gpu_bytes=fits_three)
-    assert acc.largest_depth(GPT2_UNTIED, 2, fits_three - 1, 1, "ddp").n_layer == 2
-    assert acc.largest_depth(GPT2_UNTIED, 2, 329_728 + 939_008 - 1, 1, "ddp") is None
+    fit = fits.largest_depth(GPT2_UNTIED, 2, fits_three, 1, "ddp")
+    assert fit == fits.DepthFit(n_layer=3, params=18_560 + 3 * 49_984, gpu_bytes=fits_three)
+    assert fits.largest_depth(GPT2_UNTIED, 2, fits_three - 1, 1, "ddp").n_layer == 2
+    assert fits.largest_depth(GPT2_UNTIED, 2, 329_728 + 939_008 - 1, 1, "ddp") is None
     # checkpointing: fixed 329,728 + one layer's 139,264 = 468,992; per layer 16·49,984 + 2·4,096 = 807,936
     budget = 468_992 + 5 * 807_936
-    assert acc.largest_depth(GPT2_UNTIED, 2, budget, 1, "ddp", checkpointing=True).n_layer == 5
-    assert acc.largest_depth(GPT2_UNTIED, 2, budget, 1, "ddp").n_layer == 4  # (budget − 329,728) / 939,008 = 4.45
+    assert fits.largest_depth(GPT2_UNTIED, 2, budget, 1, "ddp", checkpointing=True).n_layer == 5
+    assert fits.largest_depth(GPT2_UNTIED, 2, budget, 1, "ddp").n_layer == 4  # (budget − 329,728) / 939,008 = 4.45
 
 
 # ---------------------------------------------------------------- plan CLI
@@ -253,7 +254,7 @@ def test_plan_memory_with_shape(capsys: pytest.CaptureFixture[str]) -> None:
     # 2048·8·8192·34 = 4.56e9 bytes per layer; 4·8·2048·50257 = 3.29e9 bytes of logits.
     assert "4.56 GB per layer + 3.29 GB (logits)" in out
     zero3 = next(line for line in out.splitlines() if line.startswith("zero3     mixed")).split()
-    expected = acc.largest_depth(ModelConfig(n_layer=1, n_head=64, d_model=8192, block_size=2048, vocab_size=50257),
+    expected = fits.largest_depth(ModelConfig(n_layer=1, n_head=64, d_model=8192, block_size=2048, vocab_size=50257),
                                  8, 80e9, 8, "zero3")
     # 12 layers: 12·(2 B·805.4M + 4.56e9) + 2 B·428.5M + 3.29e9 = 78.2e9 bytes; 13 layers: 84.4e9 > 80e9.
     assert zero3[-4] == str(expected.n_layer) == "12"

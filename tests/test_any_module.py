@@ -16,7 +16,8 @@ from lab.commands.equivalence import TINY, Setup, batch, compare, loop_settings,
 from lab.model import GPT
 from lab.model.plan import default_plan, plan_of, segments
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import World, create, parse_spec, register
+from lab.parallel import World, parse_spec, register
+from lab.training.plan import create
 from pool import run_pooled
 
 STRATEGIES = ["ddp_naive", "ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp", "zero3:activation_checkpointing=full"]

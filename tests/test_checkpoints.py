@@ -13,7 +13,8 @@ import torch
 
 from lab.runtime import checkpoint
 from lab.commands.cli import export_main, sample_main
-from lab.training.lifecycle import build_strategy, resolve_vocab, train
+from lab.training.lifecycle import build_engine, resolve_vocab, train
+from lab.training.plan import plan_run
 from lab.runtime.config import build_parser, config_from_args, resolve
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import Precision
@@ -145,7 +146,7 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one(tre
 
 def _gathered(world: World, tree: dict, run_dir: Path) -> dict[str, torch.Tensor]:
     cfg = resolve(tree)
-    strategy = build_strategy(cfg, world, Precision("cpu"))
+    strategy = build_engine(plan_run(cfg, world.world_size, Precision("cpu")), world)
     checkpoint.load(checkpoint.latest(run_dir), world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()
     return strategy.full_state_dict()

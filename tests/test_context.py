@@ -17,7 +17,8 @@ from lab.measure import accounting
 from lab.measure.device import Precision
 from lab.measure.memory import LiveBytes
 from lab.model import GPT
-from lab.parallel import Layout, LoopSettings, World, create, parse_spec, validate, validate_model
+from lab.parallel import Layout, LoopSettings, World, parse_spec
+from lab.training.plan import check_layout, check_model, create
 from lab.parallel.axes.context import chunks, token_indices
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
@@ -63,7 +64,7 @@ def test_the_zigzag_split_gives_every_rank_two_chunks_and_the_same_causal_work()
 ])
 def test_context_parallelism_is_validated_up_front(options, world_size, message):
     with pytest.raises(ConfigError, match=message):
-        validate(ParallelConfig(**{"strategy": "ddp", **options}), world_size, LoopSettings(4, 1, 1.0))
+        check_layout(ParallelConfig(**{"strategy": "ddp", **options}), world_size, LoopSettings(4, 1, 1.0))
 
 
 @pytest.mark.parametrize("model, message", [
@@ -73,7 +74,7 @@ def test_context_parallelism_is_validated_up_front(options, world_size, message)
 ])
 def test_models_context_parallelism_cannot_split_are_refused(model, message):
     with pytest.raises(ConfigError, match=message):
-        validate_model(ParallelConfig(strategy="ddp", cp=2), dataclasses.replace(TINY, **model))
+        check_model(ParallelConfig(strategy="ddp", cp=2), dataclasses.replace(TINY, **model))
 
 
 @pytest.mark.slow

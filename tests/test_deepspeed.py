@@ -20,7 +20,8 @@ from lab.measure.device import Precision
 from lab.commands.equivalence import Setup, batch, equivalence, loop_settings
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, parse_spec
+from lab.parallel import LoopSettings, World, parse_spec
+from lab.training.plan import create
 from lab.parallel.data.deepspeed import engine_config
 from pool import run_pooled
 from lab.training.train import train_step

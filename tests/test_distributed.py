@@ -16,7 +16,8 @@ from lab.measure.device import Precision
 from lab.commands.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create
+from lab.parallel import LoopSettings, World
+from lab.training.plan import create
 from lab.commands.ranks import RankFailed, run_ranks
 from pool import run_pooled
 from lab.training.train import train_step

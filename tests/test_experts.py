@@ -28,7 +28,8 @@ from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.measure import accounting
 from lab.measure.device import Precision
 from lab.model import GPT
-from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
+from lab.parallel import LoopSettings, World, parse_spec
+from lab.training.plan import check_layout, check_model, create
 from lab.parallel.comm import buckets
 from lab.runtime import checkpoint
 from lab.data import load_tokenizer, prepare
@@ -56,19 +57,19 @@ LOOP = LoopSettings(micro_batch=4, accum_steps=1, grad_clip=1.0)
 def test_expert_parallelism_is_validated_up_front(options, world_size, message):
     loop = dataclasses.replace(LOOP, compile=options.pop("compile", False))
     with pytest.raises(ConfigError, match=message):
-        validate(ParallelConfig(**{"strategy": "ddp", **options}), world_size, loop)
+        check_layout(ParallelConfig(**{"strategy": "ddp", **options}), world_size, loop)
     with pytest.raises(ConfigError, match=r"parallel.ep \(3\) must divide model.moe_experts \(4\)"):
-        validate_model(ParallelConfig(ep=3), MOE)
+        check_model(ParallelConfig(ep=3), MOE)
     with pytest.raises(ConfigError, match=r"parallel.ep \(2\) splits a mixture of experts: set model.moe_experts"):
-        validate_model(ParallelConfig(ep=2), TINY)
+        check_model(ParallelConfig(ep=2), TINY)
     with pytest.raises(ConfigError, match="parallel.sequence_parallel cannot split a mixture of experts' tokens"):
-        validate_model(ParallelConfig(ep=2, tp=2, sequence_parallel=True), MOE)
-    validate(ParallelConfig(strategy="ddp_naive", ep=2), 4, LOOP)
+        check_model(ParallelConfig(ep=2, tp=2, sequence_parallel=True), MOE)
+    check_layout(ParallelConfig(strategy="ddp_naive", ep=2), 4, LOOP)
     for strategy in ("zero3", "fsdp", "torch_ddp"):  # every data-parallel strategy, and with tp and pp
-        validate(ParallelConfig(strategy=strategy, ep=2, tp=2), 4, LOOP)
-        validate(ParallelConfig(strategy=strategy, ep=2, pp=2), 4, LOOP)
-    validate_model(ParallelConfig(ep=4), MOE)
-    validate_model(ParallelConfig(ep=2, tp=2, pp=2), MOE)
+        check_layout(ParallelConfig(strategy=strategy, ep=2, tp=2), 4, LOOP)
+        check_layout(ParallelConfig(strategy=strategy, ep=2, pp=2), 4, LOOP)
+    check_model(ParallelConfig(ep=4), MOE)
+    check_model(ParallelConfig(ep=2, tp=2, pp=2), MOE)
 
 
 def test_a_run_with_bad_expert_parallelism_fails_in_one_line_before_any_rank_starts(capsys, tmp_path, args):

@@ -15,14 +15,14 @@ import torch
 
 from lab.runtime import checkpoint
 from lab.commands.cli import export_main, run_main, sample_main
-from lab.training.lifecycle import build_strategy, resolve_vocab, restore, train
+from lab.training.lifecycle import build_engine, resolve_vocab, restore, train
 from lab.runtime.config import ConfigError, ParallelConfig, build_parser, config_from_args
 from lab.data import load_tokenizer, prepare
 from lab.measure.device import Precision
 from lab.runtime.files import save_json, take_lock
 from lab.parallel import World
 from lab.commands.ranks import run_ranks
-from lab.training.steps import step_plan
+from lab.training.plan import plan_run
 
 
 def run(run_dir: Path, *argv: str) -> int:
@@ -98,8 +98,8 @@ def _resume_with_a_stale_view_on_rank_1(world: World, argv: list[str], run_dir: 
     meta.json than rank 0 for the same checkpoint; the step each rank resumed at, and the error of the second."""
     cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--parallel.strategy", "ddp"]))
     resolve_vocab(cfg, 512)
-    strategy = build_strategy(cfg, world, Precision(world.device.type))
-    plan = step_plan(cfg, world.world_size)
+    run = plan_run(cfg, world.world_size, Precision(world.device.type))
+    strategy, plan = build_engine(run, world), run.steps
     if world.rank == 1:
         dirs = checkpoint.checkpoint_dirs
         checkpoint.checkpoint_dirs = lambda run_dir: dirs(run_dir)[:-1]
@@ -205,9 +205,9 @@ def _restore_on(world: World, argv: list[str], run_dir: Path) -> str:
     """Resume ``run_dir`` under ddp on this world: the error each rank meets ('' for none)."""
     cfg = config_from_args(build_parser("launch/run.py", "").parse_args([*argv, "--parallel.strategy", "ddp"]))
     resolve_vocab(cfg, 512)
-    strategy = build_strategy(cfg, world, Precision(world.device.type))
+    strategy = build_engine(plan_run(cfg, world.world_size, Precision(world.device.type)), world)
     try:
-        restore(strategy, run_dir, world, cfg, step_plan(cfg, world.world_size))
+        restore(strategy, run_dir, world, cfg, plan_run(cfg, world.world_size).steps)
         return ""
     except ConfigError as e:
         return str(e)

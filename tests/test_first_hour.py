@@ -179,14 +179,15 @@ def test_peak_remeasure_records_time_and_load_and_keeps_the_best(tmp_path, monke
 def test_the_start_line_names_the_deepspeed_stage_and_the_peak():
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak, Precision
-    from lab.parallel import World, create
+    from lab.parallel import World
+    from lab.training.plan import create, plan_run
     from lab.training.runlog import start_line
-    from lab.training.steps import loop_settings, step_plan
+    from lab.training.steps import loop_settings
     from lab.training.steps import Start
 
     cfg = RunConfig()
     cfg.model.vocab_size, cfg.parallel.strategy, cfg.parallel.zero_stage = 512, "deepspeed", 3
-    world, plan, precision = World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu")
+    world, plan, precision = World(0, 1, 0, torch.device("cpu")), plan_run(cfg, 1).steps, Precision("cpu")
     strategy = create(cfg.parallel, world, precision, loop_settings(cfg, plan))  # described before it is built
     line = start_line(cfg, world, plan, precision, Peak(3e11, "measured matmul peak (x)"), Start(), None,
                       strategy.describe())

@@ -18,7 +18,8 @@ from lab.commands import matrix
 from lab.commands.equivalence import TINY, Setup, batch
 from lab.measure.device import Precision
 from lab.model import GPT
-from lab.parallel import Layout, LoopSettings, World, axes, create, parse_spec, step_line, strategy_class, validate
+from lab.parallel import Layout, LoopSettings, World, axes, parse_spec, step_line, strategy_class
+from lab.training.plan import check_layout, create
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, ParallelConfig, TrainConfig
 from lab.training.optim import adamw_factory, param_groups
@@ -49,7 +50,7 @@ def test_one_record_places_every_rank_on_every_axis():
 ])
 def test_a_layout_that_cannot_run_is_refused_in_one_line(options, world_size, message):
     with pytest.raises(ConfigError, match=message):
-        validate(ParallelConfig(**options), world_size, LOOP)
+        check_layout(ParallelConfig(**options), world_size, LOOP)
 
 
 def test_the_share_of_a_rank_is_the_parameters_it_holds():

@@ -13,7 +13,8 @@ from lab.measure.device import Precision
 from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.model import GPT, validate
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, parse_spec
+from lab.parallel import LoopSettings, World, parse_spec
+from lab.training.plan import create
 from pool import run_pooled
 from test_checkpoints import final_weights, segment, tree  # noqa: F401 (tree: the tiny run's config, a fixture)
 from test_train import assert_states_equal, final_state, run, train_losses

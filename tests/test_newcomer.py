@@ -119,7 +119,7 @@ def test_one_thread_is_named_in_the_singular(monkeypatch):
     from lab.parallel import World
     from lab.runtime.config import RunConfig
     from lab.training.runlog import start_line
-    from lab.training.steps import step_plan
+    from lab.training.plan import plan_run
     from lab.training.steps import Start
 
     cfg, world = RunConfig(), World(0, 1, 0, torch.device("cpu"))
@@ -127,7 +127,7 @@ def test_one_thread_is_named_in_the_singular(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        line = start_line(cfg, world, step_plan(cfg, 1), device.Precision("cpu"), device.Peak(1e9, "x"),
+        line = start_line(cfg, world, plan_run(cfg, 1).steps, device.Precision("cpu"), device.Peak(1e9, "x"),
                           Start(), None, "single")
         assert device.describe(world.device).endswith(", 1 thread") and "fp32, 1 thread | " in line
     finally:
@@ -328,12 +328,12 @@ def test_the_start_line_gives_the_thread_count():
     from lab.measure.device import Peak, Precision
     from lab.parallel import World
     from lab.training.runlog import start_line
-    from lab.training.steps import step_plan
+    from lab.training.plan import plan_run
     from lab.training.steps import Start
 
     cfg = RunConfig()
     cfg.model.vocab_size = 512
-    line = start_line(cfg, World(0, 1, 0, torch.device("cpu")), step_plan(cfg, 1), Precision("cpu"),
+    line = start_line(cfg, World(0, 1, 0, torch.device("cpu")), plan_run(cfg, 1).steps, Precision("cpu"),
                       Peak(1e11, "x"), Start(), None, "single")
     assert f"device cpu, fp32, {torch.get_num_threads()} threads | " in line
 

@@ -14,7 +14,8 @@ from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, RunConf
 from lab.measure.device import Precision
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import STRATEGIES, LoopSettings, World, create, strategy_class, validate
+from lab.parallel import STRATEGIES, LoopSettings, World, strategy_class
+from lab.training.plan import check_layout, create
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 FP32 = Precision("cpu")
@@ -35,7 +36,7 @@ def test_registry_knows_the_strategies_and_rejects_unknown_names():
     with pytest.raises(ConfigError, match="unknown strategy 'zero7' \\(known: .*single"):
         strategy_class("zero7")
     with pytest.raises(ConfigError, match="at most 1 process"):
-        validate(ParallelConfig(strategy="single"), 2, LOOP)
+        check_layout(ParallelConfig(strategy="single"), 2, LOOP)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -47,7 +48,7 @@ def test_registry_knows_the_strategies_and_rejects_unknown_names():
 ])
 def test_parallel_options_are_validated_up_front(options, message):
     with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
-        validate(ParallelConfig(**options), 2, LOOP)
+        check_layout(ParallelConfig(**options), 2, LOOP)
 
 
 def test_weight_decay_is_decided_by_name_and_role_before_any_flattening():

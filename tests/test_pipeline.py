@@ -28,7 +28,8 @@ from lab.commands.equivalence import TINY, Setup, batch, equivalence
 from lab.data import load_tokenizer, prepare
 from lab.model import GPT
 from lab.measure.device import Precision
-from lab.parallel import LoopSettings, World, create, parse_spec, validate, validate_model
+from lab.parallel import LoopSettings, World, parse_spec
+from lab.training.plan import check_layout, check_model, create
 from lab.parallel.axes.pipeline import Pipeline, interleaved, schedule
 from lab.measure.accounting import stage_units as balanced_split
 from lab.runtime import checkpoint
@@ -197,17 +198,17 @@ def test_interleaved_ranks_hold_every_pp_th_virtual_stage():
 def test_the_pipeline_is_validated_up_front(options, world_size, message):
     loop = dataclasses.replace(LOOP, compile=options.pop("compile", False))
     with pytest.raises(ConfigError, match=message):
-        validate(ParallelConfig(**{"strategy": "ddp", **options}), world_size, loop)
+        check_layout(ParallelConfig(**{"strategy": "ddp", **options}), world_size, loop)
 
 
 def test_a_pipeline_accepts_what_it_runs():
-    validate(ParallelConfig(pp=2), 2, LOOP)  # single over one replica per stage
-    validate(ParallelConfig(strategy="ddp_naive", pp=2, pp_schedule="gpipe", pp_microbatches=1), 4, LOOP)
-    validate(ParallelConfig(strategy="zero2", pp=2), 4, LOOP)
+    check_layout(ParallelConfig(pp=2), 2, LOOP)  # single over one replica per stage
+    check_layout(ParallelConfig(strategy="ddp_naive", pp=2, pp_schedule="gpipe", pp_microbatches=1), 4, LOOP)
+    check_layout(ParallelConfig(strategy="zero2", pp=2), 4, LOOP)
     for strategy in ("zero3", "fsdp", "torch_ddp"):  # every data-parallel strategy runs the stages
-        validate(ParallelConfig(strategy=strategy, pp=2), 4, LOOP)
-    validate_model(ParallelConfig(pp=4), FOUR)
-    validate_model(ParallelConfig(pp=2), dataclasses.replace(TINY, moe_experts=4))  # a mixture of experts in stages
+        check_layout(ParallelConfig(strategy=strategy, pp=2), 4, LOOP)
+    check_model(ParallelConfig(pp=4), FOUR)
+    check_model(ParallelConfig(pp=2), dataclasses.replace(TINY, moe_experts=4))  # a mixture of experts in stages
 
 
 @pytest.mark.parametrize("model, message", [
@@ -218,7 +219,7 @@ def test_models_the_pipeline_cannot_split_are_refused(model, message):
     cfg = ParallelConfig(pp=2, pp_schedule="interleaved", pp_virtual=2) if model.get("n_layer") == 6 else \
         ParallelConfig(pp=2)
     with pytest.raises(ConfigError, match=message):
-        validate_model(cfg, dataclasses.replace(TINY, **model))
+        check_model(cfg, dataclasses.replace(TINY, **model))
 
 
 def test_a_run_with_a_bad_pipeline_fails_in_one_line_before_any_rank_starts(capsys, tmp_path, args):

@@ -22,7 +22,8 @@ from lab.commands.equivalence import Setup, batch, equivalence, loop_settings, t
 from lab.measure import accounting
 from lab.measure.device import Peak, Precision, resolve_precision
 from lab.model import GPT
-from lab.parallel import World, create, parse_spec
+from lab.parallel import World, parse_spec
+from lab.training.plan import create
 from lab.parallel.precision import LossScaler
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig

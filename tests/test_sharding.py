@@ -18,7 +18,8 @@ from lab.measure.device import Precision
 from lab.commands.equivalence import TINY, Setup, batch, compare, equivalence, reference, train_tiny
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, parse_spec
+from lab.parallel import LoopSettings, World, parse_spec
+from lab.training.plan import create
 from lab.parallel.axes.activations import SavedBytes, apply
 from lab.parallel.comm import Comm
 from pool import run_pooled

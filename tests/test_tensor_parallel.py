@@ -24,7 +24,8 @@ from lab.measure.device import Precision
 from lab.commands.equivalence import TINY, Setup, equivalence, loop_settings
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, data_replica, parse_spec, validate, validate_model
+from lab.parallel import Layout, LoopSettings, World, parse_spec
+from lab.training.plan import check_layout, check_model, create
 from pool import run_pooled
 from lab.parallel.axes.tensor import Split
 
@@ -51,7 +52,7 @@ def _close(r) -> bool:
 ])
 def test_the_mesh_is_validated_up_front(options, world_size, message):
     with pytest.raises(ConfigError, match=message):
-        validate(ParallelConfig(**options), world_size, LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0))
+        check_layout(ParallelConfig(**options), world_size, LoopSettings(micro_batch=2, accum_steps=1, grad_clip=1.0))
 
 
 @pytest.mark.parametrize("model, options, message", [
@@ -63,15 +64,15 @@ def test_the_mesh_is_validated_up_front(options, world_size, message):
 ])
 def test_shapes_the_group_cannot_split_are_refused(model, options, message):
     with pytest.raises(ConfigError, match=message):
-        validate_model(ParallelConfig(**{"tp": 2, **options}), dataclasses.replace(TINY, **model))
+        check_model(ParallelConfig(**{"tp": 2, **options}), dataclasses.replace(TINY, **model))
 
 
 @pytest.mark.parametrize("impl", ["lab", "torch"])
 def test_fewer_key_value_heads_than_the_degree_must_divide_it(impl):
     degree = ParallelConfig(tp=4, tp_impl=impl)
     with pytest.raises(ConfigError, match=r"model.n_kv_head \(3\) must divide parallel.tp \(4\)"):
-        validate_model(degree, dataclasses.replace(TINY, n_head=12, n_kv_head=3, d_model=48))
-    validate_model(degree, dataclasses.replace(TINY, n_head=4, n_kv_head=2))  # replicated, accepted
+        check_model(degree, dataclasses.replace(TINY, n_head=12, n_kv_head=3, d_model=48))
+    check_model(degree, dataclasses.replace(TINY, n_head=4, n_kv_head=2))  # replicated, accepted
 
 
 def test_a_run_with_a_bad_degree_fails_in_one_line_before_any_work(capsys, tmp_path, args):
@@ -306,7 +307,7 @@ def _tp_meters(world: World, specs: list[str], accum: int, models: dict[str, Mod
             strategy = create(parallel, world, Precision("cpu"), loop_settings(setup))
             strategy.build(lambda: GPT(model, seed=0), lambda m: param_groups(m, 0.1),
                            adamw_factory(TrainConfig(), world.device))
-            replica, replicas = data_replica(parallel, world.rank, world.world_size)
+            replica, replicas = Layout.of(parallel, world.world_size).data_replica(world.rank)
             plan = StepPlan(setup.micro_batch * accum * replicas, accum, 1, setup.micro_batch, replicas)
             x, y = batch(setup, 0, plan.global_sequences)
             micro = [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(replica, m) for m in range(accum))]
@@ -393,7 +394,7 @@ def _steps(world: World, strategy, spec: str, setup: Setup, steps: range) -> Non
     from lab.training.steps import StepPlan
     from lab.training.train import train_step
 
-    replica, replicas = data_replica(parse_spec(spec), world.rank, world.world_size)
+    replica, replicas = Layout.of(parse_spec(spec), world.world_size).data_replica(world.rank)
     plan = StepPlan(8, 1, len(steps), 8 // replicas, replicas)  # one global batch of 8 sequences for every layout
     for step in steps:
         x, y = batch(setup, step, plan.global_sequences)

@@ -17,7 +17,8 @@ from lab.commands.cli import run_main, sample_main
 from lab.runtime.config import ConfigError, RunConfig, build_parser, config_from_args, resolve
 from lab.model import GPT
 from pool import run_pooled
-from lab.training.steps import checkpoint_interval, validate
+from lab.training.plan import plan_run
+from lab.training.steps import checkpoint_interval
 from test_checkpoints import train_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,8 +169,8 @@ def demo(*overrides: str) -> RunConfig:
 
 
 def test_the_demo_config_runs_on_one_and_two_ranks():
-    assert validate(demo(), 1).accum_steps == 2
-    assert validate(demo("--strategy", "ddp"), 2).accum_steps == 1
+    assert plan_run(demo(), 1).steps.accum_steps == 2
+    assert plan_run(demo("--strategy", "ddp"), 2).steps.accum_steps == 1
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -185,7 +186,7 @@ def test_the_demo_config_runs_on_one_and_two_ranks():
 ])
 def test_a_batch_that_does_not_divide_is_named_last_with_the_option_that_fixes_it(overrides, message):
     with pytest.raises(ConfigError) as e:
-        validate(demo("--train.micro_batch", "16", *overrides), 2)
+        plan_run(demo("--train.micro_batch", "16", *overrides), 2)
     assert message in str(e.value)
 
 

@@ -70,10 +70,10 @@ from lab.measure.device import (
 from lab.runtime.files import save_json, write_atomic
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create, data_replica, parse_spec
-from lab.parallel import validate as validate_parallel
+from lab.parallel import LoopSettings, RunEngine, World, parse_spec
 from lab.parallel.comm import loopback_tx_bytes
 from lab.commands.ranks import RankFailed, run_ranks
+from lab.training.plan import check_layout, create
 from lab.training.train import train_step
 
 # ---------------------------------------------------------------- one process: throughput
@@ -194,8 +194,8 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         s = create(case.parallel, w, precision, loop)
         s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), w.device))
         built.append(s)
-    def replica_batch(case: Case) -> torch.Tensor:  # this rank's micro-batch: its data-parallel replica's
-        g = torch.Generator().manual_seed(data_replica(case.parallel, world.rank, world.world_size)[0])
+    def replica_batch(s: RunEngine, case: Case) -> torch.Tensor:  # this rank's micro-batch: its replica's
+        g = torch.Generator().manual_seed(s.mesh.layout.data_replica(_alone(case, world).rank)[0])
         return torch.randint(0, shape.vocab_size, (micro_batch, shape.block_size + 1), generator=g)
 
     times: dict[str, list[list[float]]] = {c.label: [[] for _ in range(rounds)] for c in cases}
@@ -209,7 +209,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
             if s is None:  # single, on another rank
                 dist.barrier()
                 continue
-            x = replica_batch(case)
+            x = replica_batch(s, case)
             for _ in range(warmup if r < 0 else steps):
                 t0, (cpu0, faults0) = time.perf_counter(), process_usage()
                 train_step(s, _alone(case, world), [(x[:, :-1], x[:, 1:])], loop.accum_steps, 1e-4, loop.grad_clip)
@@ -230,8 +230,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         if s is None:
             continue
         step = statistics.median(chain.from_iterable(times[case.label]))
-        w = _alone(case, world)
-        tokens_per_step = micro_batch * shape.block_size * data_replica(case.parallel, w.rank, w.world_size)[1]
+        tokens_per_step = micro_batch * shape.block_size * s.mesh.layout.dp
         rows.append({"label": case.label, "strategy": case.parallel.strategy, "step_time_s": step,
                      "tokens_per_s": tokens_per_step / step, "exposed_comm_s": statistics.median(waits[case.label]),
                      "cpu_time_s": statistics.median(cpus[case.label]),
@@ -335,7 +334,7 @@ def strategies(args: argparse.Namespace) -> int:
         text = args.strategies.strip()
         cases = [Case.parse(t) for t in (text.split() if any(c.isspace() for c in text) else text.split(",")) if t]
         for case in cases:
-            validate_parallel(case.parallel, 1 if _one_process(case.parallel) else args.nproc,
+            check_layout(case.parallel, 1 if _one_process(case.parallel) else args.nproc,
                               bench_loop(args.micro_batch))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -447,7 +446,7 @@ def memory(args: argparse.Namespace) -> int:
     strategies = [t for t in args.memory.split(",") if t]
     try:
         for name in strategies:
-            validate_parallel(ParallelConfig(strategy=name), args.nproc, bench_loop(1))
+            check_layout(ParallelConfig(strategy=name), args.nproc, bench_loop(1))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -41,11 +41,11 @@ from lab.runtime import checkpoint
 from lab.runtime.files import write_atomic
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import Engine, LoopSettings, World, create, data_replica, parse_spec, validate
-from lab.parallel.data.deepspeed import DeepSpeed
+from lab.parallel import Layout, LoopSettings, RunEngine, World, parse_spec
 from lab.parallel.axes.pipeline import microbatches
 from lab.commands.ranks import RankFailed, run_ranks
 from lab.training.steps import StepPlan
+from lab.training.plan import check_layout, create
 from lab.training.train import StepResult, train_step
 
 TINY = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32, vocab_size=96)
@@ -101,11 +101,11 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
     the loop does, and ``Trace.resumes`` tells whether a fresh engine loaded from it trains a step more to the same
     loss and weights as the run going on."""
     engine = _built(world, setup, parallel, model_factory)
-    replica, replicas = data_replica(parallel, world.rank, world.world_size)
+    replica, replicas = engine.mesh.layout.data_replica(world.rank)
     plan = StepPlan(global_sequences=setup.micro_batch * setup.accum * replicas, accum_steps=setup.accum,
                     total_steps=setup.steps + 1, micro_batch=setup.micro_batch, world_size=replicas)
 
-    def step(engine: Engine | DeepSpeed, step: int) -> StepResult:
+    def step(engine: RunEngine, step: int) -> StepResult:
         x, y = batch(setup, step, plan.global_sequences)
         micro = [(x[lo:hi], y[lo:hi]) for lo, hi in (plan.micro_range(replica, m) for m in range(plan.accum_steps))]
         return train_step(engine, world, micro, plan.accum_steps, setup.lr, setup.grad_clip)
@@ -136,7 +136,7 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
     return trace
 
 
-def _built(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> Engine | DeepSpeed:
+def _built(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> RunEngine:
     engine = create(parallel, world, precision(setup), loop_settings(setup))
     engine.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
                  adamw_factory(TrainConfig(), world.device))
@@ -190,7 +190,7 @@ def equivalence(world: World, specs: list[str], setup: Setup, refs: dict | None 
     out = {}
     for spec in specs:
         parallel = parse_spec(spec)
-        replicas = data_replica(parallel, world.rank, world.world_size)[1]
+        replicas = Layout.of(parallel, world.world_size).dp  # what single accumulates (for ``single`` too)
         key = replicas, microbatches(parallel) if parallel.pp > 1 else 1
         if key not in refs:
             refs[key] = reference(world, setup, replicas=replicas, split=key[1])
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab equivalence")
         if setup.mixed and setup.dtype == "fp32":
             raise ConfigError("--precision mixed needs --dtype bf16 or fp16")
         for spec in specs:
-            validate(parse_spec(spec), args.nproc, loop_settings(setup)) if spec != "single" else None
+            check_layout(parse_spec(spec), args.nproc, loop_settings(setup)) if spec != "single" else None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ difference of any final weight, the seconds the layout took, and whether it is h
 bits where the math allows it (2 ranks of plain data parallelism, one micro-step each, unclipped: there a sum of two
 and a halving are exact; checked by the tests), else 1e-6 (loss), 1e-5 (gradient norm) and 1e-3 (weights: a tenth
 of one AdamW step at the learning rate 1e-2). A layout the lab refuses prints its one-line reason, which
-``Layout.of`` gives before any rank starts.
+``lab.training.plan.check_layout`` gives before any rank starts.
 
 Under a 16-bit policy (``--dtype``, ``--precision``) both the layout and single run it, and every regrouped sum rounds
 to 8 (bf16) or 11 (fp16) bits: the tolerances are ``TOLERANCE_16`` (the weights by their relative difference over
@@ -36,10 +36,11 @@ from pathlib import Path
 
 from lab.commands.equivalence import TINY, Setup, equivalence, precision
 from lab.commands.ranks import RankFailed, run_ranks
-from lab.parallel import STRATEGIES, parse_spec, validate
+from lab.parallel import STRATEGIES, parse_spec
 from lab.parallel.layout import LoopSettings, World
 from lab.runtime.config import ConfigError, ModelConfig
 from lab.runtime.files import write_atomic
+from lab.training.plan import check_layout
 
 TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-5, "params": 1e-3}
 # 16-bit policies (docs/precision.md): the weights by ‖Δw‖ / ‖w‖, a mixture of experts' looser (a routed token whose
@@ -151,7 +152,7 @@ def layouts(max_ranks: int, strategies: list[str], models: list[str], archs: lis
 def refusal(layout: Cell) -> str | None:
     """The one line the lab refuses ``layout`` with before any rank starts, or None when it runs."""
     try:
-        validate(parse_spec(layout.spec), layout.ranks, LoopSettings(micro_batch=SETUP.micro_batch,
+        check_layout(parse_spec(layout.spec), layout.ranks, LoopSettings(micro_batch=SETUP.micro_batch,
                                                                      accum_steps=SETUP.accum,
                                                                      grad_clip=SETUP.grad_clip))
     except ConfigError as e:

@@ -27,7 +27,8 @@ from lab.measure.device import Precision
 from lab.runtime.files import write_atomic
 from lab.model import PARAMETRIZATIONS, GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import LoopSettings, World, create
+from lab.parallel import LoopSettings, World
+from lab.training.plan import create
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

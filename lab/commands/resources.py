@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NoReturn
 
-from lab.measure import accounting, layouts
+from lab.measure import accounting, fits, hardware, layouts
 from lab.runtime.config import ModelConfig
 
 
@@ -75,7 +75,7 @@ def _tp_by_pp(text: str) -> tuple[int, int]:
 
 def _gpu(text: str) -> str:
     try:
-        return accounting.gpu_model(text)
+        return hardware.gpu_model(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -113,8 +113,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) 
 
 def _time(args: argparse.Namespace) -> str:
     flops = accounting.training_flops(args.params, args.tokens)
-    peak = accounting.gpu_peak_flops(args.gpu)
-    seconds = accounting.training_seconds(flops, args.gpu, args.n_gpus, args.mfu)
+    peak = hardware.gpu_peak_flops(args.gpu)
+    seconds = hardware.training_seconds(flops, args.gpu, args.n_gpus, args.mfu)
     achieved = args.n_gpus * peak * args.mfu
     rows = [
         ["model", f"{_si(args.params, _COUNT)} params"],
@@ -146,7 +146,7 @@ def _shape(args: argparse.Namespace) -> ModelConfig | None:
 
 
 def _memory(args: argparse.Namespace) -> str:
-    memory = args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)
+    memory = args.memory_gb * 1e9 if args.memory_gb else hardware.gpu_memory_bytes(args.gpu)
     shape = _shape(args)
     lines = [f"model states per GPU on {args.n_gpus} × {args.gpu} ({_gb(memory)} each, "
              f"{args.usable:.0%} usable); GB = 1e9 bytes, B = 1e9 params, Ψ = params"]
@@ -173,10 +173,10 @@ def _memory(args: argparse.Namespace) -> str:
             if args.offload:
                 row.append(f"{per_param.cpu:.4g}")
             row.append(f"{accounting.comm_elements_per_step(1.0, strategy, args.n_gpus):.4g}Ψ")
-            row.append(_si(accounting.largest_model(memory, args.n_gpus, strategy, precision, args.usable,
+            row.append(_si(fits.largest_model(memory, args.n_gpus, strategy, precision, args.usable,
                                                     args.offload), _COUNT))
             if shape is not None:
-                fit = accounting.largest_depth(shape, args.micro_batch, memory, args.n_gpus, strategy, precision,
+                fit = fits.largest_depth(shape, args.micro_batch, memory, args.n_gpus, strategy, precision,
                                                args.usable, args.offload, checkpointing=args.checkpointing,
                                                flash=not args.naive_attention)
                 row += ["-", "-", "-"] if fit is None else [
@@ -205,7 +205,7 @@ def _mesh_shape(args: argparse.Namespace) -> ModelConfig:
 
 
 def _cluster(args: argparse.Namespace) -> layouts.Cluster:
-    memory = (args.memory_gb * 1e9 if args.memory_gb else accounting.gpu_memory_bytes(args.gpu)) * args.usable
+    memory = (args.memory_gb * 1e9 if args.memory_gb else hardware.gpu_memory_bytes(args.gpu)) * args.usable
     return layouts.Cluster(args.gpu, args.n_gpus, args.gpus_per_node, memory, args.intra_gbps * 1e9,
                            args.inter_gbps * 1e9, args.mfu)
 
@@ -303,7 +303,7 @@ def _model(args: argparse.Namespace) -> str:
                              f"{accounting.expert_width(cfg)}, {cfg.moe_shared_experts} shared"]]
     if args.tokens:
         flops = fpt * args.tokens
-        seconds = accounting.training_seconds(flops, args.gpu, args.n_gpus, args.mfu)
+        seconds = hardware.training_seconds(flops, args.gpu, args.n_gpus, args.mfu)
         rows += [["training FLOPs (active)", f"{flops:.4g}"],
                  [f"wall clock on {args.n_gpus} × {args.gpu} at {args.mfu:.0%} MFU (active FLOPs)",
                   _wall_clock(seconds)]]
@@ -315,9 +315,9 @@ def _wall_clock(seconds: float) -> str:
 
 
 def _peaks(args: argparse.Namespace) -> str:
-    dtypes = list(next(iter(accounting.GPU_PEAK_FLOPS.values())))
-    rows = [[gpu, *(f"{table[d] / 1e12:g}" for d in dtypes), f"{accounting.GPU_MEMORY_BYTES[gpu] / 1e9:g}"]
-            for gpu, table in accounting.GPU_PEAK_FLOPS.items()]
+    dtypes = list(next(iter(hardware.GPU_PEAK_FLOPS.values())))
+    rows = [[gpu, *(f"{table[d] / 1e12:g}" for d in dtypes), f"{hardware.GPU_MEMORY_BYTES[gpu] / 1e9:g}"]
+            for gpu, table in hardware.GPU_PEAK_FLOPS.items()]
     return ("dense tensor-core peaks in TFLOP/s (not the 2:4-sparsity figures), SXM parts; memory in GB = 1e9 bytes\n"
             + _table(["gpu", *dtypes, "memory GB"], rows))
 

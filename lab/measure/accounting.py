@@ -1,4 +1,5 @@
-"""Pure arithmetic of training: parameters, FLOPs, hardware peaks, time and memory.
+"""Pure arithmetic of training: parameters, FLOPs, memory and communication (GPU peaks and time:
+``lab.measure.hardware``).
 
 No torch and nothing else from ``lab`` here: every function takes a shape (any object with the
 ``ModelShape`` attributes, such as ``lab.runtime.config.ModelShape``) or plain numbers, so the analysis
@@ -9,7 +10,6 @@ parameters of a real ``lab.model.gpt.GPT``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -283,61 +283,6 @@ def training_flops(params: float, tokens: float) -> float:
     return 6.0 * params * tokens
 
 
-# ---------------------------------------------------------------- hardware and time
-
-# Dense (not 2:4 sparse) tensor-core peaks in FLOP/s, from the vendors' data sheets (SXM parts).
-GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
-}
-GPU_MEMORY_BYTES: dict[str, float] = {"A100": 80e9, "H100": 80e9, "H200": 141e9}
-
-
-def gpu_model(gpu: str) -> str:
-    """The table key a GPU name refers to (case-insensitive; 'NVIDIA H100 80GB HBM3' gives 'H100')."""
-    key = next((k for k in GPU_PEAK_FLOPS if k.lower() in gpu.lower()), None)
-    if key is None:
-        raise ValueError(f"unknown GPU '{gpu}' (known: {', '.join(GPU_PEAK_FLOPS)})")
-    return key
-
-
-def gpu_peak_flops(gpu: str, dtype: str = "bf16") -> float:
-    """Dense peak FLOP/s of a GPU by name (case-insensitive; 'NVIDIA H100 80GB HBM3' works too)."""
-    key = gpu_model(gpu)
-    table = GPU_PEAK_FLOPS[key]
-    if dtype not in table:
-        raise ValueError(f"no {dtype} peak for {key} (known: {', '.join(table)})")
-    return table[dtype]
-
-
-def training_seconds(flops: float, gpu: str, n_gpus: int, mfu: float, dtype: str = "bf16") -> float:
-    """Wall-clock seconds to spend ``flops`` on ``n_gpus`` at a model-FLOPs utilisation ``mfu``."""
-    if n_gpus <= 0 or not 0 < mfu <= 1:
-        raise ValueError("need n_gpus > 0 and 0 < mfu <= 1")
-    return flops / (n_gpus * gpu_peak_flops(gpu, dtype) * mfu)
-
-
-def duration(seconds: float) -> str:
-    """A time as one short figure: seconds below two minutes, minutes below two hours, else hours ('95s',
-    '7.5min', '3.2h')."""
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f}min"
-    return f"{seconds / 3600:.1f}h"
-
-
-def gpu_memory_bytes(gpu: str) -> float:
-    """Memory of one GPU in bytes (decimal: 80 GB = 80e9), by name as in ``gpu_peak_flops``."""
-    return GPU_MEMORY_BYTES[gpu_model(gpu)]
-
-
-def training_days(params: float, tokens: float, gpu: str, n_gpus: int, mfu: float, dtype: str = "bf16") -> float:
-    """Wall-clock days to train ``params`` on ``tokens`` (C = 6·N·D) on ``n_gpus`` at ``mfu``."""
-    return training_seconds(training_flops(params, tokens), gpu, n_gpus, mfu, dtype) / 86_400
-
-
 # ---------------------------------------------------------------- memory: model states
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -608,61 +553,3 @@ def autocast_weight_bytes(cfg: ModelShape, tp: int = 1) -> float:
     expert's; split ``tp`` ways). Autocast caches each cast for the forward and the matmuls save them for the
     backward, so all of them are held at the forward's end, beside the fp32 weights."""
     return 2.0 * param_counts(cfg).matmul / tp
-
-
-# ---------------------------------------------------------------- memory: what fits
-
-
-def largest_model(memory_bytes: float, n_devices: int, strategy: str, precision: str = "mixed",
-                  usable: float = 1.0, offload: bool = False) -> int:
-    """The most parameters whose model states fit ``usable``·``memory_bytes`` on each of ``n_devices`` GPUs.
-
-    States only (``model_state_bytes``), no activations. ``usable`` defaults to 1.0: the whole memory,
-    with no headroom for the CUDA context, buffers or fragmentation (0.9 is a more honest planning
-    figure). With ``offload`` only the GPU side limits; host memory is assumed sufficient.
-    """
-    if memory_bytes <= 0 or not 0 < usable <= 1:
-        raise ValueError("need memory_bytes > 0 and 0 < usable <= 1")
-    per_param = model_state_bytes(1.0, strategy, n_devices, precision, offload).gpu
-    return math.floor(usable * memory_bytes / per_param)
-
-
-@dataclass(frozen=True)
-class DepthFit:
-    """The deepest model at a given width that fits, its parameters, and its per-GPU bytes."""
-
-    n_layer: int
-    params: int
-    gpu_bytes: float  # model states + activations on one GPU
-
-
-def largest_depth(shape: ModelShape, micro_batch: int, memory_bytes: float, n_devices: int, strategy: str,
-                  precision: str = "mixed", usable: float = 1.0, offload: bool = False, bytes_per_act: int = 2,
-                  checkpointing: bool = False, flash: bool = True) -> DepthFit | None:
-    """The largest ``n_layer`` at the width of ``shape`` whose states and activations fit each GPU.
-
-    ``shape`` gives everything but the depth (its ``n_layer`` is ignored); parameters come from
-    ``param_counts``, states from ``model_state_bytes``, activations of ``micro_batch`` sequences of
-    ``block_size`` tokens from ``activation_bytes`` (data parallelism does not shard activations).
-    None when not even one layer fits.
-    """
-    if memory_bytes <= 0 or not 0 < usable <= 1:
-        raise ValueError("need memory_bytes > 0 and 0 < usable <= 1")
-    budget = usable * memory_bytes
-
-    def footprint(n_layer: int) -> tuple[int, float]:
-        cfg = dataclasses.replace(shape, n_layer=n_layer)
-        params = param_counts(cfg).total
-        states = model_state_bytes(params, strategy, n_devices, precision, offload).gpu
-        return params, states + activation_bytes(cfg, micro_batch, bytes_per_act, checkpointing, flash)
-
-    if footprint(1)[1] > budget:
-        return None
-    lo, hi = 1, 2  # footprint grows with depth: double past the budget, then bisect
-    while footprint(hi)[1] <= budget:
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if footprint(mid)[1] <= budget else (lo, mid)
-    params, used = footprint(lo)
-    return DepthFit(n_layer=lo, params=params, gpu_bytes=used)

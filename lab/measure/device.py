@@ -5,7 +5,7 @@
   16-bit autocast over fp32 weights (the default on CUDA); or mixed precision as ZeRO and FSDP run it (weights,
   gradients and their collectives in 16 bits, fp32 master weights and moments in the optimizer); fp16 scales the
   loss (``lab.parallel.precision.LossScaler``);
-- ``peak_flops``: the dense data-sheet peak on a GPU (``lab.measure.accounting``), or on a CPU a matmul
+- ``peak_flops``: the dense data-sheet peak on a GPU (``lab.measure.hardware``), or on a CPU a matmul
   peak measured once per machine, thread count, torch version and dtype, within a time budget and
   with a private random generator (the training RNG is never touched), then cached in
   ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from lab.measure import accounting
+from lab.measure import hardware
 from lab.runtime.config import ConfigError, Parser, did_you_mean, print_error
 from lab.runtime.files import write_atomic
 from lab.measure.memory import proc_kib_field, return_freed_memory_to_kernel
@@ -218,7 +218,7 @@ def peak_flops(device: torch.device, precision: Precision, override: float = 0.0
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         kind = "tf32" if precision.dtype == "fp32" else precision.dtype
-        return Peak(accounting.gpu_peak_flops(name, kind), f"data sheet: {name}, dense {kind}")
+        return Peak(hardware.gpu_peak_flops(name, kind), f"data sheet: {name}, dense {kind}")
     return cpu_peak_flops(precision.compute_dtype)
 
 

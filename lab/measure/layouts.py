@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from lab.measure import accounting
+from lab.measure import accounting, hardware
 from lab.measure.accounting import ModelShape
 
 BYTES_PER_VALUE = 2.0  # bf16 activations, gradients and weights on the wire
@@ -98,7 +98,7 @@ def cost(cfg: ModelShape, tp: int, pp: int, stage: str, micro_batch: int, batch_
     m = max(1, math.ceil(batch_tokens / (dp * micro_batch * s)))
     tokens = m * dp * micro_batch * s  # the step actually run (B rounded up to whole micro-batches)
     compute = accounting.flops_per_token(cfg) * tokens / cluster.n_gpus / (
-        accounting.gpu_peak_flops(cluster.gpu) * cluster.mfu)
+        hardware.gpu_peak_flops(cluster.gpu) * cluster.mfu)
     sp = tp > 1
     tp_bytes = sum(accounting.tensor_parallel_comm_bytes(cfg, micro_batch, m, tp, sp, BYTES_PER_VALUE).values()) / pp
     tp_bytes /= cp  # a context shard's tokens

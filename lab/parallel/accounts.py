@@ -25,7 +25,6 @@ import torch
 
 from lab.measure import accounting
 from lab.measure.figures import Figures
-from lab.parallel.layout import Layout
 from lab.runtime.config import ModelConfig, ParallelConfig
 
 if TYPE_CHECKING:
@@ -182,7 +181,7 @@ class Accounts:
         """``peak_bytes_theory`` of a run training a model of ``shape``: one micro-batch's activations under the
         layout, and the copies autocast makes of the weights."""
         s = self.strategy
-        activations = Layout.of(s.cfg, s.mesh.world.world_size).activation_bytes(
+        activations = s.mesh.layout.activation_bytes(
             shape, s.loop.micro_batch, s.precision.activation_bytes, sequence_parallel=s.cfg.sequence_parallel,
             checkpointing=s.cfg.activation_checkpointing == "full")
         cast = accounting.autocast_weight_bytes(shape, s.cfg.tp) if s.precision.autocasts else 0.0
@@ -191,8 +190,7 @@ class Accounts:
     def meters(self) -> dict[str, dict[str, float]]:
         """Model-state bytes (measured at the first step, and theory), comm bytes per step (last step, and theory),
         the most activation bytes a micro-step saved for its backward, and every reporting part's own figures
-        (``Strategy.figures``)."""
-        s = self.strategy
+        (``parts``)."""
         return {
             "model_state_bytes": (self.measured or self.state_bytes()).as_dict(),
             "model_state_bytes_theory": self.theory_states().as_dict(),

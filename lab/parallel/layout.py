@@ -15,10 +15,9 @@ different part of the gradient), the experts' gradients over ``expert_data`` = `
 ``World`` of its own (its rank, size and process group), so a strategy written for the whole world runs unchanged
 over its axis; with every axis but dp of one rank, dp is the world itself and no group is created.
 
-``Layout.of`` is the one place that checks the degrees and what a strategy or a model cannot run with them
-(``refusals``): one line each, before any rank starts. ``stage_units`` is the one statement of the pipeline's
-split, and ``share`` what one rank holds of a model (parameters, model-state and activation bytes), which the
-run's memory check, ``lab plan`` and the accounting read.
+A run's layout is built once, from degrees ``lab.training.plan`` has checked (with every refusal of a run's
+configuration), and the mesh carries it. ``share`` is what one rank holds of a model (parameters, model-state and
+activation bytes), which the run's memory check, ``lab plan`` and the accounting read.
 """
 
 from __future__ import annotations
@@ -112,10 +111,11 @@ def alone(world: World) -> World:
 @dataclass(frozen=True)
 class Mesh:
     """The world and this rank's place on each named axis: ``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp`` and the
-    strategy's ``data`` (dp × cp) and ``expert_data`` (edp × cp)."""
+    strategy's ``data`` (dp × cp) and ``expert_data`` (edp × cp); ``layout``, the record it places."""
 
     world: World
     axes: dict[str, World]
+    layout: Layout | None = None
 
     def __getattr__(self, name: str) -> World:
         axes = self.__dict__.get("axes", {})
@@ -140,33 +140,11 @@ class Layout:
     shards: str = "nothing"  # what the data-parallel strategy shards over dp: nothing, optimizer, gradients, weights
 
     @classmethod
-    def of(cls, cfg: ParallelConfig, world_size: int, strategy: type | None = None,
-           loop: LoopSettings | None = None) -> Layout:
-        """The layout ``cfg`` asks for on ``world_size`` ranks; ConfigError (one line) when its degrees cannot split
-        them, or (given the strategy's class and the loop's settings) when they cannot run together."""
-        cp = cfg.cp
-        for axis, degree in (("tp", cfg.tp), ("pp", cfg.pp), ("ep", cfg.ep), ("cp", cfg.cp)):
-            if degree < 1:
-                raise ConfigError(f"parallel.{axis} must be at least 1, got {degree}")
-        if world_size % cfg.tp:
-            raise ConfigError(f"parallel.tp ({cfg.tp}) must divide the world size ({world_size})")
-        if world_size % (cfg.tp * cfg.pp):
-            raise ConfigError(f"parallel.tp × parallel.pp ({cfg.tp} × {cfg.pp}) must divide the world size "
-                              f"({world_size})")
-        if world_size % (cfg.tp * cfg.pp * cp):
-            raise ConfigError(f"parallel.tp × parallel.pp × parallel.cp ({cfg.tp} × {cfg.pp} × {cp}) must divide the "
-                              f"world size ({world_size})")
-        dp = world_size // (cfg.tp * cfg.pp * cp)
-        if dp % cfg.ep:
-            raise ConfigError(f"parallel.ep ({cfg.ep}) must divide the data-parallel ranks ({dp} = world size / "
-                              f"(tp · pp))")
-        if cfg.sequence_parallel and cfg.tp == 1:
-            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+    def of(cls, cfg: ParallelConfig, world_size: int, strategy: type | None = None) -> Layout:
+        """The layout ``cfg`` asks for on ``world_size`` ranks, its degrees checked (``lab.training.plan``)."""
+        dp = world_size // (cfg.tp * cfg.pp * cfg.cp)
         shards = getattr(strategy, "shards", "nothing") if strategy is not None else "nothing"
-        layout = cls(world_size, pp=cfg.pp, dp=dp, cp=cp, tp=cfg.tp, ep=cfg.ep, shards=shards)
-        if strategy is not None:
-            layout.refuse(cfg, strategy, loop or LoopSettings(micro_batch=1, accum_steps=1, grad_clip=0.0))
-        return layout
+        return cls(world_size, pp=cfg.pp, dp=dp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, shards=shards)
 
     @property
     def axes(self) -> dict[str, int]:
@@ -175,43 +153,6 @@ class Layout:
 
     def degrees(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep}
-
-    def refuse(self, cfg: ParallelConfig, strategy: type, loop: LoopSettings) -> None:
-        """Raise ConfigError (one line) for axes, a strategy and loop settings that do not run together: every refusal
-        of the matrix (data-parallel strategy × tp × pp × ep) is here."""
-        split = [name for name in ("tp", "pp", "ep", "cp") if getattr(self, name) > 1]
-        if split and strategy.owns_step:
-            raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.{split[0]} > 1: "
-                              f"{strategy.owns_step}")
-        if self.pp > 1 and cfg.pp_impl == "torch" and (strategy.name not in ("single", "ddp_naive") or self.tp > 1):
-            raise ConfigError("parallel.pp_impl torch runs under strategy single or ddp_naive without parallel.tp "
-                              "only: its schedule runs every microbatch's backward inside one call, where the other "
-                              "strategies' hooks (and the tensor split's) expect the lab's schedule")
-        if self.pp > 1 and cfg.pp_impl == "torch" and self.ep > 1:
-            raise ConfigError("parallel.pp_impl torch runs without parallel.ep: its stages carry no mixture of "
-                              "experts' auxiliary losses; use pp_impl lab")
-        if self.pp > 1 and (cfg.sequence_parallel or cfg.tp_impl == "torch"):
-            raise ConfigError("parallel.pp > 1 runs with the hand-rolled tensor parallelism without sequence "
-                              "parallelism only, for now: stages send whole-sequence hidden states as plain tensors")
-        if self.ep > 1 and cfg.tp_impl == "torch":
-            raise ConfigError("parallel.ep > 1 runs with the hand-rolled tensor parallelism only (tp_impl lab): the "
-                              "DTensor reference splits no mixture of experts")
-        if loop.compile and self.pp > 1:
-            raise ConfigError("train.compile with parallel.pp > 1 is not supported yet: a stage runs the model's "
-                              "embed, run_blocks and output, not the compiled forward; set train.compile false")
-        if self.cp > 1 and strategy.max_world_size == 1:
-            raise ConfigError(f"strategy '{strategy.name}' does not run with parallel.cp > 1: the cp ranks' gradients "
-                              f"are averaged over the data axis; choose a data-parallel strategy (ddp, zero1-3, fsdp)")
-        if self.cp > 1 and (cfg.sequence_parallel or cfg.tp_impl == "torch" or cfg.pp_impl == "torch"):
-            raise ConfigError("parallel.cp > 1 runs with the hand-rolled tensor parallelism without sequence "
-                              "parallelism and the hand-rolled pipeline only: the references and sequence shards "
-                              "expect whole sequences")
-        if loop.compile and self.cp > 1:
-            raise ConfigError("train.compile with parallel.cp > 1 is not supported yet: the ring's sends are not "
-                              "traced; set train.compile false")
-        if loop.compile and self.ep > 1:
-            raise ConfigError("train.compile with parallel.ep > 1 is not supported yet: the exchanges' split sizes are "
-                              "read on the host mid-forward; set train.compile false")
 
     # ------------------------------------------------------------ where a rank sits
 
@@ -234,11 +175,11 @@ class Layout:
         one = alone(world)
         if all(sizes[d] == 1 for d in ("pp", "ep", "cp", "tp")):
             return Mesh(world, {"pp": one, "dp": world, "cp": one, "tp": one, "ep": one, "edp": world, "data": world,
-                                "expert_data": world})
+                                "expert_data": world}, self)
         key = (dist.group.WORLD, world.rank, world.device, tuple(sizes.values()))  # the group held: no id reused
         if key not in _MESHES:
             _MESHES[key] = self._build_mesh(world, sizes, one)
-        return _MESHES[key]
+        return dataclasses.replace(_MESHES[key], layout=self)
 
     def _build_mesh(self, world: World, sizes: dict[str, int], one: World) -> Mesh:
         from torch.distributed.device_mesh import init_device_mesh
@@ -296,38 +237,3 @@ class RankShare:
     params: float
     expert_params: float  # of which routed experts
     states: accounting.StateBytes
-
-
-def refuse_model(cfg: ParallelConfig, model: ModelConfig) -> None:
-    """Raise ConfigError (one line) when the model's layers cannot be split as the layout asks."""
-    if cfg.pp > 1 and model.n_layer % cfg.pp:
-        raise ConfigError(f"parallel.pp ({cfg.pp}) must divide model.n_layer ({model.n_layer}): stages hold "
-                          f"equal numbers of blocks")
-    if cfg.pp > 1 and model.n_layer % (cfg.pp * cfg.pp_virtual):
-        raise ConfigError(f"parallel.pp × parallel.pp_virtual ({cfg.pp} × {cfg.pp_virtual}) must divide "
-                          f"model.n_layer ({model.n_layer}): virtual stages hold equal numbers of blocks")
-    if cfg.cp > 1 and model.moe_experts:
-        raise ConfigError("parallel.cp > 1 cannot shard a mixture of experts' tokens (the router balances whole "
-                          "sequences, as single does); use cp 1")
-    if cfg.cp > 1 and model.dropout:
-        raise ConfigError(f"parallel.cp > 1 runs without dropout (ring attention has none), got model.dropout "
-                          f"{model.dropout}")
-    if cfg.ep > 1 and not model.moe_experts:
-        raise ConfigError(f"parallel.ep ({cfg.ep}) splits a mixture of experts: set model.moe_experts")
-    if cfg.ep > 1 and model.moe_experts % cfg.ep:
-        raise ConfigError(f"parallel.ep ({cfg.ep}) must divide model.moe_experts ({model.moe_experts}): every "
-                          f"rank of an expert-parallel group holds as many experts")
-    if cfg.tp == 1:
-        return
-    if model.moe_experts and cfg.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel cannot split a mixture of experts' tokens (the router "
-                          "balances whole sequences); set sequence_parallel false")
-    problem = accounting.tensor_parallel_split_problem(model, cfg.tp, cfg.sequence_parallel)
-    if problem is not None:
-        raise ConfigError(problem)
-    if cfg.tp_impl == "torch" and model.moe_experts:
-        raise ConfigError("parallel.tp_impl torch cannot split a mixture of experts; use tp_impl lab")
-    if cfg.tp_impl == "torch" and model.vocab_size is not None and \
-            accounting.padded_vocab(model) != model.vocab_size:
-        raise ConfigError("parallel.tp_impl torch cannot leave padding rows out of its loss; set "
-                          "model.pad_vocab_to 1")

@@ -1,6 +1,6 @@
 """A run's lifecycle, from its config to its exit code: the checks before any process group (``preflight``), the run
 directory (a new name, its lock, whether to resume, a resumed run's config), the process group, the data, the stop
-signals (``run``), then the run itself (``train``): its strategy built (``build_strategy``), a checkpoint restored
+signals (``run``), then the run itself (``train``): its engine built (``build_engine``), a checkpoint restored
 (``restore``), its log opened, the loop (``lab.training.train.run_steps``), its summary; what each way of ending
 means (``run``; the exit codes are in ``lab.commands.cli``'s docstring) and the teardown. ``lab.commands.cli``
 parses the command line and launches ranks.
@@ -12,7 +12,6 @@ eval records), ``summary.json`` (final figures and status), ``attempts.jsonl``, 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import os
@@ -33,10 +32,10 @@ from lab.data import PreparedData, check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure import memory
 from lab.measure.admission import Estimate, check_resources
-from lab.measure.device import (Precision, available_memory_bytes, peak_flops, precision_of, resolve_device,
+from lab.measure.device import (available_memory_bytes, peak_flops, precision_of, resolve_device,
                                 setup_device)
 from lab.model import GPT
-from lab.parallel import Strategy, World, backend_for, join_group_of_one, validate_model, validate_precision
+from lab.parallel import RunEngine, World, backend_for, join_group_of_one
 from lab.parallel.comm import AxisFailed
 from lab.runtime import chaos, checkpoint
 from lab.runtime.config import ConfigError, RunConfig, print_error
@@ -44,7 +43,8 @@ from lab.runtime.files import LockHeld, LockUnusable, dumps, probe_writable, rea
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.training.optim import adamw_factory, param_groups
 from lab.training.runlog import RunLog, start_line, summarise
-from lab.training.steps import Start, StepPlan, loop_settings, step_plan, validate
+from lab.training.plan import RunPlan, plan_run
+from lab.training.steps import Start, StepPlan
 from lab.training.train import TrainingDiverged, run_steps
 
 # What may change between the segments of one resumed run: how it runs (strategy, world size through
@@ -224,15 +224,13 @@ def preflight(cfg: RunConfig, run_dir: Path | None, resume: str | None,
         world = world_from_env(cfg.train.device)
     else:
         world = World(rank=0, world_size=ranks, local_rank=0, device=resolve_device(cfg.train.device, 0))
-    validate(cfg, world.world_size)
+    vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
+    precision = precision_of(cfg.train, world.device)
+    plan_run(cfg, world.world_size, precision, vocab)
     check_source(cfg.data)
     mode = resume_mode(resume)
     if run_dir is not None:
         check_run_dir(run_dir, mode)
-    vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
-    validate_model(cfg.parallel, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
-    precision = precision_of(cfg.train, world.device)
-    validate_precision(cfg.parallel, precision)
     budget = cfg.train.memory_budget * 2**30
     estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, budget or available_memory_bytes(world.device),
@@ -260,17 +258,17 @@ def decided_on_main(world: World, decide: Callable[[], T]) -> T:
     return value
 
 
-def build_strategy(cfg: RunConfig, world: World, precision: Precision) -> Strategy:
-    """The run's strategy, built from the model factory (the strategy applies the split, checkpointing,
-    compilation and sharding), the weight-decay rule and AdamW."""
-    strategy = parallel.create(cfg.parallel, world, precision, loop_settings(cfg, step_plan(cfg, world.world_size)))
-    strategy.build(functools.partial(GPT, cfg.model, seed=cfg.train.seed),
-                   lambda model: param_groups(model, cfg.train.weight_decay),
-                   adamw_factory(cfg.train, world.device))
-    return strategy
+def build_engine(plan: RunPlan, world: World) -> RunEngine:
+    """The run's engine on its resolved layout, built from the model factory (the transforms split it, the strategy
+    places it), the weight-decay rule and AdamW."""
+    cfg = plan.cfg
+    engine = parallel.create(cfg.parallel, plan.layout, world, plan.precision, plan.loop)
+    engine.build(functools.partial(GPT, cfg.model, seed=cfg.train.seed),
+                 lambda model: param_groups(model, cfg.train.weight_decay), adamw_factory(cfg.train, world.device))
+    return engine
 
 
-def restore(strategy: Strategy, run_dir: Path, world: World, cfg: RunConfig, plan: StepPlan) -> Start:
+def restore(strategy: RunEngine, run_dir: Path, world: World, cfg: RunConfig, plan: StepPlan) -> Start:
     """Load the newest readable checkpoint into the strategy, whatever strategy and world size wrote it.
 
     Rank 0 picks the checkpoint and hands its name to every rank (on a shared filesystem with caching, ranks on
@@ -300,26 +298,26 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     ``restarts`` (how often torchrun restarted the group) is recorded in the summary.
     """
     started = time.perf_counter()
-    plan = validate(cfg, world.world_size)
     data = PreparedData.load(data_dir)
     setup_device(world.device)
     precision = precision_of(cfg.train, world.device)
+    run = plan_run(cfg, world.world_size, precision, data.tokenizer.vocab_size)
     peak = peak_flops(world.device, precision, cfg.train.peak_flops)
     with memory.Meter(world.device, track_tensors=cfg.train.memory_meter).running():
-        strategy = build_strategy(cfg, world, precision)
-        start = restore(strategy, run_dir, world, cfg, plan) if resume else Start()
-        log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=plan.total_steps)
+        strategy = build_engine(run, world)
+        start = restore(strategy, run_dir, world, cfg, run.steps) if resume else Start()
+        log = RunLog(run_dir, world.is_main, keep_until_step=start.step, total_steps=run.steps.total_steps)
         if world.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.clean_stale_temporaries(run_dir)
             save_json(run_dir / "config.json", cfg.to_dict())
             data.tokenizer.save(run_dir / "tokenizer")
-            log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
+            log.say(start_line(cfg, world, run.steps, precision, peak, start, estimate, strategy.describe()))
             log.open_trackers(cfg, run_dir, resumed_at=start.step)
             log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
         try:
-            outcome = run_steps(cfg, world, plan, strategy, data, run_dir, log, start, started, peak, stop_signal)
-            summary = summarise(cfg, world, plan, strategy, data, data_dir, outcome.peak, outcome,
+            outcome = run_steps(run, world, strategy, data, run_dir, log, start, started, peak, stop_signal)
+            summary = summarise(cfg, world, run.steps, strategy, data, data_dir, outcome.peak, outcome,
                                 start.wall_time_s + time.perf_counter() - started)
             summary |= {"resumed_from_step": start.step, "restarts": restarts}
             if world.is_main:

@@ -19,17 +19,16 @@ from pathlib import Path
 
 import torch
 
-from lab import parallel
 from lab.data import BatchSampler, PreparedData, eval_batches
 from lab.measure import accounting, memory
 from lab.measure.device import Peak, peak_memory_bytes, synchronize
-from lab.parallel import Strategy, World
+from lab.parallel import RunEngine, World
 from lab.parallel.comm import loopback_tx_bytes
 from lab.runtime import checkpoint
-from lab.runtime.config import RunConfig
 from lab.training import expect, schedule
 from lab.training.runlog import RunLog, checked_peak, format_step, log_eval
-from lab.training.steps import Start, StepPlan, checkpoint_interval, checkpoint_steps, seed_step, step_seed
+from lab.training.plan import RunPlan
+from lab.training.steps import Start, checkpoint_interval, checkpoint_steps, seed_step, step_seed
 
 
 class TrainingDiverged(RuntimeError):
@@ -48,7 +47,7 @@ class StepResult:
     stop_requested: bool  # some rank was asked to stop (SIGINT or SIGTERM)
 
 
-def train_step(strategy: Strategy, world: World, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+def train_step(strategy: RunEngine, world: World, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                accum_steps: int, lr: float, max_norm: float,
                stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
     """Forward and backward every micro-batch (gradients synced on the last), clip, then step or skip.
@@ -71,7 +70,7 @@ def train_step(strategy: Strategy, world: World, micro_batches: Iterable[tuple[t
         return _finish_step(strategy, world, loss_sum, lr, max_norm, stop_requested)
 
 
-def _finish_step(strategy: Strategy, world: World, loss_sum: torch.Tensor, lr: float, max_norm: float,
+def _finish_step(strategy: RunEngine, world: World, loss_sum: torch.Tensor, lr: float, max_norm: float,
                  stop_requested: Callable[[], bool]) -> StepResult:
     norm = strategy.clip_grad_norm(max_norm).item()
     stop = torch.tensor(float(stop_requested()), device=world.device)
@@ -85,14 +84,15 @@ def _finish_step(strategy: Strategy, world: World, loss_sum: torch.Tensor, lr: f
 
 
 @torch.no_grad()
-def evaluate(strategy: Strategy, world: World, data: PreparedData, cfg: RunConfig) -> float:
+def evaluate(strategy: RunEngine, world: World, data: PreparedData, run: RunPlan) -> float:
     """Mean held-out loss. Data-parallel replica r evaluates batches r, r + N, ... (every rank of a
     replica the same ones, each counting them in both sums alike); every rank runs as many forwards
     (a sharded model needs them all), and the per-batch sums are added in one fixed order, so the
     result does not depend on the world size."""
+    cfg = run.cfg
     batches = list(eval_batches(data.eval, cfg.model.block_size, cfg.train.eval_tokens, cfg.train.micro_batch))
     sums = torch.zeros(len(batches), 2, dtype=torch.float64)
-    replica, replicas = parallel.data_replica(cfg.parallel, world.rank, world.world_size)
+    replica, replicas = run.layout.data_replica(world.rank)
     for first in range(0, len(batches), replicas):
         i = first + replica
         x, y = batches[min(i, len(batches) - 1)]
@@ -119,15 +119,15 @@ class Outcome:
     expect: dict | None = None  # with train.expect: the run against the law (lab.training.expect.Watcher.summary)
 
 
-def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, data: PreparedData,
-              run_dir: Path, log: RunLog, start: Start, started: float, peak: Peak,
-              stop_signal: Callable[[], int]) -> Outcome:
+def run_steps(run: RunPlan, world: World, strategy: RunEngine, data: PreparedData, run_dir: Path, log: RunLog,
+              start: Start, started: float, peak: Peak, stop_signal: Callable[[], int]) -> Outcome:
+    cfg, plan = run.cfg, run.steps
     t = cfg.train
     sampler = BatchSampler(data.train, cfg.model.block_size, t.seed)
     end_step = min(plan.total_steps, t.stop_after) if t.stop_after else plan.total_steps
     end_step = max(end_step, start.step)  # a complete run resumed at its last step
     every, pinned = checkpoint_interval(cfg, plan.total_steps), checkpoint_steps(cfg, plan.total_steps)
-    replica, _ = parallel.data_replica(cfg.parallel, world.rank, world.world_size)
+    replica, _ = run.layout.data_replica(world.rank)
     fpt = accounting.flops_per_token(cfg.model)
     recent: list[float] = start.recent_losses
     eval_loss, skipped, loop_start, warned = start.eval_loss, start.skipped_steps, time.perf_counter(), False
@@ -186,7 +186,7 @@ def run_steps(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
             if rec["mfu"] > 1 and not warned:
                 warned, peak = True, checked_peak(peak, world, log)
         if (t.eval_every and done % t.eval_every == 0) or done == plan.total_steps:
-            eval_loss = evaluate(strategy, world, data, cfg)
+            eval_loss = evaluate(strategy, world, data, run)
             log_eval(log, done, plan.total_steps, t.batch_tokens, eval_loss, watcher)
         if result.stop_requested and done < end_step:  # at the last step the run simply ends
             save(done)

@@ -262,14 +262,14 @@ def test_a_cooldown_sweep_runs_resumes_exports_and_fits(tmp_path, write_sweep, s
 @pytest.mark.parametrize("steps", ["0", "9,x", "9,13", "-1", "9;10"])
 def test_checkpoint_steps_outside_the_run_are_refused_in_one_line(steps):
     from lab.runtime.config import ConfigError, RunConfig
-    from lab.training.steps import validate
+    from lab.training.plan import plan_run
 
     cfg = RunConfig.from_dict({"model": {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32},
                                "train": {"tokens": 3072, "batch_tokens": 256, "micro_batch": 4,
                                          "checkpoint_steps": steps}})
     with pytest.raises(ConfigError, match=r"^train.checkpoint_steps must be comma-separated steps in 1..12, got "):
-        validate(cfg, 1)
-    validate(RunConfig.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "checkpoint_steps": "3, 12"}}),
+        plan_run(cfg, 1)
+    plan_run(RunConfig.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "checkpoint_steps": "3, 12"}}),
              1)
 
 

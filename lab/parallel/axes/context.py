@@ -63,23 +63,6 @@ def token_indices(length: int, rank: int, n: int, split: str) -> torch.Tensor:
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c, size in chunks(length, rank, n, split)])
 
 
-def check_options(cfg: ParallelConfig, block_size: int | None = None) -> None:
-    """Raise ConfigError (one line) for context-parallel options that cannot run (with the sequence length, when
-    given)."""
-    if cfg.cp == 1:
-        for option in ("cp_split", "cp_impl"):
-            if getattr(cfg, option) != getattr(ParallelConfig(), option):
-                raise ConfigError(f"parallel.{option} has no effect with parallel.cp 1")
-        return
-    for option, allowed in (("cp_split", SPLITS), ("cp_impl", IMPLEMENTATIONS)):
-        if getattr(cfg, option) not in allowed:
-            raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{getattr(cfg, option)}'")
-    parts = 2 * cfg.cp if cfg.cp_split == "zigzag" else cfg.cp
-    if block_size is not None and block_size % parts:
-        raise ConfigError(f"model.block_size ({block_size}) must be a multiple of {parts} (parallel.cp {cfg.cp}, "
-                          f"{cfg.cp_split} split: {parts} chunks of the sequence)")
-
-
 class ContextParallel(Pausable, Transform):
     """This rank's shard of every sequence, the ring that brings it the others' keys and values, and its meters."""
 

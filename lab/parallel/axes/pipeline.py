@@ -77,37 +77,6 @@ def microbatches(cfg: ParallelConfig) -> int:
     return cfg.pp_microbatches if cfg.pp_microbatches is not None else cfg.pp
 
 
-def check_options(cfg: ParallelConfig, micro_batch: int) -> None:
-    """Raise ConfigError (one line) when ``cfg``'s pipeline options cannot run with micro-steps of ``micro_batch``
-    sequences."""
-    if cfg.pp == 1:
-        for option in ("pp_microbatches", "pp_schedule", "pp_virtual", "pp_impl"):
-            if getattr(cfg, option) != getattr(ParallelConfig(), option):
-                raise ConfigError(f"parallel.{option} has no effect with parallel.pp 1")
-        return
-    if cfg.pp_schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got '{cfg.pp_schedule}'"
-                          f"{did_you_mean(cfg.pp_schedule, SCHEDULES)}")
-    if cfg.pp_impl not in IMPLEMENTATIONS:
-        raise ConfigError(f"parallel.pp_impl must be one of {', '.join(IMPLEMENTATIONS)}, got '{cfg.pp_impl}'"
-                          f"{did_you_mean(cfg.pp_impl, IMPLEMENTATIONS)}")
-    m = microbatches(cfg)
-    if m < 1:
-        raise ConfigError(f"parallel.pp_microbatches must be at least 1, got {m}")
-    if micro_batch % m:
-        raise ConfigError(f"parallel.pp_microbatches ({m}) must divide train.micro_batch ({micro_batch})")
-    if cfg.pp_schedule == "1f1b" and m < cfg.pp:
-        raise ConfigError(f"parallel.pp_schedule 1f1b needs at least parallel.pp ({cfg.pp}) microbatches, got "
-                          f"parallel.pp_microbatches {m} (use gpipe, or more microbatches)")
-    if cfg.pp_virtual < 1:
-        raise ConfigError(f"parallel.pp_virtual must be at least 1, got {cfg.pp_virtual}")
-    if cfg.pp_virtual > 1 and cfg.pp_schedule != "interleaved":
-        raise ConfigError(f"parallel.pp_virtual {cfg.pp_virtual} needs parallel.pp_schedule interleaved")
-    if cfg.pp_schedule == "interleaved" and m % cfg.pp:
-        raise ConfigError(f"parallel.pp_schedule interleaved needs parallel.pp_microbatches a multiple of parallel.pp "
-                          f"({cfg.pp}), got {m}: microbatches go round the stages in groups of pp")
-
-
 def schedule(name: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
     """The order stage ``stage`` of ``stages`` runs the forwards ("F", i) and backwards ("B", i) of ``m``
     microbatches in (backwards in microbatch order, as accumulation adds them)."""

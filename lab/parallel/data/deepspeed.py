@@ -230,20 +230,6 @@ class DeepSpeed:
     runs_fp16 = "its loss scaler would be DeepSpeed's, not the lab's (checkpoints, the step line); use bf16"
     owns_step = "its engine owns the whole step over the whole world; choose any other strategy"
 
-    @classmethod
-    def check(cls, cfg: ParallelConfig, world_size: int, loop: LoopSettings) -> None:
-        """Raise ConfigError (one line) for what DeepSpeed cannot run."""
-        if cfg.zero_stage not in ZERO_STAGES:
-            raise ConfigError(f"parallel.zero_stage must be one of 1, 2, 3, got {cfg.zero_stage}")
-        if loop.compile and cfg.zero_stage == 3:
-            raise ConfigError("train.compile is not supported under deepspeed with parallel.zero_stage 3 (dynamo "
-                              "cannot trace its partitioned parameters); set train.compile false or a lower stage")
-        if cfg.offload == "all" and cfg.zero_stage != 3:
-            raise ConfigError(f"parallel.offload all (parameters too) needs parallel.zero_stage 3, got "
-                              f"{cfg.zero_stage}")
-        engine_config(cfg, world_size, loop)
-        import_deepspeed()
-
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         self.mesh, self.cfg, self.precision, self.loop = mesh, cfg, precision, loop
         self.data = self.everyone = mesh.world  # the engine runs over the whole world, its only axis
