@@ -317,6 +317,24 @@ class RouterFigures(Figures):
                 f"router entropy {rec['moe_router_entropy']:.3f}")
 
 
+class NextTokenLoss(nn.Module):
+    """The head's logits from the final norm's output and the head's weight, the padding rows cut off and divided by
+    ``divisor`` (μP's width ratio), or their mean cross-entropy against the targets. No weights of its own: tensor
+    parallelism replaces it, through the model's plan, with the vocabulary-parallel loss."""
+
+    def __init__(self, vocab_size: int, divisor: float = 1.0):
+        super().__init__()
+        self.vocab_size, self.divisor = vocab_size, divisor
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        logits = F.linear(x, weight)[..., : self.vocab_size]
+        if self.divisor != 1:
+            logits = logits / self.divisor
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -351,6 +369,7 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         # Tied: the head multiplies by the embedding table itself (one parameter, owned by one module).
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, padded, bias=False)
+        self.loss = NextTokenLoss(self.vocab_size, self.width if cfg.parametrization == "mup" else 1.0)
         self.positions: torch.Tensor | None = None  # the tokens' global positions when they are a shard's
         if cfg.arch == "modern":
             self.register_buffer("rope_cos", torch.empty(cfg.block_size, accounting.head_dim(cfg) // 2),
@@ -461,13 +480,8 @@ class GPT(nn.Module):
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         """Final norm and head: logits, or the mean cross-entropy against ``targets``."""
-        x = self.norm_f(x)
-        logits = (F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x))[..., : self.vocab_size]
-        if self.cfg.parametrization == "mup":
-            logits = logits / self.width
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        return self.loss(self.norm_f(x), weight, targets)
 
     def parallel_plan(self) -> ParallelPlan:
         """How the parallel transforms may cut this model (``lab.model.plan``): the blocks are the units,
@@ -488,7 +502,7 @@ class GPT(nn.Module):
                 column[f"blocks.{i}.mlp.up"] = ColumnSplit((ff, ff) if block.mlp.gated else (ff,))
                 row.append(f"blocks.{i}.mlp.down")
             norms += [f"blocks.{i}.norm1", f"blocks.{i}.norm2"]
-        tensor = TensorPlan(column=column, row=row, embedding="wte",
+        tensor = TensorPlan(column=column, row=row, embedding="wte", loss="loss",
                             head_weight="wte.weight" if self.lm_head is None else "lm_head.weight",
                             final_norm="norm_f", sequence_norms=norms + ["norm_f"],
                             positions=None if self.wpe is None else "wpe", vocab_size=self.vocab_size,

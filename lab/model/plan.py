@@ -5,7 +5,7 @@ The transforms never name a model's attributes. They read a ``ParallelPlan``:
 - ``units``: the repeated modules, in the order they run (a transformer's blocks). Activation
   checkpointing recomputes each, FSDP shards each, ZeRO-3 gathers each in pieces (``segments``).
 - ``head``: the name of the model's method that maps the last hidden state to the loss (final norm,
-  head, loss); ``full`` activation checkpointing recomputes it too, tensor parallelism replaces it.
+  head, loss); ``full`` activation checkpointing recomputes it too.
 - ``initial_value(name, shape)``: a parameter's or buffer's initial value, computed alone, so that a
   sharded transform can build on the meta device and fill only its shard.
 - ``tensor``: how the model splits across a tensor-parallel group (``TensorPlan``); None when it
@@ -54,13 +54,16 @@ class TensorPlan:
 
     Column-parallel linears take the whole input and give their share of the features; row-parallel ones
     take that share and give partial sums. The embedding and the head split by vocabulary rows; the loss
-    is computed from each rank's share of the logits (``head`` is replaced). Under sequence parallelism the
-    ``sequence_norms`` and the ``positions`` run on this rank's tokens.
+    is computed from each rank's share of the logits (the ``loss`` module, which takes the final norm's output and
+    the head's weight, is replaced). Under sequence parallelism the ``sequence_norms`` and the ``positions`` run on
+    this rank's tokens. Each split module is replaced by one of its own class's tensor-parallel kind, under its own
+    name, holding this rank's shard.
     """
 
     column: dict[str, ColumnSplit]  # module name -> its split
     row: list[str]  # module names
     embedding: str  # the token embedding (vocabulary rows)
+    loss: str  # the module mapping (final norm's output, head weight, targets) to the logits or the loss
     head_weight: str  # the output head's weight (the embedding's when tied)
     final_norm: str
     sequence_norms: list[str]

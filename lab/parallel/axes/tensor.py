@@ -214,6 +214,114 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.mul_(grad / softmax.shape[0]), None, None, None
 
 
+# ---------------------------------------------------------------- the split modules
+# Each replaces a module of the model, through its plan, under the module's own name: an instance of the module's own
+# class (a linear layer is still an ``nn.Linear``, a norm a norm) holding the same parameters, now this rank's shard.
+
+
+def replace(model: nn.Module, name: str, kind: type[nn.Module], **attributes: object) -> nn.Module:
+    """Put in the place of module ``name`` of ``model`` an instance of ``kind`` (a subclass of its class) that holds
+    the same parameters, buffers and attributes, and ``attributes`` besides; return it."""
+    old = model.get_submodule(name)
+    new = kind.__new__(kind)
+    new.__dict__.update(old.__dict__)
+    for key, value in attributes.items():
+        setattr(new, key, value)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+    return new
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Its share of the output features: the input through f; replicated rows' gradients summed over their ranks."""
+
+    tp: TensorParallel
+    weight_split: Split
+    bias_split: Split | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.weight_split.shared:  # replicated rows: their gradients summed over their ranks
+            weight = _SumOverReplicas.apply(weight, self.weight_split, self.tp)
+            bias = bias if bias is None else _SumOverReplicas.apply(bias, self.bias_split, self.tp)
+        return F.linear(self.tp.enter(x), weight, bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """Its share of the input features: the partial output through g, the bias added after it."""
+
+    tp: TensorParallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.leave(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.tp.on_shards(self.bias)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the table, from vocabulary row ``first``; other ids give zeros; summed over the group
+    (sequence parallel: and split)."""
+
+    tp: TensorParallel
+    first: int
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.first) | (idx >= self.first + self.weight.shape[0])
+        rows = F.embedding((idx - self.first).masked_fill(outside, 0), self.weight)
+        return self.tp.leave(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class SequenceParallelPositions(nn.Embedding):
+    """Sequence parallel: the learned positions of this rank's tokens."""
+
+    tp: TensorParallel
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        size = positions.shape[0] // self.tp.n
+        return F.embedding(positions.narrow(0, self.tp.rank * size, size), self.tp.on_shards(self.weight))
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """Sequence parallel: the norm of this rank's tokens, its weights' gradients summed over the group."""
+
+    tp: TensorParallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.tp.on_shards(self.weight), self.tp.on_shards(self.bias),
+                            self.eps)
+
+
+class SequenceParallelRMSNorm(nn.RMSNorm):
+    """Sequence parallel: the norm of this rank's tokens, its weight's gradient summed over the group."""
+
+    tp: TensorParallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.tp.on_shards(self.weight), self.eps)
+
+
+class VocabParallelLoss(nn.Module):
+    """The loss from each rank's rows of the head (vocabulary rows from ``first``; padding rows excluded from the
+    softmax), or (no targets) the logits gathered whole."""
+
+    def __init__(self, tp: TensorParallel, first: int, vocab_size: int, divisor: float):
+        super().__init__()
+        self.tp, self.first, self.vocab_size, self.divisor = tp, first, vocab_size, divisor
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        logits = F.linear(self.tp.enter(x), weight)
+        if self.divisor != 1:
+            logits = logits / self.divisor
+        real = min(max(self.vocab_size - self.first, 0), logits.shape[-1])  # this rank's rows within the vocabulary
+        if real < logits.shape[-1]:  # padding rows: never a target, excluded from the softmax
+            padding = torch.arange(real, logits.shape[-1], device=logits.device)
+            logits = logits.float().index_fill(-1, padding, float("-inf"))
+        if targets is None:
+            whole = logits.new_empty((self.tp.n, *logits.shape))
+            self.tp.comm.all_gather(whole.view(-1), logits.contiguous().view(-1))
+            return torch.cat(whole.unbind(0), dim=-1)[..., :self.vocab_size]
+        return _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.first, self.tp)
+
+
 # ---------------------------------------------------------------- the step
 
 
@@ -256,7 +364,7 @@ class TensorParallel(Transform):
             raise ConfigError(f"parallel.tp > 1: the model ({type(model).__name__}) declares no tensor plan")
         self.plan, self.model = plan.tensor, model
         self.parallelize(model, plan)
-        return dataclasses.replace(plan, initial_value=model.initial_value)
+        return dataclasses.replace(plan, initial_value=functools.partial(self._initial_value, plan.initial_value))
 
     # ------------------------------------------------------------ collectives (counted on the group's Comm)
     # Under torch.compile they run eagerly (``_eager``: dynamo breaks the graph there instead of tracing the
@@ -322,44 +430,35 @@ class TensorParallel(Transform):
     # ------------------------------------------------------------ the rewrite
 
     def parallelize(self, model: nn.Module, plan: ParallelPlan) -> nn.Module:
-        """Split ``model`` (on any device, meta included) across the group, in place, as its plan says."""
+        """Split ``model`` (on any device, meta included) across the group, in place, as its plan says: each split
+        module replaced by its tensor-parallel kind (``replace``), holding this rank's shard."""
         tensor = plan.tensor
         for name, column in tensor.column.items():
-            self._split(model, name, 0, column.blocks, column.shared(self.n))
+            self._shard(model, name, 0, column.blocks, column.shared(self.n))
+            replace(model, name, ColumnParallelLinear, tp=self, weight_split=self.splits[f"{name}.weight"],
+                    bias_split=self.splits.get(f"{name}.bias"))
         for name in tensor.row:
-            self._split(model, name, 1, (model.get_submodule(name).in_features,))
+            self._shard(model, name, 1, (model.get_submodule(name).in_features,))
+            replace(model, name, RowParallelLinear, tp=self)
         tensor.split_heads(self.n)
-        embedding = model.get_submodule(tensor.embedding)
-        rows = embedding.weight.shape[0]
-        self._split(model, tensor.embedding, 0, (rows,))
-        embedding.forward = functools.partial(self._embedding, embedding, self.rank * rows // self.n)
-        head_owner, _, head_attr = tensor.head_weight.rpartition(".")
+        rows = model.get_submodule(tensor.embedding).weight.shape[0]
+        self._shard(model, tensor.embedding, 0, (rows,))
+        first = self.rank * rows // self.n
+        replace(model, tensor.embedding, VocabParallelEmbedding, tp=self, first=first)
+        head_owner = tensor.head_weight.rpartition(".")[0]
         if head_owner != tensor.embedding:
-            self._split(model, head_owner, 0, (rows,))
+            self._shard(model, head_owner, 0, (rows,))
         if self.sequence_parallel:
             for name in tensor.sequence_norms:
                 norm = model.get_submodule(name)
-                norm.forward = functools.partial(self._norm, norm)
+                replace(model, name, SequenceParallelRMSNorm if isinstance(norm, nn.RMSNorm)
+                        else SequenceParallelLayerNorm, tp=self)
             if tensor.positions is not None:
-                positions = model.get_submodule(tensor.positions)
-                positions.forward = functools.partial(self._positions, positions)
-        setattr(model, plan.head, functools.partial(self._output, model.get_submodule(tensor.final_norm),
-                                                    model.get_submodule(head_owner), head_attr, tensor,
-                                                    self.rank * rows // self.n))
-        model.initial_value = functools.partial(self._initial_value, plan.initial_value)
+                replace(model, tensor.positions, SequenceParallelPositions, tp=self)
+        parent, _, child = tensor.loss.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                VocabParallelLoss(self, first, tensor.vocab_size, tensor.logit_divisor))
         return model
-
-    def _split(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...], shared: tuple[int, ...] = ()
-               ) -> None:
-        """Replace the weight (and, split the same way, the bias of a column-parallel layer) of module ``name``
-        with this rank's shard, and set its forward (linear layers) to the column- or row-parallel one."""
-        module = self._shard(model, name, dim, blocks, shared)
-        if isinstance(module, nn.Linear):
-            # the column-parallel forward takes the splits, not the name: compiled, a string would be guarded on
-            # and every layer compiled again
-            module.forward = (functools.partial(self._column, module, self.splits[f"{name}.weight"],
-                                                self.splits.get(f"{name}.bias")) if dim == 0
-                              else functools.partial(self._row, module))
 
     def _shard(self, model: nn.Module, name: str, dim: int, blocks: tuple[int, ...], shared: tuple[int, ...] = ()
                ) -> nn.Module:
@@ -380,53 +479,6 @@ class TensorParallel(Transform):
     def _initial_value(self, whole: Callable[..., torch.Tensor], name: str) -> torch.Tensor:
         split = self.splits.get(name)
         return whole(name) if split is None else split.take(whole(name, split.shape), self.rank, self.n)
-
-    def _column(self, linear: nn.Linear, weight_split: Split, bias_split: Split | None, x: torch.Tensor
-                ) -> torch.Tensor:
-        weight, bias = linear.weight, linear.bias
-        if weight_split.shared:  # replicated rows: their gradients summed over their ranks
-            weight = _SumOverReplicas.apply(weight, weight_split, self)
-            bias = bias if bias is None else _SumOverReplicas.apply(bias, bias_split, self)
-        return F.linear(self.enter(x), weight, bias)
-
-    def _row(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        out = self.leave(F.linear(x, linear.weight))
-        return out if linear.bias is None else out + self.on_shards(linear.bias)
-
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(norm, nn.RMSNorm):
-            return F.rms_norm(x, norm.normalized_shape, self.on_shards(norm.weight), norm.eps)
-        return F.layer_norm(x, norm.normalized_shape, self.on_shards(norm.weight), self.on_shards(norm.bias), norm.eps)
-
-    def _embedding(self, embedding: nn.Embedding, first: int, idx: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the table; other ids give zeros; summed over the group (sequence parallel: and split)."""
-        outside = (idx < first) | (idx >= first + embedding.weight.shape[0])
-        rows = F.embedding((idx - first).masked_fill(outside, 0), embedding.weight)
-        return self.leave(rows.masked_fill(outside.unsqueeze(-1), 0.0))
-
-    def _positions(self, wpe: nn.Embedding, positions: torch.Tensor) -> torch.Tensor:
-        """Sequence parallel: the learned positions of this rank's tokens."""
-        size = positions.shape[0] // self.n
-        return F.embedding(positions.narrow(0, self.rank * size, size), self.on_shards(wpe.weight))
-
-    def _output(self, norm: nn.Module, head: nn.Module, weight: str, plan: TensorPlan, first: int, x: torch.Tensor,
-                targets: torch.Tensor | None) -> torch.Tensor:
-        """Final norm and the vocabulary-parallel head: the loss from each rank's logits, or (no targets) the
-        logits gathered whole."""
-        logits = F.linear(self.enter(norm(x)), getattr(head, weight))
-        if plan.logit_divisor != 1:
-            logits = logits / plan.logit_divisor
-        real = min(max(plan.vocab_size - first, 0), logits.shape[-1])  # this rank's rows within the vocabulary
-        if real < logits.shape[-1]:  # padding rows: never a target, excluded from the softmax
-            padding = torch.arange(real, logits.shape[-1], device=logits.device)
-            logits = logits.float().index_fill(-1, padding, float("-inf"))
-        if targets is None:
-            whole = logits.new_empty((self.n, *logits.shape))
-            self.comm.all_gather(whole.view(-1), logits.contiguous().view(-1))
-            return torch.cat(whole.unbind(0), dim=-1)[..., :plan.vocab_size]
-        return _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), first, self)
-
-    # ------------------------------------------------------------ what follows from the split
 
     # ------------------------------------------------------------ what follows from the split
 

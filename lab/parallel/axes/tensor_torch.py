@@ -96,7 +96,6 @@ class TorchTensorParallel(TensorParallel):
             self._hold_local(module)
         setattr(model, plan.head, functools.partial(self._torch_output, model.get_submodule(tensor.final_norm), head,
                                                     head_attr, tensor.logit_divisor, between))
-        model.initial_value = functools.partial(self._initial_value, plan.initial_value)
         return model
 
     def _hold_local(self, module: nn.Module) -> None:
