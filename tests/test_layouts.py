@@ -297,3 +297,23 @@ def test_a_toy_axis_added_with_one_list_entry_trains_as_single_does():
     units = len(GPT(TINY).parallel_plan().units)
     assert out["record"] == {"toy_unit_forwards": 2 * units}  # the last step: one forward of every unit on each rank
     assert out["line"] == f" | toy {2 * units}"
+
+
+def test_the_strategy_only_places_syncs_and_steps():
+    """The base strategy stays small (at most 200 lines and 20 methods), no strategy overrides more than 8 of its
+    methods, and DeepSpeed's engine is its own class, not a strategy overriding most of the base."""
+    import inspect
+
+    from lab.parallel import STRATEGIES, Strategy
+    from lab.parallel.data.deepspeed import DeepSpeed
+
+    source = inspect.getsource(inspect.getmodule(Strategy))
+    own = [name for name, value in vars(Strategy).items() if inspect.isfunction(value) or isinstance(value, property)]
+    assert len(source.splitlines()) <= 200 and len(own) <= 20, (len(source.splitlines()), own)
+    for cls in STRATEGIES.values():
+        if cls is DeepSpeed:
+            assert not issubclass(cls, Strategy)
+            continue
+        overridden = {name for klass in cls.__mro__[:cls.__mro__.index(Strategy)] for name in vars(klass)
+                      if name in own}
+        assert len(overridden) <= 8, (cls.name, sorted(overridden))
