@@ -43,6 +43,9 @@ from lab.runtime.files import write_atomic
 from lab.training.plan import check_layout
 
 TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-5, "params": 1e-3}
+# a layout saved at its end and resumed in a fresh engine, against the run going on, one step later: the loss
+# (relative) and every weight (absolute) within this; a load that missed a moment or a weight moves them by a step
+RESUMED = 1e-6
 # 16-bit policies (docs/precision.md): the weights by ‖Δw‖ / ‖w‖, a mixture of experts' looser (a routed token whose
 # top-k flips under a regrouped 16-bit sum moves two experts by whole AdamW steps)
 TOLERANCE_16 = {"loss": 1e-3, "grad_norm": 3e-2, "rel_params": {"dense": 5e-2, "moe": 0.15}}
@@ -88,12 +91,12 @@ class Row:
     seconds: float = 0.0
     refused: str | None = None
     meters: tuple[str, ...] = ()  # where a rank's measured bytes left their theory
-    resumes: bool | None = None  # saved at its end and resumed from it, the next step the same bits
+    resumed: float | None = None  # saved at its end and resumed: how far the next step is (``RESUMED``)
     rel_params: float | None = None  # under a 16-bit policy: ‖Δw‖ / ‖w‖ (held to TOLERANCE_16 instead of params)
 
     @property
     def passed(self) -> bool:
-        if self.refused is not None or self.meters or self.resumes is False:
+        if self.refused is not None or self.meters or (self.resumed is not None and self.resumed > RESUMED):
             return False
         if self.rel_params is not None:
             return self.loss <= TOLERANCE_16["loss"] and self.grad_norm <= TOLERANCE_16["grad_norm"] and \
@@ -181,7 +184,7 @@ def _run(world: World, cells: list[Cell], base: Setup = SETUP, folder: Path | No
             found = tuple(f"rank {r}: {p}" for r, ps in enumerate(problems) for p in ps)
             rows.append(Row(cell, c.max_rel_loss_diff, c.max_rel_grad_norm_diff, c.max_param_diff, seconds,
                             meters=found, rel_params=c.rel_param_diff if setup.dtype != "fp32" else None,
-                            resumes=traces[cell.spec].resumes))
+                            resumed=traces[cell.spec].resumed_diff))
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -199,7 +202,7 @@ def format_row(row: Row) -> str:
     weights = f"{row.params:>9.2e}" + (f" ({row.rel_params:.1e} rel)" if row.rel_params is not None else "")
     return head + (f"{row.loss:>9.2e} {row.grad_norm:>9.2e} {weights} {row.seconds:>5.1f}  "
                    f"{'pass' if row.passed else 'FAIL'}{'; meters: ' + row.meters[0] if row.meters else ''}"
-                   f"{'; does not resume from its checkpoint' if row.resumes is False else ''}")
+                   f"{f'; resumed {row.resumed:.1e} from going on' if (row.resumed or 0) > RESUMED else ''}")
 
 
 def run(cells: list[Cell], deadline_s: float = 1800.0, base: Setup = SETUP) -> list[Row]:
