@@ -22,7 +22,9 @@ import pandas as pd
 
 from analysis.allocate import Unidentified, allocations, describe, load_fit, plan
 from analysis.compare import APPROACHES
-from analysis.fit import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig, fit_runs, fit_without_outliers, json_ready
+from analysis.fit import fit_runs, fit_without_outliers
+from analysis.fit_config import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig
+from analysis.fit_result import json_ready
 from analysis.isoflop import METHODS
 from analysis.other_laws import LAWS
 from analysis.outputs import STAGING_PREFIX, bootstrap_frame, stopping_on_signals, summary_lines, write_outputs

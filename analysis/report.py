@@ -12,7 +12,7 @@ import math
 from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
-from analysis.fit import forms_cells
+from analysis.forms import forms_cells
 from lab.measure.laws import FORMS
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import CURVES_FIGURE, DOWNSTREAM_FIGURE, FIGURES
