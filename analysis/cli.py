@@ -38,6 +38,7 @@ from analysis.table import (
     load_runs,
     parse_column_map,
 )
+from lab.runtime.config import Parser
 from lab.runtime.files import UnreadableFile, write_atomic
 
 EXIT_USAGE = 2
@@ -46,14 +47,8 @@ EXIT_UNIDENTIFIED = 3
 EXIT_INTERRUPTED = 130
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m analysis", description="Scaling-law fits, reports and run planning.")
+    parser = Parser(prog="python -m analysis", description="Scaling-law fits, reports and run planning.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fit", help="fit scaling laws to a sweep folder or a table of runs")

@@ -198,7 +198,7 @@ def test_the_memory_check_refuses_one_process_and_admits_cp4():
     """Under a 20 MiB budget a process cannot hold a 2,048-token context's activations; a rank of cp 4 can."""
     from lab.measure.device import Peak
     from lab.runtime.config import RunConfig
-    from lab.measure.admission import check_resources
+    from lab.training.admission import check_resources
 
     def estimate(ranks: int, **parallel: object) -> float:
         cfg = RunConfig(model=LONG, parallel=ParallelConfig(**parallel))

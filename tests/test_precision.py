@@ -27,7 +27,7 @@ from lab.parallel.precision import LossScaler
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from lab.training.optim import adamw_factory, param_groups
-from lab.measure.admission import check_resources
+from lab.training.admission import check_resources
 from lab.training.steps import StepPlan
 from lab.training.train import train_step
 from pool import run_pooled

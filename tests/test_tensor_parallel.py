@@ -133,7 +133,7 @@ def test_the_resource_check_divides_what_tp_divides():
     share of the activations: a memory budget between the two estimates refuses tp 1 and admits tp 2."""
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak
-    from lab.measure.admission import check_resources
+    from lab.training.admission import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
     precision = Precision("cpu")
@@ -159,7 +159,7 @@ def test_the_resource_check_divides_what_pp_and_ep_divide():
     the whole model under pp and ep)."""
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak
-    from lab.measure.admission import check_resources
+    from lab.training.admission import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
     precision = Precision("cpu")

@@ -470,8 +470,17 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
+class UsageExit(SystemExit):
+    """Raised by ``Parser`` on bad command-line input once its one ``error:`` line is printed: exit code 2. A front
+    end that returns its exit code catches it."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with whole option names only and one-line errors (with a suggestion) instead of the usage."""
+    """The project's argparse: whole option names only, and one ``error:`` line instead of the usage (an unknown
+    option named with the closest known one and where to look)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(allow_abbrev=False, formatter_class=DefaultsOnce, **kwargs)
@@ -481,11 +490,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments: "):
-            unknown = message.removeprefix("unrecognized arguments: ").split()[0].split("=")[0]
-            known = [o for a in self._actions for o in a.option_strings]
-            message = f"unknown option {unknown}{did_you_mean(unknown, known)}"
-        print_error(f"{message} (see {self.prog} --help)")
-        sys.exit(2)
+            if self._subparsers is None:  # every option is this parser's: it can name the closest
+                unknown = message.removeprefix("unrecognized arguments: ").split()[0].split("=")[0]
+                known = [o for a in self._actions for o in a.option_strings]
+                message = f"unknown option {unknown}{did_you_mean(unknown, known)}"
+            message += f" (see {self.prog} --help)"
+        print_error(message)
+        raise UsageExit
 
 
 def build_parser(prog: str, description: str, sections: tuple[str, ...] = tuple(SECTIONS)) -> argparse.ArgumentParser:

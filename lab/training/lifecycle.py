@@ -32,7 +32,7 @@ from lab import parallel
 from lab.data import PreparedData, check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure import memory
-from lab.measure.admission import Estimate, check_resources
+from lab.training.admission import Estimate, check_resources
 from lab.measure.device import (Precision, available_memory_bytes, peak_flops, precision_of, resolve_device,
                                 setup_device)
 from lab.model import GPT
