@@ -220,7 +220,7 @@ def _fit(args: argparse.Namespace) -> int:
     config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
                        predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
-                       form=args.form,
+                       form=args.form, stop_unidentified=True,
                        envelope=args.envelope, huber_delta=args.huber_delta, holdout_budgets=args.holdout_budgets,
                        holdout_above=args.holdout_above, law=args.law)
     config.validate()

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from analysis import identify
+from analysis import akima, identify
+from analysis.allocate import Unidentified
 from analysis.bootstrap import Problem, Resamples, bootstrap, canonical_order, interval
 from analysis.budgets import Budgets, group_budgets
 from analysis.compare import TITLES, disagreements, parametric_allocation, preferred
@@ -31,13 +32,25 @@ from analysis.fit_config import FitConfig
 from analysis.fit_result import Approach, FitResult
 from analysis.forms import choose_form, form_holdouts, forms_table
 from analysis.holdout import holdout_bias, holdout_check
-from analysis.isoflop import METHODS, PowerLaws, budget_minima
+from analysis.isoflop import METHODS, MIN_SIDE, PowerLaws, budget_minima
 from analysis.other_laws import fit_data_constrained, fit_kaplan
 from analysis.parametric import (ParametricFit, compute_optimal, fit_parametric, gauss_newton_condition,
                                  named_samples, predict_loss, rmse_log_loss)
 from analysis.table import InputError, RunTable
 from lab.measure.laws import CHINCHILLA
 from lab.runtime.scores import PREFIX as TASK_PREFIX
+
+class TooFewRuns(Unidentified):
+    """Too few budgets for approach 2 and no other approach identified, before any bootstrap: what there is and what
+    would be enough."""
+
+    def __init__(self, n_runs: int, n_budgets: int, method: str) -> None:
+        sizes = akima.MIN_SIZES if method == "akima" else 2 * MIN_SIDE + 1
+        super().__init__(f"no approach can be identified from {n_runs} runs at {n_budgets} budget(s), so the fit "
+                         f"stopped before its bootstrap\nenough: {identify.MIN_POINTS} or more budgets, each with "
+                         f"{sizes} or more sizes around its lowest loss (approach 2); --bootstrap 0 writes this fit's "
+                         "report anyway")
+
 
 # What would identify an approach that the design cannot (``Identification.by_design``).
 DESIGN_REMEDY = {"envelope": "; more sizes per budget, or training curves whose every point is an end point "
@@ -121,6 +134,11 @@ def fit_runs(table: RunTable, config: FitConfig | None = None) -> FitResult:
         if not np.isfinite(env_law.a[0]):
             env_skip = "one run is lowest at every FLOP count; no power law to fit"
 
+    if config.stop_unidentified and config.n_bootstrap > 0 and budgets.count < identify.MIN_POINTS:
+        bare = _approaches(table, config, budgets, parametric, condition, None, isoflop_laws, iso_skip, env_law,
+                           env_skip, envelope)
+        if not any(app.identification.identified for app in bare.values()):  # intervals only add checks
+            raise TooFewRuns(len(n), budgets.count, config.isoflop_minimum)
     resamples = None
     if config.n_bootstrap > 0:
         problem = Problem(theta0=parametric.theta, n=n, d=d, loss=loss, labels=budgets.labels,

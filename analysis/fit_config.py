@@ -15,6 +15,7 @@ FORM_CHOICES = ("auto", *FORMS)
 # What approach 1 takes its points from: end points only (final losses), or every point of the training curves,
 # valid only when each logged point is an end point (see analysis.envelope).
 ENVELOPE_SOURCES = ("final", "curves")
+RUNTIME = ("progress", "stop_unidentified")  # how the fit runs, not what it computes: left out of fit.json
 
 
 @dataclass
@@ -39,6 +40,9 @@ class FitConfig:
     law: str = "chinchilla"  # a form of L(N, D) fitted beside approach 3 (analysis.other_laws), or only approach 3
     form: str = "chinchilla"  # approach 3's form (lab.measure.laws), or "auto": chosen by the hold-out
     progress: bool = field(default=True, compare=False)
+    # stop before the bootstrap (``fit.TooFewRuns``) when the budgets are too few for approach 2 and no approach
+    # can be identified whatever its intervals
+    stop_unidentified: bool = field(default=False, compare=False)
 
     def validate(self) -> None:
         """Raise InputError for an option that cannot work."""

@@ -12,7 +12,7 @@ from analysis.bootstrap import Resamples, interval
 from analysis.budgets import Budgets
 from analysis.compare import Allocation
 from analysis.envelope import Envelope, Frontier
-from analysis.fit_config import FitConfig
+from analysis.fit_config import RUNTIME, FitConfig
 from analysis.identify import Identification
 from analysis.isoflop import METHODS, MIN_SIDE, BudgetMinima, PowerLaws
 from analysis.parametric import ParametricFit, named_samples, predict_loss, rmse_log_loss, start_grid
@@ -85,7 +85,7 @@ class FitResult:
                      "note": "cross-entropy taken as nats per token, the unit of the published laws"},
             "notes": self.table.notes,
             "config": {k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in asdict(self.config).items() if k != "progress"},
+                       for k, v in asdict(self.config).items() if k not in RUNTIME},
             "data": self._data(),
             "approach3": self._approach3(),
             "isoflop": self._isoflop(),

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "retry":
             _executor_options(p, launch=False)
         if name == "export":
-            p.add_argument("--out", required=True, help="output table: .csv or .parquet")
+            p.add_argument("--out", help="output table: .csv or .parquet (default: FOLDER-runs.csv beside the "
+                                         "sweep's folder)")
             p.add_argument("--with", dest="roles", action="append", default=[], choices=("search", "verify"),
                            help="also the search's or verify's runs (column 'role'); the sweep's own by default")
     return parser
@@ -328,7 +329,7 @@ def _export(args: argparse.Namespace) -> int:
     from sweeps import export  # pandas: only here
 
     folder, _ = _locate(args)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else folder.with_name(f"{folder.name}-runs.csv")
     if out.suffix.lower() not in export.FORMATS:
         raise UsageError(f"--out must end in .csv or .parquet, got '{out.name}'")
     table = export.results(Registry.open(folder).rows(), ("sweep", *args.roles))

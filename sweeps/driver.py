@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lab.runtime.files import LockHeld, LockUnusable, take_lock
+from lab.runtime.progress import Lines, progress as progress_bar
 
 from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
 from sweeps.progress import last_step, total_steps
@@ -84,7 +84,7 @@ class Recorder:
     """The executor's events, written to the registry and shown on the progress bar (whose postfix names
     each run in flight with its step and steps, refreshed every ``refresh_s``)."""
 
-    def __init__(self, registry: Registry, executor_name: str, bar: tqdm, refresh_s: float = 1.0):
+    def __init__(self, registry: Registry, executor_name: str, bar: tqdm | Lines, refresh_s: float = 1.0):
         self.registry, self.kind, self.bar = registry, executor_name, bar
         self.running: dict[str, Attempt] = {}
         self.counted: set[str] = set()  # runs whose attempt was counted when its submission was recorded
@@ -150,9 +150,7 @@ def execute(folder: Path, registry: Registry, names: list[str], executor: Execut
     """Run the named rows that are not done or cancelled; the exit code says whether all are done."""
     rows = [registry.get(n) for n in names]
     todo = [r for r in rows if r.status not in ("done", "cancelled")]
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="runs", unit="run",
-               disable=None if progress else True,  # None: on a terminal only
-               file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(len(rows), "runs", "run", progress, initial=len(rows) - len(todo))
     events = Recorder(registry, executor.name, bar)
     # SLURM jobs outlive a driver: follow the ones an earlier driver left running
     attempts = [attempt_for(folder, r, follow=executor.name == "slurm" and r.status == "running"

@@ -148,7 +148,9 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
     checkpoint_steps: str = _f("", "comma-separated steps at which a checkpoint is also saved and never pruned (a "
                                    "sweep's cooldown branches start from them)")
-    stop_after: int = _f(0, "stop after this many steps, keeping the full schedule (0: run the whole budget)")
+    stop_after: int = _f(0, "stop once the run reaches this step (a step number counted from the run's start, "
+                            "resumes included, not steps of this launch), keeping the full schedule (0: run the "
+                            "whole budget)")
     peak_flops: float = _f(0.0, "peak FLOP/s for MFU (0: the GPU table, or a matmul peak measured once per CPU "
                                 "and cached)")
     nonfinite: str = _f("skip", "when the gradient norm is not finite: skip (leave the weights, log the step) or "

@@ -34,7 +34,7 @@ from lab.data.tokenizer import BytesTokenizer
 from lab.measure import memory
 from lab.training.admission import Estimate, check_resources
 from lab.measure.device import (Precision, available_memory_bytes, peak_flops, precision_of, resolve_device,
-                                setup_device)
+                                setup_device, slow_16bit_warning)
 from lab.model import GPT
 from lab.parallel import Strategy, World, backend_for, join_group_of_one, validate_model, validate_precision
 from lab.parallel.comm import AxisFailed
@@ -315,6 +315,8 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             save_json(run_dir / "config.json", cfg.to_dict())
             data.tokenizer.save(run_dir / "tokenizer")
             log.say(start_line(cfg, world, plan, precision, peak, start, estimate, strategy.describe()))
+            if (slow := slow_16bit_warning(peak)) is not None:
+                log.say(slow)
             log.open_trackers(cfg, run_dir, resumed_at=start.step)
             log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
         try:
