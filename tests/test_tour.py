@@ -1,7 +1,8 @@
 """The README's tour, run as written: each command exits 0, or fails in the lines the README shows.
 
 The commands run in a folder of the test's own, which holds by link what they read (configs, sweep files, the test
-data, the prepared-data cache and the launch scripts), so that the ``runs/`` they write is the test's.
+data, the prepared-data cache, the launch scripts and what ``make`` reads), so that the ``runs/`` they write is the
+test's.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+README_WORDS = " ".join(README.split())  # an inline command may break across lines
 
 
 def tour_command(text: str) -> list[str]:
     """``text`` as the README writes it (the test fails when the README no longer does), as an argv."""
-    assert f"`{text}`" in README, f"the README's tour no longer shows `{text}`"
+    assert f"`{text}`" in README_WORDS, f"the README's tour no longer shows `{text}`"
     words = text.split()
     return [sys.executable, *words[1:]] if words[0] == "python" else words
 
@@ -31,7 +33,7 @@ def run(folder: Path, text: str, timeout: float) -> subprocess.CompletedProcess:
 @pytest.fixture
 def folder(tmp_path) -> Path:
     (ROOT / "data").mkdir(exist_ok=True)  # the prepared-data cache, shared as a run in the checkout shares it
-    for name in ("configs", "sweeps", "tests", "data", "launch"):
+    for name in ("configs", "sweeps", "tests", "data", "launch", "pyproject.toml", "constraints-cpu.txt"):
         (tmp_path / name).symlink_to(ROOT / name)
     return tmp_path
 
@@ -73,7 +75,8 @@ def test_the_tours_sweep_its_status_export_and_fit(folder):
 @pytest.mark.slow
 @pytest.mark.long
 def test_the_tours_demo_and_zero2_on_two_ranks(folder):
-    proc = subprocess.run(["make", "-f", str(ROOT / "Makefile"), "demo", f"VENV={ROOT / '.venv'}"], cwd=folder,
+    make = tour_command("make demo") + ["-f", str(ROOT / "Makefile"), f"VENV={ROOT / '.venv'}"]  # the checkout's
+    proc = subprocess.run(make, cwd=folder,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "done (completed): 98 steps" in proc.stdout, proc
     proc = run(folder, "python -m lab train --nproc-per-node 2 --strategy zero2 --config configs/demo.toml "

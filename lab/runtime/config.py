@@ -463,11 +463,12 @@ def print_error(message: str) -> None:
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default in its help, once: not where the help states it already, nor a default of None."""
+    """Each option's default in its help, once: not where the help states it already, nor a default of None, nor a
+    flag's (False) or a repeatable option's (an empty list)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "(default" in text or action.default is None:
+        if "(default" in text or action.default is None or action.nargs == 0 or action.default == []:
             return text
         return super()._get_help_string(action) or ""
 
