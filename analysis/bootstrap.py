@@ -15,16 +15,15 @@ chunk. With OPENBLAS_NUM_THREADS=1 (the CLI sets it) BLAS threads do not fight t
 from __future__ import annotations
 
 import signal
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from analysis.envelope import Envelope, Frontier
 from analysis.isoflop import METHODS, PowerLaws, budget_minima
 from lab.measure.laws import CHINCHILLA, Form
+from lab.runtime.progress import progress as progress_bar
 from analysis.parametric import fit_weighted
 from analysis.robust import HUBER_DELTA
 
@@ -142,8 +141,7 @@ def _refit_in_worker(chunk: int, size: int) -> Resamples:
 def bootstrap(problem: Problem, n_resamples: int, workers: int = 1, progress: bool = True) -> Resamples:
     """Refit every approach on ``n_resamples`` resamples, over ``workers`` processes."""
     sizes = _chunk_sizes(n_resamples)
-    bar = tqdm(total=n_resamples, desc="bootstrap", unit="fit", file=sys.stderr, leave=False,
-               disable=None if progress else True)  # None: on a terminal only
+    bar = progress_bar(n_resamples, "bootstrap", "fit", progress, leave=False)
     parts: list[Resamples] = []
     with bar:
         if workers <= 1 or len(sizes) <= 1:

@@ -22,7 +22,9 @@ import pandas as pd
 
 from analysis.allocate import Unidentified, allocations, describe, load_fit, plan
 from analysis.compare import APPROACHES
-from analysis.fit import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig, fit_runs, fit_without_outliers, json_ready
+from analysis.fit import fit_runs, fit_without_outliers
+from analysis.fit_config import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig
+from analysis.fit_result import json_ready
 from analysis.isoflop import METHODS
 from analysis.other_laws import LAWS
 from analysis.outputs import STAGING_PREFIX, bootstrap_frame, stopping_on_signals, summary_lines, write_outputs
@@ -36,6 +38,7 @@ from analysis.table import (
     load_runs,
     parse_column_map,
 )
+from lab.runtime.config import Parser
 from lab.runtime.files import UnreadableFile, write_atomic
 
 EXIT_USAGE = 2
@@ -44,14 +47,8 @@ EXIT_UNIDENTIFIED = 3
 EXIT_INTERRUPTED = 130
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m analysis", description="Scaling-law fits, reports and run planning.")
+    parser = Parser(prog="python -m analysis", description="Scaling-law fits, reports and run planning.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fit", help="fit scaling laws to a sweep folder or a table of runs")
@@ -223,7 +220,7 @@ def _fit(args: argparse.Namespace) -> int:
     config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
                        predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
-                       form=args.form,
+                       form=args.form, stop_unidentified=True,
                        envelope=args.envelope, huber_delta=args.huber_delta, holdout_budgets=args.holdout_budgets,
                        holdout_above=args.holdout_above, law=args.law)
     config.validate()

@@ -25,7 +25,8 @@ import pandas as pd
 
 from analysis.allocate import LAW_COLUMNS
 from analysis.compare import APPROACHES, TITLES, disagreement_note
-from analysis.fit import FitResult, forms_cells
+from analysis.fit_result import FitResult
+from analysis.forms import forms_cells
 from analysis.other_laws import law_line
 from analysis.parametric import named_samples
 from lab.measure.laws import FORMS

@@ -187,6 +187,12 @@ def predict_loss(thetas: np.ndarray, n: np.ndarray, d: np.ndarray, form: Form = 
     return out if np.ndim(thetas) == 2 else out[0]
 
 
+def rmse_log_loss(theta: np.ndarray, n: np.ndarray, d: np.ndarray, loss: np.ndarray, form: Form = CHINCHILLA
+                  ) -> float:
+    """Root mean square of log(loss) - log(L(N, D)) over the runs, for one theta."""
+    return float(np.sqrt(np.mean((np.log(loss) - np.log(predict_loss(theta, n, d, form))) ** 2)))
+
+
 def compute_optimal(thetas: np.ndarray, flops: np.ndarray, flops_k: float = 6.0, form: Form = CHINCHILLA
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """N_opt = G (C/k)^a, D_opt = (C/k)/N_opt and L(N_opt, D_opt), each (K, len(flops)).

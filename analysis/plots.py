@@ -32,7 +32,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from analysis import akima  # noqa: E402
 from analysis.compare import TITLES  # noqa: E402
 from analysis.downstream import task_error  # noqa: E402
-from analysis.fit import FitResult  # noqa: E402
+from analysis.fit_result import FitResult  # noqa: E402
 from analysis.isoflop import PowerLaws  # noqa: E402
 from analysis.parametric import compute_optimal, predict_loss  # noqa: E402
 from analysis.allocate import form_of  # noqa: E402

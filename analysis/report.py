@@ -12,7 +12,7 @@ import math
 from datetime import datetime, timezone
 
 from analysis.compare import APPROACHES, TITLES, disagreement_note
-from analysis.fit import forms_cells
+from analysis.forms import forms_cells
 from lab.measure.laws import FORMS
 from analysis.identify import MAX_A_WIDTH, MAX_CONDITION
 from analysis.plots import CURVES_FIGURE, DOWNSTREAM_FIGURE, FIGURES
@@ -280,9 +280,15 @@ def _predictions_blocks(doc: dict) -> list[Block]:
     comp = doc["comparison"]
     note = (f"`plan` uses {TITLES[comp['preferred']]}: {comp['why']}." if comp["preferred"]
             else "`plan` refuses: no approach is identified.")
-    agree = ("Identified approaches agree within their paired bootstrap intervals at every budget."
-             if not comp["disagreements"] else
-             "Identified approaches DISAGREE: " + " ".join(x["message"] + "." for x in comp["disagreements"]))
+    identified = [key for key in APPROACHES if ((doc.get(key) or {}).get("identification") or {}).get("identified")]
+    if comp["disagreements"]:
+        agree = "Identified approaches DISAGREE: " + " ".join(x["message"] + "." for x in comp["disagreements"])
+    elif len(identified) < 2:
+        agree = "Fewer than two approaches are identified: their agreement was not checked."
+    elif not doc["config"]["n_bootstrap"]:
+        agree = "Without a bootstrap the identified approaches' agreement was not checked."
+    else:
+        agree = "Identified approaches agree within their paired bootstrap intervals at every budget."
     return [("table", ["C (FLOPs)", "C / data max", "approach", "identified", "N_opt", "D_opt", "D/N",
                        "loss (nats)"], rows), ("p", note + " " + agree)]
 

@@ -309,7 +309,8 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
             dirs = [None] * len(frame)
         return frame, dirs, None
     summaries = sorted(root.rglob("summary.json"))
-    if (root / "sweep.db").is_file():  # a sweep's folder: its hyperparameter search and verify runs are not its grid
+    sweep = (root / "sweep.db").is_file()
+    if sweep:  # a sweep's folder: its hyperparameter search and verify runs are not its grid
         summaries = [s for s in summaries if s.relative_to(root).parts[0] not in SWEEP_SIDE_RUNS]
     if not summaries:
         raise InputError(f"{root}: no results.csv and no run directories (summary.json) inside")
@@ -321,7 +322,9 @@ def _read_sweep(root: Path, warnings: list[tuple[str, str]]
             raise InputError(f"{summary_path}: cannot read ({_one_line(exc)})") from exc
         if not isinstance(summary, dict):
             raise InputError(f"{summary_path}: expected a JSON object")
-        run_id = str(summary_path.parent.relative_to(root))
+        where = summary_path.parent.relative_to(root)
+        # in a sweep's folder a run is named as the sweep names it (runs/NAME): the id --exclude takes
+        run_id = where.name if sweep and where.parent == Path("runs") else str(where)
         row = {"run_id": run_id, "status": summary.get("status")}
         loss, source = summary.get("final_eval_loss"), "eval"
         if loss is None:

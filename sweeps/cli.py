@@ -10,20 +10,18 @@ the sweep again resumes). ``plan``, ``run`` and ``retry`` take the sweep file's 
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from sweeps import cooldowns, progress, runs as planner, spec as specs
-from sweeps.driver import attempt_for, driver_lock, execute
+from sweeps.driver import attempt_for, driver_lock, execute, job_parts, submitting_kind
 from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
-from sweeps.runs import PlannedRun
-from sweeps.verify import HELD_OUT_FACTOR
-from lab.runtime.config import RunConfig
+from sweeps.verify import HELD_OUT_FACTOR, VerifyError
+from lab.runtime.config import Parser, RunConfig, UsageExit
+from lab.runtime.files import write_atomic
 
 EXIT_BAD_INPUT = 2
 SWEEP_COPY = "sweep.toml"
@@ -34,13 +32,8 @@ class UsageError(ValueError):
     """Bad input found by the command line itself."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m sweeps", description="Plan, run and follow IsoFLOP sweeps.")
+    parser = Parser(prog="python -m sweeps", description="Plan, run and follow IsoFLOP sweeps.")
     sub = parser.add_subparsers(dest="command", required=True)
     folder_help = "the sweep's folder (default: [sweep] folder of the file, else runs/sweeps/NAME)"
 
@@ -82,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "retry":
             _executor_options(p, launch=False)
         if name == "export":
-            p.add_argument("--out", required=True, help="output table: .csv or .parquet")
+            p.add_argument("--out", help="output table: .csv or .parquet (default: FOLDER-runs.csv beside the "
+                                         "sweep's folder)")
             p.add_argument("--with", dest="roles", action="append", default=[], choices=("search", "verify"),
                            help="also the search's or verify's runs (column 'role'); the sweep's own by default")
     return parser
@@ -172,12 +166,6 @@ def _check_fits(executor: Executor, runs: list[planner.PlannedRun]) -> None:
         raise UsageError(f"run '{multi.name}' asks for {multi.launch.nodes} nodes; use --executor slurm")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 # ---------------------------------------------------------------- commands
 
 
@@ -257,7 +245,7 @@ def _run(args: argparse.Namespace) -> int:
     with driver_lock(sweep.folder):
         registry = known or Registry.open(sweep.folder, create=True)
         registry.set_meta("executor", executor.name)
-        _write_atomic(sweep.folder / SWEEP_COPY, sweep.source)
+        write_atomic(sweep.folder / SWEEP_COPY, sweep.source)
         if search is not None:
             found = search.run(sweep, registry, executor, not args.no_progress)
             if isinstance(found, int):
@@ -304,8 +292,8 @@ def _cancel(args: argparse.Namespace) -> int:
             print(f"{row.name}: already {row.status}")
             continue
         registry.set_status(row.name, "cancelled", error="cancelled")
-        kind, _, job = (row.job or "").partition(":")
-        if row.status == "running" and kind == "slurm-submitting":  # a submission the driver did not see end
+        kind, job = job_parts(row.job)
+        if row.status == "running" and kind == submitting_kind("slurm"):  # a submission the driver did not see end
             from sweeps.executors.slurm import find_submitted
 
             kind, job = "slurm", find_submitted(job)
@@ -341,7 +329,7 @@ def _export(args: argparse.Namespace) -> int:
     from sweeps import export  # pandas: only here
 
     folder, _ = _locate(args)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else folder.with_name(f"{folder.name}-runs.csv")
     if out.suffix.lower() not in export.FORMATS:
         raise UsageError(f"--out must end in .csv or .parquet, got '{out.name}'")
     table = export.results(Registry.open(folder).rows(), ("sweep", *args.roles))
@@ -379,71 +367,18 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from sweeps import search, verify  # pandas, scipy, matplotlib: only here
+    from sweeps import verify  # numpy, and the analysis when it runs
 
     folder, sweep = _locate(args)
     if sweep is None:
         raise UsageError(f"{folder} has no {SWEEP_COPY}; verify with the sweep file")
     sweep = specs.with_overrides(sweep, {}, _overrides(args, SLURM_OPTIONS))
-    if not (math.isfinite(args.budget) and args.budget > 0):
-        raise UsageError(f"--budget must be a positive number of FLOPs, got {args.budget}")
-    specs.check_budget(args.budget, "--budget")
-    if args.bootstrap < 0:
-        raise UsageError(f"--bootstrap must be 0 or more, got {args.bootstrap}")
+    request = verify.Request(args.budget, tuple(args.exclude), args.drop_highest_loss, args.drop_outliers,
+                             args.bootstrap, not args.no_progress)
+    verify.check(request)
     registry = Registry.open(folder)
-    rows = [r for r in registry.rows() if r.plan.role == "sweep"]
-    unfinished = [r for r in rows if r.status != "done"]
-    if not rows or unfinished:
-        example = f" ({unfinished[0].name} is {unfinished[0].status})" if unfinished else ""
-        raise UsageError(f"{len(unfinished) or 'no'} run(s) of the sweep are not done{example}; finish the sweep first")
-    largest = max(r.plan.budget for r in rows)
-    if args.budget <= largest:
-        raise UsageError(f"--budget {args.budget:.3g} is not held out: the sweep runs budgets up to {largest:.3g}")
-    if args.budget < HELD_OUT_FACTOR * largest:
-        print(f"warning: --budget {args.budget:.3g} is only {args.budget / largest:.2g}x the largest swept budget; "
-              f"{HELD_OUT_FACTOR:g}x or more tests an extrapolation", file=sys.stderr)
-    executor = _executor(args, sweep, registry)
-    with driver_lock(folder):
-        found = search.finished(sweep, registry) if sweep.search is not None else None
-        if sweep.search is not None and found is None:
-            raise UsageError("the sweep's search has not finished; run the sweep first")
-        from analysis.table import InputError
-
-        try:
-            result, doc, fit_dir = verify.fit(folder, args.budget, not args.no_progress, tuple(args.exclude),
-                                              args.drop_highest_loss, args.drop_outliers, args.bootstrap)
-        except InputError as e:  # an --exclude that matches nothing, too few runs left
-            raise UsageError(str(e)) from None
-        from analysis.cli import EXIT_UNIDENTIFIED
-        from analysis.outputs import summary_lines
-
-        print("\n".join(summary_lines(doc)))
-        if doc["comparison"]["preferred"] is None:
-            print(f"error: {result.why}; {fit_dir / 'report.html'} says why", file=sys.stderr)
-            return EXIT_UNIDENTIFIED
-        predicted = verify.prediction(doc, args.budget)
-        runs, refused = verify.plan_runs(sweep, args.budget, predicted.n_opt, found.tuned if found else None)
-        if refused:
-            return _refuse(refused)
-        losses: list[tuple[PlannedRun, float]] = []
-        for _ in range(1 + verify.MAX_EXTENSIONS):  # three shapes, then a step further while the lowest is at an edge
-            registry.sync(runs, lambda name: folder / verify.FOLDER / "runs" / name)
-            code = execute(folder, registry, [r.name for r in runs], executor, not args.no_progress)
-            rows = [registry.get(r.name) for r in runs]
-            if any(row.status != "done" for row in rows):
-                return code if code != 0 else 1
-            losses += [(run, float(row.final_loss)) for run, row in zip(runs, rows)]
-            runs = verify.extension(sweep, args.budget, losses, found.tuned if found else None)
-            if isinstance(runs, str):
-                return _refuse([runs])
-            if not runs:
-                break
-            print(f"the lowest of the runs at {args.budget:.3g} is at an edge: one size step further ({runs[0].name})")
-        verdict = verify.judge(predicted, losses, result.parametric.theta, result.thetas, result.config.ci_level)
-        md = verify.record(folder, registry, fit_dir, verdict)
-        print("\n".join(verify.describe(verdict)))
-        print(f"wrote {md} and the verification section of {fit_dir / 'report.md'}")
-        return 0 if verdict.verified else 1
+    verify.check_sweep(registry, request.budget)
+    return verify.verify(folder, sweep, registry, _executor(args, sweep, registry), request)
 
 
 COMMANDS = {"plan": _plan, "run": _run, "status": _status, "retry": _retry, "cancel": _cancel, "export": _export,
@@ -455,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
-    except (UsageError, specs.SpecError, RegistryError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except UsageExit as e:  # the parser's, its line printed
+        return int(e.code)
+    except (UsageError, VerifyError, specs.SpecError, RegistryError) as e:
+        return _refuse(str(e).splitlines())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,14 +18,33 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lab.runtime.files import LockHeld, LockUnusable, take_lock
+from lab.runtime.progress import Lines, progress as progress_bar
 
 from sweeps.executors.attempt import Attempt, Executor, ExecutorError, Outcome, read_summary
 from sweeps.progress import last_step, total_steps
 from sweeps.registry import Registry, RegistryError, Row
 
 EXIT_OK, EXIT_UNFINISHED, EXIT_INTERRUPTED = 0, 1, 130
-SUBMITTING = "slurm-submitting:"  # a row's job while its SLURM submission is under way (job name, no id yet)
-STARTING = "-submitting:"  # after an executor's name: a row's job between its attempt's record and its start
+
+
+def job_text(kind: str, job: str) -> str:
+    """A registry row's job: ``KIND:JOB``, as ``local:PID``, ``slurm:ID`` or ``slurm-submitting:NAME``."""
+    return f"{kind}:{job}"
+
+
+def job_parts(text: str | None) -> tuple[str, str]:
+    """(kind, job) of a row's job (``job_text``); empty strings for none."""
+    kind, _, job = (text or "").partition(":")
+    return kind, job
+
+
+def submitting_kind(kind: str) -> str:
+    """The job kind of a row between its attempt's record and its start under the executor ``kind`` (for SLURM:
+    while its submission is under way, with the job's name and no id yet)."""
+    return f"{kind}-submitting"
+
+
+SUBMITTING = job_text(submitting_kind("slurm"), "")  # how a row's job starts while its SLURM submission runs
 
 
 def run_dir(folder: Path, name: str) -> Path:
@@ -38,10 +56,10 @@ def attempt_for(folder: Path, row: Row, follow: bool) -> Attempt:
     submission an earlier driver may have made)."""
     logs = folder / "logs" / row.name
     number = max(1, row.attempts) if follow else row.attempts + 1
-    job = row.job.partition(":")[2] if follow and row.job else None
-    submitting = job if job and row.job.startswith(SUBMITTING) else None
+    job = job_parts(row.job)[1] if follow and row.job else None
+    pending = job if job and row.job.startswith(SUBMITTING) else None
     return Attempt(run=row.plan, run_dir=row.run_dir, log=logs / f"attempt-{number}.log", lock=logs / "run.lock",
-                   job=None if submitting else job, submitting=submitting, number=number)
+                   job=None if pending else job, submitting=pending, number=number)
 
 
 @contextlib.contextmanager
@@ -66,7 +84,7 @@ class Recorder:
     """The executor's events, written to the registry and shown on the progress bar (whose postfix names
     each run in flight with its step and steps, refreshed every ``refresh_s``)."""
 
-    def __init__(self, registry: Registry, executor_name: str, bar: tqdm, refresh_s: float = 1.0):
+    def __init__(self, registry: Registry, executor_name: str, bar: tqdm | Lines, refresh_s: float = 1.0):
         self.registry, self.kind, self.bar = registry, executor_name, bar
         self.running: dict[str, Attempt] = {}
         self.counted: set[str] = set()  # runs whose attempt was counted when its submission was recorded
@@ -96,13 +114,13 @@ class Recorder:
     def submitting(self, attempt: Attempt, marker: str) -> None:
         """Count the attempt and record its submission's marker, in one transaction, before anything is submitted
         (or started)."""
-        self.registry.set_status(attempt.run.name, "running", job=self.kind + STARTING + marker,
+        self.registry.set_status(attempt.run.name, "running", job=job_text(submitting_kind(self.kind), marker),
                                  new_attempt=attempt.submitting is None, unless=("cancelled", "done"))
         self.counted.add(attempt.run.name)
 
     def started(self, attempt: Attempt, job: str) -> None:
         counted = attempt.run.name in self.counted or attempt.submitting is not None
-        self.registry.set_status(attempt.run.name, "running", job=f"{self.kind}:{job}", new_attempt=not counted,
+        self.registry.set_status(attempt.run.name, "running", job=job_text(self.kind, job), new_attempt=not counted,
                                  unless=("cancelled", "done"))
         self.running[attempt.run.name] = attempt
         self.shown_at = 0.0  # show it now
@@ -132,13 +150,11 @@ def execute(folder: Path, registry: Registry, names: list[str], executor: Execut
     """Run the named rows that are not done or cancelled; the exit code says whether all are done."""
     rows = [registry.get(n) for n in names]
     todo = [r for r in rows if r.status not in ("done", "cancelled")]
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="runs", unit="run",
-               disable=None if progress else True,  # None: on a terminal only
-               file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(len(rows), "runs", "run", progress, initial=len(rows) - len(todo))
     events = Recorder(registry, executor.name, bar)
     # SLURM jobs outlive a driver: follow the ones an earlier driver left running
     attempts = [attempt_for(folder, r, follow=executor.name == "slurm" and r.status == "running"
-                            and (r.job or "").startswith(("slurm:", SUBMITTING))) for r in todo]
+                            and job_parts(r.job)[0] in ("slurm", submitting_kind("slurm"))) for r in todo]
     for attempt in attempts:
         attempt.log.parent.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)

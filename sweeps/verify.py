@@ -9,7 +9,8 @@ an edge, one more size step that way (at most ``MAX_EXTENSIONS``). Achieved agai
 N_opt (the vertex of a parabola in log N through the three runs, when the lowest is the middle one)
 inside the predicted interval, and the best run's loss within ``LOSS_TOLERANCE`` of the loss L(N, D)
 predicts for it. The comparison goes to the terminal, ``SWEEP/verify/verify-C.json`` and ``.md``, the
-fit's report and the registry (meta key ``verify C``).
+fit's report and the registry (meta key ``verify C``). ``check``, ``check_sweep`` and ``verify`` are the
+workflow the command line runs; what they refuse raises ``VerifyError``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import html
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,8 +28,11 @@ import numpy as np
 from lab.runtime.files import save_json, write_atomic
 
 from sweeps import runs as planner
+from sweeps.driver import driver_lock, execute
+from sweeps.executors.attempt import Executor
 from sweeps.runs import PlannedRun, Tuned, format_flops
 from sweeps.registry import Registry
+from sweeps.spec import check_budget
 from sweeps.sweep import Sweep
 
 FOLDER = "verify"
@@ -38,7 +43,93 @@ MAX_EXTENSIONS = 2  # size steps added beyond the three shapes while the lowest 
 
 
 class VerifyError(ValueError):
-    """Bad input for verify; the message is one line."""
+    """Bad input for verify, or runs it cannot plan: one line per problem."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``python -m sweeps verify`` asks for: the held-out budget and how to fit the sweep."""
+
+    budget: float
+    exclude: tuple[str, ...] = ()
+    drop_highest_loss: int = 0
+    drop_outliers: bool = False
+    n_bootstrap: int = 1000
+    progress: bool = True
+
+
+def check(request: Request) -> None:
+    """VerifyError (or SpecError) for a budget or bootstrap count that cannot work."""
+    if not (math.isfinite(request.budget) and request.budget > 0):
+        raise VerifyError(f"--budget must be a positive number of FLOPs, got {request.budget}")
+    check_budget(request.budget, "--budget")
+    if request.n_bootstrap < 0:
+        raise VerifyError(f"--bootstrap must be 0 or more, got {request.n_bootstrap}")
+
+
+def check_sweep(registry: Registry, budget: float) -> None:
+    """VerifyError unless every run of the sweep is done and ``budget`` lies above its budgets; a warning when it
+    lies less than HELD_OUT_FACTOR above them."""
+    rows = [r for r in registry.rows() if r.plan.role == "sweep"]
+    unfinished = [r for r in rows if r.status != "done"]
+    if not rows or unfinished:
+        example = f" ({unfinished[0].name} is {unfinished[0].status})" if unfinished else ""
+        raise VerifyError(f"{len(unfinished) or 'no'} run(s) of the sweep are not done{example}; finish the sweep "
+                          "first")
+    largest = max(r.plan.budget for r in rows)
+    if budget <= largest:
+        raise VerifyError(f"--budget {budget:.3g} is not held out: the sweep runs budgets up to {largest:.3g}")
+    if budget < HELD_OUT_FACTOR * largest:
+        print(f"warning: --budget {budget:.3g} is only {budget / largest:.2g}x the largest swept budget; "
+              f"{HELD_OUT_FACTOR:g}x or more tests an extrapolation", file=sys.stderr)
+
+
+def verify(folder: Path, sweep: Sweep, registry: Registry, executor: Executor, request: Request) -> int:
+    """Fit the finished sweep, train the predicted optimum and its neighbours at the held-out budget, compare and
+    record; the exit code (0 verified, 1 not verified or a run unfinished, 3 no identified law)."""
+    from analysis.cli import EXIT_UNIDENTIFIED
+    from analysis.outputs import summary_lines
+    from analysis.table import InputError
+    from sweeps import search  # pandas, scipy, matplotlib: only here
+
+    budget = request.budget
+    with driver_lock(folder):
+        found = search.finished(sweep, registry) if sweep.search is not None else None
+        if sweep.search is not None and found is None:
+            raise VerifyError("the sweep's search has not finished; run the sweep first")
+        tuned = found.tuned if found else None
+        try:
+            result, doc, fit_dir = fit(folder, budget, request.progress, request.exclude, request.drop_highest_loss,
+                                       request.drop_outliers, request.n_bootstrap)
+        except InputError as e:  # an --exclude that matches nothing, too few runs left
+            raise VerifyError(str(e)) from None
+        print("\n".join(summary_lines(doc)))
+        if doc["comparison"]["preferred"] is None:
+            print(f"error: {result.why}; {fit_dir / 'report.html'} says why", file=sys.stderr)
+            return EXIT_UNIDENTIFIED
+        predicted = prediction(doc, budget)
+        runs, refused = plan_runs(sweep, budget, predicted.n_opt, tuned)
+        if refused:
+            raise VerifyError("\n".join(refused))
+        losses: list[tuple[PlannedRun, float]] = []
+        for _ in range(1 + MAX_EXTENSIONS):  # three shapes, then a step further while the lowest is at an edge
+            registry.sync(runs, lambda name: folder / FOLDER / "runs" / name)
+            code = execute(folder, registry, [r.name for r in runs], executor, request.progress)
+            rows = [registry.get(r.name) for r in runs]
+            if any(row.status != "done" for row in rows):
+                return code if code != 0 else 1
+            losses += [(run, float(row.final_loss)) for run, row in zip(runs, rows)]
+            runs = extension(sweep, budget, losses, tuned)
+            if isinstance(runs, str):
+                raise VerifyError(runs)
+            if not runs:
+                break
+            print(f"the lowest of the runs at {budget:.3g} is at an edge: one size step further ({runs[0].name})")
+        verdict = judge(predicted, losses, result.parametric.theta, result.thetas, result.config.ci_level)
+        md = record(folder, registry, fit_dir, verdict)
+        print("\n".join(describe(verdict)))
+        print(f"wrote {md} and the verification section of {fit_dir / 'report.md'}")
+        return 0 if verdict.verified else 1
 
 
 def size_step(sweep: Sweep) -> float:

@@ -17,7 +17,7 @@ from lab.measure import accounting
 from lab.measure.device import Precision
 from lab.measure.memory import LiveBytes
 from lab.model import GPT
-from lab.parallel import Layout, LoopSettings, World, parse_spec
+from lab.parallel import Layout, LoopSettings, World, parse_spec, strategy_class
 from lab.training.plan import check_layout, check_model, create
 from lab.parallel.axes.context import chunks, token_indices
 from lab.runtime import checkpoint
@@ -199,12 +199,13 @@ def test_the_memory_check_refuses_one_process_and_admits_cp4():
     """Under a 20 MiB budget a process cannot hold a 2,048-token context's activations; a rank of cp 4 can."""
     from lab.measure.device import Peak
     from lab.runtime.config import RunConfig
-    from lab.measure.admission import check_resources
+    from lab.training.admission import check_resources
 
     def estimate(ranks: int, **parallel: object) -> float:
         cfg = RunConfig(model=LONG, parallel=ParallelConfig(**parallel))
         cfg.train.micro_batch, cfg.train.batch_tokens, cfg.train.memory_budget = 1, 2048 * ranks, 20 / 1024
-        return check_resources(cfg, World(0, ranks, 0, torch.device("cpu")), Precision("cpu"), Peak(1e12, "t"),
+        layout = Layout.of(cfg.parallel, ranks, strategy_class(cfg.parallel.strategy))
+        return check_resources(cfg, layout, World(0, ranks, 0, torch.device("cpu")), Precision("cpu"), Peak(1e12, "t"),
                                256, 20 * 2**20).memory_bytes
 
     with pytest.raises(ConfigError, match="parallel.cp splits every sequence"):

@@ -22,13 +22,13 @@ from lab.commands.equivalence import Setup, batch, equivalence, loop_settings, t
 from lab.measure import accounting
 from lab.measure.device import Peak, Precision, resolve_precision
 from lab.model import GPT
-from lab.parallel import World, parse_spec
+from lab.parallel import Layout, World, parse_spec, strategy_class
 from lab.training.plan import create
 from lab.parallel.precision import LossScaler
 from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from lab.training.optim import adamw_factory, param_groups
-from lab.measure.admission import check_resources
+from lab.training.admission import check_resources
 from lab.training.steps import StepPlan
 from lab.training.train import train_step
 from pool import run_pooled
@@ -233,7 +233,8 @@ def test_the_memory_check_prices_the_policy_the_run_uses():
               accounting.model_state_bytes(psi, "zero1", 2, "fp32").total) / 2
 
     def check(precision: Precision) -> float:
-        return check_resources(cfg, world, precision, Peak(1e12, "t"), 4096, budget).memory_bytes
+        layout = Layout.of(cfg.parallel, world.world_size, strategy_class(cfg.parallel.strategy))
+        return check_resources(cfg, layout, world, precision, Peak(1e12, "t"), 4096, budget).memory_bytes
 
     assert check(Precision("cpu", "bf16", mixed=True)) <= budget
     with pytest.raises(ConfigError, match="model states"):

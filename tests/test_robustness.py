@@ -326,15 +326,41 @@ def test_abandoned_data_preparation_folders_are_removed(tiny_data_config, tmp_pa
 # ---------------------------------------------------------------- 13. layering
 
 
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, at the top or inside a function."""
+    """Every module ``path`` imports, at the top or inside a function, in every form: ``import a.b``, ``from a
+    import b`` (``a``, and ``a.b`` where that is a module), ``from a.b import c`` and relative imports (resolved
+    against the package ``path`` lies in)."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]  # an __init__.py's package is its folder
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] if node.level else ())
+            base = ".".join(p for p in (base, node.module or "") if p)
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")}
         elif isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
     return names
+
+
+def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
+    """``_imports`` resolves each form of import the layering test must catch."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "lab" / "measure" / "deep").mkdir(parents=True)
+    for folder in ("lab", "lab/measure", "lab/measure/deep", "lab/parallel"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "lab" / "parallel" / "mesh.py").write_text("")
+    module = tmp_path / "lab" / "measure" / "deep" / "m.py"
+    module.write_text("import lab.parallel.mesh\nfrom lab import parallel\nfrom lab.parallel.mesh import x\n"
+                      "from ... import parallel as p\nfrom ...parallel import mesh\n"
+                      "def f():\n    from .. import deep\n")
+    assert _imports(module) == {"lab.parallel.mesh", "lab", "lab.parallel", "lab.measure", "lab.measure.deep"}
 
 
 def _lab_imports(path: Path) -> set[str]:
@@ -361,8 +387,11 @@ LAYERS = {"runtime": 0, "measure": 1, "model": 2, "data": 2, "parallel": 3, "tra
 def test_lab_is_layered_and_no_part_imports_one_above_it():
     assert {p.name for p in (ROOT / "lab").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
     assert {p.name for p in (ROOT / "lab").glob("*.py")} == {"__init__.py", "__main__.py"}  # every module in a part
-    for path in (ROOT / "lab").glob("*/*.py"):
-        part = path.parent.name
+    for path in (ROOT / "lab").rglob("*.py"):
+        inside = path.relative_to(ROOT / "lab").parts
+        if len(inside) == 1:  # lab/__init__.py and lab/__main__.py: the top, above every part
+            continue
+        part = inside[0]
         for module in _lab_imports(path):
             other = module.split(".")[1] if "." in module else None
             assert other is None or LAYERS[other] <= LAYERS[part], (str(path.relative_to(ROOT)), module)

@@ -24,7 +24,7 @@ from lab.measure.device import Precision
 from lab.commands.equivalence import TINY, Setup, equivalence, loop_settings
 from lab.model import GPT
 from lab.training.optim import adamw_factory, param_groups
-from lab.parallel import Layout, LoopSettings, World, parse_spec
+from lab.parallel import Layout, LoopSettings, World, parse_spec, strategy_class
 from lab.training.plan import check_layout, check_model, create
 from pool import run_pooled
 from lab.parallel.axes.tensor import Split
@@ -133,14 +133,15 @@ def test_the_resource_check_divides_what_tp_divides():
     share of the activations: a memory budget between the two estimates refuses tp 1 and admits tp 2."""
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak
-    from lab.measure.admission import check_resources
+    from lab.training.admission import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
     precision = Precision("cpu")
 
     def estimate(available: float, **parallel: object):
         cfg = RunConfig(model=MODERN, parallel=ParallelConfig(strategy="zero3", **parallel))
-        return check_resources(cfg, world, precision, peak, MODERN.vocab_size, available)
+        layout = Layout.of(cfg.parallel, world.world_size, strategy_class(cfg.parallel.strategy))
+        return check_resources(cfg, layout, world, precision, peak, MODERN.vocab_size, available)
 
     sp = estimate(1e12, tp=2, sequence_parallel=True).memory_bytes
     states = accounting.model_state_bytes(accounting.tensor_parallel_params(MODERN, 2), "zero3", 2, "fp32").total
@@ -159,14 +160,15 @@ def test_the_resource_check_divides_what_pp_and_ep_divide():
     the whole model under pp and ep)."""
     from lab.runtime.config import RunConfig
     from lab.measure.device import Peak
-    from lab.measure.admission import check_resources
+    from lab.training.admission import check_resources
 
     world, peak = World(rank=0, world_size=4, local_rank=0, device=torch.device("cpu")), Peak(1e12, "test")
     precision = Precision("cpu")
 
     def estimate(available: float, model=MODERN, **parallel: object) -> float:
         cfg = RunConfig(model=model, parallel=ParallelConfig(strategy="ddp", **parallel))
-        return check_resources(cfg, world, precision, peak, MODERN.vocab_size, available).memory_bytes
+        layout = Layout.of(cfg.parallel, world.world_size, strategy_class(cfg.parallel.strategy))
+        return check_resources(cfg, layout, world, precision, peak, MODERN.vocab_size, available).memory_bytes
 
     activations = accounting.activation_bytes(MODERN, TrainConfig().micro_batch, 4)
     whole, staged = estimate(1e12), estimate(1e12, pp=2)

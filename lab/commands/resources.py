@@ -17,19 +17,13 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import NoReturn
 
 from lab.measure import accounting, fits, hardware, layouts
-from lab.runtime.config import ModelConfig
+from lab.runtime.config import ModelConfig, Parser, UsageExit
 
 
 class PlanError(Exception):
     """Input the planner cannot use; the message is one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise PlanError(message)
 
 
 # ---------------------------------------------------------------- argument types
@@ -333,7 +327,7 @@ USABLE_HELP = (f"fraction of each GPU's memory to plan with (default: {USABLE:g}
 
 
 def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Training time and memory on paper (see lab.measure.accounting).")
+    p = Parser(prog=prog, description="Training time and memory on paper (see lab.measure.accounting).")
     sub = p.add_subparsers(dest="command", required=True, metavar="{time,memory,mesh,model,peaks}")
 
     t = sub.add_parser("time", help="training FLOPs, GPU-hours and wall-clock days")
@@ -414,6 +408,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "plan") -> int:
         args = build_parser(prog).parse_args(argv)
         run: Callable[[argparse.Namespace], str] = args.run
         print(run(args))
+    except UsageExit as e:  # the parser's, its line printed
+        return int(e.code)
     except (PlanError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

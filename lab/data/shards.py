@@ -247,9 +247,9 @@ def prepare(cfg: DataConfig, progress: bool = True, shard_tokens: int = DEFAULT_
     """Prepare ``cfg``'s corpus (or find it already prepared) and return the folder.
 
     Idempotent and safe to run concurrently: nothing is written until the config and every
-    document have been checked, and the folder appears only when complete. ``progress`` shows
-    bars on stderr when it is a terminal; ``shard_tokens`` caps the tokens per shard file (and is part of the
-    fingerprint).
+    document have been checked, and the folder appears only when complete. ``progress`` says on stdout that a
+    preparation starts and shows bars on stderr when it is a terminal; ``shard_tokens`` caps the tokens per shard
+    file (and is part of the fingerprint).
     """
     if shard_tokens < 1:
         raise ConfigError(f"shard size must be a positive number of tokens, got {shard_tokens}")
@@ -258,6 +258,9 @@ def prepare(cfg: DataConfig, progress: bool = True, shard_tokens: int = DEFAULT_
     if is_prepared(folder):
         return folder
     scan = _scan(source, cfg.eval_fraction)  # every document is read and checked before any write
+    if progress:  # the first preparation of a corpus takes seconds to minutes: say so before it starts
+        print(f"preparing {cfg.corpus} once ({scan.chars:,} characters: a {cfg.tokenizer} tokenizer and shards) "
+              f"into {folder}", flush=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(folder)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.{_owner()}.", suffix=".tmp"))

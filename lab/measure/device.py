@@ -311,6 +311,19 @@ def _measured_peak(dtype: torch.dtype, record: PeakRecord) -> Peak:
     return Peak(record.flops, f"measured matmul peak ({record.describe()}{busy}; cached in {_cache_file()})", dtype)
 
 
+def slow_16bit_warning(peak: Peak) -> str | None:
+    """A ``warning:`` line when ``peak``, this CPU's measured matmul peak in a 16-bit dtype, is below its fp32 peak:
+    the 16-bit policy then saves memory and bytes sent, not time. None for fp32, a GPU or a given peak."""
+    if peak.measured not in (torch.bfloat16, torch.float16):
+        return None
+    fp32 = cpu_peak_flops(torch.float32).flops
+    if peak.flops >= fp32:
+        return None
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[peak.measured]
+    return (f"warning: this CPU's {name} matmul peak ({peak.flops:.3g} FLOP/s) is below its fp32 peak ({fp32:.3g}): "
+            f"{name} saves memory and bytes sent here, not time (--train.dtype fp32 runs faster)")
+
+
 def remeasure_low_peak(peak: Peak) -> Peak | None:
     """A CPU peak measured again now, when the figure ``peak`` holds reads lower than this one (a run's MFU above
     100 % says it does); else None. The best figure is cached, as in ``record_cpu_peak``."""

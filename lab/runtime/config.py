@@ -148,7 +148,9 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
     checkpoint_steps: str = _f("", "comma-separated steps at which a checkpoint is also saved and never pruned (a "
                                    "sweep's cooldown branches start from them)")
-    stop_after: int = _f(0, "stop after this many steps, keeping the full schedule (0: run the whole budget)")
+    stop_after: int = _f(0, "stop once the run reaches this step (a step number counted from the run's start, "
+                            "resumes included, not steps of this launch), keeping the full schedule (0: run the "
+                            "whole budget)")
     peak_flops: float = _f(0.0, "peak FLOP/s for MFU (0: the GPU table, or a matmul peak measured once per CPU "
                                 "and cached)")
     nonfinite: str = _f("skip", "when the gradient norm is not finite: skip (leave the weights, log the step) or "
@@ -461,17 +463,27 @@ def print_error(message: str) -> None:
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default in its help, once: not where the help states it already, nor a default of None."""
+    """Each option's default in its help, once: not where the help states it already, nor a default of None, nor a
+    flag's (False) or a repeatable option's (an empty list)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "(default" in text or action.default is None:
+        if "(default" in text or action.default is None or action.nargs == 0 or action.default == []:
             return text
         return super()._get_help_string(action) or ""
 
 
+class UsageExit(SystemExit):
+    """Raised by ``Parser`` on bad command-line input once its one ``error:`` line is printed: exit code 2. A front
+    end that returns its exit code catches it."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with whole option names only and one-line errors (with a suggestion) instead of the usage."""
+    """The project's argparse: whole option names only, and one ``error:`` line instead of the usage (an unknown
+    option named with the closest known one and where to look)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(allow_abbrev=False, formatter_class=DefaultsOnce, **kwargs)
@@ -481,11 +493,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments: "):
-            unknown = message.removeprefix("unrecognized arguments: ").split()[0].split("=")[0]
-            known = [o for a in self._actions for o in a.option_strings]
-            message = f"unknown option {unknown}{did_you_mean(unknown, known)}"
-        print_error(f"{message} (see {self.prog} --help)")
-        sys.exit(2)
+            if self._subparsers is None:  # every option is this parser's: it can name the closest
+                unknown = message.removeprefix("unrecognized arguments: ").split()[0].split("=")[0]
+                known = [o for a in self._actions for o in a.option_strings]
+                message = f"unknown option {unknown}{did_you_mean(unknown, known)}"
+            message += f" (see {self.prog} --help)"
+        print_error(message)
+        raise UsageExit
 
 
 def build_parser(prog: str, description: str, sections: tuple[str, ...] = tuple(SECTIONS)) -> argparse.ArgumentParser:

@@ -31,9 +31,9 @@ from lab import parallel
 from lab.data import PreparedData, check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure import memory
-from lab.measure.admission import Estimate, check_resources
-from lab.measure.device import (available_memory_bytes, peak_flops, precision_of, resolve_device,
-                                setup_device)
+from lab.training.admission import Estimate, check_resources
+from lab.measure.device import (available_memory_bytes, peak_flops, precision_of, resolve_device, setup_device,
+                                slow_16bit_warning)
 from lab.model import GPT
 from lab.parallel import RunEngine, World, backend_for, join_group_of_one
 from lab.parallel.comm import AxisFailed
@@ -226,13 +226,13 @@ def preflight(cfg: RunConfig, run_dir: Path | None, resume: str | None,
         world = World(rank=0, world_size=ranks, local_rank=0, device=resolve_device(cfg.train.device, 0))
     vocab = cfg.data.vocab_size if cfg.data.tokenizer == "bpe" else BytesTokenizer().vocab_size
     precision = precision_of(cfg.train, world.device)
-    plan_run(cfg, world.world_size, precision, vocab)
+    layout = plan_run(cfg, world.world_size, precision, vocab).layout
     check_source(cfg.data)
     mode = resume_mode(resume)
     if run_dir is not None:
         check_run_dir(run_dir, mode)
     budget = cfg.train.memory_budget * 2**30
-    estimate = check_resources(cfg, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
+    estimate = check_resources(cfg, layout, world, precision, peak_flops(world.device, precision, cfg.train.peak_flops),
                                vocab, budget or available_memory_bytes(world.device),
                                1 if budget else ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)))
     return world, mode, estimate
@@ -312,7 +312,8 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             checkpoint.clean_stale_temporaries(run_dir)
             save_json(run_dir / "config.json", cfg.to_dict())
             data.tokenizer.save(run_dir / "tokenizer")
-            log.say(start_line(cfg, world, run.steps, precision, peak, start, estimate, strategy.describe()))
+            line = start_line(cfg, world, run.steps, precision, peak, start, estimate, strategy.describe())
+            log.say("\n".join(filter(None, [line, slow_16bit_warning(peak)])))  # 16-bit slower here: a warning
             log.open_trackers(cfg, run_dir, resumed_at=start.step)
             log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
         try:

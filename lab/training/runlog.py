@@ -20,7 +20,7 @@ from lab import parallel
 from lab.data import PreparedData
 from lab.measure import accounting
 from lab.measure.hardware import duration as _duration
-from lab.measure.admission import ESTIMATE_MFU, Estimate
+from lab.training.admission import ESTIMATE_MFU, Estimate
 from lab.measure.device import Peak, Precision, remeasure_low_peak, threads
 from lab.parallel import Strategy, World
 from lab.runtime.config import RunConfig

@@ -5,7 +5,7 @@ through ``Strategy.take_record`` and ``lab.parallel.step_line``, named nowhere h
 
 The data position is the step number (the sampler is a pure function of seed and step), so resuming needs no data
 state. Setting a run up, restoring it and ending it are ``lifecycle``, the step plan and the config's checks
-``steps``, the log, the lines and the summary ``runlog``, the admission ``lab.measure.admission``.
+``steps``, the log, the lines and the summary ``runlog``, the admission ``lab.training.admission``.
 """
 
 from __future__ import annotations

@@ -533,3 +533,19 @@ def test_a_version_1_registry_is_upgraded_with_its_runs_kept(tmp_path):
     conn = sqlite3.connect(folder / reg.DB_NAME)
     assert conn.execute("SELECT name, status, run_dir FROM runs").fetchall() == [("a", "interrupted", "/r/a")]
     assert "interrupted" in conn.execute("SELECT sql FROM sqlite_master WHERE name = 'runs'").fetchone()[0]
+
+
+def test_the_sweep_copy_is_not_written_through_a_planted_temporary_link(write_sweep, tmp_path, monkeypatch):
+    from sweeps import cooldowns
+    from sweeps.cli import main
+
+    file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=THREE[:1])
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep")
+    (folder / f".sweep.toml.{os.getpid()}.tmp").symlink_to(precious)  # the name a copy without mkstemp would take
+    monkeypatch.setattr(cooldowns, "execute_branched", lambda *args: 0)  # the copy is what is under test, not runs
+    assert main(["run", str(file), "--folder", str(folder), "--no-progress"]) == 0
+    assert precious.read_text() == "keep"
+    assert not (folder / "sweep.toml").is_symlink() and (folder / "sweep.toml").read_text() == file.read_text()

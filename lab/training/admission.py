@@ -25,18 +25,17 @@ class Estimate:
     seconds: float  # at ESTIMATE_MFU
 
 
-def check_resources(cfg: RunConfig, world: parallel.World, precision: Precision, peak: Peak, vocab_size: int,
-                    available_bytes: float, local_world_size: int = 1) -> Estimate:
+def check_resources(cfg: RunConfig, layout: parallel.Layout, world: parallel.World, precision: Precision, peak: Peak,
+                    vocab_size: int, available_bytes: float, local_world_size: int = 1) -> Estimate:
     """Refuse a run whose states and activations cannot fit, or that could not finish within MAX_DAYS.
 
-    Memory: what one process holds under the layout (``Layout.share``: its model states in the widths of the run's
-    precision policy (``Accounts.state_widths``), and
-    ``Layout.activation_bytes``, one micro-batch's activations with a fused attention kernel: a lower bound);
+    Memory: what one process holds under the run's ``layout`` (``Layout.share``: its model states in the widths of
+    the run's precision policy (``Accounts.state_widths``), and ``Layout.activation_bytes``, one micro-batch's
+    activations with a fused attention kernel: a lower bound);
     processes on one CPU host share its available memory. Time: the run's FLOPs over the peak of all its devices.
     """
     shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
     strategy_cls = parallel.strategy_class(cfg.parallel.strategy)
-    layout = parallel.Layout.of(cfg.parallel, world.world_size, strategy_cls)
     accounts = strategy_cls.accounting
     states = layout.share(shape, accounts.state_row(strategy_cls, cfg.parallel), accounts.state_widths(precision)
                           ).states.total
