@@ -297,8 +297,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
     stops at the end of the step every rank is in, saves a checkpoint and reports ``interrupted``.
     ``restarts`` (how often torchrun restarted the group) is recorded in the summary.
     """
-    started = time.perf_counter()
-    data = PreparedData.load(data_dir)
+    started, data = time.perf_counter(), PreparedData.load(data_dir)
     setup_device(world.device)
     precision = precision_of(cfg.train, world.device)
     run = plan_run(cfg, world.world_size, precision, data.tokenizer.vocab_size)
