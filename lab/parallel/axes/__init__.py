@@ -158,6 +158,20 @@ class Transform(Figures):
         yield
 
 
+def replace_module(model: nn.Module, name: str, kind: type[nn.Module], **attributes: object) -> nn.Module:
+    """Put in the place of module ``name`` of ``model`` an instance of ``kind`` (a subclass of its class) that holds
+    the same parameters, buffers, hooks and attributes, and ``attributes`` besides; return it. A transform changes
+    what a module of the model's plan runs this way, under the module's own name (its parameters keep theirs)."""
+    old = model.get_submodule(name)
+    new = kind.__new__(kind)
+    new.__dict__.update(old.__dict__)
+    for key, value in attributes.items():
+        setattr(new, key, value)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+    return new
+
+
 class GroupReplicas(Replicas):
     """Every rank of an axis holds the same values."""
 

@@ -10,9 +10,10 @@
   kept and the cheap ones (norms, activations, element-wise ops) recomputed, with torch's
   selective checkpoint policy.
 
-Units are wrapped in place (their ``forward`` is replaced), so parameter names and module hooks
-stay as they were: a sharding strategy that gathers a unit's weights around its forward sees the
-same module.
+Each unit is replaced, through the plan, by an instance of a checkpointed subclass of its own class holding the same
+parameters, hooks and attributes (``lab.parallel.axes.replace_module``), so parameter names and module hooks stay as
+they were: a sharding strategy that gathers a unit's weights around its forward sees the same module. The head is a
+method of the model: ``full`` wraps it in place.
 
 ``SavedBytes`` counts, with saved-tensor hooks, the bytes autograd keeps for the backward of one
 micro-step: every saved tensor that is not a parameter (distinct storages once), plus under
@@ -34,7 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lab.runtime import compat
 from lab.model.plan import ParallelPlan
-from lab.parallel.axes import Transform
+from lab.parallel.axes import Transform, replace_module
 
 if TYPE_CHECKING:
     from lab.parallel.layout import LoopSettings, Mesh
@@ -144,10 +145,30 @@ def apply(model: nn.Module, plan: ParallelPlan, mode: str, meter: SavedBytes) ->
     context_fn = (functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep_expensive, meter))
                   if mode == "selective" else None)
     for name in plan.units:
-        unit = model.get_submodule(name)
-        unit.forward = functools.partial(_checkpointed, unit.forward, meter, context_fn)
+        replace_module(model, name, checkpointed(type(model.get_submodule(name))), checkpoint_meter=meter,
+                       checkpoint_context=context_fn)
     if mode == "full" and plan.head is not None:
         setattr(model, plan.head, functools.partial(_checkpointed, getattr(model, plan.head), meter, None))
+
+
+class Checkpointed(nn.Module):
+    """What a checkpointed unit adds to its class: its own forward, under ``torch.utils.checkpoint``."""
+
+    checkpoint_meter: SavedBytes
+    checkpoint_context: Callable | None
+
+    def forward(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        return _checkpointed(super().forward, self.checkpoint_meter, self.checkpoint_context, x, *args)
+
+
+_CHECKPOINTED: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def checkpointed(kind: type[nn.Module]) -> type[nn.Module]:
+    """``kind`` whose forward runs under activation checkpointing: one subclass per class, made once."""
+    if kind not in _CHECKPOINTED:
+        _CHECKPOINTED[kind] = type(f"Checkpointed{kind.__name__}", (Checkpointed, kind), {})
+    return _CHECKPOINTED[kind]
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor], meter: SavedBytes, context_fn: Callable | None,

@@ -59,7 +59,7 @@ from lab.measure import accounting
 from lab.runtime.checkpoint import Blocks, Pieces, overlap, row_blocks
 from lab.runtime.config import ConfigError, ParallelConfig
 from lab.model.plan import ParallelPlan, TensorPlan
-from lab.parallel.axes import AxisMeters, GroupReplicas, Transform
+from lab.parallel.axes import AxisMeters, GroupReplicas, Transform, replace_module
 from lab.parallel.comm import Comm
 from lab.parallel.layout import LoopSettings, Mesh, World
 
@@ -215,21 +215,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- the split modules
-# Each replaces a module of the model, through its plan, under the module's own name: an instance of the module's own
-# class (a linear layer is still an ``nn.Linear``, a norm a norm) holding the same parameters, now this rank's shard.
-
-
-def replace(model: nn.Module, name: str, kind: type[nn.Module], **attributes: object) -> nn.Module:
-    """Put in the place of module ``name`` of ``model`` an instance of ``kind`` (a subclass of its class) that holds
-    the same parameters, buffers and attributes, and ``attributes`` besides; return it."""
-    old = model.get_submodule(name)
-    new = kind.__new__(kind)
-    new.__dict__.update(old.__dict__)
-    for key, value in attributes.items():
-        setattr(new, key, value)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-    return new
+# Each replaces a module of the model, through its plan, under the module's own name (``replace_module``): an instance
+# of a subclass of the module's class (a linear layer is still an ``nn.Linear``) holding the same parameters, now
+# this rank's shard.
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -431,30 +419,30 @@ class TensorParallel(Transform):
 
     def parallelize(self, model: nn.Module, plan: ParallelPlan) -> nn.Module:
         """Split ``model`` (on any device, meta included) across the group, in place, as its plan says: each split
-        module replaced by its tensor-parallel kind (``replace``), holding this rank's shard."""
+        module replaced by its tensor-parallel kind (``replace_module``), holding this rank's shard."""
         tensor = plan.tensor
         for name, column in tensor.column.items():
             self._shard(model, name, 0, column.blocks, column.shared(self.n))
-            replace(model, name, ColumnParallelLinear, tp=self, weight_split=self.splits[f"{name}.weight"],
+            replace_module(model, name, ColumnParallelLinear, tp=self, weight_split=self.splits[f"{name}.weight"],
                     bias_split=self.splits.get(f"{name}.bias"))
         for name in tensor.row:
             self._shard(model, name, 1, (model.get_submodule(name).in_features,))
-            replace(model, name, RowParallelLinear, tp=self)
+            replace_module(model, name, RowParallelLinear, tp=self)
         tensor.split_heads(self.n)
         rows = model.get_submodule(tensor.embedding).weight.shape[0]
         self._shard(model, tensor.embedding, 0, (rows,))
         first = self.rank * rows // self.n
-        replace(model, tensor.embedding, VocabParallelEmbedding, tp=self, first=first)
+        replace_module(model, tensor.embedding, VocabParallelEmbedding, tp=self, first=first)
         head_owner = tensor.head_weight.rpartition(".")[0]
         if head_owner != tensor.embedding:
             self._shard(model, head_owner, 0, (rows,))
         if self.sequence_parallel:
             for name in tensor.sequence_norms:
                 norm = model.get_submodule(name)
-                replace(model, name, SequenceParallelRMSNorm if isinstance(norm, nn.RMSNorm)
+                replace_module(model, name, SequenceParallelRMSNorm if isinstance(norm, nn.RMSNorm)
                         else SequenceParallelLayerNorm, tp=self)
             if tensor.positions is not None:
-                replace(model, tensor.positions, SequenceParallelPositions, tp=self)
+                replace_module(model, tensor.positions, SequenceParallelPositions, tp=self)
         parent, _, child = tensor.loss.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
                 VocabParallelLoss(self, first, tensor.vocab_size, tensor.logit_divisor))
