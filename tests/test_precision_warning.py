@@ -154,3 +154,13 @@ def test_no_line_a_run_starts_with_or_warns_in_is_over_200_characters(args, tmp_
     for begins in ("warning: the measured fp32 peak was taken under load 99.00", "warning: this CPU's bf16 matmul",
                    "warning: MFU above 100%: the peak (1e+06 FLOP/s, measured fp32) read low; measured again: "):
         assert sum(line.startswith(begins) for line in warnings) == 1, begins
+
+
+def test_lab_peak_gives_what_left_the_start_line_the_cache_and_a_busy_peaks_caveat(monkeypatch, tmp_path, capsys):
+    _peaks(monkeypatch, tmp_path, fp32=2e9, bf16=3e9, load=50.0)
+    device.cpu_peak_flops(torch.float32)
+    assert device.peak_main([]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(f"; cache {tmp_path / 'scaling-lab' / 'cpu-peaks.json'}")
+    assert out[1].startswith("fp32: 2.0 GFLOP/s (measured ")
+    assert out[1].endswith("; busy then: reads low, so MFU reads high)")
