@@ -240,8 +240,8 @@ def peak_flops(device: torch.device, precision: Precision, override: float = 0.0
 
 def cpu_matmul_peak(dtype: torch.dtype) -> Peak:
     """The peak of this CPU's matmuls in ``dtype``: its measured figure, or the fp32 one where that is higher. A CPU
-    without 16-bit units computes 16-bit matmuls no faster than fp32 ones (and a run's outpace the 16-bit
-    benchmark), so its fp32 peak bounds them."""
+    without 16-bit units computes 16-bit matmuls no faster than fp32 ones, so its fp32 peak bounds them (issue 61
+    saw a run's bf16 matmuls outpace the bf16 benchmark there)."""
     peak = cpu_peak_flops(dtype)
     if dtype == torch.float32:
         return peak
@@ -283,6 +283,11 @@ class PeakRecord:
 
     def describe(self) -> str:
         return (f"{threads(self.threads)}, " if self.threads else "") + f"{self.measured_at}, {self.load_text}"
+
+    @property
+    def caveat(self) -> str:
+        """What follows its description when it was taken on a busy machine."""
+        return "; busy then: reads low, so MFU reads high" if self.busy else ""
 
     @property
     def busy(self) -> bool:
@@ -335,10 +340,9 @@ def _measuring():
 
 
 def _measured_peak(dtype: torch.dtype, record: PeakRecord) -> Peak:
-    busy = ("; busy then: reads low, so MFU reads high; python -m lab peak --remeasure on a quiet machine"
-            if record.busy else "")
-    return Peak(record.flops, f"measured matmul peak ({record.describe()}{busy}; cached in {_cache_file()})", dtype,
-                record)
+    remeasure = "; python -m lab peak --remeasure on a quiet machine" if record.busy else ""
+    return Peak(record.flops, f"measured matmul peak ({record.describe()}{record.caveat}{remeasure}; cached in "
+                              f"{_cache_file()})", dtype, record)
 
 
 def peak_warnings(peak: Peak, precision: Precision) -> list[str]:
@@ -418,8 +422,7 @@ def peak_main(argv: list[str] | None = None, prog: str = "python -m lab peak") -
             print(f"{name}: {now.flops / 1e9:,.1f} GFLOP/s now ({now.describe()}); kept {best.flops / 1e9:,.1f} "
                   f"GFLOP/s (measured {best.describe()})")
         elif (kept := cache.get(_peak_key(dtype))) is not None:
-            busy = "; busy then: reads low, so MFU reads high" if kept.busy else ""
-            print(f"{name}: {kept.flops / 1e9:,.1f} GFLOP/s (measured {kept.describe()}{busy})")
+            print(f"{name}: {kept.flops / 1e9:,.1f} GFLOP/s (measured {kept.describe()}{kept.caveat})")
         else:
             print(f"{name}: not measured yet (the first CPU run measures it, or pass --remeasure)")
     return 0
