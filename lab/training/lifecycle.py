@@ -32,8 +32,8 @@ from lab.data import PreparedData, check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure import memory
 from lab.training.admission import Estimate, check_resources
-from lab.measure.device import (available_memory_bytes, peak_flops, precision_of, resolve_device, setup_device,
-                                slow_16bit_warning)
+from lab.measure.device import (available_memory_bytes, peak_flops, peak_warnings, precision_of, resolve_device,
+                                setup_device)
 from lab.model import GPT
 from lab.parallel import RunEngine, World, backend_for, join_group_of_one
 from lab.parallel.comm import AxisFailed
@@ -312,7 +312,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             save_json(run_dir / "config.json", cfg.to_dict())
             data.tokenizer.save(run_dir / "tokenizer")
             line = start_line(cfg, world, run.steps, precision, peak, start, estimate, strategy.describe())
-            log.say("\n".join(filter(None, [line, slow_16bit_warning(peak)])))  # 16-bit slower here: a warning
+            log.say("\n".join([line, *peak_warnings(peak, precision)]))  # a busy machine's peak, slow 16-bit matmuls
             log.open_trackers(cfg, run_dir, resumed_at=start.step)
             log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
         try:
