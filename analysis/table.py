@@ -19,6 +19,7 @@ that are off by more than ``FLOPS_OUTLIER_FACTOR``.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import conditions
-from lab.runtime.files import read_json, read_lines
+from lab.runtime.files import RECORDS_MAX_BYTES, loads_line, read_json, read_lines, read_plain
 from lab.runtime.scores import task_columns
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
@@ -37,6 +38,7 @@ PARAMS_COUNTS = ("total", "non_embedding")
 # The smallest form of L(N, D) (one shared exponent) has four free parameters, so a fit needs at least five runs
 # (the five-parameter forms six: analysis.fit leaves them out below that).
 MIN_RUNS = 5
+LARGEST_VALUE = 1e40  # far above any run's parameters, tokens or FLOPs; beyond it the fit's products overflow
 SUMMARY_KEYS = ("params", "params_non_embedding", "tokens", "flops")
 # Runs sharing N and D: each its own point (the literature's estimators fit every run), averaged, or refused.
 DUPLICATE_POLICIES = ("keep", "mean", "refuse")
@@ -254,13 +256,13 @@ def _read_file(path: Path) -> pd.DataFrame:
     suffix = path.suffix.lower()
     try:
         if suffix == ".csv":
-            return pd.read_csv(path)
+            return pd.read_csv(io.BytesIO(read_plain(path, RECORDS_MAX_BYTES)))
         if suffix == ".parquet":
-            return pd.read_parquet(path)
+            return pd.read_parquet(io.BytesIO(read_plain(path, RECORDS_MAX_BYTES)))
         if suffix == ".jsonl":
             return pd.DataFrame(_read_jsonl_records(path))
         if suffix == ".json":
-            data = read_json(path)
+            data = read_json(path, follow=True)
             if isinstance(data, dict) and isinstance(data.get("runs"), list):
                 data = data["runs"]
             if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
@@ -277,13 +279,24 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def metrics_lines(metrics: Path) -> list[str]:
+    """The lines of a run's metrics.jsonl (none when it is missing); InputError (one line) when it is a link, a FIFO
+    or anything but a plain file of bounded size (``read_lines``)."""
+    if not (metrics.exists() or metrics.is_symlink()):
+        return []
+    try:
+        return read_lines(metrics)
+    except OSError as exc:
+        raise InputError(f"{metrics}: cannot read ({exc.strerror or exc})") from None
+
+
 def _read_jsonl_records(path: Path) -> list[dict]:
     records = []
-    for i, line in enumerate(read_lines(path), 1):
+    for i, line in enumerate(read_lines(path, follow=True), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = loads_line(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{i}: not valid JSON ({exc.msg})") from exc
         if not isinstance(record, dict):
@@ -428,6 +441,10 @@ def _numeric(frame: pd.DataFrame, column: str) -> np.ndarray:
     if bad.any():
         raise InputError(f"column '{column}' has {int(bad.sum())} non-positive value(s) "
                          f"({_preview(list(ids[bad]))}); every value must be > 0")
+    huge = values > LARGEST_VALUE
+    if huge.any():
+        raise InputError(f"column '{column}' has {int(huge.sum())} value(s) above {LARGEST_VALUE:g} "
+                         f"({_preview(list(ids[huge]))}); no run has such a size (a unit or a typo?)")
     return values
 
 
@@ -591,14 +608,14 @@ def _attach_curves(table: RunTable, run_dirs: list[Path | None]) -> None:
     bad_lines = 0
     for row, run_dir in enumerate(run_dirs):
         metrics = None if run_dir is None else run_dir / "metrics.jsonl"
-        if metrics is None or not metrics.is_file():
+        if metrics is None or not (metrics.exists() or metrics.is_symlink()):
             continue
         train, evals = [], []
-        for line in read_lines(metrics):
+        for line in metrics_lines(metrics):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = loads_line(line)
             except json.JSONDecodeError:
                 bad_lines += 1
                 continue

@@ -24,6 +24,7 @@ from sweeps.registry import DB_NAME, Registry, RegistryError, Row
 from sweeps.runs import PlannedRun
 from sweeps.verify import HELD_OUT_FACTOR
 from lab.runtime.config import RunConfig
+from lab.runtime.files import refuse_foreign_folder
 
 EXIT_BAD_INPUT = 2
 SWEEP_COPY = "sweep.toml"
@@ -251,6 +252,7 @@ def _run(args: argparse.Namespace) -> int:
         return _refuse(result.refused)
     _warn(result)
     # the executor is checked before the lock, which creates the folder: a refusal leaves nothing behind
+    refuse_foreign_folder(sweep.folder, (DB_NAME,), "the sweep folder", ignore=(".driver.lock",))
     known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
     executor = _executor(args, sweep, known)
     _check_fits(executor, result.runs)
@@ -458,3 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, specs.SpecError, RegistryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # a full disk or quota: what is recorded stays, the sweep resumes when run again
+        print(f"error: {e.filename or 'the sweep folder'} could not be written ({e.strerror or e}); free space and "
+              f"run the sweep again", file=sys.stderr)
+        return 1
