@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import conditions
-from lab.runtime.files import RECORDS_MAX_BYTES, loads_line, read_json, read_lines, read_plain
+from lab.runtime.files import RECORDS_MAX_BYTES, loads_line, read_json, read_lines, read_plain, unprintable
 from lab.runtime.scores import task_columns
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
@@ -178,7 +178,10 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
     frame = _apply_mapping(frame, columns or {})
     if "run_id" not in frame.columns:
         frame["run_id"] = [f"row {i + 1}" for i in range(len(frame))]
-    frame["run_id"] = frame["run_id"].astype(str)
+    # every id a str (pandas' string dtype keeps an empty cell as NaN: such a run is named by its row)
+    frame["run_id"] = [f"row {i + 1}" if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+                       else str(v) for i, v in enumerate(frame["run_id"].to_numpy(object))]
+    _printable([*map(str, frame.columns), *frame["run_id"]])
     keep = _completed(frame, warnings)
     side_note = None
     if not side_runs:
@@ -245,6 +248,14 @@ def _select(runs: pd.DataFrame, exclude: list[str], drop_highest_loss: int) -> t
     dropped = [{"run_id": str(ids[i]), "params": float(runs["params"].iloc[i]), "tokens": float(runs["tokens"].iloc[i]),
                 "loss": float(runs["loss"].iloc[i]), "reason": reasons[i]} for i in sorted(reasons)]
     return keep, dropped
+
+
+def _printable(names: list[str]) -> None:
+    """InputError (one line) for a column name or run id with a control or line-separator character: every one
+    reaches the printed lines and reports, where it would break or forge a line."""
+    bad = next((name for name in names if unprintable(name) is not None), None)
+    if bad is not None:
+        raise InputError(f"the column name or run_id {bad[:80]!r} holds the control character {unprintable(bad)!r}")
 
 
 def _preview(items: list[str], limit: int = 5) -> str:

@@ -355,6 +355,8 @@ CASES = {
     "--folder of a 300-character name": Case(_sweep_folder(LONG), "is too long"),
     "--run-dir of a 300-character name": Case(lambda tmp, ctx: (run_main, [*ctx["args"], "--run-dir",
                                                                            str(tmp / LONG)]), "is too long"),
+    "train.micro_batch of 40 digits (found by the fuzz test: hung)":
+        Case(_option("--train.micro_batch", "9" * 40), "is not a multiple of train.micro_batch"),
     "RANK=1 without WORLD_SIZE": Case(_environment(RANK="1"), "RANK=1 is set without WORLD_SIZE"),
     "RANK=abc": Case(_environment(RANK="abc", WORLD_SIZE="2"), "RANK='abc' must be a whole number"),
     "a stale LAB_AGENT_PID": Case(_environment(TORCHELASTIC_RUN_ID="x", LAB_AGENT_PID="999999999"),
@@ -363,12 +365,15 @@ CASES = {
                                                           "model.n_layer must be at most"),
     "a JSONL table line nested 200,000 deep": Case(_jsonl_table('{"params": ' + "[" * 200_000 + "]" * 200_000
                                                                 + "}\n"), "nested too deeply"),
+    "a run_id with U+2028 in a table (found by the fuzz test: forged a line)":
+        Case(_csv_rows(lambda lines: [line.replace("run0003", "run\u2028error: forged") for line in lines]),
+             "holds the control character '\\u2028'"),
     "params = 1e308 in a table": Case(_csv_rows(_huge_params), "column 'params' has 1 value(s) above 1e+40"),
     "an HF config.json that is a list": Case(_hf_folder([1, 2]), "is not a model's config"),
     "an HF config.json without vocab_size":
         Case(_hf_folder({k: v for k, v in TINY_HF.items() if k != "vocab_size"}), "no vocab_size"),
     'an HF config.json with n_layer "3"': Case(_hf_folder({**TINY_HF, "n_layer": "3"}),
-                                               'n_layer = "3" must be a whole number'),
+                                               'n_layer = "3" must be a positive whole number'),
     "an HF index whose weight_map names ../outside":
         Case(_hf_folder(TINY_HF, model_safetensors_index_json={"weight_map": {"a": "../outside.safetensors"}}),
              "weight_map names the file '../outside.safetensors'"),

@@ -176,9 +176,9 @@ def _numbers(hf: dict, where: str) -> None:
         if value is None or (field not in HF_SIZES and field not in HF_SCALES):
             continue
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or \
-                (not whole and not float("-inf") < value < float("inf")):
-            raise ConfigError(f"{where}: {field} = {json.dumps(value)} must be a "
-                              f"{'whole number' if whole else 'finite number'}")
+                (not whole and not float("-inf") < value < float("inf")) or (whole and value < 1):
+            raise ConfigError(f"{where}: {field} = {json.dumps(value)[:40]} must be a "
+                              f"{'positive whole number' if whole else 'finite number'}")
 
 
 HF_SIZES = ("vocab_size", "n_layer", "n_head", "n_embd", "n_inner", "n_positions", "hidden_size",
@@ -195,10 +195,15 @@ def model_config(hf: object, where: str) -> ModelConfig:
     _numbers(hf, where)
     kind = hf.get("model_type")
     required = {"gpt2": ("vocab_size",), "llama": ("vocab_size", "hidden_size", "num_attention_heads",
-                                                    "num_hidden_layers", "intermediate_size")}.get(kind, ())
-    if missing := [field for field in required if hf.get(field) is None]:
+                                                    "num_hidden_layers", "intermediate_size")}
+    if not isinstance(kind, str) or kind not in required:
+        raise _refuse(where, "model_type", kind, "gpt2 and llama are the two it reads")
+    if missing := [field for field in required[kind] if hf.get(field) is None]:
         raise ConfigError(f"{where}: no {missing[0]} (a {kind} config needs it)")
-    model = _model_config(hf, where, kind)
+    try:
+        model = _model_config(hf, where, kind)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:  # a field of another type than HF's
+        raise ConfigError(f"{where}: not a {kind} config the lab reads ({' '.join(str(e).split())[:160]})") from None
     validate(model)
     return model
 
