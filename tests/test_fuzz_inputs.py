@@ -104,12 +104,14 @@ def deadline(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _sweep(path: Path, data: bytes, capsys) -> None:
+def _sweep(path: Path, data: bytes, capsys) -> bool:
+    """Whether ``sweeps plan`` accepted the file (False: refused in its lines, checked here)."""
     path.write_bytes(data)
     code = sweeps_main(["plan", str(path), "--folder", str(path.parent / "sweep")])
     err = capsys.readouterr().err.strip().splitlines()
     # a plan refuses each run it cannot plan on its own line (``sweeps.cli._refuse``); nothing else is printed
     assert code == 0 or (err and all(line.startswith(("error: ", "warning: ")) for line in err)), (code, err)
+    return code == 0
 
 
 def _config(path: Path, data: bytes, capsys) -> None:
@@ -151,8 +153,8 @@ def fuzz(kind: str, count: int, seed: int, root: Path, capsys) -> tuple[int, int
         data = mutate(text, rng)
         try:
             with deadline(PER_INPUT_S):
-                check(folder / "input", data, capsys)
-            accepted += 1
+                ok = check(folder / "input", data, capsys)
+            accepted, refused = (accepted + 1, refused) if ok is not False else (accepted, refused + 1)
         except REFUSALS as e:
             assert len(str(e).strip().splitlines()) == 1, (kind, i, data[:200], str(e))
             refused += 1
@@ -174,7 +176,7 @@ KINDS = ["sweep file", "run config", "CSV table", "JSONL table", "HF config"]
 def test_fuzzed_inputs_end_in_one_line_or_work(kind, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     accepted, refused = fuzz(kind, 60, 0, tmp_path, capsys)
-    assert accepted + refused == 60
+    assert accepted + refused == 60 and refused > 0  # the mutations reach the checks
     assert sorted(p.name for p in tmp_path.iterdir()) == [kind.replace(" ", "-")]
 
 

@@ -566,3 +566,33 @@ def test_a_full_disk_during_sweeps_run_is_one_line(tmp_path, capsys, monkeypatch
     code = sweeps_main(["run", str(tmp_path / "s.toml"), "--folder", str(tmp_path / "sweep"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err
+
+
+@pytest.mark.slow
+def test_an_hf_export_replaces_only_its_own_folder_and_an_import_waits_for_no_run(args, finished_run, tmp_path,
+                                                                                  capsys):
+    run, out = _finished_copy({"finished": finished_run}, tmp_path), tmp_path / "hf"
+    for _ in range(2):  # the second replaces the first, which holds its marker
+        assert export_main([str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert (out / ".lab-export").is_file() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "r"]  # no temporary folder left
+    (tmp_path / "imported").mkdir()
+    held = take_lock(tmp_path / "imported" / ".lock")  # a run training there
+    try:
+        assert import_main([str(out), "--run-dir", str(tmp_path / "imported"), *args[args.index("--data.corpus"):]]) \
+            == 2
+    finally:
+        held.close()
+    assert "is in use by another run" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "imported").iterdir()) == [".lock"]  # nothing written meanwhile
+
+
+def test_a_line_nested_too_deeply_is_an_unreadable_line_for_every_reader(tmp_path):
+    from lab.runtime.files import loads_line
+    from sweeps.progress import last_step
+
+    deep = "[" * 200_000 + "]" * 200_000
+    with pytest.raises(json.JSONDecodeError, match="nested too deeply"):
+        loads_line(deep)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n' + deep[:8000] + deep[-8000:] + "\n")
+    assert last_step(tmp_path) == 3
