@@ -1,4 +1,4 @@
-"""Every hostile input of the reviews (issues 32 and 48), in one table: each gives one ``error:`` line and a non-zero
+"""Every hostile input of the reviews (issues 32, 48 and 59), in one table: each gives one ``error:`` line and a non-zero
 exit, writes nothing outside the folder it was given and loses nothing in it (docs/bad-inputs.md lists them with
 what the user sees). In-process, each on a copy of one finished tiny run or on a small file of its own."""
 
@@ -596,3 +596,14 @@ def test_a_line_nested_too_deeply_is_an_unreadable_line_for_every_reader(tmp_pat
         loads_line(deep)
     (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n' + deep[:8000] + deep[-8000:] + "\n")
     assert last_step(tmp_path) == 3
+
+
+def test_lab_plot_reads_metrics_bounded_and_never_through_a_link(tmp_path):
+    from lab.commands.plot import read_curves
+    from lab.runtime.config import ConfigError
+
+    (tmp_path / "outside.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").symlink_to(tmp_path / "outside.jsonl")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        read_curves(tmp_path / "r")
