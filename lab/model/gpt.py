@@ -53,9 +53,10 @@ def width_ratio(cfg: ModelConfig) -> float:
     return cfg.d_model / cfg.mup_base_width
 
 
-# Sizes far beyond any model the lab trains (llama3-70b has 80 layers, d_model 8192, d_ff 28672)
-LARGEST = {"n_layer": 4096, "n_head": 4096, "n_kv_head": 4096, "d_model": 2**18, "d_ff": 2**20,
-           "block_size": 2**22, "vocab_size": 2**24, "pad_vocab_to": 2**16}
+# Sizes far beyond any model the lab trains or a sweep plans at its largest budget (1e30 FLOPs: d_model 707,904,
+# 11,061 heads, 48 layers); llama3-70b has 80 layers, d_model 8192, d_ff 28672
+LARGEST = {"n_layer": 2**16, "n_head": 2**20, "n_kv_head": 2**20, "d_model": 2**24, "d_ff": 2**26,
+           "block_size": 2**24, "vocab_size": 2**26, "pad_vocab_to": 2**16}
 
 
 def validate(cfg: ModelConfig) -> None:
