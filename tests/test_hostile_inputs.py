@@ -359,6 +359,8 @@ CASES = {
         Case(_option("--train.micro_batch", "9" * 40), "is not a multiple of train.micro_batch"),
     "RANK=1 without WORLD_SIZE": Case(_environment(RANK="1"), "RANK=1 is set without WORLD_SIZE"),
     "RANK=abc": Case(_environment(RANK="abc", WORLD_SIZE="2"), "RANK='abc' must be a whole number"),
+    "LOCAL_RANK=abc (the error line itself was a traceback)":
+        Case(_environment(LOCAL_RANK="abc"), "LOCAL_RANK='abc' must be a whole number"),
     "a stale LAB_AGENT_PID": Case(_environment(TORCHELASTIC_RUN_ID="x", LAB_AGENT_PID="999999999"),
                                   "is not this rank's parent"),
     "config.json with n_layer = 100000000 (export)": Case(_run_config({"model": {"n_layer": 100_000_000}}),

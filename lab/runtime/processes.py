@@ -47,10 +47,10 @@ def check_rank_environment() -> None:
             raise ConfigError(f"the environment variable {name}={text[:40]!r} must be a whole number (torchrun sets "
                               f"it; unset it to run one process)")
         values[name] = None if text is None else int(text)
+    if values["RANK"] and values["WORLD_SIZE"] is None:
+        raise ConfigError(f"RANK={values['RANK']} is set without WORLD_SIZE; torchrun sets both (unset RANK to run "
+                          f"one process)")
     for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
-        if values[rank] and values[size] is None:
-            raise ConfigError(f"{rank}={values[rank]} is set without {size}; torchrun sets both (unset {rank} to "
-                              f"run one process)")
         if values[size] is not None and not (values[size] >= 1 and (values[rank] or 0) < values[size]):
             raise ConfigError(f"{rank}={values[rank] or 0} is not a rank of {size}={values[size]}")
     agent = values[AGENT_PID]
