@@ -119,7 +119,7 @@ def read_law(law_path: str | Path) -> tuple[str, dict]:
     """("curves", curves.json) or ("fit", fit.json) at ``law_path``; LawError for anything else."""
     path = Path(law_path)
     try:
-        doc = read_json(path)
+        doc = read_json(path, follow=True)
     except (OSError, ValueError) as exc:  # UnreadableFile is a ValueError
         raise LawError(f"cannot read the law {path}: {' '.join(str(exc).split())}") from None
     if isinstance(doc, dict) and isinstance(doc.get("fit"), dict) and "law" in doc["fit"]:

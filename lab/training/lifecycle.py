@@ -39,7 +39,8 @@ from lab.parallel import RunEngine, World, backend_for, join_group_of_one
 from lab.parallel.comm import AxisFailed
 from lab.runtime import chaos, checkpoint
 from lab.runtime.config import ConfigError, RunConfig, print_error
-from lab.runtime.files import LockHeld, LockUnusable, dumps, probe_writable, read_json, save_json, take_lock
+from lab.runtime.files import (LockHeld, LockUnusable, check_plain_files, dumps, probe_writable, read_json,
+                               refuse_foreign_folder, save_json, take_lock)
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.training.optim import adamw_factory, param_groups
 from lab.training.runlog import RunLog, start_line, summarise
@@ -85,6 +86,7 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     before its summary is (resuming at the last step only writes the summary).
     """
     probe_writable(run_dir, "--run-dir")
+    check_own_run_dir(run_dir)
     if mode != "never":
         refuse_completed(run_dir)  # with or without its checkpoints (freed for disk space)
     has_checkpoint = checkpoint.latest(run_dir) is not None
@@ -113,6 +115,15 @@ def _read_json(path: Path) -> dict:
 
 
 RUN_LOCK = ".lock"  # in the run directory: held by rank 0 for the whole run
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "attempts.jsonl")  # read and appended to
+
+
+def check_own_run_dir(run_dir: Path) -> None:
+    """ConfigError (one line) for a folder the lab did not write (one that holds something but no lock or
+    checkpoints: the user's own config.json is never overwritten) or a run file that is a link, a FIFO or a folder
+    (never followed, read or appended to)."""
+    refuse_foreign_folder(run_dir, (RUN_LOCK, "checkpoints"), "--run-dir")
+    check_plain_files(run_dir, RUN_FILES)
 
 
 def lock_run_dir(run_dir: Path) -> IO[bytes]:

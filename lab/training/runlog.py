@@ -5,7 +5,6 @@ fragment of the step line (``lab.measure.figures.Figures.line``, gathered by ``l
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -24,7 +23,8 @@ from lab.training.admission import ESTIMATE_MFU, Estimate
 from lab.measure.device import Peak, Precision, remeasure_low_peak, threads
 from lab.parallel import Strategy, World
 from lab.runtime.config import RunConfig
-from lab.runtime.files import append_line, dumps, fsync_file, fsync_folder, read_lines, write_atomic
+from lab.runtime.files import (append_line, dumps, fsync_file, fsync_folder, loads_line, open_append, read_lines,
+                               write_atomic)
 from lab.training import expect, trackers
 from lab.training.steps import Start, StepPlan
 
@@ -56,7 +56,7 @@ class RunLog:
 
     def record(self, rec: dict) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
+            with open_append(self.path) as f:
                 f.write(dumps(rec) + "\n")
             if self.trackers:
                 self.trackers.record(rec)
@@ -92,7 +92,7 @@ class RunLog:
         """The eval records in metrics.jsonl (rank 0): a resumed run's, those its earlier segments kept."""
         if not (self.enabled and self.path.exists()):
             return []
-        return [rec for line in self.path.read_text().splitlines()
+        return [rec for line in read_lines(self.path)
                 if (rec := _parse_record(line)) is not None and "eval_loss" in rec]
 
     def say(self, text: str) -> None:
@@ -109,8 +109,8 @@ def _parse_record(line: str) -> dict | None:
     """A metrics record, or None for a blank or torn line (a run killed mid-write) or any line that is not a record
     with a whole step number (a hand-edited one)."""
     try:
-        rec = json.loads(line)
-    except (ValueError, RecursionError):
+        rec = loads_line(line)
+    except ValueError:
         return None
     step = rec.get("step") if isinstance(rec, dict) else None
     return rec if isinstance(step, int) and not isinstance(step, bool) else None
