@@ -27,10 +27,9 @@ from analysis.synthetic import isoflop_runs
 from analysis.table import InputError, load_runs
 from lab.commands import hf
 from lab.commands.cli import run_parser
-from lab.model.gpt import validate as validate_model
 from lab.runtime.config import ConfigError, config_from_args
 from lab.runtime.files import UnreadableFile
-from lab.training.steps import validate as validate_steps
+from lab.training.plan import plan_run
 from sweeps.cli import main as sweeps_main
 
 SWEEP = """shapes = { aspect = 32, width_multiple = 64, head_dim = 64 }
@@ -118,8 +117,7 @@ def _config(path: Path, data: bytes, capsys) -> None:
     path.write_bytes(data)
     args = run_parser().parse_args(["--config", str(path)])
     cfg = config_from_args(args)
-    validate_model(cfg.model)
-    validate_steps(cfg, 1)
+    plan_run(cfg, 1)  # every check of a run's config, the model's first
 
 
 def _table(suffix: str) -> Callable:
