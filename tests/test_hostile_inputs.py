@@ -609,3 +609,46 @@ def test_lab_plot_reads_metrics_bounded_and_never_through_a_link(tmp_path):
     (tmp_path / "r" / "metrics.jsonl").symlink_to(tmp_path / "outside.jsonl")
     with pytest.raises(ConfigError, match="cannot be read"):
         read_curves(tmp_path / "r")
+
+
+def test_a_runs_eval_json_is_read_bounded_never_through_a_link_nor_blocking_on_a_fifo(tmp_path):
+    """``sweeps export`` and ``analysis`` read a run's task scores (eval.json) as they read its summary: a FIFO or a
+    link there gives no columns instead of blocking or reading elsewhere; ``lab eval`` refuses it in one line before
+    any work."""
+    from lab.commands.harness import previous_scores
+    from lab.runtime.config import ConfigError
+    from lab.runtime.scores import SCORES, task_columns
+
+    scores = {"tasks": {"hellaswag": {"step": 4, "metrics": {"acc": 0.25}}}}
+    (tmp_path / "elsewhere.json").write_text(json.dumps(scores))
+    for kind in ("link", "fifo", "list"):
+        run = tmp_path / kind
+        run.mkdir()
+        if kind == "link":
+            (run / SCORES).symlink_to(tmp_path / "elsewhere.json")
+        elif kind == "fifo":
+            os.mkfifo(run / SCORES)
+        else:
+            (run / SCORES).write_text("[1, 2]")
+        assert task_columns(run) == {}, kind
+        with pytest.raises(ConfigError, match="move it aside") as e:
+            previous_scores(run / SCORES)
+        assert "\n" not in str(e.value)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / SCORES).write_text(json.dumps(scores))
+    assert task_columns(tmp_path / "plain") == {"task_hellaswag": 0.25}
+    assert previous_scores(tmp_path / "plain" / SCORES) == scores["tasks"]
+
+
+def test_a_table_appended_to_itself_exports_to_latex_with_each_row_once_named(fit_doc):
+    """The same rows twice (a table appended to itself) give a LaTeX table whose repeated rows are named apart
+    ("id (2)"), not a traceback from pivoting duplicate entries."""
+    import pandas as pd
+
+    from analysis.exports import latex, tidy
+
+    frame = tidy(fit_doc)
+    text = latex(pd.concat([frame, frame], ignore_index=True))
+    rows = frame.drop_duplicates(["table", "row"])
+    assert text.count(" (2) &") == len(rows) > 0  # each row of each table a second time, named apart
+    assert f"{rows['row'].iloc[0]} (2) &" in text
