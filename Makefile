@@ -22,13 +22,18 @@ $(PY):
 # uv installs what pip would, several times faster (about a minute instead of 3 on 2 cores); it reads pip's
 # find-links, takes each package from whichever index has its best version, and compiles bytecode, as pip does
 # (without it, where PYTHONDONTWRITEBYTECODE is set, every process would compile torch's sources again).
+# uv -q says nothing while it works: a line every 10 s says the install goes on.
 $(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
-	@echo "setup: installing torch and every extra into $(VENV) (about a minute; uv speaks when it is done)"
+	@echo "setup: installing torch and every extra into $(VENV) (about a minute; a line every 10 s until done)"
 	$(PY) -m pip install -q uv
 	@index='$(TORCH_INDEX)'; set -x; \
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -c constraints-cpu.txt \
 	  $${PIP_FIND_LINKS:+--find-links "$$PIP_FIND_LINKS"} \
-	  $${index:+--extra-index-url "$$index" --index-strategy unsafe-best-match} -e '.[dev,deepspeed,tracking,hf,eval]'
+	  $${index:+--extra-index-url "$$index" --index-strategy unsafe-best-match} -e '.[dev,deepspeed,tracking,hf,eval]' & \
+	{ set +x; } 2>/dev/null; pid=$$!; s=0; \
+	while sleep 1 && kill -0 $$pid 2>/dev/null; do \
+	  s=$$((s + 1)); [ $$((s % 10)) -ne 0 ] || echo "setup: still installing ($$s s)"; done; \
+	wait $$pid
 	touch $(STAMP)
 
 setup: $(STAMP)  ## .venv with torch, every extra and this checkout (about a minute)

@@ -27,7 +27,8 @@ from analysis.fit_config import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig
 from analysis.fit_result import json_ready
 from analysis.isoflop import METHODS
 from analysis.other_laws import LAWS
-from analysis.outputs import STAGING_PREFIX, bootstrap_frame, stopping_on_signals, summary_lines, write_outputs
+from analysis.outputs import (STAGING_PREFIX, bootstrap_frame, refuse_foreign_out, stopping_on_signals, summary_lines,
+                              write_outputs)
 from analysis.robust import HUBER_DELTA
 from analysis.table import (
     DUPLICATE_ALIASES,
@@ -38,7 +39,7 @@ from analysis.table import (
     load_runs,
     parse_column_map,
 )
-from lab.runtime.config import Parser
+from lab.runtime.config import ConfigError, Parser
 from lab.runtime.files import UnreadableFile, write_atomic
 
 EXIT_USAGE = 2
@@ -217,6 +218,7 @@ def _publish(out: Path, lines: list[str], figure, figure_name: str, doc: dict | 
 
 def _fit(args: argparse.Namespace) -> int:
     out = _out_folder(args.out)
+    refuse_foreign_out(out)  # before the fit: it replaces out as a whole
     config = FitConfig(budget_tol=args.budget_tol, isoflop_minimum=args.isoflop_minimum, n_bootstrap=args.bootstrap,
                        seed=args.seed, ci_level=args.ci, workers=args.workers, n_starts=args.starts,
                        predict=tuple(args.predict), holdout=not args.no_holdout, progress=not args.no_progress,
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         except Unidentified as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_UNIDENTIFIED
-        except (InputError, UnreadableFile) as exc:
+        except (InputError, UnreadableFile, ConfigError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         except KeyboardInterrupt:

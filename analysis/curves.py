@@ -35,7 +35,6 @@ loop's expectation (``lab.training.expect``) evaluates too.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +45,9 @@ from scipy.optimize import nnls
 
 from analysis import robust
 from analysis.bootstrap import draw_weights, interval
-from analysis.table import InputError
+from analysis.table import InputError, metrics_lines
 from lab.measure.laws import CURVE_LAW, CURVE_NAMES, Curve, CurvePoints, curve_named, curve_theta
-from lab.runtime.files import read_json, read_lines
+from lab.runtime.files import loads_line, read_json
 
 HUBER_SCALE = 0.01  # log-loss residuals beyond this count linearly: eval-loss spikes weigh less
 TRANSIENT_START = 0.1  # nats: where the fit starts K
@@ -246,9 +245,9 @@ def read_run(run_dir: Path, loss: str = "eval") -> tuple[Curve, dict]:
                      cfg.get("decay", 0.2), cfg.get("min_lr_ratio", 0.1))
     key, points = LOSS_KEYS[loss], {}
     metrics = run_dir / "metrics.jsonl"
-    for line in (read_lines(metrics) if metrics.is_file() else []):
+    for line in metrics_lines(metrics):
         try:
-            rec = json.loads(line)
+            rec = loads_line(line)
         except ValueError:
             continue
         value, step = (rec.get(key), rec.get("step")) if isinstance(rec, dict) else (None, None)

@@ -82,8 +82,11 @@ def latex(frame: pd.DataFrame) -> str:
             continue
         cells = part.assign(cell=[_cell(v, lo, hi) for v, lo, hi in zip(part["value"], part["ci_low"],
                                                                           part["ci_high"])])
+        # a row named twice (two runs of one id, a table appended to itself) gets its own line: "id (2)"
+        seen = cells.groupby(["row", "quantity"], sort=False).cumcount()
+        cells["row"] = [row if n == 0 else f"{row} ({n + 1})" for row, n in zip(cells["row"], seen)]
         wide = cells.pivot(index="row", columns="quantity", values="cell").fillna("--")
-        wide = wide.loc[list(dict.fromkeys(part["row"])), list(dict.fromkeys(part["quantity"]))]
+        wide = wide.loc[list(dict.fromkeys(cells["row"])), list(dict.fromkeys(part["quantity"]))]
         wide.index.name, wide.columns.name = None, None
         body = wide.to_latex(escape=True, column_format="l" + "r" * len(wide.columns))
         parts.append(f"% {caption}\n{body}")

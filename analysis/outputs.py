@@ -7,8 +7,6 @@ staging folder (``stopping_on_signals``), and a later fit removes any left by a 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import re
@@ -29,8 +27,9 @@ from analysis.fit_result import FitResult
 from analysis.forms import forms_cells
 from analysis.other_laws import law_line
 from analysis.parametric import named_samples
+from analysis.table import InputError
 from lab.measure.laws import FORMS
-from lab.runtime.files import process_alive
+from lab.runtime.files import process_alive, refuse_foreign_folder, swap_folders
 
 STAGING_PREFIX = ".fit-staging-"
 
@@ -61,24 +60,10 @@ def remove_stale_staging(out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-_RENAME_EXCHANGE = 2  # renameat2's flag: swap two paths in one step
-
-
-def swap_folders(new: Path, out: Path) -> None:
-    """Put the folder ``new`` in place of ``out`` in one step (Linux renameat2 RENAME_EXCHANGE); ``new`` then
-    holds the old contents. Elsewhere, or where the filesystem cannot exchange, ``out`` is moved aside first."""
-    if not out.exists():
-        new.rename(out)
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
-    renameat2 = getattr(libc, "renameat2", None)
-    at_cwd = -100
-    if renameat2 is not None and renameat2(at_cwd, os.fsencode(new), at_cwd, os.fsencode(out), _RENAME_EXCHANGE) == 0:
-        return
-    aside = new.with_name(new.name + "-old")
-    out.rename(aside)
-    new.rename(out)
-    aside.rename(new)
+def refuse_foreign_out(out: Path) -> None:
+    """ConfigError (one line) unless ``out`` is missing, empty or a fit's outputs (it holds fit.json): the fit
+    replaces ``out`` as a whole, so a folder of anything else (a sweep's, the user's) is never replaced."""
+    refuse_foreign_folder(out, ("fit.json",), "--out")
 
 
 def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, ...] = ("png",)) -> list[str]:
@@ -89,9 +74,13 @@ def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, .
     from analysis.plots import make_plots  # matplotlib only when there is something to draw
     from analysis.report import build_blocks, render_html, render_markdown
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(out)
-    staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(out)}{os.getpid()}-", dir=out.parent))
+    refuse_foreign_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(out)
+        staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(out)}{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise InputError(f"cannot write the outputs beside {out} ({e.strerror or e})") from None
     try:
         (staging / "fit.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
         if result.thetas is not None:
@@ -115,6 +104,9 @@ def write_outputs(result: FitResult, doc: dict, out: Path, formats: tuple[str, .
             _HOLD.clear()
         if _SIGNALS:  # one that came during the swap
             raise KeyboardInterrupt(_SIGNALS[0])
+    except OSError as e:  # a full disk or quota: nothing published, the earlier outputs stay
+        raise InputError(f"cannot write the outputs to {out} ({e.strerror or e}); earlier outputs in it are "
+                         f"untouched") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # the earlier outputs, once swapped out
     return names

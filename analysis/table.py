@@ -19,6 +19,7 @@ that are off by more than ``FLOPS_OUTLIER_FACTOR``.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import conditions
-from lab.runtime.files import read_json, read_lines
+from lab.runtime.files import RECORDS_MAX_BYTES, loads_line, read_json, read_lines, read_plain, unprintable
 from lab.runtime.scores import task_columns
 
 # Columns a table can provide after mapping; any two of params, tokens and flops suffice.
@@ -37,6 +38,7 @@ PARAMS_COUNTS = ("total", "non_embedding")
 # The smallest form of L(N, D) (one shared exponent) has four free parameters, so a fit needs at least five runs
 # (the five-parameter forms six: analysis.fit leaves them out below that).
 MIN_RUNS = 5
+LARGEST_VALUE = 1e40  # far above any run's parameters, tokens or FLOPs; beyond it the fit's products overflow
 SUMMARY_KEYS = ("params", "params_non_embedding", "tokens", "flops")
 # Runs sharing N and D: each its own point (the literature's estimators fit every run), averaged, or refused.
 DUPLICATE_POLICIES = ("keep", "mean", "refuse")
@@ -176,7 +178,10 @@ def load_runs(path: str | Path, columns: dict[str, str] | None = None,
     frame = _apply_mapping(frame, columns or {})
     if "run_id" not in frame.columns:
         frame["run_id"] = [f"row {i + 1}" for i in range(len(frame))]
-    frame["run_id"] = frame["run_id"].astype(str)
+    # every id a str (pandas' string dtype keeps an empty cell as NaN: such a run is named by its row)
+    frame["run_id"] = [f"row {i + 1}" if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+                       else str(v) for i, v in enumerate(frame["run_id"].to_numpy(object))]
+    _printable([*map(str, frame.columns), *frame["run_id"]])
     keep = _completed(frame, warnings)
     side_note = None
     if not side_runs:
@@ -245,6 +250,14 @@ def _select(runs: pd.DataFrame, exclude: list[str], drop_highest_loss: int) -> t
     return keep, dropped
 
 
+def _printable(names: list[str]) -> None:
+    """InputError (one line) for a column name or run id with a control or line-separator character: every one
+    reaches the printed lines and reports, where it would break or forge a line."""
+    bad = next((name for name in names if unprintable(name) is not None), None)
+    if bad is not None:
+        raise InputError(f"the column name or run_id {bad[:80]!r} holds the control character {unprintable(bad)!r}")
+
+
 def _preview(items: list[str], limit: int = 5) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
@@ -254,13 +267,13 @@ def _read_file(path: Path) -> pd.DataFrame:
     suffix = path.suffix.lower()
     try:
         if suffix == ".csv":
-            return pd.read_csv(path)
+            return pd.read_csv(io.BytesIO(read_plain(path, RECORDS_MAX_BYTES)))
         if suffix == ".parquet":
-            return pd.read_parquet(path)
+            return pd.read_parquet(io.BytesIO(read_plain(path, RECORDS_MAX_BYTES)))
         if suffix == ".jsonl":
             return pd.DataFrame(_read_jsonl_records(path))
         if suffix == ".json":
-            data = read_json(path)
+            data = read_json(path, follow=True)
             if isinstance(data, dict) and isinstance(data.get("runs"), list):
                 data = data["runs"]
             if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
@@ -277,13 +290,24 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def metrics_lines(metrics: Path) -> list[str]:
+    """The lines of a run's metrics.jsonl (none when it is missing); InputError (one line) when it is a link, a FIFO
+    or anything but a plain file of bounded size (``read_lines``)."""
+    if not (metrics.exists() or metrics.is_symlink()):
+        return []
+    try:
+        return read_lines(metrics)
+    except OSError as exc:
+        raise InputError(f"{metrics}: cannot read ({exc.strerror or exc})") from None
+
+
 def _read_jsonl_records(path: Path) -> list[dict]:
     records = []
-    for i, line in enumerate(read_lines(path), 1):
+    for i, line in enumerate(read_lines(path, follow=True), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = loads_line(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{i}: not valid JSON ({exc.msg})") from exc
         if not isinstance(record, dict):
@@ -431,6 +455,10 @@ def _numeric(frame: pd.DataFrame, column: str) -> np.ndarray:
     if bad.any():
         raise InputError(f"column '{column}' has {int(bad.sum())} non-positive value(s) "
                          f"({_preview(list(ids[bad]))}); every value must be > 0")
+    huge = values > LARGEST_VALUE
+    if huge.any():
+        raise InputError(f"column '{column}' has {int(huge.sum())} value(s) above {LARGEST_VALUE:g} "
+                         f"({_preview(list(ids[huge]))}); no run has such a size (a unit or a typo?)")
     return values
 
 
@@ -594,14 +622,14 @@ def _attach_curves(table: RunTable, run_dirs: list[Path | None]) -> None:
     bad_lines = 0
     for row, run_dir in enumerate(run_dirs):
         metrics = None if run_dir is None else run_dir / "metrics.jsonl"
-        if metrics is None or not metrics.is_file():
+        if metrics is None or not (metrics.exists() or metrics.is_symlink()):
             continue
         train, evals = [], []
-        for line in read_lines(metrics):
+        for line in metrics_lines(metrics):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = loads_line(line)
             except json.JSONDecodeError:
                 bad_lines += 1
                 continue

@@ -50,7 +50,7 @@ def fit_law(sweep: Sweep) -> tuple[float, float, str]:
     centre = sweep.centre
     where = f"[sweep] centre: {centre.path}"
     try:
-        doc = read_json(centre.path)
+        doc = read_json(centre.path, follow=True)
     except (OSError, ValueError) as e:
         raise SpecError(f"{where}: cannot read ({' '.join(str(e).split())})") from None
     if not isinstance(doc, dict) or doc.get("schema_version") != FIT_SCHEMA:

@@ -21,7 +21,7 @@ from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
 from sweeps.verify import HELD_OUT_FACTOR, VerifyError
 from lab.runtime.config import Parser, RunConfig, UsageExit
-from lab.runtime.files import write_atomic
+from lab.runtime.files import refuse_foreign_folder, write_atomic
 
 EXIT_BAD_INPUT = 2
 SWEEP_COPY = "sweep.toml"
@@ -239,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
         return _refuse(result.refused)
     _warn(result)
     # the executor is checked before the lock, which creates the folder: a refusal leaves nothing behind
+    refuse_foreign_folder(sweep.folder, (DB_NAME,), "the sweep folder", ignore=(".driver.lock",))
     known = Registry.open(sweep.folder) if (sweep.folder / DB_NAME).exists() else None
     executor = _executor(args, sweep, known)
     _check_fits(executor, result.runs)
@@ -394,3 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code)
     except (UsageError, VerifyError, specs.SpecError, RegistryError) as e:
         return _refuse(str(e).splitlines())
+    except OSError as e:  # a full disk or quota: what is recorded stays, the sweep resumes when run again
+        print(f"error: {e.filename or 'the sweep folder'} could not be written ({e.strerror or e}); free space and "
+              f"run the sweep again", file=sys.stderr)
+        return 1

@@ -29,14 +29,13 @@ parent's steps up to the branch, as its checkpoint carries them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from lab.runtime.config import RunConfig
-from lab.runtime.files import fsync_folder, fsync_tree, read_json, read_lines, save_json, write_atomic
+from lab.runtime.files import fsync_folder, fsync_tree, loads_line, read_json, read_lines, save_json, write_atomic
 
 from sweeps.driver import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNFINISHED, execute, run_dir
 from sweeps.executors.attempt import Executor
@@ -186,7 +185,7 @@ def seed(branch_row: Row, parent_row: Row) -> str | None:
 def _step(line: str) -> float:
     """The step of a metrics line (a torn or blank line: infinity, so it is dropped)."""
     try:
-        return float(json.loads(line)["step"])
+        return float(loads_line(line)["step"])
     except (ValueError, KeyError, TypeError):
         return float("inf")
 

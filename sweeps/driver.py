@@ -157,6 +157,9 @@ def execute(folder: Path, registry: Registry, names: list[str], executor: Execut
                             and job_parts(r.job)[0] in ("slurm", submitting_kind("slurm"))) for r in todo]
     for attempt in attempts:
         attempt.log.parent.mkdir(parents=True, exist_ok=True)
+    if todo:  # the first line comes when a run ends, minutes later: say now that they started
+        bar.write(f"running {len(todo)} of {len(rows)} runs ({executor.name}); a line as each ends, logs in "
+                  f"{folder / 'logs'}")
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         executor.run(attempts, events)

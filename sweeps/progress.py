@@ -3,10 +3,9 @@ only thing the sweep reads of a run)."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+from lab.runtime.files import loads_line, read_tail
 from sweeps.runs import PlannedRun
 
 _TAIL_BYTES = 16384  # far more than one record: only the end of a long metrics file is read
@@ -15,14 +14,12 @@ _TAIL_BYTES = 16384  # far more than one record: only the end of a long metrics 
 def last_step(run_dir: Path) -> int:
     """The newest step recorded in ``run_dir/metrics.jsonl`` (0 before the first record)."""
     try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
-            lines = f.read().decode(errors="replace").splitlines()
+        lines = read_tail(run_dir / "metrics.jsonl", _TAIL_BYTES).decode(errors="replace").splitlines()
     except OSError:
         return 0
     for line in reversed(lines):  # the last line may be half written, the first one cut by the seek
         try:
-            return int(json.loads(line)["step"])
+            return int(loads_line(line)["step"])
         except (ValueError, KeyError, TypeError):
             continue
     return 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from lab.runtime.config import (SLURM_SETTINGS, ConfigError, RunConfig, check_value, coerce_field, parse_toml,
                                 read_toml_text, resolve_keys, resolve_table)
+from lab.runtime.files import check_path, unprintable
 from sweeps.sweep import (BUDGET, CENTRE_PRIORS, MAX_BUDGET_FLOPS, Centre, Cooldowns, Family, Launch, LaunchRule,
                           PowerRule, Routing, Search, ShapeEntry, Slurm, Sweep, routing_name)
 
@@ -27,7 +28,7 @@ SpecError = ConfigError  # a sweep file that cannot be planned, as a run config 
 PLANNED_FIELDS = {"model": ("n_layer", "d_model", "n_head"), "train": ("tokens", "lr", "batch_tokens"),
                   "parallel": ("strategy",)}
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
-NAME_RE = re.compile(r"[^/\x00-\x1f\x7f]+")  # one path component, printable on one line (fullmatch it)
+NAME_RE = re.compile(r"[^/]+")  # one path component (fullmatch it), printable on one line (``unprintable``)
 SEARCH_GRID_MIN = 3  # values a grid needs for its best value to be located between neighbours
 # The keys of each table that are Sweep's own fields; the others resolve into their own dataclasses.
 TABLE_KEYS = {"sweep": ("name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget",
@@ -51,7 +52,8 @@ def check_budget(budget: Any, where: str) -> float:
 
 def check_name(name: Any, where: str) -> str:
     """A run or sweep name: any text that is one path component (no '/', no control characters, no leading '.')."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith(".") or len(name) > 120:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith(".") or len(name) > 120 or \
+            unprintable(name) is not None:
         raise SpecError(f"{where} must be 1-120 characters with no '/', no control characters and no leading '.', "
                         f"got {name!r}")
     return name
@@ -211,8 +213,12 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
         if key in raw and needs not in raw:
             raise SpecError(f"[sweep] {key} needs '{needs}'")
     name = check_name(sweep["name"], "[sweep] name")
+    where = "--folder" if folder is not None else "[sweep] folder"
     if folder is None:
         folder = check_value(sweep.get("folder", f"runs/sweeps/{name}"), str, "[sweep] folder", nonempty=True)
+    folder = check_path(folder, where)  # it reaches the SLURM scripts and the job's log lines
+    if folder.exists() and not folder.is_dir():
+        raise SpecError(f"{where} {folder} is a file, not a folder")
     base = _base(doc.get("base", {}))
     family, shapes = _shapes(raw, doc.get("shapes", {}))
     launch = {k: v for k, v in doc.get("launch", {}).items() if k != "by_size"}

@@ -462,3 +462,14 @@ def test_sotu_token_counts_and_unigram_entropy_are_plausible(sotu):
     assert tokens["train"] > 2_000_000 and 0.02 < tokens["eval"] / (tokens["train"] + tokens["eval"]) < 0.15
     assert 4.5 < sotu.meta["unigram_entropy_nats"] < math.log(512)
     assert sotu.tokenizer.decode(sotu.tokenizer.encode(TRICKY)) == TRICKY
+
+
+def test_preparing_off_a_terminal_shows_each_phase_in_lines(tiny_corpus, tmp_path, monkeypatch, capsys):
+    import time as time_module
+
+    clock = iter(range(0, 10**6, 10))  # 10 s pass between two looks at the clock: every update is shown
+    monkeypatch.setattr(time_module, "monotonic", lambda: float(next(clock)))
+    prepare(config(tiny_corpus, tmp_path, vocab_size=512))
+    err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("training BPE: ") and " docs after " in line for line in err), err
+    assert any(line.startswith("tokenizing: ") and " chars after " in line for line in err), err

@@ -192,7 +192,7 @@ def test_the_start_line_names_the_deepspeed_stage_and_the_peak():
     line = start_line(cfg, world, plan, precision, Peak(3e11, "measured matmul peak (x)"), Start(), None,
                       strategy.describe())
     assert "strategy deepspeed (ZeRO stage 3) × 1" in line
-    assert "MFU against 3e+11 FLOP/s per device (measured matmul peak (x))" in line
+    assert "peak 3e+11 FLOP/s (measured matmul peak (x))" in line
 
 
 # ---------------------------------------------------------------- one entry point

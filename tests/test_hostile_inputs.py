@@ -1,4 +1,4 @@
-"""Every hostile input of the reviews (issues 32 and 48), in one table: each gives one ``error:`` line and a non-zero
+"""Every hostile input of the reviews (issues 32, 48 and 59), in one table: each gives one ``error:`` line and a non-zero
 exit, writes nothing outside the folder it was given and loses nothing in it (docs/bad-inputs.md lists them with
 what the user sees). In-process, each on a copy of one finished tiny run or on a small file of its own."""
 
@@ -8,6 +8,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import os
 import pickle
 import shutil
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import pytest
 from analysis.cli import main as analysis_main
 from analysis.synthetic import isoflop_runs
 from lab.commands.cli import export_main, run_main, sample_main
+from lab.commands.hf import import_main
 from lab.runtime import checkpoint
 from lab.runtime.files import take_lock
 from sweeps.cli import main as sweeps_main
@@ -198,7 +200,193 @@ def _fit(edit: Callable[[dict], None], command: str) -> Callable:
     return make
 
 
+# ---------------------------------------------------------------- issue 59
+
+
+def _run_dir_with(name: str, make_file: Callable[[Path, Path], None], *more: str) -> Callable:
+    """A run folder of the lab's (its lock) holding ``name`` as ``make_file(path, tmp)`` leaves it."""
+    def make(tmp, ctx):
+        (tmp / "r").mkdir()
+        (tmp / "r" / ".lock").touch()
+        make_file(tmp / "r" / name, tmp)
+        return run_main, [*ctx["args"], "--run-dir", str(tmp / "r"), *more]
+    return make
+
+
+def _user_config_in_run_dir(tmp, ctx):
+    (tmp / "r").mkdir()
+    (tmp / "r" / "config.json").write_text('{"mine": true}\n')
+    return run_main, [*ctx["args"], "--run-dir", str(tmp / "r")]
+
+
+def _environment(**variables: str) -> Callable:
+    def make(tmp, ctx):
+        for name, value in variables.items():
+            ctx["monkeypatch"].setenv(name, value)
+        return run_main, [*ctx["args"], "--run-dir", str(tmp / "r")]
+    return make
+
+
+def _fit_into_a_sweep(tmp, ctx):
+    sweep = tmp / "sweep"
+    (sweep / "runs" / "a").mkdir(parents=True)
+    (sweep / "sweep.db").write_bytes(b"the registry")
+    (sweep / "notes.txt").write_text("mine\n")
+    return analysis_main, ["fit", str(sweep), "--out", str(sweep), "--no-progress"]
+
+
+def _sweep_into_a_folder_of_mine(tmp, ctx):
+    (tmp / "sweep").mkdir()
+    (tmp / "sweep" / "sweep.toml").write_text("# my own sweep file\n")
+    return _sweep(SWEEP, "run", "--no-progress", folder=True)(tmp, ctx)
+
+
+def _sweep_folder(folder: str) -> Callable:
+    def make(tmp, ctx):
+        (tmp / "s.toml").write_text(SWEEP)
+        return sweeps_main, ["plan", str(tmp / "s.toml"), "--folder", str(tmp / folder)]
+    return make
+
+
+def _sweep_folder_a_file(tmp, ctx):
+    (tmp / "sweep").write_text("not a folder")
+    return _sweep(SWEEP, "run", "--no-progress", folder=True)(tmp, ctx)
+
+
+def _run_config(tree: dict) -> Callable:
+    def make(tmp, ctx):
+        (tmp / "r").mkdir()
+        (tmp / "r" / "config.json").write_text(json.dumps(tree))
+        return export_main, [str(tmp / "r")]
+    return make
+
+
+def _jsonl_table(text: str) -> Callable:
+    def make(tmp, ctx):
+        (tmp / "runs.jsonl").write_text(text)
+        return analysis_main, ["fit", str(tmp / "runs.jsonl"), "--out", str(tmp / "fit"), "--no-progress"]
+    return make
+
+
+def _csv_rows(edit: Callable[[list[str]], list[str]]) -> Callable:
+    def make(tmp, ctx):
+        isoflop_runs((1e17, 3e17, 1e18), per_budget=7, spread=6, noise=0.005, seed=0).to_csv(tmp / "t.csv",
+                                                                                            index=False)
+        lines = (tmp / "t.csv").read_text().splitlines()
+        (tmp / "t.csv").unlink()
+        (tmp / "runs.csv").write_text("\n".join(edit(lines)) + "\n")
+        return analysis_main, ["fit", str(tmp / "runs.csv"), "--out", str(tmp / "fit"), "--no-progress"]
+    return make
+
+
+def _huge_params(lines: list[str]) -> list[str]:
+    header = lines[0].split(",")
+    cells = lines[1].split(",")
+    cells[header.index("params")] = "1e308"
+    return [lines[0], ",".join(cells), *lines[2:]]
+
+
+TINY_HF = {"model_type": "gpt2", "vocab_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8, "n_positions": 8}
+
+
+def _hf_folder(config: object, **files: object) -> Callable:
+    def make(tmp, ctx):
+        folder = tmp / "hf"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        for name, content in files.items():
+            name = name.replace("_", ".")
+            if content == "fifo":
+                os.mkfifo(folder / name)
+            else:
+                (folder / name).write_text(json.dumps(content))
+        return import_main, [str(folder), "--run-dir", str(tmp / "r")]
+    return make
+
+
+def _export_hf_into(tmp, ctx):
+    run = _finished_copy(ctx, tmp)
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "thesis.tex").write_text("years of work\n")
+    return export_main, [str(run), "--format", "hf", "--out", str(tmp / "mine")]
+
+
+def _export_pt_onto_a_folder(tmp, ctx):
+    run = _finished_copy(ctx, tmp)
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "keep.txt").write_text("keep\n")
+    return export_main, [str(run), "--out", str(tmp / "mine")]
+
+
+def _meta_step(step: Path) -> None:
+    meta = json.loads((step / checkpoint.META).read_text())
+    (step / checkpoint.META).write_text(json.dumps({**meta, "step": 10**12}))
+
+
+def _fifo(path: Path, tmp: Path) -> None:
+    os.mkfifo(path)
+
+
+def _link_outside(path: Path, tmp: Path) -> None:
+    path.symlink_to(tmp / "precious.txt")
+
+
+LONG = "x" * 300
+
+
 CASES = {
+    # issue 59
+    "analysis fit SWEEP --out SWEEP (the sweep's own folder)":
+        Case(_fit_into_a_sweep, "holds files the lab did not write"),
+    "a user's config.json in --run-dir": Case(_user_config_in_run_dir, "holds files the lab did not write"),
+    "a user's sweep.toml in --folder (sweeps run)":
+        Case(_sweep_into_a_folder_of_mine, "holds files the lab did not write"),
+    "attempts.jsonl links outside the run": Case(_run_dir_with("attempts.jsonl", _link_outside), "is not a plain file"),
+    "metrics.jsonl is a FIFO, --resume auto":
+        Case(_run_dir_with("metrics.jsonl", _fifo, "--resume", "auto"), "is not a plain file"),
+    "[sweep] folder with a newline": Case(_sweep(SWEEP.replace('budgets', 'folder = "a\\n#SBATCH --uid=0"\nbudgets'),
+                                                  "plan"), "holds the control character"),
+    "--folder with a newline": Case(_sweep_folder("a\nsrun evil"), "--folder"),
+    "a sweep name with U+2028": Case(_sweep(SWEEP.replace('"hostile"', '"a\u2028error: forged"'), "plan"),
+                                     "no control characters"),
+    "a sweep name with a C1 control (NEL)": Case(_sweep(SWEEP.replace('"hostile"', '"a\\u0085b"'), "plan"),
+                                                  "no control characters"),
+    "--folder that is a file (sweeps run)": Case(_sweep_folder_a_file, "is a file, not a folder"),
+    "--folder of a 300-character name": Case(_sweep_folder(LONG), "is too long"),
+    "--run-dir of a 300-character name": Case(lambda tmp, ctx: (run_main, [*ctx["args"], "--run-dir",
+                                                                           str(tmp / LONG)]), "is too long"),
+    "train.micro_batch of 40 digits (found by the fuzz test: hung)":
+        Case(_option("--train.micro_batch", "9" * 40), "is not a multiple of train.micro_batch"),
+    "RANK=1 without WORLD_SIZE": Case(_environment(RANK="1"), "RANK=1 is set without WORLD_SIZE"),
+    "RANK=abc": Case(_environment(RANK="abc", WORLD_SIZE="2"), "RANK='abc' must be a whole number"),
+    "LOCAL_RANK=abc (the error line itself was a traceback)":
+        Case(_environment(LOCAL_RANK="abc"), "LOCAL_RANK='abc' must be a whole number"),
+    "a stale LAB_AGENT_PID": Case(_environment(TORCHELASTIC_RUN_ID="x", LAB_AGENT_PID="999999999"),
+                                  "is not this rank's parent"),
+    "config.json with n_layer = 100000000 (export)": Case(_run_config({"model": {"n_layer": 100_000_000}}),
+                                                          "model.n_layer must be at most"),
+    "a JSONL table line nested 200,000 deep": Case(_jsonl_table('{"params": ' + "[" * 200_000 + "]" * 200_000
+                                                                + "}\n"), "nested too deeply"),
+    "a run_id with U+2028 in a table (found by the fuzz test: forged a line)":
+        Case(_csv_rows(lambda lines: [line.replace("run0003", "run\u2028error: forged") for line in lines]),
+             "holds the control character '\\u2028'"),
+    "params = 1e308 in a table": Case(_csv_rows(_huge_params), "column 'params' has 1 value(s) above 1e+40"),
+    "an HF config.json that is a list": Case(_hf_folder([1, 2]), "is not a model's config"),
+    "an HF config.json without vocab_size":
+        Case(_hf_folder({k: v for k, v in TINY_HF.items() if k != "vocab_size"}), "no vocab_size"),
+    'an HF config.json with n_layer "3"': Case(_hf_folder({**TINY_HF, "n_layer": "3"}),
+                                               'n_layer = "3" must be a positive whole number'),
+    "an HF index whose weight_map names ../outside":
+        Case(_hf_folder(TINY_HF, model_safetensors_index_json={"weight_map": {"a": "../outside.safetensors"}}),
+             "weight_map names the file '../outside.safetensors'"),
+    "an HF index whose weight_map names an absolute path":
+        Case(_hf_folder(TINY_HF, model_safetensors_index_json={"weight_map": {"a": "/etc/passwd"}}),
+             "weight_map names the file '/etc/passwd'"),
+    "an HF tokenizer.json that is a FIFO": Case(_hf_folder(TINY_HF, tokenizer_json="fifo"), "not a plain file"),
+    "lab export --format hf --out a folder of the user's":
+        Case(_export_hf_into, "holds files the lab did not write (thesis.tex)", needs_run=True),
+    "lab export --out an existing folder (pt)": Case(_export_pt_onto_a_folder, "is a folder or a link", True),
+    "a checkpoint's meta.json with step 1e12": Case(_crafted(_meta_step, "export"), "is not one of a run", True),
     # issue 48
     "a completed run whose checkpoints were removed, --resume auto":
         Case(_completed_without_checkpoints, "is already complete (8 steps)", needs_run=True),
@@ -308,3 +496,159 @@ def test_a_metrics_line_with_a_step_that_is_not_a_whole_number_is_dropped_on_res
     assert run_main([*args, "--run-dir", str(run), "--resume"]) == 0
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [json.loads(line)["step"] for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_resume_keeps_folders_under_checkpoints_that_are_not_the_labs(args, finished_run, tmp_path):
+    run = _finished_copy({"finished": finished_run}, tmp_path)
+    for name in ("best", "step-000001-backup"):
+        shutil.copytree(run / "checkpoints" / "step-000004", run / "checkpoints" / name)
+    (run / "checkpoints" / "step-000006.tmp").mkdir()  # the lab's own leftover: removed
+    (run / ".my-notes.tmp").write_text("mine\n")
+    assert run_main([*args, "--run-dir", str(run), "--resume"]) == 0
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == ["best", "step-000001-backup", "step-000004", "step-000008"]
+    assert (run / ".my-notes.tmp").read_text() == "mine\n"
+
+
+def test_appends_never_follow_a_link_nor_block_on_a_fifo(tmp_path):
+    from lab.runtime.files import append_line, open_append
+
+    (tmp_path / "outside.jsonl").write_text("keep\n")
+    (tmp_path / "attempts.jsonl").symlink_to(tmp_path / "outside.jsonl")
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    for name in ("attempts.jsonl", "metrics.jsonl"):
+        with pytest.raises(OSError):
+            append_line(tmp_path / name, "{}")
+        with pytest.raises(OSError):
+            open_append(tmp_path / name)
+    assert (tmp_path / "outside.jsonl").read_text() == "keep\n"
+
+
+def test_records_are_read_bounded_without_following_a_link_or_blocking_on_a_fifo(tmp_path):
+    from lab.runtime.files import read_lines
+
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "big.jsonl").write_text('{"step": 1}\n' * 100)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "big.jsonl")
+    for path, limit in ((tmp_path / "fifo.jsonl", 10**6), (tmp_path / "link.jsonl", 10**6),
+                        (tmp_path / "big.jsonl", 100)):
+        with pytest.raises(OSError):
+            read_lines(path, limit)
+    assert len(read_lines(tmp_path / "big.jsonl")) == 100
+
+
+def _full_disk(monkeypatch) -> None:
+    """Every Path.write_text and write_bytes fails as on a full disk."""
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(Path, "write_bytes", full)
+
+
+def test_a_full_disk_during_analysis_fit_is_one_line_and_keeps_the_earlier_outputs(tmp_path, capsys, monkeypatch):
+    isoflop_runs((1e17, 3e17, 1e18), per_budget=7, spread=6, noise=0.005, seed=0).to_csv(tmp_path / "runs.csv",
+                                                                                        index=False)
+    (tmp_path / "fit").mkdir()
+    (tmp_path / "fit" / "fit.json").write_text("{}\n")  # an earlier fit's
+    _full_disk(monkeypatch)
+    code = analysis_main(["fit", str(tmp_path / "runs.csv"), "--out", str(tmp_path / "fit"), "--bootstrap", "0",
+                          "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "No space left on device" in err[0], err
+    monkeypatch.undo()
+    assert (tmp_path / "fit" / "fit.json").read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fit", "runs.csv"]  # no staging folder left
+
+
+def test_a_full_disk_during_sweeps_run_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "s.toml").write_text(SWEEP)
+    _full_disk(monkeypatch)
+    code = sweeps_main(["run", str(tmp_path / "s.toml"), "--folder", str(tmp_path / "sweep"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err
+
+
+@pytest.mark.slow
+def test_an_hf_export_replaces_only_its_own_folder_and_an_import_waits_for_no_run(args, finished_run, tmp_path,
+                                                                                  capsys):
+    run, out = _finished_copy({"finished": finished_run}, tmp_path), tmp_path / "hf"
+    for _ in range(2):  # the second replaces the first, which holds its marker
+        assert export_main([str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert (out / ".lab-export").is_file() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "r"]  # no temporary folder left
+    (tmp_path / "imported").mkdir()
+    held = take_lock(tmp_path / "imported" / ".lock")  # a run training there
+    try:
+        assert import_main([str(out), "--run-dir", str(tmp_path / "imported"), *args[args.index("--data.corpus"):]]) \
+            == 2
+    finally:
+        held.close()
+    assert "is in use by another run" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "imported").iterdir()) == [".lock"]  # nothing written meanwhile
+
+
+def test_a_line_nested_too_deeply_is_an_unreadable_line_for_every_reader(tmp_path):
+    from lab.runtime.files import loads_line
+    from sweeps.progress import last_step
+
+    deep = "[" * 200_000 + "]" * 200_000
+    with pytest.raises(json.JSONDecodeError, match="nested too deeply"):
+        loads_line(deep)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n' + deep[:8000] + deep[-8000:] + "\n")
+    assert last_step(tmp_path) == 3
+
+
+def test_lab_plot_reads_metrics_bounded_and_never_through_a_link(tmp_path):
+    from lab.commands.plot import read_curves
+    from lab.runtime.config import ConfigError
+
+    (tmp_path / "outside.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").symlink_to(tmp_path / "outside.jsonl")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        read_curves(tmp_path / "r")
+
+
+def test_a_runs_eval_json_is_read_bounded_never_through_a_link_nor_blocking_on_a_fifo(tmp_path):
+    """``sweeps export`` and ``analysis`` read a run's task scores (eval.json) as they read its summary: a FIFO or a
+    link there gives no columns instead of blocking or reading elsewhere; ``lab eval`` refuses it in one line before
+    any work."""
+    from lab.commands.harness import previous_scores
+    from lab.runtime.config import ConfigError
+    from lab.runtime.scores import SCORES, task_columns
+
+    scores = {"tasks": {"hellaswag": {"step": 4, "metrics": {"acc": 0.25}}}}
+    (tmp_path / "elsewhere.json").write_text(json.dumps(scores))
+    for kind in ("link", "fifo", "list"):
+        run = tmp_path / kind
+        run.mkdir()
+        if kind == "link":
+            (run / SCORES).symlink_to(tmp_path / "elsewhere.json")
+        elif kind == "fifo":
+            os.mkfifo(run / SCORES)
+        else:
+            (run / SCORES).write_text("[1, 2]")
+        assert task_columns(run) == {}, kind
+        with pytest.raises(ConfigError, match="move it aside") as e:
+            previous_scores(run / SCORES)
+        assert "\n" not in str(e.value)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / SCORES).write_text(json.dumps(scores))
+    assert task_columns(tmp_path / "plain") == {"task_hellaswag": 0.25}
+    assert previous_scores(tmp_path / "plain" / SCORES) == scores["tasks"]
+
+
+def test_a_table_appended_to_itself_exports_to_latex_with_each_row_once_named(fit_doc):
+    """The same rows twice (a table appended to itself) give a LaTeX table whose repeated rows are named apart
+    ("id (2)"), not a traceback from pivoting duplicate entries."""
+    import pandas as pd
+
+    from analysis.exports import latex, tidy
+
+    frame = tidy(fit_doc)
+    text = latex(pd.concat([frame, frame], ignore_index=True))
+    rows = frame.drop_duplicates(["table", "row"])
+    assert text.count(" (2) &") == len(rows) > 0  # each row of each table a second time, named apart
+    assert f"{rows['row'].iloc[0]} (2) &" in text

@@ -379,6 +379,6 @@ MUP_WIDE = ["--data.tokenizer", "bytes", "--model.n_layer", "2", "--model.n_head
 @pytest.mark.slow
 def test_a_mup_model_at_8x_its_base_width_leaves_the_unigram_plateau(tmp_path, capsys):
     assert run_main([*MUP_WIDE, "--run-dir", str(tmp_path / "r")]) == 0
-    assert "μP with an untied head (the default under μP" in capsys.readouterr().out
+    assert "model: gpt2 under μP (untied head), " in capsys.readouterr().out
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["unigram_entropy_nats"] - 0.2, summary["final_eval_loss"]

@@ -427,3 +427,16 @@ def test_the_forward_peak_under_bf16_autocast_holds_the_cast_weights_as_theory_s
     cast = accounting.autocast_weight_bytes(cfg)  # 2 B × 1.6M matmul weights: 12 % of this forward's peak
     assert abs(gaps["fp32"]) < 0.03 and abs(gaps["bf16"]) < 0.03, gaps
     assert cast > 0.1 * summary["peak_bytes_theory"]["forward"]  # without it, the bf16 gap would exceed 10 %
+
+
+def test_the_off_track_warning_is_one_short_line_whatever_the_laws_path():
+    import numpy as np
+
+    from lab.training.expect import OFF_TRACK_EVALS, Watcher
+
+    law = "/" + "a-long-folder-name/" * 12 + "fit.json"
+    watcher = Watcher(law, "fit", np.full(100, 1e-3), lambda step: (2.0, 1.9, 2.1))
+    said = [watcher.observe(step, 5.0)[1] for step in range(10, 10 * (OFF_TRACK_EVALS + 1), 10)]
+    line = f"warning: {said[-1]}"
+    assert said[:-1] == [None] * (OFF_TRACK_EVALS - 1) and line.startswith("warning: OFF TRACK: the eval loss")
+    assert "\n" not in line and len(line) <= 200 and "a-long-folder-name" not in line  # the law: in summary.json

@@ -23,9 +23,9 @@ from lab.runtime import checkpoint
 from lab.runtime.config import ConfigError, Parser, RunConfig, build_parser, config_from_args, print_error
 from lab.data import load_tokenizer
 from lab.measure.device import size_threads, usable_cores
-from lab.runtime.files import probe_writable, replacing
+from lab.runtime.files import check_path, probe_writable, replacing
 from lab.runtime.loopback import listen_on_loopback
-from lab.runtime.processes import AGENT_PID, rank_dies_with_agent
+from lab.runtime.processes import AGENT_PID, check_rank_environment, rank_dies_with_agent
 from lab.runtime.extras import require
 from lab.model import GPT
 from lab.training import lifecycle
@@ -90,6 +90,10 @@ def run_main(argv: list[str] | None = None, prog: str = "launch/run.py") -> int:
     """Train one run; see the module docstring for the exit codes."""
     parser = run_parser(prog)
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        check_rank_environment()
+    except ConfigError as e:
+        return _error(str(e))
     rank_dies_with_agent()
     args = parser.parse_args(argv)
     if args.nproc_per_node != 1:
@@ -155,6 +159,13 @@ def run_weights(run_dir: Path, cfg: RunConfig, folder: str | None) -> tuple[dict
     return weights, checkpoint.read_meta(Path(folder) if folder else checkpoint.latest(run_dir))["step"]
 
 
+def _check_pt_out(out: Path) -> None:
+    """ConfigError (one line) unless ``out`` can be the export's one file (it replaces a file, never a folder)."""
+    check_path(out, "--out")
+    if out.is_dir() or out.is_symlink():
+        raise ConfigError(f"--out {out} is a folder or a link; a pt export is one file (give its name)")
+
+
 def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -> int:
     """Write one run's weights, from any checkpoint, as a single state-dict file (loadable with weights_only=True)
     or as a Hugging Face folder (``--format hf``: ``lab.commands.hf``)."""
@@ -179,6 +190,9 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
         cfg = run_config(run_dir)
         if args.format == "hf":
             hf.check_exportable(cfg.model)
+        given = args.out or args.out_folder
+        if given:  # before the weights are read
+            hf.check_out(Path(given)) if args.format == "hf" else _check_pt_out(Path(given))
         weights, step = run_weights(run_dir, cfg, args.checkpoint)
         default = f"model-step-{step:06d}.pt" if args.format == "pt" else f"hf-step-{step:06d}"
         out = Path(args.out or args.out_folder or run_dir / "export" / default)
@@ -188,9 +202,12 @@ def export_main(argv: list[str] | None = None, prog: str = "launch/export.py") -
     except ConfigError as e:
         return _error(str(e))
     if args.format == "pt":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(out) as tmp:
-            torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with replacing(out) as tmp:
+                torch.save({"model": weights, "config": cfg.to_dict(), "step": step}, tmp)
+        except OSError as e:
+            return _error(f"--out {out} could not be written ({e.strerror or e})")
     print(f"wrote {out}: {sum(w.numel() for w in weights.values()):,} parameters at step {step}")
     return 0
 

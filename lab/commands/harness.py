@@ -13,7 +13,6 @@ retrying the Hub and ending in a traceback.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -26,7 +25,7 @@ from urllib.parse import urlsplit
 from lab.commands.cli import _error, run_config, run_weights
 from lab.runtime.config import ConfigError, Parser, did_you_mean
 from lab.runtime.extras import require
-from lab.runtime.files import save_json
+from lab.runtime.files import UnreadableFile, read_json, save_json
 from lab.runtime.scores import SCORES
 
 HUB_PROBE_S = 3.0  # how long a connection to the Hugging Face Hub may take before it counts as unreachable
@@ -114,6 +113,20 @@ def _metrics(result: dict) -> dict[str, float]:
     return dict(sorted(values.items(), key=lambda kv: kv[0].endswith("_stderr")))
 
 
+def previous_scores(path: Path) -> dict[str, Any]:
+    """The tasks a run's eval.json already scored (none without one), read bounded and never through a link;
+    ConfigError (one line) when it is there but not the lab's, before any work."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    try:
+        tasks = read_json(path).get("tasks")
+    except (OSError, UnreadableFile, AttributeError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}): move it aside to score the run again") from None
+    if not isinstance(tasks, dict):
+        raise ConfigError(f"{path} holds no scores of tasks: move it aside to score the run again")
+    return tasks
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m lab eval") -> int:
     p = Parser(prog=prog, description="Score a run with EleutherAI's lm-evaluation-harness (exported on the fly as "
                                       "a Hugging Face model); the scores go to RUN_DIR/eval.json.")
@@ -135,6 +148,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab eval") -> int
         from lab.commands import hf
 
         cfg = run_config(run_dir)
+        previous = previous_scores(run_dir / SCORES)
         hf.check_exportable(cfg.model)
         if args.include_path and not Path(args.include_path).is_dir():
             raise ConfigError(f"--include-path {args.include_path} is not a folder")
@@ -163,8 +177,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab eval") -> int
                                       tasks=tasks, task_manager=manager, device="cpu", batch_size=args.batch_size,
                                       limit=args.limit, num_fewshot=args.num_fewshot, log_samples=False)
     scores = {task: {"step": step, "metrics": _metrics(out["results"][task])} for task in tasks}
-    previous = json.loads((run_dir / SCORES).read_text()) if (run_dir / SCORES).is_file() else {}
-    save_json(run_dir / SCORES, {"tasks": {**previous.get("tasks", {}), **scores}})
+    save_json(run_dir / SCORES, {"tasks": {**previous, **scores}})
     for task, entry in scores.items():
         print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in entry["metrics"].items()))
     print(f"wrote {run_dir / SCORES} (checkpoint of step {step})")

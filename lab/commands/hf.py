@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,10 +27,14 @@ from lab.runtime.config import (ConfigError, ModelConfig, RunConfig, build_parse
                                 print_error)
 from lab.data.tokenizer import BPE_FILE, BYTES_FILE, EOT
 from lab.runtime.extras import require
-from lab.runtime.files import fsync_folder, fsync_tree, probe_writable, save_json, write_atomic
+from lab.runtime.files import (JSON_MAX_BYTES, check_path, dumps, fsync_folder, fsync_tree, probe_writable,
+                               read_plain, refuse_foreign_folder, save_json, swap_folders, write_atomic)
 from lab.model import GPT
+from lab.model.gpt import validate
+from lab.training.lifecycle import RUN_LOCK, lock_run_dir
 
 WEIGHTS = "model.safetensors"
+EXPORT_MARKER = ".lab-export"  # in every folder the HF export writes: the only kind of folder it replaces
 INDEX = "model.safetensors.index.json"
 TOP = {"gpt2": {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
                 "norm_f.weight": "transformer.ln_f.weight", "norm_f.bias": "transformer.ln_f.bias",
@@ -164,9 +169,46 @@ def _refuse(where: str, field: str, value: object, why: str) -> ConfigError:
     return ConfigError(f"{where}: {field} = {json.dumps(value)} cannot be expressed by the lab's model ({why})")
 
 
-def model_config(hf: dict, where: str) -> ModelConfig:
-    """The lab's ModelConfig of an HF ``config.json`` (GPT-2 or Llama); ConfigError naming the field it cannot take."""
+def _numbers(hf: dict, where: str) -> None:
+    """ConfigError (one line) when a size of the config is not a whole number or a scale not a finite number."""
+    for field, value in hf.items():
+        whole = field in HF_SIZES
+        if value is None or (field not in HF_SIZES and field not in HF_SCALES):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or \
+                (not whole and not float("-inf") < value < float("inf")) or (whole and value < 1):
+            raise ConfigError(f"{where}: {field} = {json.dumps(value)[:40]} must be a "
+                              f"{'positive whole number' if whole else 'finite number'}")
+
+
+HF_SIZES = ("vocab_size", "n_layer", "n_head", "n_embd", "n_inner", "n_positions", "hidden_size",
+            "num_attention_heads", "num_key_value_heads", "intermediate_size", "num_hidden_layers",
+            "max_position_embeddings", "head_dim")
+HF_SCALES = ("layer_norm_epsilon", "rms_norm_eps", "rope_theta")
+
+
+def model_config(hf: object, where: str) -> ModelConfig:
+    """The lab's ModelConfig of an HF ``config.json`` (GPT-2 or Llama), its shape checked (``validate``);
+    ConfigError naming the field it cannot take."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where} is not a model's config (a JSON object)")
+    _numbers(hf, where)
     kind = hf.get("model_type")
+    required = {"gpt2": ("vocab_size",), "llama": ("vocab_size", "hidden_size", "num_attention_heads",
+                                                    "num_hidden_layers", "intermediate_size")}
+    if not isinstance(kind, str) or kind not in required:
+        raise _refuse(where, "model_type", kind, "gpt2 and llama are the two it reads")
+    if missing := [field for field in required[kind] if hf.get(field) is None]:
+        raise ConfigError(f"{where}: no {missing[0]} (a {kind} config needs it)")
+    try:
+        model = _model_config(hf, where, kind)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:  # a field of another type than HF's
+        raise ConfigError(f"{where}: not a {kind} config the lab reads ({' '.join(str(e).split())[:160]})") from None
+    validate(model)
+    return model
+
+
+def _model_config(hf: dict, where: str, kind: object) -> ModelConfig:
     common = dict(vocab_size=hf["vocab_size"], pad_vocab_to=1, parametrization="standard")
     if kind == "gpt2":
         for field, ok, why in (
@@ -185,7 +227,7 @@ def model_config(hf: dict, where: str) -> ModelConfig:
                            norm_eps=hf.get("layer_norm_epsilon", 1e-5), **common)
     if kind == "llama":
         d, heads = hf["hidden_size"], hf["num_attention_heads"]
-        rope = hf.get("rope_parameters") or {}
+        rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         bias = hf.get("attention_bias", False)
         for field, ok, why in (
@@ -250,44 +292,87 @@ def export_hf(cfg: RunConfig, weights: dict[str, torch.Tensor], run_dir: Path, o
     check_exportable(cfg.model)
     eot = load_tokenizer(run_dir / "tokenizer").eot_id
     config = hf_config(cfg.model, eot)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config.save_pretrained(str(tmp))
-    safetensors.save_file(to_hf(cfg.model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
-    os.chmod(tmp / WEIGHTS, 0o644)  # safetensors writes 0600; readable by others as every file the lab writes
-    write_tokenizer(run_dir / "tokenizer", tmp, cfg.model.block_size)
-    fsync_tree(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
-    fsync_folder(out.parent)
+    check_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be written ({e.strerror or e})") from None
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the export from other users
+        config.save_pretrained(str(tmp))
+        safetensors.save_file(to_hf(cfg.model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS, 0o644)  # safetensors writes 0600; readable by others as every file the lab writes
+        write_tokenizer(run_dir / "tokenizer", tmp, cfg.model.block_size)
+        (tmp / EXPORT_MARKER).write_text(dumps({"run_dir": str(run_dir.absolute())}) + "\n")
+        fsync_tree(tmp)
+        swap_folders(tmp, out)  # an earlier export in out (check_out) is swapped into tmp, removed below
+        fsync_folder(out.parent)
+    except OSError as e:
+        raise ConfigError(f"--out {out} could not be written ({e.strerror or e}); an earlier export there is "
+                          f"untouched") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_out(out: Path) -> None:
+    """ConfigError (one line) unless ``out`` can take an HF export: a new or empty folder, or an earlier export
+    (it holds EXPORT_MARKER), never a folder of the user's, which the export would replace."""
+    check_path(out, "--out")
+    refuse_foreign_folder(out, (EXPORT_MARKER,), "--out")
 
 
 # ---------------------------------------------------------------- import
 
 
-def read_config(path: Path) -> dict:
+def read_config(path: Path) -> object:
     """An HF folder's config.json."""
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+    return read_import_json(path / "config.json")
+
+
+def read_import_json(file: Path) -> object:
+    """A JSON file of an HF folder, read bounded and only as a plain file (a link is followed: the HF cache links
+    its snapshots to blobs); ConfigError (one line) otherwise."""
     try:
-        return json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise ConfigError(f"{path / 'config.json'} is unreadable ({e})") from None
+        return json.loads(read_plain(file, JSON_MAX_BYTES).decode("utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{file} is unreadable (nested too deeply)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{file} is unreadable ({' '.join(str(e).split())[:200]})") from None
+
+
+def _shard_names(path: Path) -> list[str]:
+    """The weight files a sharded index names, each a plain file directly in ``path``; ConfigError otherwise."""
+    index = read_import_json(path / INDEX)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{path / INDEX}: no weight_map of tensor names to file names")
+    for name in set(weight_map.values()):
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name or "\0" in name:
+            raise ConfigError(f"{path / INDEX}: weight_map names the file {name!r}, which is not a file of the "
+                              f"folder")
+        if not (path / name).is_file():
+            raise ConfigError(f"{path / INDEX}: weight_map names {name}, which is not a plain file in {path}")
+    return sorted(set(weight_map.values()))
 
 
 def read_tensors(path: Path, model_type: str) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder with one safetensors file or a sharded index (GPT-2 names with their prefix)."""
     safetensors = require("safetensors.torch", "import-hf")
     if (path / INDEX).is_file():
-        files = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
+        files = _shard_names(path)
     elif (path / WEIGHTS).is_file():
         files = [WEIGHTS]
     else:
         raise ConfigError(f"{path}: no {WEIGHTS} or {INDEX} (only safetensors weights are read)")
     tensors = {}
     for name in files:
-        tensors |= safetensors.load_file(str(path / name))
+        try:
+            tensors |= safetensors.load_file(str(path / name))
+        except Exception as e:  # safetensors' own error type for a torn or crafted file, OSError, ValueError
+            raise ConfigError(f"{path / name} is unreadable ({' '.join(str(e).split())[:200]})") from None
     if model_type == "gpt2" and not any(k.startswith("transformer.") for k in tensors):
         tensors = {k if k == "lm_head.weight" else f"transformer.{k}": v for k, v in tensors.items()}
     return tensors
@@ -307,7 +392,7 @@ def to_toml(tree: dict) -> str:
     return "\n".join(lines)
 
 
-def write_imported(cfg: RunConfig, weights: dict[str, torch.Tensor], tokenizer_json: Path | None,
+def write_imported(cfg: RunConfig, weights: dict[str, torch.Tensor], tokenizer_json: str | None,
                    run_dir: Path) -> Path:
     """A run directory holding ``weights`` as its step-0 checkpoint (zero AdamW moments), its config (JSON and
     TOML) and the tokenizer; returns the checkpoint folder."""
@@ -324,8 +409,22 @@ def write_imported(cfg: RunConfig, weights: dict[str, torch.Tensor], tokenizer_j
     write_atomic(run_dir / "config.toml", to_toml(cfg.to_dict()))
     if tokenizer_json is not None:
         (run_dir / "tokenizer").mkdir(exist_ok=True)
-        write_atomic(run_dir / "tokenizer" / BPE_FILE, tokenizer_json.read_text())
+        write_atomic(run_dir / "tokenizer" / BPE_FILE, tokenizer_json)
     return folder
+
+
+def _refuse_a_run(run_dir: Path) -> None:
+    if checkpoint.latest(run_dir) is not None or (run_dir / "config.json").exists():
+        raise ConfigError(f"{run_dir} already holds a run; choose another --run-dir")
+
+
+def _bpe_tokenizer(file: Path) -> str | None:
+    """The text of an HF folder's tokenizer.json when it is a BPE with the lab's end-of-text token (else None: the
+    run's own tokenizer is then used), read bounded (``read_import_json``)."""
+    doc = read_import_json(file) if file.exists() or file.is_symlink() else None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    return json.dumps(doc, ensure_ascii=False) if isinstance(vocab, dict) and EOT in vocab else None
 
 
 def import_main(argv: list[str] | None = None, prog: str = "python -m lab import-hf") -> int:
@@ -343,22 +442,25 @@ def import_main(argv: list[str] | None = None, prog: str = "python -m lab import
             raise ConfigError(f"--{given[0]}: the model comes from {args.path}/config.json")
         if not args.run_dir:
             raise ConfigError("--run-dir is required: the run directory to write")
-        run_dir, path = Path(args.run_dir), Path(args.path)
+        run_dir, path = check_path(args.run_dir, "--run-dir"), Path(args.path)
         probe_writable(run_dir, "--run-dir")
-        if checkpoint.latest(run_dir) is not None or (run_dir / "config.json").exists():
-            raise ConfigError(f"{run_dir} already holds a run; choose another --run-dir")
+        refuse_foreign_folder(run_dir, (RUN_LOCK, "checkpoints"), "--run-dir")
+        _refuse_a_run(run_dir)
         hf = read_config(path)
         model = model_config(hf, str(path / "config.json"))
+        tokenizer = _bpe_tokenizer(path / "tokenizer.json")
         weights = from_hf(model, read_tensors(path, hf["model_type"]), str(path))
         cfg = config_from_args(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "path"}))
         cfg.model = model
-        tokenizer = path / "tokenizer.json"
-        if not tokenizer.is_file() or EOT not in json.loads(tokenizer.read_text()).get("model", {}).get("vocab", {}):
-            tokenizer = None
+        with lock_run_dir(run_dir):  # no run writes the folder meanwhile
+            _refuse_a_run(run_dir)
+            folder = write_imported(cfg, weights, tokenizer, run_dir)
     except ConfigError as e:
         print_error(str(e))
         return 2
-    folder = write_imported(cfg, weights, tokenizer, run_dir)
+    except OSError as e:  # a full disk or quota (a checkpoint's own error names what is kept)
+        print_error(f"{run_dir} could not be written ({e.strerror or e}); remove it and import again")
+        return 1
     n = sum(w.numel() for w in weights.values())
     print(f"wrote {folder}: {n:,} parameters ({model.arch}, {model.n_layer} layers, d_model {model.d_model})")
     print(f"fine-tune it: python -m lab train --config {run_dir / 'config.toml'} --run-dir {run_dir} --resume")

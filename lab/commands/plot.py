@@ -7,7 +7,6 @@ it reads): training loss, held-out loss, learning rate, gradient norm and tokens
 from __future__ import annotations
 
 import io
-import json
 import os
 from pathlib import Path
 
@@ -17,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 from lab.runtime.config import ConfigError, Parser, print_error  # noqa: E402
-from lab.runtime.files import probe_writable, write_atomic  # noqa: E402
+from lab.runtime.files import loads_line, probe_writable, read_lines, write_atomic  # noqa: E402
 
 # (metrics.jsonl key, panel title, log scale)
 PANELS = (("loss", "training loss (nats/token)", False), ("eval_loss", "held-out loss (nats/token)", False),
@@ -33,9 +32,13 @@ def read_curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
     curves: dict[str, tuple[list[int], list[float]]] = {key: ([], []) for key, _, _ in PANELS}
-    for line in path.read_text().splitlines():
+    try:
+        lines = read_lines(path)  # bounded, never through a link
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror or e})") from None
+    for line in lines:
         try:
-            record = json.loads(line)
+            record = loads_line(line)
         except ValueError:
             continue
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):

@@ -21,9 +21,8 @@ import json
 import os
 import shutil
 import socket
-import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from lab.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from lab.runtime.progress import Lines, progress as progress_of
 from lab.runtime.files import fsync_folder, fsync_tree, probe_writable, process_alive, write_atomic
 
 FORMAT = 1
@@ -183,20 +183,27 @@ def _batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
         yield batch
 
 
+def _counted(items: Iterable[str], bar: tqdm | Lines) -> Iterator[str]:
+    """``items``, each counted on ``bar`` once taken."""
+    for item in items:
+        yield item
+        bar.update(1)
+
+
 def _entropy_nats(counts: np.ndarray) -> float:
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
 
-def _build(cfg: DataConfig, source: Source, scan: _Scan, folder: Path, shard_tokens: int,
-           progress: bool) -> None:
-    """Write a complete prepared folder into the (empty) ``folder``."""
+def _build(cfg: DataConfig, source: Source, scan: _Scan, folder: Path, shard_tokens: int, shown: bool) -> None:
+    """Write a complete prepared folder into the (empty) ``folder``; with ``shown``, its progress on stderr (a bar on
+    a terminal, a line every few seconds elsewhere)."""
     tokenizer: Tokenizer
     held = set(scan.eval_ids)
     if cfg.tokenizer == "bpe":
         train_texts = (d.text for d in iter_documents(source) if d.id not in held)
-        tokenizer = BPETokenizer.train(tqdm(train_texts, total=scan.train_docs, desc="training BPE", unit="doc",
-                                            file=sys.stderr, disable=None if progress else True), cfg.vocab_size)
+        with progress_of(scan.train_docs, "training BPE", "doc", enabled=shown) as bar:
+            tokenizer = BPETokenizer.train(_counted(train_texts, bar), cfg.vocab_size)
     else:
         tokenizer = BytesTokenizer()
     tokenizer.save(folder / TOKENIZER_DIR)
@@ -204,8 +211,7 @@ def _build(cfg: DataConfig, source: Source, scan: _Scan, folder: Path, shard_tok
     dtype = dtype_for(tokenizer.vocab_size)
     writers = {split: _ShardWriter(folder, split, dtype, shard_tokens) for split in SPLITS}
     counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
-    bar = tqdm(total=scan.chars, unit="char", unit_scale=True, desc="tokenizing", file=sys.stderr,
-               disable=None if progress else True)
+    bar = progress_of(scan.chars, "tokenizing", "char", enabled=shown)
     try:
         for batch in _batches(iter_documents(source)):
             parts: dict[str, list[list[int]]] = {split: [] for split in SPLITS}

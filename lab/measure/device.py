@@ -10,7 +10,7 @@
   with a private random generator (the training RNG is never touched), then cached in
   ``$XDG_CACHE_HOME/scaling-lab/cpu-peaks.json`` with the time and load average of the measurement.
   One figure is the denominator of every run's MFU on that machine, so runs compare: it is cached even when
-  the machine was busy (load above its cores: the figure reads low, and the start line says so), processes
+  the machine was busy (load above its cores: the figure reads low, and a run starts with a warning), processes
   that start together measure it once (a lock), and a run measures again only when its MFU exceeds 100 %
   (the figure is then provably low); ``python -m lab peak --remeasure`` measures again on demand; the best
   figure seen is kept;
@@ -44,6 +44,7 @@ POLICIES = ("autocast", "mixed")
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 PEAK_BUDGET_S = 1.5  # measuring a CPU peak stops before this much time has gone
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -119,14 +120,22 @@ class Precision:
 
     @property
     def name(self) -> str:
-        """The policy in a few words (the start line's)."""
+        """The policy in a few words (the summary's)."""
         if self.dtype == "fp32":
             return "fp32"
         if not self.mixed:
             return f"{self.dtype} autocast"
-        reduce = {v: k for k, v in _TORCH_DTYPES.items()}[self.reduce_dtype]
+        reduce = _DTYPE_NAMES[self.reduce_dtype]
         return f"{self.dtype} mixed ({self.dtype} weights and gradients, {reduce} reduce, fp32 master weights and " \
                f"moments)"
+
+    @property
+    def short(self) -> str:
+        """The policy in a few words (the start line's): the dtype, autocast or mixed, a reduce dtype of its own."""
+        if self.dtype == "fp32":
+            return "fp32"
+        reduce = f", {self.reduce} reduce" if self.reduce and self.reduce != self.dtype else ""
+        return f"{self.dtype} {'mixed' if self.mixed else 'autocast'}{reduce}"
 
     @property
     def activation_bytes(self) -> int:
@@ -207,19 +216,37 @@ def synchronize(device: torch.device) -> None:
 @dataclass(frozen=True)
 class Peak:
     flops: float  # FLOP/s of one device
-    source: str  # where the figure comes from, for the summary
+    source: str  # where the figure comes from, in full (the summary's)
     measured: torch.dtype | None = None  # the dtype of a CPU measurement (None: a data sheet or train.peak_flops)
+    record: PeakRecord | None = None  # the cached CPU measurement
+
+    @property
+    def label(self) -> str:
+        """The source in a few words (the start line's and the warnings')."""
+        return self.source if self.measured is None else f"measured {_DTYPE_NAMES[self.measured]}"
 
 
 def peak_flops(device: torch.device, precision: Precision, override: float = 0.0) -> Peak:
-    """The MFU denominator for one device: ``override`` when positive, else the GPU table or the CPU measurement."""
+    """The MFU denominator for one device: ``override`` when positive, else the GPU table or the CPU measurement
+    (``cpu_matmul_peak``)."""
     if override > 0:
         return Peak(override, "train.peak_flops")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         kind = "tf32" if precision.dtype == "fp32" else precision.dtype
         return Peak(hardware.gpu_peak_flops(name, kind), f"data sheet: {name}, dense {kind}")
-    return cpu_peak_flops(precision.compute_dtype)
+    return cpu_matmul_peak(precision.compute_dtype)
+
+
+def cpu_matmul_peak(dtype: torch.dtype) -> Peak:
+    """The peak of this CPU's matmuls in ``dtype``: its measured figure, or the fp32 one where that is higher. A CPU
+    without 16-bit units computes 16-bit matmuls no faster than fp32 ones, so its fp32 peak bounds them (issue 61
+    saw a run's bf16 matmuls outpace the bf16 benchmark there)."""
+    peak = cpu_peak_flops(dtype)
+    if dtype == torch.float32:
+        return peak
+    fp32 = cpu_peak_flops(torch.float32)
+    return fp32 if fp32.flops > peak.flops else peak
 
 
 def _cache_file() -> Path:
@@ -250,10 +277,17 @@ class PeakRecord:
     load: float | None  # the 1-minute load average just before (other work competing for the cores)
     threads: int | None = None  # torch's intra-op threads (None: written before they were recorded)
 
+    @property
+    def load_text(self) -> str:
+        return "load unknown" if self.load is None else f"load {self.load:.2f} on {os.cpu_count()} cores"
+
     def describe(self) -> str:
-        load = "load unknown" if self.load is None else f"load {self.load:.2f} on {os.cpu_count()} cores"
-        return (f"{threads(self.threads)}, " if self.threads else "") + \
-            f"{self.measured_at}, {load}"
+        return (f"{threads(self.threads)}, " if self.threads else "") + f"{self.measured_at}, {self.load_text}"
+
+    @property
+    def caveat(self) -> str:
+        """What follows its description when it was taken on a busy machine."""
+        return "; busy then: reads low, so MFU reads high" if self.busy else ""
 
     @property
     def busy(self) -> bool:
@@ -306,9 +340,21 @@ def _measuring():
 
 
 def _measured_peak(dtype: torch.dtype, record: PeakRecord) -> Peak:
-    busy = ("; busy then: reads low, so MFU reads high; python -m lab peak --remeasure on a quiet machine"
-            if record.busy else "")
-    return Peak(record.flops, f"measured matmul peak ({record.describe()}{busy}; cached in {_cache_file()})", dtype)
+    remeasure = "; python -m lab peak --remeasure on a quiet machine" if record.busy else ""
+    return Peak(record.flops, f"measured matmul peak ({record.describe()}{record.caveat}{remeasure}; cached in "
+                              f"{_cache_file()})", dtype, record)
+
+
+def peak_warnings(peak: Peak, precision: Precision) -> list[str]:
+    """The ``warning:`` lines a run starts with about its peak: measured on a busy machine (it reads low, MFU high);
+    a 16-bit policy on a CPU whose 16-bit matmuls are slower than fp32 ones (``slow_16bit_warning``)."""
+    lines = []
+    if peak.record is not None and peak.record.busy:
+        lines.append(f"warning: the {peak.label} peak was taken under {peak.record.load_text}: it reads low and MFU "
+                     f"high; measure again on a quiet machine with python -m lab peak --remeasure")
+    if peak.measured is not None and precision.dtype != "fp32":
+        lines.append(slow_16bit_warning(cpu_peak_flops(precision.compute_dtype)))
+    return [line for line in lines if line]
 
 
 def slow_16bit_warning(peak: Peak) -> str | None:
@@ -319,7 +365,7 @@ def slow_16bit_warning(peak: Peak) -> str | None:
     fp32 = cpu_peak_flops(torch.float32).flops
     if peak.flops >= fp32:
         return None
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[peak.measured]
+    name = _DTYPE_NAMES[peak.measured]
     return (f"warning: this CPU's {name} matmul peak ({peak.flops:.3g} FLOP/s) is below its fp32 peak ({fp32:.3g}): "
             f"{name} saves memory and bytes sent here, not time (--train.dtype fp32 runs faster)")
 
@@ -369,14 +415,14 @@ def peak_main(argv: list[str] | None = None, prog: str = "python -m lab peak") -
     print(f"{cpu_name()}, {threads()}, torch {torch.__version__}; cache {_cache_file()}")
     cache = _read_cache()
     for dtype in (torch.float32, torch.bfloat16):
-        name = "fp32" if dtype == torch.float32 else "bf16"
+        name = _DTYPE_NAMES[dtype]
         if args.remeasure:
             with _measuring():
                 now, best = record_cpu_peak(dtype, args.budget)
             print(f"{name}: {now.flops / 1e9:,.1f} GFLOP/s now ({now.describe()}); kept {best.flops / 1e9:,.1f} "
                   f"GFLOP/s (measured {best.describe()})")
         elif (kept := cache.get(_peak_key(dtype))) is not None:
-            print(f"{name}: {kept.flops / 1e9:,.1f} GFLOP/s (measured {kept.describe()})")
+            print(f"{name}: {kept.flops / 1e9:,.1f} GFLOP/s (measured {kept.describe()}{kept.caveat})")
         else:
             print(f"{name}: not measured yet (the first CPU run measures it, or pass --remeasure)")
     return 0

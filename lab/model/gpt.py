@@ -53,6 +53,12 @@ def width_ratio(cfg: ModelConfig) -> float:
     return cfg.d_model / cfg.mup_base_width
 
 
+# Sizes far beyond any model the lab trains or a sweep plans at its largest budget (1e30 FLOPs: d_model 707,904,
+# 11,061 heads, 48 layers); llama3-70b has 80 layers, d_model 8192, d_ff 28672
+LARGEST = {"n_layer": 2**16, "n_head": 2**20, "n_kv_head": 2**20, "d_model": 2**24, "d_ff": 2**26,
+           "block_size": 2**24, "vocab_size": 2**26, "pad_vocab_to": 2**16}
+
+
 def validate(cfg: ModelConfig) -> None:
     """Raise ConfigError for a shape the model cannot be built with."""
     if cfg.arch not in ARCHS:
@@ -60,6 +66,9 @@ def validate(cfg: ModelConfig) -> None:
     for name in ("n_layer", "n_head", "d_model", "block_size", "pad_vocab_to"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"model.{name} must be positive, got {getattr(cfg, name)}")
+    for name, most in LARGEST.items():  # before anything is built: a crafted size would take hours to refuse
+        if (value := getattr(cfg, name)) is not None and value > most:
+            raise ConfigError(f"model.{name} must be at most {most:,}, got {value:,}")
     if cfg.d_model % cfg.n_head:
         raise ConfigError(f"model.n_head ({cfg.n_head}) must divide model.d_model ({cfg.d_model})")
     kv = accounting.kv_heads(cfg)

@@ -52,6 +52,11 @@ METADATA_MAX_BYTES = 2**30  # DCP's .metadata (an entry per tensor piece) larger
 # (raised when any rank failed) derives from BaseException, not Exception.
 UNREADABLE = (Exception, dcp.CheckpointException)
 _NAME = re.compile(r"step-(\d+)")
+# What a save leaves when it is interrupted (``save``, ``_seal``): the only folders under checkpoints/ it removes
+_LEFT = re.compile(r"step-\d+\.(tmp|old)")
+# write_atomic's temporary files (``replacing``) beside a run's files: the only files of the run folder it removes
+_RUN_TEMP = re.compile(r"\.(config\.json|summary\.json|metrics\.jsonl|config\.toml)(\.[A-Za-z0-9_]+)?\.tmp")
+MAX_STEP = 10**9  # far beyond any run (ten steps a second for three years); a larger step is a crafted meta.json
 # What DCP pickles into ``.metadata`` for a state of tensors; anything else (a callable, BytesStorageMetadata, whose
 # entries DCP would unpickle without restriction) means a checkpoint this lab did not write.
 _METADATA_GLOBALS = {
@@ -231,10 +236,11 @@ def clean_stale_temporaries(run_dir: Path) -> None:
     moved aside, and temporary files beside the run's JSON files."""
     root, complete = run_dir / "checkpoints", set(checkpoint_dirs(run_dir))
     for p in root.iterdir() if root.is_dir() else []:
-        if p.is_dir() and not _NAME.fullmatch(p.name) and p not in complete:
+        if _LEFT.fullmatch(p.name) and p.is_dir() and not p.is_symlink() and p not in complete:
             shutil.rmtree(p, ignore_errors=True)
     for p in run_dir.glob(".*.tmp"):
-        p.unlink(missing_ok=True)
+        if _RUN_TEMP.fullmatch(p.name):
+            p.unlink(missing_ok=True)
 
 
 def _barrier(world_size: int) -> None:
@@ -327,6 +333,8 @@ def read_meta(folder: Path) -> dict:
         meta = read_json(folder / META)
         if not isinstance(meta.get("step"), int) or meta.get("format") != FORMAT:
             raise ValueError(f"not a format-{FORMAT} checkpoint")
+        if not 0 <= meta["step"] <= MAX_STEP:
+            raise ValueError(f"its step {meta['step']:,} is not one of a run (0 to {MAX_STEP:,})")
         return meta
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"checkpoint {folder} is unreadable ({META}: {e})") from None

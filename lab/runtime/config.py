@@ -458,7 +458,8 @@ def resolve(tree: dict[str, Any]) -> RunConfig:
 def print_error(message: str) -> None:
     """``error: message`` on stderr, once per machine: every rank of a torchrun group meets the same bad input,
     and the first process of each node speaks for it."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    local = os.environ.get("LOCAL_RANK", "0")
+    if not (local.isascii() and local.isdigit() and int(local) > 0):  # a LOCAL_RANK that is no rank: it speaks too
         print(f"error: {message}", file=sys.stderr)
 
 

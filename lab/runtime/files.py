@@ -8,12 +8,15 @@ written as null, never as the ``NaN``/``Infinity`` tokens that other JSON reader
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import json
 import math
 import os
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,10 +72,22 @@ def fsync_tree(folder: Path) -> None:
         fsync_folder(Path(parent))
 
 
+def open_append(path: Path) -> IO[str]:
+    """``path`` opened to append text (created if missing): never through a symbolic link and only as a plain file,
+    so that an append lands in the run's own file and a FIFO cannot block it; OSError otherwise."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a plain file")
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
 def append_line(path: Path, line: str) -> None:
-    """Append ``line`` and a newline to ``path`` (created if missing), durably."""
+    """Append ``line`` and a newline to ``path`` (created if missing, never through a link: ``open_append``),
+    durably."""
     created = not path.exists()
-    with path.open("a", encoding="utf-8") as fh:
+    with open_append(path) as fh:
         fh.write(line + "\n")
         fh.flush()
         os.fsync(fh.fileno())
@@ -165,28 +180,44 @@ def save_json(path: str | Path, obj: Any) -> None:
 JSON_MAX_BYTES = 256 * 2**20  # a run's or a fit's JSON is far smaller; anything larger is not one
 
 
+def _open_plain(path: Path, follow: bool) -> IO[bytes]:
+    """``path`` opened to read, without blocking on a FIFO or (unless ``follow``) following a link; OSError unless it
+    is a plain file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a plain file")
+    return os.fdopen(fd, "rb")
+
+
 def read_plain(path: Path, limit: int, follow: bool = True) -> bytes:
     """The bytes of the plain file ``path``, at most ``limit`` of them; OSError for anything else (a device, a FIFO,
     a symbolic link when ``follow`` is false, a larger file), so that a crafted path can neither block a reader nor
     fill its memory."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a plain file")
+    with _open_plain(path, follow) as fh:
         data = fh.read(limit + 1)
     if len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than {limit:,} bytes")
     return data
 
 
+def read_tail(path: Path, size: int) -> bytes:
+    """The last ``size`` bytes (or fewer) of the plain file ``path``, read as ``read_plain`` reads without
+    following a link."""
+    with _open_plain(path, follow=False) as fh:
+        fh.seek(max(0, fh.seek(0, os.SEEK_END) - size))
+        return fh.read(size)
+
+
 class UnreadableFile(ValueError):
     """A file that is not what it should hold (not UTF-8 text, not JSON); the message is one line naming it."""
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path, follow: bool = False) -> Any:
     """The JSON value in ``path``; UnreadableFile (one line) when it is not UTF-8 text or not JSON, OSError when it is
-    not a plain file of at most JSON_MAX_BYTES (``read_plain``)."""
-    data = read_plain(Path(path), JSON_MAX_BYTES)
+    not a plain file of at most JSON_MAX_BYTES (``read_plain``), or a symbolic link unless ``follow`` (a file the
+    user names on the command line; never one of a run, sweep or checkpoint folder)."""
+    data = read_plain(Path(path), JSON_MAX_BYTES, follow=follow)
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -197,18 +228,33 @@ def read_json(path: Path) -> Any:
         raise UnreadableFile(f"{path}: not JSON this lab writes (nested too deeply)") from None
 
 
-def read_lines(path: Path) -> list[str]:
+def loads_line(line: str) -> Any:
+    """The JSON value of one line of a records file or table; json.JSONDecodeError (a ValueError) for a line that is
+    not JSON, one nested too deeply for the parser included, so that every reader skips or reports it as one."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", line[:80], 0) from None
+
+
+RECORDS_MAX_BYTES = 2 * 2**30  # a run's metrics.jsonl or a table of runs is far smaller; anything larger is not one
+
+
+def read_lines(path: Path, limit: int = RECORDS_MAX_BYTES, follow: bool = False) -> list[str]:
     """The lines of a text file of records (metrics.jsonl): a byte that is not UTF-8 spoils its own line only, which
-    the reader then skips or reports like any line that is not JSON."""
-    return Path(path).read_bytes().decode("utf-8", errors="replace").splitlines()
+    the reader then skips or reports like any line that is not JSON. Read as ``read_plain`` reads, without
+    following a link (unless ``follow``: a table the user names): OSError for a link, a FIFO, a device or a file
+    over ``limit`` bytes."""
+    return read_plain(Path(path), limit, follow=follow).decode("utf-8", errors="replace").splitlines()
 
 
 def probe_writable(path: Path, what: str) -> None:
     """ConfigError (one line) unless ``path`` is, or could be created as, a folder this process can write.
 
-    Nothing is created: the nearest existing ancestor must be a folder that accepts a temporary file.
+    Nothing is created: the nearest existing ancestor must be a folder that accepts a temporary file. The path is
+    checked first as every path the lab writes to (``check_path``).
     """
-    existing = path
+    existing = check_path(path, what)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
@@ -219,6 +265,76 @@ def probe_writable(path: Path, what: str) -> None:
             pass
     except OSError as e:
         raise ConfigError(f"{what} {path} is not writable ({e.strerror or e})") from None
+
+
+NAME_MAX_BYTES = 255  # one component of a path, as Linux file systems allow
+PATH_MAX_BYTES = 4000  # a whole path, under Linux's PATH_MAX of 4096
+
+
+def unprintable(text: str) -> str | None:
+    """The first character of ``text`` that would break a line of a script, a log or a job name (a C0 or C1
+    control, DEL, U+2028 or U+2029), or None."""
+    return next((c for c in text if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029"), None)
+
+
+def check_path(path: str | Path, what: str) -> Path:
+    """``path`` as a Path; ConfigError (one line) when it holds a control or line-separator character
+    (``unprintable``) or is longer than a file system takes (a component over NAME_MAX_BYTES, the whole over
+    PATH_MAX_BYTES). The one rule for every name or path that reaches a script, a log line or a job name."""
+    text = str(path)
+    if (c := unprintable(text)) is not None:
+        raise ConfigError(f"{what} {text!r} holds the control character {c!r}; names and paths the lab writes into "
+                          f"scripts and logs must not")
+    longest = max((len(part.encode(errors="surrogateescape")) for part in Path(text).parts), default=0)
+    if longest > NAME_MAX_BYTES or len(text.encode(errors="surrogateescape")) > PATH_MAX_BYTES:
+        raise ConfigError(f"{what} {text[:60]!r}... is too long (a name of at most {NAME_MAX_BYTES} bytes, a path "
+                          f"of at most {PATH_MAX_BYTES})")
+    return Path(text)
+
+
+def refuse_foreign_folder(folder: Path, markers: tuple[str, ...], what: str, ignore: tuple[str, ...] = ()) -> None:
+    """ConfigError (one line) when ``folder`` is a file or a link, or a folder that holds something (besides
+    ``ignore``) but none of ``markers``, what a folder the lab wrote always holds: the lab writes into, and may
+    replace, only an empty folder or one of its own, never a folder of the user's."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise ConfigError(f"{what} {folder} is a file, not a folder")
+    if not folder.exists() or any((folder / marker).exists() for marker in markers):
+        return
+    held = sorted(p.name for p in folder.iterdir() if p.name not in ignore)
+    if held:
+        raise ConfigError(f"{what} {folder} holds files the lab did not write ({', '.join(held[:3])}"
+                          f"{', ...' if len(held) > 3 else ''}) and no {' or '.join(markers)}; choose an empty or "
+                          f"new folder")
+
+
+def check_plain_files(folder: Path, names: tuple[str, ...]) -> None:
+    """ConfigError (one line) when one of ``names`` in ``folder`` exists as anything but a plain file (a symbolic
+    link, a FIFO, a folder): the lab reads and appends to its own files only."""
+    for name in names:
+        path = folder / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise ConfigError(f"{path} is not a plain file (a link, a FIFO or a folder); the lab reads and writes "
+                              f"only its own files there: move it aside")
+
+
+_RENAME_EXCHANGE = 2  # renameat2's flag: swap two paths in one step
+
+
+def swap_folders(new: Path, out: Path) -> None:
+    """Put the folder ``new`` in place of ``out`` in one step (Linux renameat2 RENAME_EXCHANGE); ``new`` then
+    holds the old contents. Elsewhere, or where the filesystem cannot exchange, ``out`` is moved aside first."""
+    if not out.exists():
+        new.rename(out)
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+    renameat2 = getattr(libc, "renameat2", None)
+    at_cwd = -100
+    if renameat2 is not None and renameat2(at_cwd, os.fsencode(new), at_cwd, os.fsencode(out), _RENAME_EXCHANGE) == 0:
+        return
+    aside = new.with_name(new.name + "-old")
+    out.rename(aside)
+    new.rename(out)
+    aside.rename(new)
 
 
 def process_alive(pid: int) -> bool:

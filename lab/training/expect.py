@@ -96,7 +96,7 @@ class Watcher:
             self.warned_at = step
             return e, (f"OFF TRACK: the eval loss has been outside the law's interval for {OFF_TRACK_EVALS} evals in "
                        f"a row (steps {', '.join(str(x.step) for x in recent)}; now {loss:.4f} against "
-                       f"{expected:.4f} [{lo:.4f}, {hi:.4f}], {e.deviation:+.2%}; law {self.law_path})")
+                       f"{expected:.4f} [{lo:.4f}, {hi:.4f}], {e.deviation:+.2%})")
         return e, None
 
     def eval_fields(self, step: int, loss: float) -> tuple[dict, str, str | None]:
@@ -119,7 +119,7 @@ def read_law(law_path: str | Path) -> tuple[str, dict]:
     """("curves", curves.json) or ("fit", fit.json) at ``law_path``; LawError for anything else."""
     path = Path(law_path)
     try:
-        doc = read_json(path)
+        doc = read_json(path, follow=True)
     except (OSError, ValueError) as exc:  # UnreadableFile is a ValueError
         raise LawError(f"cannot read the law {path}: {' '.join(str(exc).split())}") from None
     if isinstance(doc, dict) and isinstance(doc.get("fit"), dict) and "law" in doc["fit"]:

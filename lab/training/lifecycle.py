@@ -32,14 +32,15 @@ from lab.data import PreparedData, check_source, load_tokenizer, prepare
 from lab.data.tokenizer import BytesTokenizer
 from lab.measure import memory
 from lab.training.admission import Estimate, check_resources
-from lab.measure.device import (available_memory_bytes, peak_flops, precision_of, resolve_device, setup_device,
-                                slow_16bit_warning)
+from lab.measure.device import (available_memory_bytes, peak_flops, peak_warnings, precision_of, resolve_device,
+                                setup_device)
 from lab.model import GPT
 from lab.parallel import RunEngine, World, backend_for, join_group_of_one
 from lab.parallel.comm import AxisFailed
 from lab.runtime import chaos, checkpoint
 from lab.runtime.config import ConfigError, RunConfig, print_error
-from lab.runtime.files import LockHeld, LockUnusable, dumps, probe_writable, read_json, save_json, take_lock
+from lab.runtime.files import (LockHeld, LockUnusable, check_plain_files, dumps, probe_writable, read_json,
+                               refuse_foreign_folder, save_json, take_lock)
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
 from lab.training.optim import adamw_factory, param_groups
 from lab.training.runlog import RunLog, start_line, summarise
@@ -85,6 +86,7 @@ def check_run_dir(run_dir: Path, mode: str) -> bool:
     before its summary is (resuming at the last step only writes the summary).
     """
     probe_writable(run_dir, "--run-dir")
+    check_own_run_dir(run_dir)
     if mode != "never":
         refuse_completed(run_dir)  # with or without its checkpoints (freed for disk space)
     has_checkpoint = checkpoint.latest(run_dir) is not None
@@ -113,6 +115,15 @@ def _read_json(path: Path) -> dict:
 
 
 RUN_LOCK = ".lock"  # in the run directory: held by rank 0 for the whole run
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "attempts.jsonl")  # read and appended to
+
+
+def check_own_run_dir(run_dir: Path) -> None:
+    """ConfigError (one line) for a folder the lab did not write (one that holds something but no lock or
+    checkpoints: the user's own config.json is never overwritten) or a run file that is a link, a FIFO or a folder
+    (never followed, read or appended to)."""
+    refuse_foreign_folder(run_dir, (RUN_LOCK, "checkpoints"), "--run-dir")
+    check_plain_files(run_dir, RUN_FILES)
 
 
 def lock_run_dir(run_dir: Path) -> IO[bytes]:
@@ -312,7 +323,7 @@ def train(cfg: RunConfig, data_dir: Path, run_dir: Path, world: World, resume: b
             save_json(run_dir / "config.json", cfg.to_dict())
             data.tokenizer.save(run_dir / "tokenizer")
             line = start_line(cfg, world, run.steps, precision, peak, start, estimate, strategy.describe())
-            log.say("\n".join(filter(None, [line, slow_16bit_warning(peak)])))  # 16-bit slower here: a warning
+            log.say("\n".join([line, *peak_warnings(peak, precision)]))  # a busy machine's peak, slow 16-bit matmuls
             log.open_trackers(cfg, run_dir, resumed_at=start.step)
             log.attempt("start", start.step, restarts=restarts, sweep_attempt=os.environ.get("LAB_SWEEP_ATTEMPT"))
         try:

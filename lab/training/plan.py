@@ -96,7 +96,8 @@ def check_batch(cfg: RunConfig, plan: StepPlan, world_size: int) -> None:
     if batch % (micro * T * replicas) == 0:
         return
     label = "ranks" if replicas == world_size else "data-parallel replicas"
-    fits = [m for m in range(micro - 1, 0, -1) if batch % (m * T * replicas) == 0]
+    largest = min(micro - 1, batch // (T * replicas))  # a larger micro-batch than the batch never divides it
+    fits = [m for m in range(largest, 0, -1) if batch % (m * T * replicas) == 0]
     fix = (f"set --train.micro_batch {fits[0]}" if fits else
            f"set --train.batch_tokens to a multiple of {T * replicas} (block_size × {label})")
     raise ConfigError(f"train.batch_tokens ({batch}) is not a multiple of train.micro_batch × model.block_size × "

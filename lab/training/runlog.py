@@ -5,7 +5,6 @@ fragment of the step line (``lab.measure.figures.Figures.line``, gathered by ``l
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -24,7 +23,8 @@ from lab.training.admission import ESTIMATE_MFU, Estimate
 from lab.measure.device import Peak, Precision, remeasure_low_peak, threads
 from lab.parallel import Strategy, World
 from lab.runtime.config import RunConfig
-from lab.runtime.files import append_line, dumps, fsync_file, fsync_folder, read_lines, write_atomic
+from lab.runtime.files import (append_line, dumps, fsync_file, fsync_folder, loads_line, open_append, read_lines,
+                               write_atomic)
 from lab.training import expect, trackers
 from lab.training.steps import Start, StepPlan
 
@@ -56,7 +56,7 @@ class RunLog:
 
     def record(self, rec: dict) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
+            with open_append(self.path) as f:
                 f.write(dumps(rec) + "\n")
             if self.trackers:
                 self.trackers.record(rec)
@@ -92,7 +92,7 @@ class RunLog:
         """The eval records in metrics.jsonl (rank 0): a resumed run's, those its earlier segments kept."""
         if not (self.enabled and self.path.exists()):
             return []
-        return [rec for line in self.path.read_text().splitlines()
+        return [rec for line in read_lines(self.path)
                 if (rec := _parse_record(line)) is not None and "eval_loss" in rec]
 
     def say(self, text: str) -> None:
@@ -109,8 +109,8 @@ def _parse_record(line: str) -> dict | None:
     """A metrics record, or None for a blank or torn line (a run killed mid-write) or any line that is not a record
     with a whole step number (a hand-edited one)."""
     try:
-        rec = json.loads(line)
-    except (ValueError, RecursionError):
+        rec = loads_line(line)
+    except ValueError:
         return None
     step = rec.get("step") if isinstance(rec, dict) else None
     return rec if isinstance(step, int) and not isinstance(step, bool) else None
@@ -126,19 +126,17 @@ def format_step(rec: dict, total_steps: int, eta_s: float) -> str:
 
 def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precision, peak: Peak, start: Start,
                estimate: Estimate | None, strategy: str) -> str:
-    counts, t, m = accounting.param_counts(cfg.model), cfg.train, cfg.model
-    moe = (f", mixture of {m.moe_experts} experts (top {m.moe_top_k}, granularity {m.moe_granularity}"
-           f"{f', {m.moe_shared_experts} shared' if m.moe_shared_experts else ''}): {counts.active:,} active"
+    """The run's first line, about 160 characters: the model, the strategy and its layout, the steps, the device and
+    policy, the MFU denominator and the estimate. summary.json holds the rest (FLOPs per token, micro-steps, the
+    peak's source in full), ``python -m lab peak`` the CPU peaks."""
+    counts, m = accounting.param_counts(cfg.model), cfg.model
+    mup = " under μP (untied head)" if m.parametrization == "mup" and not m.tie_embeddings else ""
+    moe = (f" ({counts.active:,} active: mixture of {m.moe_experts} experts (top {m.moe_top_k}, granularity "
+           f"{m.moe_granularity}{f', {m.moe_shared_experts} shared' if m.moe_shared_experts else ''}))"
            if m.moe_experts else "")
-    line = (f"model: {cfg.model.arch}, {counts.total:,} params ({counts.non_embedding:,} non-embedding{moe}), "
-            f"{accounting.flops_per_token(cfg.model) / 1e6:.2f} MFLOP/token{' (active path)' if moe else ''} | "
-            f"strategy {strategy} × "
-            f"{world.world_size} | {plan.total_steps} steps of {t.batch_tokens:,} tokens ({plan.accum_steps} "
-            f"micro-step{'s' if plan.accum_steps > 1 else ''} per step) | device {world.device}, {precision.name}"
-            f"{f', {threads()}' if world.device.type == 'cpu' else ''} | "
-            f"MFU against {peak.flops:.3g} FLOP/s per device ({peak.source})")
-    if cfg.model.parametrization == "mup" and not cfg.model.tie_embeddings:
-        line += " | μP with an untied head (the default under μP; --model.tie_embeddings true ties it)"
+    line = (f"model: {m.arch}{mup}, {counts.total:,} params{moe} | strategy {strategy} × {world.world_size} | "
+            f"{plan.total_steps} steps of {cfg.train.batch_tokens:,} tokens | device {world.device}, {precision.short}"
+            f"{f', {threads()}' if world.device.type == 'cpu' else ''} | peak {peak.flops:.3g} FLOP/s ({peak.label})")
     if estimate is not None:
         remaining = estimate.seconds * (1 - start.step / plan.total_steps)
         line += f" | about {_duration(remaining)} at {ESTIMATE_MFU:.0%} MFU"
@@ -146,16 +144,18 @@ def start_line(cfg: RunConfig, world: World, plan: StepPlan, precision: Precisio
 
 
 def checked_peak(peak: Peak, world: World, log: RunLog) -> Peak:
-    """The peak to go on with once a step's MFU passed 100 %: measured again where it may be (rank 0 with a
-    measured CPU peak), else the same one, with a warning."""
+    """The peak to go on with once a step's MFU passed 100 %, said in one warning: a measured CPU peak measured again
+    (rank 0) and the higher figure taken; else the same one. A figure measured again and found no higher did not
+    read low for the load, whatever the load was when it was taken."""
     remeasured = remeasure_low_peak(peak) if world.is_main else None
     if remeasured is not None:
-        log.say(f"MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) read low; measured "
-                f"again: {remeasured.flops:.3g} FLOP/s ({remeasured.source}), used from here on")
+        log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.label}) read low; measured "
+                f"again: {remeasured.flops:.3g} FLOP/s, used from here on")
         return remeasured
-    log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.source}) reads low, "
-            f"probably measured while other work ran; measure it again on a quiet machine with "
-            f"python -m lab peak --remeasure, or set train.peak_flops")
+    measured = peak.measured is not None
+    again = " (measured again, no higher: not the load; the run outpaces the benchmark)" if measured else ""
+    log.say(f"warning: MFU above 100%: the peak ({peak.flops:.3g} FLOP/s, {peak.label}) reads low{again}; set "
+            f"train.peak_flops to this device's peak")
     return peak
 
 
@@ -178,7 +178,7 @@ def summarise(cfg: RunConfig, world: World, plan: StepPlan, strategy: Strategy, 
         "params_active": counts.active, "moe_experts": cfg.model.moe_experts, "moe_top_k": cfg.model.moe_top_k,
         "moe_granularity": cfg.model.moe_granularity,
         "flops_per_token": fpt, "tokens": tokens, "flops": fpt * tokens, "steps": outcome.end_step,
-        "total_steps": plan.total_steps, "skipped_steps": outcome.skipped_steps,
+        "total_steps": plan.total_steps, "micro_steps": plan.accum_steps, "skipped_steps": outcome.skipped_steps,
         "final_train_loss": sum(outcome.recent_losses) / len(outcome.recent_losses) if outcome.recent_losses else None,
         "final_eval_loss": outcome.eval_loss, "unigram_entropy_nats": data.meta.get("unigram_entropy_nats"),
         **({"expect": outcome.expect} if outcome.expect else {}),

@@ -433,6 +433,26 @@ def recorded(tmp_path, write_sweep):
     return sweep.folder, registry, registry.rows()
 
 
+def test_a_sweep_says_its_runs_started_before_the_first_ends(recorded, capsys):
+    from sweeps.driver import EXIT_INTERRUPTED, execute
+
+    folder, registry, rows = recorded
+
+    class Running:
+        """An executor whose runs are still running when the driver is interrupted."""
+
+        name = "local"
+
+        def run(self, attempts, events) -> None:
+            self.said = capsys.readouterr()
+            raise KeyboardInterrupt
+
+    executor = Running()
+    assert execute(folder, registry, [r.name for r in rows], executor) == EXIT_INTERRUPTED
+    said = (executor.said.out + executor.said.err).splitlines()
+    assert said == [f"running 2 of 2 runs (local); a line as each ends, logs in {folder / 'logs'}"]
+
+
 def write_metrics(run_dir: Path, last_step: int) -> None:
     """Records of steps 1..last_step, an eval record, and a torn last line (a run killed mid-write)."""
     run_dir.mkdir(parents=True, exist_ok=True)
