@@ -219,8 +219,15 @@ def _user_config_in_run_dir(tmp, ctx):
     return run_main, [*ctx["args"], "--run-dir", str(tmp / "r")]
 
 
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LAB_AGENT_PID")
+
+
 def _environment(**variables: str) -> Callable:
+    """A run under exactly these rank variables: the others unset (an earlier test in this process may have set one:
+    DeepSpeed's world of one sets WORLD_SIZE)."""
     def make(tmp, ctx):
+        for name in RANK_VARIABLES:
+            ctx["monkeypatch"].delenv(name, raising=False)
         for name, value in variables.items():
             ctx["monkeypatch"].setenv(name, value)
         return run_main, [*ctx["args"], "--run-dir", str(tmp / "r")]

@@ -561,11 +561,11 @@ def test_the_sweep_copy_is_not_written_through_a_planted_temporary_link(write_sw
 
     file = write_sweep(tmp_path / "s.toml", budgets=[6e8], shapes=THREE[:1])
     folder = tmp_path / "sweep"
-    folder.mkdir()
+    monkeypatch.setattr(cooldowns, "execute_branched", lambda *args: 0)  # the copy is what is under test, not runs
+    assert main(["run", str(file), "--folder", str(folder), "--no-progress"]) == 0  # the sweep's folder, its own
     precious = tmp_path / "precious.txt"
     precious.write_text("keep")
     (folder / f".sweep.toml.{os.getpid()}.tmp").symlink_to(precious)  # the name a copy without mkstemp would take
-    monkeypatch.setattr(cooldowns, "execute_branched", lambda *args: 0)  # the copy is what is under test, not runs
-    assert main(["run", str(file), "--folder", str(folder), "--no-progress"]) == 0
+    assert main(["run", str(file), "--folder", str(folder), "--no-progress"]) == 0  # run again: copied again
     assert precious.read_text() == "keep"
     assert not (folder / "sweep.toml").is_symlink() and (folder / "sweep.toml").read_text() == file.read_text()
