@@ -17,7 +17,7 @@ from lab.measure.device import Precision
 from lab.measure.figures import Figures
 from lab.model import GPT
 from lab.parallel import axes
-from lab.parallel.axes import activations, context, experts, pipeline, tensor
+from lab.parallel.axes import activations, experts
 from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroup, ParamGroupRule, Strategy
 from lab.parallel.comm import backend_for, join_group_of_one
 from lab.parallel.data.ddp import BucketedDDP, NaiveDDP
@@ -27,7 +27,6 @@ from lab.parallel.data.torch_ref import FSDP, TorchDDP
 from lab.parallel.data.zero import Zero1, Zero2
 from lab.parallel.data.zero3 import Zero3
 from lab.parallel.engine import Engine
-from lab.parallel.layout import OPTIONS as layout_options
 from lab.parallel.layout import Layout, LoopSettings, World
 from lab.parallel.precision import LossScaler
 from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
@@ -80,5 +79,5 @@ def step_line(rec: dict) -> str:
 
 
 __all__ = ["STRATEGIES", "Engine", "Layout", "LoopSettings", "ModelFactory", "OptimizerFactory", "ParamGroup",
-           "ParamGroupRule", "RunEngine", "Strategy", "World", "axes", "backend_for", "create", "experts",
-           "join_group_of_one", "parse_spec", "register", "step_line", "strategy_class"]
+           "ParamGroupRule", "RunEngine", "Strategy", "World", "activations", "axes", "backend_for", "create",
+           "experts", "join_group_of_one", "parse_spec", "register", "step_line", "strategy_class"]

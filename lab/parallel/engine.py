@@ -128,7 +128,7 @@ class Engine:
         s.module = module
         groups = param_group_rule(module)
         rename = functools.partial(functools.reduce, lambda n, t: t.local_name(n), self.transforms)
-        s.data.check_same(layout_digest(module, lambda name: rename(name)), "the model (parameter names and shapes)")
+        s.data.check_same(layout_digest(module, rename), "the model (parameter names and shapes)")
         if self.precision.mixed and not s.keeps_own_masters:
             s.masters = self.precision_step.keep_masters(module, self._share_first)
         model = s.wrap(module, groups)

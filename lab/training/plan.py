@@ -21,6 +21,7 @@ from lab.measure import accounting
 from lab.measure.device import Precision
 from lab.model import validate as check_model_config
 from lab.parallel import Engine, Layout, LoopSettings, World, strategy_class
+from lab.parallel.layout import OPTIONS as LAYOUT_OPTIONS
 from lab.parallel.axes import activations, context, pipeline, tensor
 from lab.parallel.data.deepspeed import ZERO_STAGES, DeepSpeed, engine_config, import_deepspeed
 from lab.runtime import compat
@@ -159,7 +160,7 @@ def check_layout(cfg: ParallelConfig, world_size: int, loop: LoopSettings, model
             raise ConfigError(f"parallel.{option} must be one of {', '.join(allowed)}, got '{value}'"
                               f"{did_you_mean(value, allowed)}")
     for option in changed_options(cfg):
-        if option not in cls.options | parallel.layout_options:
+        if option not in cls.options | LAYOUT_OPTIONS:
             users = [name for name, c in parallel.STRATEGIES.items() if option in c.options]
             raise ConfigError(f"parallel.{option} has no effect under strategy '{cls.name}' "
                               f"(it applies to: {', '.join(users) or 'no strategy'})")

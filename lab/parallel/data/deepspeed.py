@@ -251,7 +251,6 @@ class DeepSpeed:
         self.module: torch.nn.Module | None = None
         self.master_partitions: list[torch.Tensor] = []  # this rank's flat fp32 masters, one per group
         self.masters = None  # no masters of whole weights (the accounts' theory reads this)
-        self.microbatches, self.token_share, self.syncing, self.reshards = 1, 1.0, True, True
         self.accounts = accounts.DeepSpeed(self)
         self.meters = RunMeters(lambda: [self.comm], [], self.saved, self.everyone, [], self.accounts.record)
         self.accounts.parts = self.meters.figures
@@ -299,7 +298,6 @@ class DeepSpeed:
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """The engine's forward (its config carries the precision); ``sync`` marks the accumulation boundary."""
-        self.syncing = sync
         self.engine.set_gradient_accumulation_boundary(sync)
         with self.saved.counting(self.module):
             return self.engine(x, y)
