@@ -32,6 +32,8 @@ pytestmark = pytest.mark.slow  # launches processes or trains many runs: `make t
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = LoopSettings(micro_batch=4, accum_steps=2, grad_clip=1.0)
 STAGES = ["deepspeed:zero_stage=1", "deepspeed:zero_stage=2", "deepspeed:zero_stage=3"]
+CHECKPOINTED = ["deepspeed:zero_stage=2,activation_checkpointing=full",
+                "deepspeed:zero_stage=3,activation_checkpointing=selective"]
 OFFLOADED = ["deepspeed:zero_stage=1,offload=optimizer", "deepspeed:zero_stage=2,offload=optimizer",
              "deepspeed:zero_stage=3,offload=optimizer", "deepspeed:zero_stage=3,offload=all"]
 
@@ -135,12 +137,13 @@ def _equivalences(world: World) -> dict:
     # one micro-batch per rank, no clipping: sums of two numbers and exact halving (see lab.commands.equivalence)
     exact = equivalence(world, [*STAGES, *OFFLOADED], Setup(steps=4, grad_clip=0))
     # accumulation, clipping active (norms near 1 at lr 1e-2), checkpointing: regrouped sums
-    regrouped = equivalence(world, [*STAGES, *OFFLOADED, "deepspeed:zero_stage=2,activation_checkpointing=full",
-                                    "deepspeed:zero_stage=3,activation_checkpointing=selective"],
-                            Setup(steps=4, accum=2, grad_clip=0.5))
+    traces: dict = {}
+    regrouped = equivalence(world, [*STAGES, *OFFLOADED, *CHECKPOINTED], Setup(steps=4, accum=2, grad_clip=0.5),
+                            traces=traces)
+    saved = {spec: trace.meters["activation_saved_bytes"] for spec, trace in traces.items()}
     # the lab's bf16 (autocast, fp32 weights and gradients) written into the engine as torch_autocast
     bf16 = equivalence(world, STAGES, Setup(steps=4, grad_clip=0, dtype="bf16"))
-    return {"exact": exact, "regrouped": regrouped, "bf16": bf16}
+    return {"exact": exact, "regrouped": regrouped, "bf16": bf16, "saved": saved}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +169,14 @@ def test_with_accumulation_clipping_and_checkpointing_every_stage_matches_single
         # the issue's bar for losses; parameters within a tenth of one AdamW step at lr 1e-2
         assert r.max_rel_loss_diff <= 1e-4 and r.max_rel_grad_norm_diff <= 1e-5, (spec, r)
         assert r.max_param_diff <= 1e-3, (spec, r)
+
+
+def test_checkpointing_under_the_engine_saves_what_it_does_under_the_lab(equivalences):
+    """The engine's model is checkpointed as every strategy's is: a micro-step keeps fewer activation bytes for its
+    backward than the same stage without checkpointing (full: at most a third)."""
+    saved = equivalences["saved"]
+    assert 0 < saved[CHECKPOINTED[0]] <= saved["deepspeed:zero_stage=2"] / 3, saved
+    assert 0 < saved[CHECKPOINTED[1]] < saved["deepspeed:zero_stage=3"], saved
 
 
 # ---------------------------------------------------------------- meters, skipped steps, one rank's view

@@ -6,7 +6,7 @@ that places the model over the data axis and loops over the layout's transforms 
     base.py                     a data-parallel strategy: places, syncs gradients, steps
     holding.py                  what each rank holds: the global norm, checkpoint state and export, written once
     precision.py                mixed precision's fp32 masters and fp16's loss scale (docs/precision.md)
-    meters.py, accounts.py      what the steps cost, measured and in theory
+    meters.py, accounts.py      what the steps cost, measured and in theory (lab.measure.placement: the record)
     engine.py                   parallelize() and the engine the loop drives: the parts above, in reading order
     data/                       the data-parallel strategies: single, ddp, zero, torch's; DeepSpeed's own engine
 """

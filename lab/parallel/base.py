@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 
 from lab.measure.device import Precision
+from lab.measure.placement import Costs
 from lab.model.plan import ParallelPlan
-from lab.parallel.accounts import Accounts
 from lab.parallel.axes import GroupReplicas, Transform
 from lab.parallel.comm import Comm
 from lab.parallel.holding import Piece
@@ -66,7 +66,7 @@ class Strategy:
     name: ClassVar[str]
     # [parallel] options it reads, beyond strategy, timeout_s and the layout's (``lab.parallel.layout.OPTIONS``)
     options: ClassVar[frozenset[str]] = frozenset()
-    accounting: ClassVar[type[Accounts]] = Accounts  # what it costs, measured and in theory (lab.parallel.accounts)
+    costs: Costs = Costs()  # how it places the model, for the cost formulas (``wrap`` fills in what it laid out)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None

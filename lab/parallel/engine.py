@@ -82,7 +82,7 @@ class Engine:
         self.strategy = strategy(mesh, cfg, precision, loop, self.transforms)
         scaler = LossScaler(precision.loss_scale, precision.loss_scale_window) if precision.scales_loss else None
         self.precision_step = PrecisionStep(precision.param_dtype, scaler)
-        self.accounts: Accounts = strategy.accounting(self.strategy)
+        self.accounts = Accounts(self.strategy)
         self.meters = RunMeters(self.strategy.comms, self.transforms, self.saved, self.everyone,
                                 [scaler] if scaler is not None else [], self.accounts.record)
         self.accounts.parts = self.meters.figures

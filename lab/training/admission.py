@@ -30,15 +30,14 @@ def check_resources(cfg: RunConfig, layout: parallel.Layout, world: parallel.Wor
     """Refuse a run whose states and activations cannot fit, or that could not finish within MAX_DAYS.
 
     Memory: what one process holds under the run's ``layout`` (``Layout.share``: its model states in the widths of
-    the run's precision policy (``Accounts.state_widths``), and ``Layout.activation_bytes``, one micro-batch's
+    the run's precision policy (``Costs``, a strategy's record of its placement), and ``Layout.activation_bytes``, one micro-batch's
     activations with a fused attention kernel: a lower bound);
     processes on one CPU host share its available memory. Time: the run's FLOPs over the peak of all its devices.
     """
     shape = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
-    strategy_cls = parallel.strategy_class(cfg.parallel.strategy)
-    accounts = strategy_cls.accounting
-    states = layout.share(shape, accounts.state_row(strategy_cls, cfg.parallel), accounts.state_widths(precision)
-                          ).states.total
+    costs = parallel.strategy_class(cfg.parallel.strategy).costs
+    widths = "fp32" if costs.fp32_states else precision.state_widths
+    states = layout.share(shape, costs.states.format(zero_stage=cfg.parallel.zero_stage), widths).states.total
     activations = layout.activation_bytes(shape, cfg.train.micro_batch, precision.activation_bytes,
                                           sequence_parallel=cfg.parallel.sequence_parallel)
     share = available_bytes / (local_world_size if world.device.type == "cpu" else 1)

@@ -54,11 +54,11 @@ def plan_run(cfg: RunConfig, world_size: int, precision: Precision | None = None
     schedule.validate(cfg.train)
     check_counts(cfg)
     check_degrees(cfg.parallel, world_size)
-    replicas = Layout.of(cfg.parallel, world_size).dp
-    steps = split_batch(cfg, replicas)
+    layout = Layout.of(cfg.parallel, world_size, strategy_class(cfg.parallel.strategy))  # the run's one layout
+    steps = split_batch(cfg, layout.dp)
     loop = loop_settings(cfg, steps)
     model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
-    layout = check_layout(cfg.parallel, world_size, loop, model, precision)
+    check_layout(cfg.parallel, world_size, loop, model, precision, layout)
     check_batch(cfg, steps, world_size)
     check_train(cfg, steps)
     return RunPlan(cfg, layout, steps, loop, precision)
@@ -133,17 +133,18 @@ def check_train(cfg: RunConfig, plan: StepPlan) -> None:
 
 
 def check_layout(cfg: ParallelConfig, world_size: int, loop: LoopSettings, model: ModelConfig | None = None,
-                 precision: Precision | None = None) -> Layout:
+                 precision: Precision | None = None, layout: Layout | None = None) -> Layout:
     """The layout ``cfg`` asks for on ``world_size`` processes under the loop's ``loop`` settings, every refusal of the
     [parallel] section made: its degrees, each axis's options, the strategy's and their combinations (every refusal of
     the matrix), and, given them, the model's split (``check_model``) and the precision policy (``check_precision``).
+    ``layout``: the one the caller built already (``plan_run``), checked rather than built again.
     """
     compat.check()
     cls = strategy_class(cfg.strategy)
     check_degrees(cfg, world_size)
     if model is not None:
         check_model(cfg, model)
-    layout = Layout.of(cfg, world_size, cls)
+    layout = layout or Layout.of(cfg, world_size, cls)
     if cfg.tp_impl not in tensor.IMPLEMENTATIONS:
         raise ConfigError(f"parallel.tp_impl must be one of {', '.join(tensor.IMPLEMENTATIONS)}, got '{cfg.tp_impl}'"
                           f"{did_you_mean(cfg.tp_impl, tensor.IMPLEMENTATIONS)}")

@@ -13,7 +13,8 @@
 Each unit is replaced, through the plan, by an instance of a checkpointed subclass of its own class holding the same
 parameters, hooks and attributes (``lab.parallel.axes.replace_module``), so parameter names and module hooks stay as
 they were: a sharding strategy that gathers a unit's weights around its forward sees the same module. The head is a
-method of the model: ``full`` wraps it in place.
+method of the model: under ``full`` the model becomes an instance of a subclass of its own class whose head method
+runs checkpointed (as ``fully_shard`` makes a module it shards an instance of a subclass).
 
 ``SavedBytes`` counts, with saved-tensor hooks, the bytes autograd keeps for the backward of one
 micro-step: every saved tensor that is not a parameter (distinct storages once), plus under
@@ -148,7 +149,8 @@ def apply(model: nn.Module, plan: ParallelPlan, mode: str, meter: SavedBytes) ->
         replace_module(model, name, checkpointed(type(model.get_submodule(name))), checkpoint_meter=meter,
                        checkpoint_context=context_fn)
     if mode == "full" and plan.head is not None:
-        setattr(model, plan.head, functools.partial(_checkpointed, getattr(model, plan.head), meter, None))
+        model.__class__ = checkpointed_head(type(model), plan.head)
+        model.checkpoint_meter = meter
 
 
 class Checkpointed(nn.Module):
@@ -169,6 +171,20 @@ def checkpointed(kind: type[nn.Module]) -> type[nn.Module]:
     if kind not in _CHECKPOINTED:
         _CHECKPOINTED[kind] = type(f"Checkpointed{kind.__name__}", (Checkpointed, kind), {})
     return _CHECKPOINTED[kind]
+
+
+_HEADS: dict[tuple[type[nn.Module], str], type[nn.Module]] = {}
+
+
+def checkpointed_head(kind: type[nn.Module], head: str) -> type[nn.Module]:
+    """``kind`` whose method ``head`` runs under activation checkpointing: one subclass per class and head, made once."""
+    if (kind, head) not in _HEADS:
+        def run(self: nn.Module, x: torch.Tensor, *args: object) -> torch.Tensor:
+            return _checkpointed(getattr(super(subclass, self), head), self.checkpoint_meter, None, x, *args)
+
+        subclass = type(f"CheckpointedHead{kind.__name__}", (kind,), {head: run})
+        _HEADS[(kind, head)] = subclass
+    return _HEADS[(kind, head)]
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor], meter: SavedBytes, context_fn: Callable | None,

@@ -64,7 +64,7 @@ from lab.model.plan import ParallelPlan, PipelinePlan
 from lab.parallel.axes import AxisMeters, Replicas, Transform
 from lab.parallel.comm import naming_axis
 from lab.parallel.layout import LoopSettings, Mesh, World
-from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
+from lab.runtime.config import ConfigError, ParallelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 IMPLEMENTATIONS = ("lab", "torch")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lab.parallel import accounts
+from lab.measure.placement import Costs
 from lab.parallel.base import ParamGroup, Strategy
 from lab.parallel.comm import Comm, InOrder, buckets
 
@@ -78,7 +78,7 @@ class Bucket:
 class BucketedDDP(Strategy):
     name = "ddp"
     options = Strategy.options | {"bucket_mb", "overlap"}
-    accounting = accounts.Bucketed
+    costs = Costs(grads_at_rest=True)  # flat buckets live between steps
     divides_loss = True  # the loss is divided by N before its backward: the all-reduced sum is then the mean
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:

@@ -57,12 +57,14 @@ import torch.distributed as dist
 
 from lab.measure import accounting
 from lab.measure.device import Precision
-from lab.parallel import accounts, holding
-from lab.parallel.accounts import storage_bytes
+from lab.measure.placement import Costs
+from lab.model.plan import plan_of
+from lab.parallel import axes, holding
+from lab.parallel.accounts import Accounts, storage_bytes
 from lab.parallel.axes.activations import SavedBytes
 from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, set_lr
 from lab.parallel.comm import Comm, join_group_of_one
-from lab.parallel.engine import layout_digest
+from lab.parallel.engine import layout_digest, parallelize
 from lab.parallel.holding import Piece, materialize_adam_state
 from lab.parallel.layout import LoopSettings, Mesh, World
 from lab.parallel.meters import RunMeters, StepMeters
@@ -225,7 +227,7 @@ class DeepSpeed:
     name = "deepspeed"
     options = frozenset({"zero_stage", "offload", "deepspeed_config"})
     offload_modes = ("none", "optimizer", "all")
-    accounting = accounts.DeepSpeed
+    costs = Costs("zero{zero_stage}", "zero{zero_stage}")  # its stage's rows (``build`` fills in the rest)
     min_world_size, max_world_size, compiles, shards, builds_on_meta = 1, None, True, "optimizer", False
     runs_fp16 = "its loss scaler would be DeepSpeed's, not the lab's (checkpoints, the step line); use bf16"
     owns_step = "its engine owns the whole step over the whole world; choose any other strategy"
@@ -233,9 +235,10 @@ class DeepSpeed:
     def __init__(self, mesh: Mesh, cfg: ParallelConfig, precision: Precision, loop: LoopSettings):
         self.mesh, self.cfg, self.precision, self.loop = mesh, cfg, precision, loop
         self.data = self.everyone = mesh.world  # the engine runs over the whole world, its only axis
-        self.transforms: list = []
         self.comm = Comm(self.data.world_size, self.data.group, axis="dp")
         self.saved = SavedBytes()
+        # activation checkpointing, the one transform it runs with (the plan refuses the axes beside it)
+        self.transforms = axes.transforms(mesh, cfg, loop, self.saved, precision.param_dtype)
         self.stage = cfg.zero_stage
         self.config = engine_config(cfg, self.data.world_size, loop, precision)
         self.ds = import_deepspeed()
@@ -251,8 +254,9 @@ class DeepSpeed:
         self.module: torch.nn.Module | None = None
         self.master_partitions: list[torch.Tensor] = []  # this rank's flat fp32 masters, one per group
         self.masters = None  # no masters of whole weights (the accounts' theory reads this)
-        self.accounts = accounts.DeepSpeed(self)
-        self.meters = RunMeters(lambda: [self.comm], [], self.saved, self.everyone, [], self.accounts.record)
+        self.accounts = Accounts(self, measure=self._state_bytes)
+        self.meters = RunMeters(lambda: [self.comm], self.transforms, self.saved, self.everyone, [],
+                                self.accounts.record)
         self.accounts.parts = self.meters.figures
         self._after_load: list = []
 
@@ -275,6 +279,7 @@ class DeepSpeed:
         do (DeepSpeed would copy them from the bf16 weights it casts first)."""
         with torch.device(self.data.device):
             self.module = model_factory()
+            parallelize(self.module, plan_of(self.module, model_factory), self.transforms)
         self.data.check_same(layout_digest(self.module), "the model (parameter names and shapes)")
         params = dict(self.module.named_parameters())
         optimizer = optimizer_factory([{"params": [params[n] for n in g.names], **g.options()}
@@ -286,6 +291,10 @@ class DeepSpeed:
         opt = self.optimizer
         self.master_partitions = list(opt.fp32_partitioned_groups_flat if self.stage == 3
                                       else opt.single_partition_of_fp32_groups)
+        row = f"zero{self.stage}"
+        self.costs = Costs(row, row, ((self.data.world_size, sum(getattr(p, "ds_numel", p.numel())
+                                                                 for p in self.trainable)),),
+                           offloaded=self.cfg.offload != "none")
         if initial:
             with torch.no_grad():
                 for piece in self.holding():
@@ -454,6 +463,19 @@ class DeepSpeed:
                 for name, value in self.module.state_dict().items()}
 
     # ------------------------------------------------------------ meters
+
+    def _state_bytes(self) -> accounting.StateBytes:
+        """Weights the model computes with, the gradients at the boundary (measured when the norm is taken), and the
+        masters plus Adam's moments (a master partition that is the weights themselves, as in stage 3 without
+        offload, counts once)."""
+        opt = self.optimizer
+        weights = list(opt.fp16_partitioned_groups_flat if self.stage == 3 else opt.bit16_groups_flat)
+        stored = {t.untyped_storage().data_ptr() for t in weights}
+        moments = [v for m in self.master_partitions for v in opt.optimizer.state.get(m, {}).values()
+                   if torch.is_tensor(v)]
+        masters = [m for m in self.master_partitions if m.untyped_storage().data_ptr() not in stored]
+        return accounting.StateBytes(params=storage_bytes(weights), grads=self.grad_bytes or 0,
+                                     optimizer=storage_bytes(moments + masters), offload=self.costs.offloaded)
 
     def _gradient_bytes(self) -> int:
         """Bytes of the gradients this rank holds at the step boundary, after the reduction."""

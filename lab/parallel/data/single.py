@@ -1,10 +1,10 @@
 """One process, no communication: the reference every other strategy must reproduce."""
 
-from lab.parallel import accounts
+from lab.measure.placement import Costs
 from lab.parallel.base import Strategy
 
 
 class Single(Strategy):
     name = "single"
     max_world_size = 1
-    accounting = accounts.Local
+    costs = Costs(traffic=None)

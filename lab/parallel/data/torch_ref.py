@@ -12,6 +12,7 @@ here: DDP checks the hook's annotations as objects.)
 """
 
 import contextlib
+import dataclasses
 import functools
 import time
 
@@ -24,7 +25,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lab.parallel import accounts
+from lab.measure.placement import Costs
 from lab.parallel.base import ParamGroup, Strategy
 from lab.parallel.data.ddp import broadcast_from_rank0
 from lab.parallel.holding import Piece
@@ -106,7 +107,7 @@ class FSDP(Strategy):
     shards = "weights"
     builds_on_meta = True
     keeps_own_masters = True  # its fp32 shards are the masters (``MixedPrecisionPolicy``)
-    accounting = accounts.FSDP
+    costs = Costs("zero3", "zero3", fp32_states=True)  # fp32 shards at rest under any policy
 
     def wrap(self, module: nn.Module, groups: list[ParamGroup]) -> nn.Module:
         mesh = self.data.device_mesh or init_device_mesh(self.data.device.type, (self.data.world_size,))
@@ -141,7 +142,29 @@ class FSDP(Strategy):
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
             for name, b in module.named_buffers():
                 b.copy_(self.plan.initial_value(name))
+        self.costs = self._placed(module)
         return module
+
+    def _placed(self, module: nn.Module) -> Costs:
+        """The record of its placement: each module ``fully_shard`` was applied to as FSDP sends it (each parameter's
+        first dimension padded to a multiple of its group's size), reduce-scattered once a step and gathered as FSDP2
+        gathers it: resharding, for every forward and backward (M of each a micro-step where a transform runs M
+        microbatches; once a forward where it keeps them for its backward), else once a step."""
+        seen: set[int] = set()
+        synced: dict[int, int] = {}
+        gathers = []
+        for name, world, kept in self.shards:
+            n = world.world_size
+            params = [p for p in (module.get_submodule(name) if name else module).parameters()
+                      if p.requires_grad and id(p) not in seen]
+            seen |= {id(p) for p in params}
+            elements = sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) for p in params)
+            synced[n] = synced.get(n, 0) + elements
+            times = self.loop.accum_steps * self.microbatches * (1 if kept else 2) if self.reshards else 1
+            gathers.append((times, elements, n))
+        return dataclasses.replace(self.costs, traffic="zero3" if self.reshards else "zero2",
+                                   synced=tuple(synced.items()), gathers=tuple(gathers),
+                                   width=self.precision.param_dtype.itemsize)
 
     def _held_apart(self, module: nn.Module) -> list[tuple[str, World]]:
         """The largest submodules with a forward whose weights all average over other ranks than the data axis (a

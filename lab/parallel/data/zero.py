@@ -77,9 +77,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lab.measure import memory
+from lab.measure.placement import Costs
 
 from lab.runtime.checkpoint import overlap
-from lab.parallel import accounts
 from lab.parallel.axes import GroupReplicas
 from lab.parallel.base import ParamGroup, Strategy
 from lab.parallel.holding import Piece
@@ -158,7 +158,6 @@ class Zero(Strategy):
 
     stage = 0
     options = Strategy.options | {"bucket_mb", "offload"}
-    accounting = accounts.Zero
     keeps_own_masters = True  # the units keep the masters of this rank's chunks (``_keep_master``)
     divides_loss = True  # the reduce-scattered sum is then the average, without a pass over the shards
 
@@ -207,6 +206,13 @@ class Zero(Strategy):
             for unit in self.units:
                 for p in unit.params:
                     p.register_post_accumulate_grad_hook(self._on_gradient)
+        synced: dict[int, int] = {}
+        for u in self.units:  # each unit as the flat layout sends it: rounded up to a multiple of its group's size
+            synced[u.comm.world_size] = synced.get(u.comm.world_size, 0) + u.padded
+        self.costs = Costs(self.name, self.name, tuple(synced.items()), offloaded=self.offloaded,
+                           grads_at_rest=self.stage == 1, accumulates_whole=self.stage > 1,
+                           units=tuple(u.padded for u in self.units), chunks=tuple(u.chunk for u in self.units),
+                           width=self.precision.param_dtype.itemsize)
         return module
 
     def _keep_master(self, unit: Unit, chunk: torch.Tensor) -> None:
@@ -396,9 +402,11 @@ class Zero(Strategy):
 class Zero1(Zero):
     name, stage = "zero1", 1
     shards = "optimizer"
+    costs = Costs("zero1", "zero1")  # before ``wrap`` lays the units out
 
 
 class Zero2(Zero):
     name, stage = "zero2", 2
     options = Zero.options | {"overlap"}
     shards = "gradients"
+    costs = Costs("zero2", "zero2")

@@ -7,6 +7,7 @@ chunks, the gather pool, and the hooks that gather, prefetch and free each piece
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections import Counter
@@ -16,8 +17,8 @@ import torch
 import torch.nn as nn
 
 from lab.measure import memory
+from lab.measure.placement import Costs
 from lab.model.plan import segments
-from lab.parallel import accounts
 from lab.parallel.base import ParamGroup
 from lab.parallel.data.zero import Unit, Zero, registrations
 from lab.parallel.layout import World
@@ -28,7 +29,7 @@ class Zero3(Zero):
     """Stage 3: see the module docstring; units are half blocks and a root unit for the rest."""
 
     name, stage = "zero3", 3
-    accounting = accounts.Zero3
+    costs = Costs("zero3", "zero3")
     options = Zero.options - {"bucket_mb"} | {"overlap", "reshard_after_forward"}
     compiles = False
     shards = "weights"
@@ -87,12 +88,31 @@ class Zero3(Zero):
         self.forward_order = [[unit_of[names[0]] for names in units] for _, units in self._segments]
         sizes = [sum(u.padded for u in segment) for segment in self.forward_order]
         self.pool_budget = self.root_size() + max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+        self.costs = dataclasses.replace(self.costs, gathers=self._gathers(), pool=self.pool_budget)
         self._spares: dict[int, list[torch.Tensor]] = {}  # idle pool buffers by their number of elements
         self._pooled = 0  # elements in pool buffers, idle or lent
         for (modules, _), segment in zip(self._segments, self.forward_order, strict=True):
             modules[0].register_forward_pre_hook(lambda mod, args, seg=segment: self._before_forward(seg, args))
             modules[-1].register_forward_hook(lambda mod, args, out, seg=segment: self._after_forward(seg, out))
         return module
+
+    def _gathers(self) -> tuple[tuple[float, int, int], ...]:
+        """(times a step, elements, group size) of each unit's all-gathers: resharding, each piece of the model's units
+        twice a micro-step (M of each where a transform runs M microbatches), the root units once, less what one
+        backward finds still gathered from its forward (with one microbatch, the root and the last piece); kept
+        gathered, once a step."""
+        pieces = {id(u) for segment in self.forward_order for u in segment}
+        last = {id(u) for u in self.forward_order[-1]} if self.forward_order else set()
+        out = []
+        for u in self.units:
+            if not self.reshards:
+                times = 1
+            elif self.microbatches > 1:
+                times = self.loop.accum_steps * (2 * self.microbatches if id(u) in pieces else 1)
+            else:
+                times = self.loop.accum_steps * (1 if id(u) not in pieces or id(u) in last else 2)
+            out.append((times, u.padded, u.comm.world_size))
+        return tuple(out)
 
     def root_size(self) -> int:
         """Elements of the root units (gathered for the whole forward and backward)."""
