@@ -46,7 +46,7 @@ from scipy.optimize import nnls
 from analysis import robust
 from analysis.bootstrap import draw_weights, interval
 from analysis.table import InputError, metrics_lines
-from lab.measure.laws import CURVE_LAW, CURVE_NAMES, Curve, CurvePoints, curve_named, curve_theta
+from lab.measure.laws import CURVE_LAW, CURVE_NAMES, Curve, CurvePoints, curve_named
 from lab.runtime.files import loads_line, read_json
 
 HUBER_SCALE = 0.01  # log-loss residuals beyond this count linearly: eval-loss spikes weigh less

@@ -17,7 +17,7 @@ from typing import Any
 from lab.runtime.config import (SLURM_SETTINGS, ConfigError, RunConfig, check_value, coerce_field, parse_toml,
                                 read_toml_text, resolve_keys, resolve_table)
 from lab.runtime.files import check_path, unprintable
-from sweeps.sweep import (BUDGET, CENTRE_PRIORS, MAX_BUDGET_FLOPS, Centre, Cooldowns, Family, Launch, LaunchRule,
+from sweeps.sweep import (BUDGET, CENTRE_PRIORS, Centre, Cooldowns, Family, Launch, LaunchRule,
                           PowerRule, Routing, Search, ShapeEntry, Slurm, Sweep, routing_name)
 
 

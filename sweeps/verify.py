@@ -273,7 +273,7 @@ def describe(v: Verdict) -> list[str]:
              + ("" if p.loss_opt is None else f", loss at the optimum {p.loss_opt:.4f}"
                 f"{_interval(p.loss_opt_ci, '.4f')}"),
              "",
-             f"| run | N | D (tokens) | loss | predicted L(N, D) | error |",
+             "| run | N | D (tokens) | loss | predicted L(N, D) | error |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in v.runs:
         error = (r.loss - r.predicted_loss) / r.predicted_loss

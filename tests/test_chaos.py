@@ -9,7 +9,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import stat
 import subprocess

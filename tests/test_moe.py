@@ -15,7 +15,7 @@ from lab.commands.cli import run_main, sample_main
 from lab.commands.resources import main as plan_main
 from lab.commands.equivalence import TINY, Setup, equivalence
 from lab.measure import accounting
-from lab.model import GPT, MoE, balance_loss, router_meters
+from lab.model import GPT, MoE, router_meters
 from lab.parallel import activations
 from lab.runtime.config import ConfigError, ModelConfig, resolve
 from pool import run_pooled

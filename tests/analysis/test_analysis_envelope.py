@@ -124,6 +124,7 @@ def _fit_grid(tmp_path, per_budget: int, noise: float) -> dict:
     return result.to_dict()
 
 
+@pytest.mark.slow  # a few seconds: `make test`, not the edit loop
 def test_an_envelope_the_design_cannot_identify_is_a_design_note_not_a_warning(tmp_path):
     # 7 sizes per budget over 1.5 decades of C: a resample that leaves out a budget's lowest run moves its N_opt
     # to a neighbouring size, so losses without noise give as wide an interval as the noisy ones.
@@ -137,6 +138,7 @@ def test_an_envelope_the_design_cannot_identify_is_a_design_note_not_a_warning(t
     assert note.startswith("approach 1 (envelope) cannot be identified by this design") and "more sizes" in note
 
 
+@pytest.mark.slow  # a few seconds: `make test`, not the edit loop
 def test_noise_that_hides_an_envelope_the_design_identifies_still_warns(tmp_path):
     # 21 sizes per budget: without noise the same resamples identify approach 1; with 3 % noise they do not, and
     # that is the data's doing, so it stays a warning.

@@ -4,7 +4,6 @@ a note gives their seed noise, the spline averages them, and `fit --drop-outlier
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -153,6 +152,7 @@ def test_outliers_are_judged_on_experiments_when_runs_have_seed_replicates(tmp_p
                                                                                                   "run0010-s1"}
 
 
+@pytest.mark.slow  # a few seconds: `make test`, not the edit loop
 def test_approach_3_counts_each_experiment_once_however_many_seeds_it_has(tmp_path):
     from analysis.fit import FitConfig, fit_runs
 

@@ -35,6 +35,7 @@ def test_the_tour_sweep_stops_before_the_bootstrap_with_two_lines(tmp_path):
     assert took < 20 and not (tmp_path / "fit").exists()
 
 
+@pytest.mark.slow  # a few seconds: `make test`, not the edit loop
 def test_without_a_bootstrap_the_report_claims_no_agreement(tmp_path):
     assert main(["fit", str(TOUR), "--out", str(tmp_path / "fit"), "--bootstrap", "0", "--no-progress"]) == \
         EXIT_UNIDENTIFIED

@@ -13,6 +13,7 @@ from lab.measure import accounting
 from lab.runtime.config import ModelConfig
 from sweeps import runs as planner
 from sweeps import shapes, spec
+from sweeps.sweep import MAX_BUDGET_FLOPS
 
 FAMILY = """
 [sweep]
@@ -494,7 +495,7 @@ def test_a_budget_at_the_bound_plans_in_seconds():
         calls["n"] += 1
         return model_config(*args, **kwargs)
 
-    sweep = parse(CENTRED.replace("budgets = [1e15, 1e16]", f"budgets = [{spec.MAX_BUDGET_FLOPS:g}]"))
+    sweep = parse(CENTRED.replace("budgets = [1e15, 1e16]", f"budgets = [{MAX_BUDGET_FLOPS:g}]"))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(shapes, "model_config", counted)
         runs = planner.plan(sweep).runs
