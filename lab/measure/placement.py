@@ -27,7 +27,6 @@ class Costs:
     masters: int = 0  # elements of the fp32 masters kept of whole weights under mixed precision
     gathers: tuple[tuple[float, int, int], ...] = ()  # (times a step, elements, group size) of each gathered piece
     pool: int = 0  # elements of the gather pool when full (held from the first forward through the step)
-    width: int = 4  # bytes of an element of a unit and of what is gathered
 
 
 def placed_state_bytes(costs: Costs, counts: dict[int, int], precision: str) -> StateBytes:
@@ -42,7 +41,8 @@ def placed_state_bytes(costs: Costs, counts: dict[int, int], precision: str) -> 
 def placed_comm_bytes(costs: Costs, synced: dict[int, int], reduce_width: float, gather_width: float
                       ) -> dict[str, float]:
     """Bytes one rank sends per step: ``comm_bytes_per_step`` over each group's ``synced`` elements, its all-gathers
-    replaced by the pieces the placement gathers (``gathers``), where it says how often."""
+    replaced by the pieces the placement gathers (``gathers``, ``gather_width`` bytes an element), where it says how
+    often."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     if costs.traffic is None:
         return out
@@ -53,29 +53,30 @@ def placed_comm_bytes(costs: Costs, synced: dict[int, int], reduce_width: float,
         elements: dict[int, float] = {}
         for times, count, n in costs.gathers:
             elements[n] = elements.get(n, 0.0) + times * count
-        out["all_gather"] = costs.width * sum(ring_elements_sent("all_gather", e, n) for n, e in elements.items())
+        out["all_gather"] = gather_width * sum(ring_elements_sent("all_gather", e, n) for n, e in elements.items())
     return out
 
 
-def placed_peak_bytes(costs: Costs, states: StateBytes, accum_steps: int, mixed: bool, activations: float,
-                      cast_weights: float = 0.0) -> dict[str, float]:
+def placed_peak_bytes(costs: Costs, states: StateBytes, accum_steps: int, mixed: bool, width: int,
+                      activations: float, cast_weights: float = 0.0) -> dict[str, float]:
     """Per phase, the most bytes a rank holds in theory: its weights and optimizer states (``states``), the gradients
-    held in that phase, the gather pool, and ``activations`` (one micro-batch's); the forward also holds autocast's
-    copies of the weights (``cast_weights``), the step the optimizer's temporaries.
+    held in that phase, the gather pool (units and pool in elements of ``width`` bytes, the weights' dtype), and
+    ``activations`` (one micro-batch's); the forward also holds autocast's copies of the weights (``cast_weights``),
+    the step the optimizer's temporaries.
 
     Gradients: held between micro-steps where buffers live between steps or a step accumulates (the whole sharded
     gradient where the placement keeps it whole until the last micro-step); the backward adds two flat units in flight
     (one filling, one reduce-scattering). Temporaries: one chunk of a unit (foreach and fused updates allocate none
     else), and under mixed precision the fp32 gradients of the masters or of this rank's chunks."""
-    two_units = costs.width * sum(sorted(costs.units)[-2:])
+    two_units = width * sum(sorted(costs.units)[-2:])
     if costs.accumulates_whole and accum_steps > 1:
-        whole = costs.width * sum(costs.units)
+        whole = width * sum(costs.units)
         grads_forward, grads_backward = whole, whole + two_units
     else:
         between = costs.grads_at_rest or accum_steps > 1
         grads_forward, grads_backward = (states.grads if between else 0.0), states.grads + two_units
     temporaries = 4.0 * (costs.masters + max(costs.chunks, default=0) + (sum(costs.chunks) if mixed else 0))
-    held, pool = states.params + states.optimizer, costs.width * costs.pool
+    held, pool = states.params + states.optimizer, width * costs.pool
     return {"forward": held + grads_forward + pool + activations + cast_weights,
             "backward": held + grads_backward + pool + activations,
             "step": held + states.grads + temporaries + pool}

@@ -128,7 +128,7 @@ class Accounts:
         (``cast_weights``, ``accounting.autocast_weight_bytes``)."""
         s = self.strategy
         return placement.placed_peak_bytes(self.costs(), self.theory_states(), s.loop.accum_steps, s.precision.mixed,
-                                           activations, cast_weights)
+                                           s.precision.param_dtype.itemsize, activations, cast_weights)
 
     def run_peak_bytes_theory(self, shape: ModelConfig) -> dict[str, float]:
         """``peak_bytes_theory`` of a run training a model of ``shape``: one micro-batch's activations under the

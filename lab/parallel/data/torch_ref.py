@@ -163,8 +163,7 @@ class FSDP(Strategy):
             times = self.loop.accum_steps * self.microbatches * (1 if kept else 2) if self.reshards else 1
             gathers.append((times, elements, n))
         return dataclasses.replace(self.costs, traffic="zero3" if self.reshards else "zero2",
-                                   synced=tuple(synced.items()), gathers=tuple(gathers),
-                                   width=self.precision.param_dtype.itemsize)
+                                   synced=tuple(synced.items()), gathers=tuple(gathers))
 
     def _held_apart(self, module: nn.Module) -> list[tuple[str, World]]:
         """The largest submodules with a forward whose weights all average over other ranks than the data axis (a

@@ -211,8 +211,7 @@ class Zero(Strategy):
             synced[u.comm.world_size] = synced.get(u.comm.world_size, 0) + u.padded
         self.costs = Costs(self.name, self.name, tuple(synced.items()), offloaded=self.offloaded,
                            grads_at_rest=self.stage == 1, accumulates_whole=self.stage > 1,
-                           units=tuple(u.padded for u in self.units), chunks=tuple(u.chunk for u in self.units),
-                           width=self.precision.param_dtype.itemsize)
+                           units=tuple(u.padded for u in self.units), chunks=tuple(u.chunk for u in self.units))
         return module
 
     def _keep_master(self, unit: Unit, chunk: torch.Tensor) -> None:
