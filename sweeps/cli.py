@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sweeps import cooldowns, progress, runs as planner, spec as specs
+from sweeps import cooldowns, critical_batch, progress, runs as planner, spec as specs
 from sweeps.driver import attempt_for, driver_lock, execute, job_parts, submitting_kind
 from sweeps.executors.attempt import Executor
 from sweeps.registry import DB_NAME, Registry, RegistryError, Row
@@ -177,6 +177,10 @@ def _planned(sweep: specs.Sweep, tuned: planner.Tuned | None = None) -> planner.
         result.runs, refused = cooldowns.branch(result.runs, sweep.cooldowns.fraction, warmup, sweep.cooldowns.at,
                                                 sweep.evals)
         result.refused += refused
+    if sweep.critical_batch is not None:
+        batch_runs, refused = critical_batch.runs(sweep)
+        result.runs += batch_runs
+        result.refused += refused
     return result
 
 
@@ -209,6 +213,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"centre: {line}")
     if sweep.cooldowns is not None:
         print("\n".join(cooldowns.describe(result.runs) + [cooldowns.savings(result.runs)]))
+    if sweep.critical_batch is not None:
+        print("\n".join(f"critical batch: {line}" for line in critical_batch.describe(sweep)))
     _warn(result)
     for line in result.refused:
         print(f"error: {line}", file=sys.stderr)
@@ -257,6 +263,8 @@ def _run(args: argparse.Namespace) -> int:
             result = _planned(sweep, found.tuned)
             if result.refused:
                 return _refuse(result.refused)
+        if sweep.critical_batch is not None:
+            critical_batch.write_manifest(sweep.folder, sweep)
         registry.sync(result.runs, cooldowns.run_dirs(sweep.folder, result.runs))
         return cooldowns.execute_branched(sweep.folder, registry, result.runs, executor, not args.no_progress)
 

@@ -17,8 +17,8 @@ from typing import Any
 from lab.runtime.config import (SLURM_SETTINGS, ConfigError, RunConfig, check_value, coerce_field, parse_toml,
                                 read_toml_text, resolve_keys, resolve_table)
 from lab.runtime.files import check_path, unprintable
-from sweeps.sweep import (BUDGET, CENTRE_PRIORS, Centre, Cooldowns, Family, Launch, LaunchRule,
-                          PowerRule, Routing, Search, ShapeEntry, Slurm, Sweep, routing_name)
+from sweeps.sweep import (BUDGET, CENTRE_PRIORS, Centre, Cooldowns, CriticalBatch, Family, HeldOut, Launch,
+                          LaunchRule, PowerRule, Routing, Search, ShapeEntry, Slurm, Sweep, routing_name)
 
 
 SpecError = ConfigError  # a sweep file that cannot be planned, as a run config that cannot run: one line for the user
@@ -30,11 +30,13 @@ PLANNED_FIELDS = {"model": ("n_layer", "d_model", "n_head"), "train": ("tokens",
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
 NAME_RE = re.compile(r"[^/]+")  # one path component (fullmatch it), printable on one line (``unprintable``)
 SEARCH_GRID_MIN = 3  # values a grid needs for its best value to be located between neighbours
+BATCH_SPAN_MIN = 16.0  # [critical_batch]: the batches' span, largest / smallest, that brackets a critical batch
 # The keys of each table that are Sweep's own fields; the others resolve into their own dataclasses.
 TABLE_KEYS = {"sweep": ("name", "folder", "budgets", "sizes", "count", "centre", "decades_each_side", "per_budget",
                         "seeds", "seeds_below", "evals", "cooldowns", "routing"),
               "rules": ("lr", "batch_tokens", "mup_base_width"), "estimate": ("flops_per_s", "step_s", "overhead_s"),
-              "local": ("parallel", "threads"), "shapes": (), "launch": (), "base": (), "slurm": (), "search": ()}
+              "local": ("parallel", "threads"), "shapes": (), "launch": (), "base": (), "slurm": (), "search": (),
+              "critical_batch": ()}
 CENTRE_KEYS = {"tokens_per_param": {"prior", "tokens_per_param"}, "fit": {"prior", "path", "approach"}}
 ROUTING_KEYS = {"experts": "moe_experts", "top_k": "moe_top_k", "granularity": "moe_granularity",
                 "shared_experts": "moe_shared_experts"}
@@ -117,8 +119,10 @@ def _shape_list(items: Any) -> tuple[ShapeEntry, ...]:
     return tuple(entries)
 
 
-def _shapes(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family | None, tuple[ShapeEntry, ...]]:
-    """(family, explicit shapes) from [sweep] and [shapes]."""
+def _shapes(sweep: dict[str, Any], shapes: dict[str, Any], batch_only: bool = False
+            ) -> tuple[Family | None, tuple[ShapeEntry, ...]]:
+    """(family, explicit shapes) from [sweep] and [shapes]; ``batch_only``: a batch sweep without budgets, whose
+    sizes are its own."""
     shapes = dict(shapes)
     kind, entries = shapes.pop("family", "aspect"), shapes.pop("list", None)
     family = resolve_table(Family, shapes, "[shapes]", "[shapes] {}".format)
@@ -131,7 +135,7 @@ def _shapes(sweep: dict[str, Any], shapes: dict[str, Any]) -> tuple[Family | Non
         raise SpecError(f"[shapes] family must be 'aspect' or 'list', got {kind!r}")
     if entries is not None:
         raise SpecError("[shapes] has a list but family is 'aspect'; set family = \"list\"")
-    if ("sizes" in sweep) == ("centre" in sweep):
+    if ("sizes" in sweep) == ("centre" in sweep) and not (batch_only and "sizes" not in sweep):
         raise SpecError("[sweep] gives both 'sizes' and 'centre'; use one" if "sizes" in sweep else
                         "[sweep] needs 'sizes' (target N) or 'centre' (a prior N_opt) with the 'aspect' shape family")
     if family.width_multiple % family.head_dim:
@@ -220,7 +224,9 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
     if folder.exists() and not folder.is_dir():
         raise SpecError(f"{where} {folder} is a file, not a folder")
     base = _base(doc.get("base", {}))
-    family, shapes = _shapes(raw, doc.get("shapes", {}))
+    if "budgets" not in raw and "critical_batch" not in doc:
+        raise SpecError("[sweep] needs 'budgets' (or a [critical_batch] table: a batch sweep)")
+    family, shapes = _shapes(raw, doc.get("shapes", {}), batch_only="budgets" not in raw)
     launch = {k: v for k, v in doc.get("launch", {}).items() if k != "by_size"}
     lr = _rule(rules.get("lr"), "[rules] lr", Sweep.lr)
     if rules.get("mup_base_width") is not None and lr.exponent != 0:
@@ -240,7 +246,49 @@ def parse(text: str, source: str = "sweep file", folder: str | Path | None = Non
                  centre=_centre(sweep["centre"]) if "centre" in raw else None,
                  search=_search(doc.get("search", {}), family),
                  cooldowns=_cooldowns(sweep["cooldowns"], base) if "cooldowns" in raw else None,
-                 routing=_routing(sweep["routing"], raw, base) if "routing" in raw else ())
+                 routing=_routing(sweep["routing"], raw, base) if "routing" in raw else (),
+                 critical_batch=_critical_batch(doc["critical_batch"], family, base) if "critical_batch" in doc
+                 else None)
+
+
+def _critical_batch(table: dict[str, Any], family: Family | None, base: dict[str, dict[str, Any]]) -> CriticalBatch:
+    """``[critical_batch]`` (with its ``held_out`` table), checked against ``[base.train]``: at least 3 batches over
+    ``BATCH_SPAN_MIN``x or more, a constant schedule whose warmup the table sets, targets sorted high to low."""
+    where = "[critical_batch]"
+    if family is None:
+        raise SpecError(f"{where} needs the 'aspect' shape family: it plans its sizes like [sweep] sizes")
+    nested = ("lr", "lr_size", "held_out")
+    own = [f.name for f in dataclasses.fields(CriticalBatch) if f.name not in nested]
+    rest = {k: v for k, v in table.items() if k not in nested}
+    values = resolve_keys(CriticalBatch, rest, where, f"{where} {{}}".format, own)
+    if "lr" not in table:
+        raise SpecError(f"{where} needs 'lr' (a rate, or {{ value, exponent, reference }}: lr(B) of the batch)")
+    held = table.get("held_out")
+    if held is not None:
+        held = _nested(HeldOut, held, f"{where} held_out")
+        held = dataclasses.replace(held, sizes=tuple(sorted(held.sizes)),
+                                   targets=tuple(sorted(held.targets, reverse=True)))
+    cb = CriticalBatch(**values, lr=_rule(table["lr"], f"{where} lr", PowerRule(1.0)),
+                       lr_size=_rule(table.get("lr_size"), f"{where} lr_size", PowerRule(1.0)), held_out=held)
+    batches = sorted(cb.batch_tokens)
+    if len(batches) < SEARCH_GRID_MIN:
+        raise SpecError(f"{where} batch_tokens needs at least {SEARCH_GRID_MIN} batches (the frontier has two "
+                        f"parameters), got {len(batches)}")
+    if batches[-1] / batches[0] < BATCH_SPAN_MIN:
+        raise SpecError(f"{where} batch_tokens span {batches[-1] / batches[0]:.3g}x ({batches[0]:g} to "
+                        f"{batches[-1]:g}); the frontier needs at least {BATCH_SPAN_MIN:g}x, from well below to well "
+                        f"above the critical batch")
+    train = base.get("train", {})
+    if RunConfig.from_dict({"train": train}).train.schedule != "constant":
+        raise SpecError(f"{where} needs [base.train] schedule = \"constant\": under a decay the steps to a target "
+                        f"depend on the decay's length, which differs from batch to batch")
+    for key, why in (("warmup", f"{where} warmup_steps sets every run's warmup in steps"),
+                     ("micro_batch", "the batch sweep trains each batch in one micro-step (no accumulation)")):
+        if key in train:
+            raise SpecError(f"[base.train] sets '{key}'; {why}")
+    return dataclasses.replace(cb, sizes=tuple(sorted(cb.sizes)), batch_tokens=tuple(batches),
+                               lr_factors=tuple(sorted(cb.lr_factors)),
+                               targets=tuple(sorted(cb.targets, reverse=True)))
 
 
 def _routing(value: Any, sweep: dict[str, Any], base: dict[str, dict[str, Any]]) -> tuple[dict[str, int], ...]:

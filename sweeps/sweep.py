@@ -3,7 +3,8 @@ declare their bounds (``lab.runtime.config.checked``), which ``sweeps.spec`` res
 
 ``Sweep``'s own checked fields are the keys of ``[sweep]``, ``[rules]``, ``[estimate]`` and ``[local]``
 (``spec.TABLE_KEYS``); ``Family`` is ``[shapes]``, ``Launch`` ``[launch]``, ``Search`` ``[search]``, ``Slurm``
-``[slurm]``; ``Centre``, ``Cooldowns`` and ``Routing`` are tables inside ``[sweep]``.
+``[slurm]``, ``CriticalBatch`` ``[critical_batch]`` (with ``HeldOut`` inside it); ``Centre``, ``Cooldowns`` and
+``Routing`` are tables inside ``[sweep]``.
 """
 
 from __future__ import annotations
@@ -118,6 +119,40 @@ class Search:
 
 
 @dataclass(frozen=True)
+class HeldOut:
+    """``[critical_batch.held_out]``: sizes whose batch grid is trained to test the law the grid's sizes fit."""
+
+    sizes: tuple[float, ...] = checked(**SIZE, distinct=True)
+    targets: tuple[float, ...] = checked(positive=True, distinct=True)  # held-out losses B_crit is predicted at
+    tokens: float | None = checked(None, positive=True)  # run length (default: the grid's)
+    steps: int | None = checked(None, minimum=1)
+
+
+@dataclass(frozen=True)
+class CriticalBatch:
+    """``[critical_batch]``: every size of ``sizes`` at every batch of ``batch_tokens``, each at the learning rates
+    ``lr_factors`` x lr(B) x lr_size(N), with ``lr`` a power rule of the batch and ``lr_size`` one of the size
+    (``sweeps.critical_batch``).
+
+    Each run trains ``tokens + steps x B`` tokens on a constant schedule after ``warmup_steps``: the frontier's own
+    shape E(B) = E_min + S_min B, so that ``tokens`` and ``steps`` above E_min and S_min of the lowest target let
+    every batch reach every target, whatever the critical batch. ``targets`` are the held-out losses the analysis
+    reads steps and tokens at (``python -m analysis critical-batch``).
+    """
+
+    sizes: tuple[float, ...] = checked(**SIZE, distinct=True)
+    batch_tokens: tuple[float, ...] = checked(positive=True, distinct=True)
+    lr: PowerRule  # of B: value x (B / reference) ** exponent
+    lr_size: PowerRule  # a factor of N on lr(B): value x (N / reference) ** exponent
+    tokens: float = checked(positive=True)
+    steps: int = checked(minimum=1)
+    targets: tuple[float, ...] = checked(positive=True, distinct=True)
+    lr_factors: tuple[float, ...] = checked((1.0,), positive=True, distinct=True)
+    warmup_steps: int = checked(50, minimum=0)
+    held_out: HeldOut | None = None
+
+
+@dataclass(frozen=True)
 class Cooldowns:
     """``[sweep] cooldowns = { fraction = F }``: WSD end points as cooldowns branched from one stable phase.
 
@@ -166,7 +201,7 @@ def routing_name(fields: dict[str, int]) -> str:
 @dataclass(frozen=True)
 class Sweep:
     name: str = checked(nonempty=True)
-    budgets: tuple[float, ...] = checked(**BUDGET, distinct=True)  # training FLOPs per run
+    budgets: tuple[float, ...] = checked((), **BUDGET, distinct=True)  # training FLOPs per run
     family: Family | None = None  # None with an explicit list of shapes
     shapes: tuple[ShapeEntry, ...] = ()
     lr: PowerRule = PowerRule(TrainConfig().lr)
@@ -195,6 +230,7 @@ class Sweep:
     evals: int = checked(0, minimum=0)  # held-out evaluations per run, evenly spaced in steps (0: at the end only)
     cooldowns: Cooldowns | None = None  # end points branched from one stable phase per size
     routing: tuple[dict[str, int], ...] = ()  # each shape once per routing (its model.moe_* fields)
+    critical_batch: CriticalBatch | None = None  # a batch sweep: sizes x batches x learning rates to target losses
 
     def mup_model_fields(self) -> dict[str, Any]:
         """The [model] options μP adds to every run's command line (none without ``mup_base_width``)."""
