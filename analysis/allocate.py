@@ -90,6 +90,7 @@ class Plan:
     ci: dict[str, list[float] | None] | None
     approaches: dict[str, dict]  # every approach with a law at this budget: params, tokens, ci, identified
     disagreements: list[dict]
+    batch: "BatchPlan | None" = None  # with a critical-batch law: the batch and data-parallel width it allows
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -210,6 +211,71 @@ def plan(fit: dict, gpu: str, n_gpus: int, mfu: float, flops: float | None = Non
                 disagreements=disagreements(laws, flops, level))
 
 
+@dataclass
+class BatchPlan:
+    """The critical batch at the planned loss and what data parallelism buys around it (McCandlish et al.'s
+    frontier: S = S_min (1 + B_crit / B) steps, E = E_min (1 + B / B_crit) tokens)."""
+
+    loss: float
+    b_crit: float
+    ci: list[float] | None
+    fitted_losses: list[float]  # the law's range of target losses
+    per_gpu_batch: float
+    width: int  # the most GPUs whose batch stays at or below B_crit (near-linear: at most twice E_min's tokens)
+    widths: list[dict]  # per width: batch, steps / S_min, tokens / E_min, time against one GPU
+    n_gpus: int
+
+
+def load_batch_law(path: str | Path) -> dict:
+    """The B_crit(L) law of a critical_batch.json (``python -m analysis critical-batch``)."""
+    try:
+        doc = json.loads(Path(path).read_bytes().decode("utf-8"))
+        law = doc["laws"]["loss"]
+        if len(law["theta"]) != 2 or not all(isinstance(v, (int, float)) for v in law["theta"]):
+            raise ValueError("laws.loss.theta is not two numbers")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--critical-batch {path}: not a critical_batch.json written by 'python -m analysis "
+                         f"critical-batch' ({' '.join(str(exc).split())})") from None
+    return {**law, "level": doc.get("level", 0.95)}
+
+
+def batch_plan(law: dict, loss: float | None, n_gpus: int, per_gpu_batch: float) -> BatchPlan:
+    """The critical batch at ``loss`` and the trade of steps against tokens at widths around it and at ``n_gpus``."""
+    from analysis.critical_batch import at_loss, trade
+
+    if loss is None:
+        raise InputError("--critical-batch needs a loss: the plan predicts none (approach 3 is not used); give "
+                         "--target-loss")
+    if not (math.isfinite(per_gpu_batch) and per_gpu_batch > 0):
+        raise InputError(f"--per-gpu-batch must be a positive number of tokens, got {per_gpu_batch}")
+    b_crit, ci = at_loss(law, loss)
+    width = int(b_crit // per_gpu_batch)
+    one = trade(b_crit, per_gpu_batch)[0]
+    rows = []
+    for w in sorted({1, max(1, width // 4), max(1, width // 2), max(1, width), 2 * max(1, width),
+                     8 * max(1, width), n_gpus}):
+        steps, tokens = trade(b_crit, w * per_gpu_batch)
+        rows.append({"gpus": w, "batch": w * per_gpu_batch, "steps": steps, "tokens": tokens, "time": steps / one})
+    return BatchPlan(loss, b_crit, ci, list(law["losses"]), per_gpu_batch, width, rows, n_gpus)
+
+
+def _describe_batch(b: BatchPlan) -> list[str]:
+    inside = b.fitted_losses[0] <= b.loss <= b.fitted_losses[1]
+    where = "inside" if inside else "OUTSIDE (extrapolated)"
+    ci = f" [{b.ci[0]:.3g}, {b.ci[1]:.3g}]" if b.ci else ""
+    lines = [f"critical    B_crit {b.b_crit:.3g}{ci} tokens at loss {b.loss:.4g} (law fitted at L "
+             f"{b.fitted_losses[0]:g}-{b.fitted_losses[1]:g}: {where})",
+             f"data par.   at {b.per_gpu_batch:,.0f} tokens per GPU, up to {b.width} GPU(s) keep the batch at or below "
+             f"B_crit (near-linear: at most twice the fewest tokens; beyond, time falls slower than cost rises)"
+             + ("; one GPU's batch already exceeds it" if b.width == 0 else ""),
+             "  GPUs       batch  steps/S_min  tokens/E_min  time vs 1 GPU"]
+    for r in b.widths:
+        mark = "  <- the plan" if r["gpus"] == b.n_gpus else ""
+        lines.append(f"  {r['gpus']:>4} {r['batch']:>11,.0f} {r['steps']:>12.3g} {r['tokens']:>13.3g} "
+                     f"{r['time']:>14.3g}{mark}")
+    return lines
+
+
 def describe(p: Plan) -> str:
     """A plan as a few lines of text."""
     def with_ci(value: float, ci: list | None) -> str:
@@ -240,4 +306,6 @@ def describe(p: Plan) -> str:
         lines.append(f"WARNING     APPROACHES DISAGREE: {x['message']}")
     if math.isfinite(p.extrapolation) and p.extrapolation > 100:
         lines.append(f"warning     the budget is {p.extrapolation:.3g}x the largest compute in the fitted data")
+    if p.batch is not None:
+        lines += _describe_batch(p.batch)
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Command line: ``python -m analysis fit RESULTS --out DIR``, ``python -m analysis compare FIT_OR_SWEEP ... --out
 DIR``, ``python -m analysis predict FIT_JSON --params N --tokens D``, ``python -m analysis plan FIT_JSON``, and
-``curves``, ``routed`` and ``watch``.
+``curves``, ``routed``, ``watch`` and ``critical-batch``.
 
 Exit codes: 0 done; 2 bad input, one line ``error: ...`` on stderr before any work; 3 the data
 identify no law (``fit`` still writes its report, which says why; ``plan`` refuses); 130
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.allocate import Unidentified, allocations, describe, load_fit, plan
+from analysis.allocate import Unidentified, allocations, batch_plan, describe, load_batch_law, load_fit, plan
 from analysis.compare import APPROACHES
 from analysis.fit import fit_runs, fit_without_outliers
 from analysis.fit_config import ENVELOPE_SOURCES, FORM_CHOICES, FitConfig
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--law", required=True, help="curves.json (python -m analysis curves) or fit.json")
     w.add_argument("--out", default=None, help="folder for watch.png (default: the run folder)")
 
+    _critical_batch_parser(sub)
+
     p = sub.add_parser("plan", help="compute-optimal N, D, loss and time for a budget, from a fit.json")
     p.add_argument("fit_json", help="fit.json written by 'fit'")
     p.add_argument("--gpu", required=True, help="GPU name, e.g. H100")
@@ -167,8 +169,35 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--flops", type=float, help="budget in training FLOPs")
     p.add_argument("--approach", choices=("auto",) + APPROACHES, default="auto",
                    help="law to plan from (default: the first identified of approach3, isoflop, envelope)")
+    _batch_plan_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _critical_batch_parser(sub: argparse._SubParsersAction) -> None:
+    """``critical-batch``'s options."""
+    b = sub.add_parser("critical-batch", help="steps and tokens to target losses at each batch of a batch sweep, the "
+                                              "critical batch per target with intervals, its laws, and the held-out "
+                                              "prediction against the measurement")
+    b.add_argument("results", help="a batch sweep's folder ([critical_batch] of a sweep file) or a points table "
+                                   "(.csv/.parquet, as the points.csv this writes)")
+    b.add_argument("--out", required=True, help="output folder (created if missing)")
+    b.add_argument("--targets", type=float, nargs="+", default=[], metavar="LOSS",
+                   help="the grid's target losses (default: the sweep folder's critical_batch.json)")
+    b.add_argument("--held-out-targets", type=float, nargs="+", default=[], metavar="LOSS",
+                   help="the held-out runs' target losses (default: the sweep folder's critical_batch.json)")
+    _resampling_options(b, "bootstrap resamples of each frontier's residuals (0: none)")
+
+
+def _batch_plan_options(p: argparse.ArgumentParser) -> None:
+    """``plan``'s options for the critical batch."""
+    p.add_argument("--critical-batch", metavar="JSON", help="critical_batch.json of 'critical-batch': the critical "
+                                                             "batch at the planned loss and the data-parallel width it "
+                                                             "allows")
+    p.add_argument("--per-gpu-batch", type=float, default=16384, metavar="TOKENS",
+                   help="tokens per GPU per step for --critical-batch (default: 16384, 8 sequences of 2048)")
+    p.add_argument("--target-loss", type=float, metavar="LOSS",
+                   help="the loss --critical-batch reads the critical batch at (default: the plan's predicted loss)")
 
 
 def _resampling_options(parser: argparse.ArgumentParser, bootstrap_help: str) -> None:
@@ -390,11 +419,32 @@ def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _critical_batch(args: argparse.Namespace) -> int:
+    from analysis.critical_batch import GRID, HELD_OUT, analyse
+    from analysis.critical_batch_report import describe as describe_batches
+    from analysis.critical_batch_report import load_points, write
+
+    out = _out_folder(args.out)
+    _resampling(args)
+    points, targets = load_points(args.results)
+    for part, given in ((GRID, args.targets), (HELD_OUT, args.held_out_targets)):
+        if given:
+            targets[part] = sorted(given, reverse=True)
+    doc = json_ready(analyse(points, targets, args.bootstrap, args.seed, args.ci))
+    names = write(out, doc, points, str(args.results))
+    print("\n".join(describe_batches(doc)))
+    print(f"wrote {', '.join(names)} to {out}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     doc, samples = load_fit(args.fit_json)
+    batch_law = load_batch_law(args.critical_batch) if args.critical_batch else None
     result = plan(doc, args.gpu, args.n_gpus, args.mfu, flops=args.flops, gpu_hours=args.gpu_hours,
                   dtype=args.dtype, samples=samples, level=(doc.get("config") or {}).get("ci_level", 0.95),
                   approach=args.approach)
+    if batch_law is not None:
+        result.batch = batch_plan(batch_law, args.target_loss or result.loss, args.n_gpus, args.per_gpu_batch)
     print(json.dumps(result.to_dict(), indent=2) if args.json else describe(result))
     return 0
 
@@ -405,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     with stopping_on_signals() as published:
         try:
             return {"fit": _fit, "compare": _compare, "predict": _predict, "curves": _curves, "watch": _watch,
-                    "plan": _plan, "routed": _routed}[args.command](args)
+                    "plan": _plan, "routed": _routed, "critical-batch": _critical_batch}[args.command](args)
         except Unidentified as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_UNIDENTIFIED

@@ -45,9 +45,9 @@ from scipy.optimize import nnls
 
 from analysis import robust
 from analysis.bootstrap import draw_weights, interval
-from analysis.table import InputError, metrics_lines
+from analysis.table import InputError, step_records
 from lab.measure.laws import CURVE_LAW, CURVE_NAMES, Curve, CurvePoints, curve_named
-from lab.runtime.files import loads_line, read_json
+from lab.runtime.files import read_json
 
 HUBER_SCALE = 0.01  # log-loss residuals beyond this count linearly: eval-loss spikes weigh less
 TRANSIENT_START = 0.1  # nats: where the fit starts K
@@ -244,15 +244,10 @@ def read_run(run_dir: Path, loss: str = "eval") -> tuple[Curve, dict]:
     lr = schedule_lr(cfg.get("schedule", "cosine"), float(cfg["lr"]), total, cfg.get("warmup", 0.05),
                      cfg.get("decay", 0.2), cfg.get("min_lr_ratio", 0.1))
     key, points = LOSS_KEYS[loss], {}
-    metrics = run_dir / "metrics.jsonl"
-    for line in metrics_lines(metrics):
-        try:
-            rec = loads_line(line)
-        except ValueError:
-            continue
-        value, step = (rec.get(key), rec.get("step")) if isinstance(rec, dict) else (None, None)
-        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 and isinstance(step, int):
-            points[step] = float(value)  # a resumed run logs a step again: the last record counts
+    for rec in step_records(run_dir / "metrics.jsonl"):
+        value = rec.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            points[rec["step"]] = float(value)  # a resumed run logs a step again: the last record counts
     warmup = round(cfg.get("warmup", 0.05) * total)
     steps = np.array(sorted(s for s in points if warmup < s <= total), int)
     curve = Curve(run_dir.name, float(summary["params"]), lr, steps, np.array([points[s] for s in steps]),

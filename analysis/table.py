@@ -301,6 +301,20 @@ def metrics_lines(metrics: Path) -> list[str]:
         raise InputError(f"{metrics}: cannot read ({exc.strerror or exc})") from None
 
 
+def step_records(metrics: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl that are JSON objects with an integer step, in order (other lines, a
+    torn last one, are skipped)."""
+    records = []
+    for line in metrics_lines(metrics):
+        try:
+            record = loads_line(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
 def _read_jsonl_records(path: Path) -> list[dict]:
     records = []
     for i, line in enumerate(read_lines(path, follow=True), 1):
