@@ -426,11 +426,12 @@ def _critical_batch(args: argparse.Namespace) -> int:
 
     out = _out_folder(args.out)
     _resampling(args)
-    points, targets = load_points(args.results)
+    points, targets, notes = load_points(args.results)
     for part, given in ((GRID, args.targets), (HELD_OUT, args.held_out_targets)):
         if given:
             targets[part] = sorted(given, reverse=True)
     doc = json_ready(analyse(points, targets, args.bootstrap, args.seed, args.ci))
+    doc["warnings"] = notes + doc["warnings"]
     names = write(out, doc, points, str(args.results))
     print("\n".join(describe_batches(doc)))
     print(f"wrote {', '.join(names)} to {out}")

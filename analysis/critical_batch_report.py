@@ -26,14 +26,18 @@ MANIFEST = "critical_batch.json"
 TABLE_SUFFIXES = (".csv", ".parquet")
 
 
-def _run_points(run_dir: Path, part: str) -> list[dict]:
-    """One finished run's evaluation and noise-scale records as points."""
+def _run_points(run_dir: Path, part: str) -> list[dict] | None:
+    """One finished run's evaluation and noise-scale records as points; None for a run that has not completed (its
+    curve may stop short of a target it would reach)."""
     try:
         train = read_json(run_dir / "config.json")["train"]
-        params = read_json(run_dir / "summary.json")["params"]
+        summary = read_json(run_dir / "summary.json")
+        params = summary["params"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CriticalBatchError(f"{run_dir}: not a run folder (config.json, summary.json): "
                                  f"{' '.join(str(exc).split())}") from None
+    if summary.get("status") != "completed":
+        return None
     fixed = {"run_id": run_dir.name, "part": part, "params": float(params),
              "batch_tokens": float(train["batch_tokens"]), "lr": float(train["lr"]), "seed": int(train.get("seed", 0))}
     points: dict[int, dict[str, float]] = {}
@@ -47,21 +51,26 @@ def _run_points(run_dir: Path, part: str) -> list[dict]:
             if math.isfinite(row["eval_loss"]) or math.isfinite(row["noise_scale"])]
 
 
-def _folder_points(folder: Path) -> tuple[pd.DataFrame, dict[str, list[float]]]:
+def _folder_points(folder: Path) -> tuple[pd.DataFrame, dict[str, list[float]], list[str]]:
     manifest = read_json(folder / MANIFEST) if (folder / MANIFEST).is_file() else {}
     parts = manifest.get("runs", {})
     runs = sorted(p.parent for p in folder.rglob("summary.json")
                   if p.parent.parent.name == "runs" and p.parent.parent.parent.name not in ("search", "verify"))
     if not runs:
         raise CriticalBatchError(f"no run folders (runs/NAME/summary.json) in {folder}")
-    rows = [row for run in runs for row in _run_points(run, parts.get(run.name, GRID))]
+    read = {run.name: _run_points(run, parts.get(run.name, GRID)) for run in runs}
+    rows = [row for points in read.values() if points is not None for row in points]
+    unfinished = sorted(name for name, points in read.items() if points is None)
+    unfinished += sorted(set(parts) - set(read))
+    notes = [f"left out {len(unfinished)} run(s) of the design that have not completed: "
+             f"{', '.join(unfinished[:4])}{', ...' if len(unfinished) > 4 else ''}"] if unfinished else []
     targets = {GRID: list(manifest.get("targets", [])), HELD_OUT: list(manifest.get("held_out_targets", []))}
-    return pd.DataFrame(rows, columns=POINT_COLUMNS), targets
+    return pd.DataFrame(rows, columns=POINT_COLUMNS), targets, notes
 
 
-def load_points(path: str | Path) -> tuple[pd.DataFrame, dict[str, list[float]]]:
-    """The evaluation points of a batch sweep (a sweep folder, or a points table as this analysis writes it) and the
-    targets its manifest names (none from a table)."""
+def load_points(path: str | Path) -> tuple[pd.DataFrame, dict[str, list[float]], list[str]]:
+    """The evaluation points of a batch sweep (a sweep folder, or a points table as this analysis writes it), the
+    targets its manifest names (none from a table) and notes (runs of the design left out, unfinished)."""
     path = Path(path)
     if path.is_dir():
         return _folder_points(path)
@@ -74,7 +83,7 @@ def load_points(path: str | Path) -> tuple[pd.DataFrame, dict[str, list[float]]]
     for column, value in {"part": GRID, "seed": 0, "noise_scale": math.nan}.items():
         if column not in table.columns:
             table[column] = value
-    return table, {GRID: [], HELD_OUT: []}
+    return table, {GRID: [], HELD_OUT: []}, []
 
 
 # ---------------------------------------------------------------- what it prints and writes

@@ -160,7 +160,7 @@ def test_analysis_critical_batch_and_plan_from_the_command_line(tmp_path, capsys
     assert code == 0 and "law: B_crit(L) = " in printed and "noise scale not measured" in printed
     assert sorted(p.name for p in out.iterdir()) == ["bcrit.png", "critical_batch.json", "frontier.png", "points.csv",
                                                      "report.md"]
-    again, targets = load_points(out / "points.csv")  # the points it writes read back as they were
+    again, targets, _ = load_points(out / "points.csv")  # the points it writes read back as they were
     assert len(again) == len(table) and targets[cb.GRID] == []
     (tmp_path / "fit.json").write_text(json.dumps(_fit()))
     assert main(["plan", str(tmp_path / "fit.json"), "--gpu", "H100", "--n-gpus", "8", "--mfu", "0.4", "--flops",
@@ -173,3 +173,31 @@ def test_analysis_critical_batch_and_plan_from_the_command_line(tmp_path, capsys
     assert any(line.rstrip().endswith("<- the plan") for line in lines)
     assert main(["critical-batch", str(tmp_path / "points.csv"), "--out", str(out), "--targets", "0.5"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: target 0.5 is reached by no run")
+
+
+def test_a_sweep_folder_gives_each_completed_runs_points_its_part_and_the_targets(tmp_path):
+    table = points(sizes=((2e4, 1.0),), rates=(1.0,), noise_scale=True)
+    names = {}
+    for run_id, run in table.groupby("run_id"):
+        folder = tmp_path / "runs" / f"L1-d24-B{run['batch_tokens'].iloc[0]}"
+        folder.mkdir(parents=True)
+        names[folder.name] = run
+        (folder / "config.json").write_text(json.dumps({"train": {"batch_tokens": int(run["batch_tokens"].iloc[0]),
+                                                                   "lr": 0.01, "seed": 3}}))
+        status = "interrupted" if folder.name.endswith("B8192") else "completed"
+        (folder / "summary.json").write_text(json.dumps({"params": 20000, "status": status}))
+        lines = [json.dumps({"step": int(s), "tokens": 1, "eval_loss": float(v)}) for s, v in
+                 zip(run["step"], run["eval_loss"])]
+        lines += [json.dumps({"step": int(s), "loss": 3.0, "noise_scale": float(v)}) for s, v in
+                  zip(run["step"], run["noise_scale"])]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 5, \"eval_lo")  # a torn last line
+    manifest = {"targets": [2.0, 1.9], "held_out_targets": [], "runs": {n: "grid" for n in names} | {"gone": "grid"}}
+    (tmp_path / "critical_batch.json").write_text(json.dumps(manifest))
+    read, targets, notes = load_points(tmp_path)
+    assert targets == {cb.GRID: [2.0, 1.9], cb.HELD_OUT: []}
+    assert notes == ["left out 2 run(s) of the design that have not completed: L1-d24-B8192, gone"]
+    assert set(read["run_id"]) == set(names) - {"L1-d24-B8192"} and set(read["seed"]) == {3}
+    one = read[read["run_id"] == "L1-d24-B256"].sort_values("step")
+    expected = names["L1-d24-B256"].sort_values("step")
+    for key in ("eval_loss", "noise_scale"):
+        assert np.allclose(one[key], expected[key])
