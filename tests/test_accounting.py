@@ -309,6 +309,17 @@ def test_plan_mesh_for_70b_on_1024_h100s_prices_the_published_tp8_pp16_beside_it
         out.split("fits, ")[1].split(" s per step")[0])
 
 
+@pytest.mark.parametrize("critical, steps, tokens", [(1_048_576, 1.25, 5.0), (8_388_608, 3.0, 1.5)])
+def test_plan_mesh_says_what_its_batch_costs_against_a_critical_batch(capsys, critical, steps, tokens):
+    """4,194,304 tokens per step against B_crit: S = S_min (1 + B_crit / B), E = E_min (1 + B / B_crit)."""
+    assert main(["mesh", "--preset", "gpt2-350m", "--n-gpus", "16", "--critical-batch", str(critical)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    ratio = 4194304 / critical
+    assert line.startswith(f"critical batch {critical:,} tokens: a step of 4,194,304 is {ratio:.3g} B_crit")
+    assert f"takes {steps:.3g} x the fewest steps and {tokens:.3g} x the fewest tokens" in line
+    assert ("near-linear" in line) == (critical > 4194304)
+
+
 def test_plan_mesh_keeps_a_model_that_fits_on_one_gpu_free_of_model_parallelism_without_torch():
     # issue 37: 355M parameters on 16 H100s came out as tp 8 × dp 2, after 7.7 s of importing torch
     code = ("import sys; from lab.commands.resources import main; "

@@ -275,6 +275,13 @@ def _mesh(args: argparse.Namespace) -> str:
         if not named:
             raise PlanError(f"--compare tp {tp} × pp {pp} is not a layout of {args.preset} on {args.n_gpus} GPUs")
         why.append(f"  compared: {_versus(min(named, key=lambda r: (not r.fits, r.step_s)), choice)}")
+    if args.critical_batch:
+        ratio = args.batch_tokens / args.critical_batch
+        why.append(f"critical batch {args.critical_batch:,.0f} tokens: a step of {args.batch_tokens:,.0f} is "
+                   f"{ratio:.3g} B_crit, so a loss takes {1 + 1 / ratio:.3g} x the fewest steps and {1 + ratio:.3g} x "
+                   f"the fewest tokens (McCandlish et al. 2018; "
+                   + ("near-linear: within twice the fewest tokens)" if ratio <= 1 else
+                      "beyond it more GPUs buy less time than they cost)"))
     return "\n".join(lines + why)
 
 
@@ -381,6 +388,9 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     g.add_argument("--compare", type=_tp_by_pp, metavar="TPxPP",
                    help="also price this layout beside the choice, e.g. 8x16 (Llama 3 405B's tp 8 × pp 16)")
     g.add_argument("--show", type=int, default=20, help="rows listed, fastest first (0: all; default: 20)")
+    g.add_argument("--critical-batch", type=_positive, metavar="TOKENS",
+                   help="the critical batch at the run's loss (python -m analysis plan --critical-batch): the steps "
+                        "and tokens --batch-tokens costs against the fewest")
     g.set_defaults(run=_mesh)
 
     o = sub.add_parser("model", help="a model's total and active parameters and FLOPs per token (mixtures of experts)")
