@@ -2,13 +2,13 @@
 
 For each size of ``sizes`` (the grid the analysis fits) and of ``held_out.sizes`` (trained to test the law the grid
 gives), every batch B of ``batch_tokens`` is trained at the rates f x lr(B) x lr_size(N), f in ``lr_factors``, with
-``lr`` a power rule of the batch and ``lr_size`` one of the size N. A run trains ``tokens + steps x B`` tokens
-(rounded to whole batches): the frontier's shape E(B) = E_min + S_min B, so that one margin above the lowest target's
-E_min and S_min serves every batch. The schedule is constant after ``warmup_steps`` steps (each run's
-``train.warmup`` is that share of its own steps), so the steps to a target do not depend on where a decay starts;
-each batch is one micro-step (``train.micro_batch`` = B / context, at most ``MAX_MICRO_BATCH`` sequences), and the
-held-out loss is logged ``[sweep] evals`` times, evenly in steps, the curve the analysis reads steps and tokens to
-each target from (``python -m analysis critical-batch``).
+``lr`` a power rule of the batch and ``lr_size`` one of the size N (the held-out sizes' own ``lr_factors`` if
+given). A run trains ``tokens + steps x B`` tokens (rounded to whole batches): the frontier's shape E(B) = E_min +
+S_min B, so that one margin above the lowest target's E_min and S_min serves every batch. The schedule is constant
+after ``warmup_steps`` steps (each run's ``train.warmup`` is that share of its own steps), so the steps to a target
+do not depend on where a decay starts; each batch is one micro-step (``train.micro_batch`` = B / context, at most
+``MAX_MICRO_BATCH`` sequences), and the held-out loss is logged ``[sweep] evals`` times, evenly in steps, the curve
+the analysis reads steps and tokens to each target from (``python -m analysis critical-batch``).
 
 Held-out runs are named ``heldout-...``; ``MANIFEST`` in the sweep folder (written by ``run``) names each run's part
 and the targets, for the analysis.
@@ -32,13 +32,14 @@ HELD_OUT = "held-out"
 GRID = "grid"
 
 
-def _parts(sweep: Sweep) -> list[tuple[str, tuple[float, ...], float, int]]:
-    """(part, sizes, tokens, steps) of the grid and the held-out sizes."""
+def _parts(sweep: Sweep) -> list[tuple[str, tuple[float, ...], float, int, tuple[float, ...]]]:
+    """(part, sizes, tokens, steps, rate factors) of the grid and the held-out sizes."""
     cb = sweep.critical_batch
-    parts = [(GRID, cb.sizes, cb.tokens, cb.steps)]
+    parts = [(GRID, cb.sizes, cb.tokens, cb.steps, cb.lr_factors)]
     if cb.held_out is not None:
         held = cb.held_out
-        parts.append((HELD_OUT, held.sizes, held.tokens or cb.tokens, held.steps or cb.steps))
+        parts.append((HELD_OUT, held.sizes, held.tokens or cb.tokens, held.steps or cb.steps,
+                      held.lr_factors or cb.lr_factors))
     return parts
 
 
@@ -70,7 +71,7 @@ def runs(sweep: Sweep) -> tuple[list[PlannedRun], list[str]]:
     out: list[PlannedRun] = []
     refused: list[str] = []
     grid_shapes: set[str] = set()
-    for part, sizes, tokens, steps in _parts(sweep):
+    for part, sizes, tokens, steps, factors in _parts(sweep):
         shapes, part_refused, repeats = family_shapes(sweep, list(sizes), f"[critical_batch] {part}, ")
         refused += part_refused + repeats
         for shape_name, target, shape, entry_launch in shapes:
@@ -80,7 +81,7 @@ def runs(sweep: Sweep) -> tuple[list[PlannedRun], list[str]]:
                 continue
             grid_shapes.add(shape_name)
             for batch in cb.batch_tokens:
-                for factor in cb.lr_factors:
+                for factor in factors:
                     lr = float(f"{factor * cb.lr.at(batch) * size_factor:.4g}")
                     for seed in sweep.seeds or (None,):
                         run = _run(sweep, part, shape_name, target, shape, entry_launch, batch, lr, tokens, steps,
@@ -94,17 +95,17 @@ def describe(sweep: Sweep) -> list[str]:
     cb, planned = sweep.critical_batch, runs(sweep)[0]
     batches = cb.batch_tokens
     lines = []
-    for part, sizes, tokens, steps in _parts(sweep):
+    for part, sizes, tokens, steps, factors in _parts(sweep):
         mine = [r for r in planned if r.name.startswith("heldout-") == (part == HELD_OUT)]
         targets = cb.held_out.targets if part == HELD_OUT else cb.targets
         shapes = sorted({r.params for r in mine})
         lines.append(f"{part}: {len(shapes)} size(s) ({', '.join(f'{n:,}' for n in shapes)} parameters) x "
                      f"{len(batches)} batches {batches[0]:g}-{batches[-1]:g} tokens ({batches[-1] / batches[0]:.3g}x) "
-                     f"x {len(cb.lr_factors)} rate(s) = {len(mine)} runs of {tokens:.3g} + {steps} x B tokens; "
-                     f"targets {', '.join(f'{t:g}' for t in targets)}")
+                     f"x {len(factors)} rate(s) ({', '.join(f'{f:g}' for f in factors)}) = {len(mine)} runs of "
+                     f"{tokens:.3g} + {steps} x B tokens; targets {', '.join(f'{t:g}' for t in targets)}")
     lines.append(f"lr = {cb.lr.value:g} x (B / {cb.lr.reference:g})^{cb.lr.exponent:g} x (N / "
-                 f"{cb.lr_size.reference:g})^{cb.lr_size.exponent:g} times "
-                 f"{', '.join(f'{f:g}' for f in cb.lr_factors)}; constant after {cb.warmup_steps} warmup steps")
+                 f"{cb.lr_size.reference:g})^{cb.lr_size.exponent:g} times each part's factors; constant after "
+                 f"{cb.warmup_steps} warmup steps")
     return lines
 
 

@@ -266,7 +266,7 @@ def _critical_batch(table: dict[str, Any], family: Family | None, base: dict[str
     held = table.get("held_out")
     if held is not None:
         held = _nested(HeldOut, held, f"{where} held_out")
-        held = dataclasses.replace(held, sizes=tuple(sorted(held.sizes)),
+        held = dataclasses.replace(held, sizes=tuple(sorted(held.sizes)), lr_factors=tuple(sorted(held.lr_factors)),
                                    targets=tuple(sorted(held.targets, reverse=True)))
     cb = CriticalBatch(**values, lr=_rule(table["lr"], f"{where} lr", PowerRule(1.0)),
                        lr_size=_rule(table.get("lr_size"), f"{where} lr_size", PowerRule(1.0)), held_out=held)

@@ -126,6 +126,7 @@ class HeldOut:
     targets: tuple[float, ...] = checked(positive=True, distinct=True)  # held-out losses B_crit is predicted at
     tokens: float | None = checked(None, positive=True)  # run length (default: the grid's)
     steps: int | None = checked(None, minimum=1)
+    lr_factors: tuple[float, ...] = checked((), positive=True, distinct=True)  # default: the grid's
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,13 @@ def test_each_size_batch_and_rate_is_one_run_long_enough_on_the_frontier_shape()
     assert sorted(doc["runs"].values()).count("held-out") == 6
 
 
+def test_held_out_sizes_may_try_rates_of_their_own():
+    sweep = parse(BATCH.replace("targets = [1.9]", "targets = [1.9]\nlr_factors = [1.0, 0.25]"))
+    held = [r for r in critical_batch.runs(sweep)[0] if r.name.startswith("heldout-")]
+    assert sweep.critical_batch.held_out.lr_factors == (0.25, 1.0) and len(held) == 3 * 2
+    assert {round(r.lr / sweep.critical_batch.lr.at(r.batch_tokens), 3) for r in held} == {0.25, 1.0}
+
+
 def test_the_rate_scales_with_the_size_rule():
     sweep = parse(BATCH.replace("lr_factors = [0.5, 1.0]", "lr_factors = [1.0]\nlr_size = { value = 1, exponent = -1, "
                                                                                 "reference = 1e4 }"))
