@@ -113,6 +113,11 @@ class Strategy:
         return [{"params": [masters.get(id(params[n]), params[n]) for n in g.names], **g.options()}
                 for g in groups if g.names]
 
+    def gradient_leaves(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors autograd accumulates this rank's gradients into, under the model's names (what a gradient hook
+        watches): the trainable parameters."""
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
     def comm_of(self, name: str) -> Comm:
         """The collectives over the ranks parameter ``name``'s gradient is averaged over (``world_of``)."""
         return self._group(name)[1]

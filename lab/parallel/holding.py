@@ -93,15 +93,26 @@ def gradient_squares(pieces: list[Piece], transforms: Sequence[Transform], devic
     once). Summed over every rank of the run, the squared norm."""
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for piece in pieces:
-        if piece.grad is None or not handed_over(piece, transforms):
-            continue
-        ranges = [(piece.lo, piece.lo + piece.grad.numel())]
-        for transform in transforms:
-            ranges = transform.counted(piece.name, ranges)
-        for lo, hi in ranges:  # a reduction: no temporary the size of the range
-            part = piece.grad[lo - piece.lo:hi - piece.lo]
-            squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(device)
+        if piece.grad is not None and handed_over(piece, transforms):
+            add_counted_squares(squares, piece.name, piece.grad, piece.lo, transforms)
     return squares
+
+
+def add_counted_squares(squares: torch.Tensor, name: str, grad: torch.Tensor, lo: int,
+                        transforms: Sequence[Transform]) -> None:
+    """Add to ``squares`` (fp32, in place) the squares of the parts of ``grad`` (elements [lo, lo + len(grad)) of this
+    rank's flattened ``name``) each transform lets this rank count."""
+    ranges = [(lo, lo + grad.numel())]
+    for transform in transforms:
+        ranges = transform.counted(name, ranges)
+    for a, b in ranges:  # a reduction: no temporary the size of the range
+        squares += torch.linalg.vector_norm(grad[a - lo:b - lo], dtype=torch.float32).square().to(squares.device)
+
+
+def first_of_axes(name: str, transforms: Sequence[Transform]) -> bool:
+    """Whether this rank is the first of the ranks of every other axis than the data axis that hold the same values of
+    ``name``."""
+    return all(r.is_first for t in transforms if (r := t.replicas(name)) is not None)
 
 
 @torch.no_grad()

@@ -138,6 +138,9 @@ class TrainConfig:
     memory_meter: bool = _f(False, "on the CPU, measure the peak bytes of each phase by tracking every tensor "
                                    "allocation (about 9 %% slower steps on an 85M model, twice as slow on a tiny one; "
                                    "CUDA reads its allocator's peak always)")
+    noise_scale: bool = _f(False, "measure the gradient noise scale B_simple (McCandlish et al. 2018) from each "
+                                  "micro-batch's gradient and the step's, in the step line, metrics and summary "
+                                  "(docs/training.md); needs two or more micro-batches a step")
     log_every: int = _f(10, "steps between metric records")
     eval_every: int = _f(0, "steps between held-out evaluations (0: only at the end)")
     eval_tokens: int = _f(65_536, "held-out tokens per evaluation")

@@ -291,7 +291,7 @@ def restore(strategy: RunEngine, run_dir: Path, world: World, cfg: RunConfig, pl
     world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
     meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()
-    strategy.load_precision_state(meta)
+    strategy.load_checkpoint_meta(meta)
     complete = meta["step"] >= plan.total_steps  # killed before its summary: resuming only writes it
     if cfg.train.stop_after and cfg.train.stop_after <= meta["step"] and not complete:
         raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "

@@ -276,9 +276,26 @@ def check_combination(layout: Layout, cfg: ParallelConfig, strategy: type, loop:
     if loop.compile and layout.cp > 1:
         raise ConfigError("train.compile with parallel.cp > 1 is not supported yet: the ring's sends are not "
                           "traced; set train.compile false")
+    if loop.noise_scale:
+        check_noise_scale(layout, strategy, loop)
     if loop.compile and layout.ep > 1:
         raise ConfigError("train.compile with parallel.ep > 1 is not supported yet: the exchanges' split sizes are "
                           "read on the host mid-forward; set train.compile false")
+
+
+def check_noise_scale(layout: Layout, strategy: type, loop: LoopSettings) -> None:
+    """Raise ConfigError (one line) where train.noise_scale cannot read each micro-batch's whole gradient."""
+    if strategy.owns_step:
+        raise ConfigError(f"train.noise_scale does not run under strategy '{strategy.name}': its engine syncs the "
+                          "gradients inside its backward and hands no micro-batch's gradient out")
+    for axis in ("ep", "cp"):
+        if getattr(layout, axis) > 1:
+            raise ConfigError(f"train.noise_scale does not run with parallel.{axis} > 1 yet: a micro-batch's gradient "
+                              f"is spread over the {axis} ranks (experts' weights take other ranks' tokens, a "
+                              "sequence's shards their own part)")
+    if layout.dp * loop.accum_steps < 2:
+        raise ConfigError("train.noise_scale needs two or more micro-batches a step (the small batch against the "
+                          "step's): raise train.batch_tokens above one micro-batch of every data-parallel rank")
 
 
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
