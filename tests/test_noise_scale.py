@@ -108,9 +108,21 @@ def test_every_layout_measures_the_same_noise_scale_on_two_ranks(model):
     _assert_agree(by_layout, specs)
 
 
+MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2, moe_granularity=2, moe_shared_experts=1)
+
+
+def test_a_mixture_of_experts_measures_the_same_noise_scale_with_its_experts_split_on_two_ranks():
+    """Expert parallelism: a rank's experts take both ranks' tokens in one backward, and each source's part is read
+    at its use; against single (and ddp, fsdp, zero3 holding every expert) within 1e-3."""
+    specs = ["ddp:ep=2", "zero2:ep=2", "fsdp:ep=2", "zero3:ep=2", "ddp"]
+    by_layout = run_pooled(_noise_by_layout, 2, specs, dataclasses.replace(SETUP, model=MOE))[0]
+    assert by_layout["unchanged"]
+    _assert_agree(by_layout, specs)
+
+
 @pytest.mark.parametrize("spec, ranks, message", [
     ("deepspeed", 2, "does not run under strategy 'deepspeed'"),
-    ("ddp:ep=2", 2, "parallel.ep > 1 yet"),
+    ("ddp:ep=2,pp=2", 4, "parallel.ep > 1 and parallel.pp > 1 together"),
     ("ddp:cp=2", 2, "parallel.cp > 1 yet"),
     ("single", 1, "two or more micro-batches a step"),
 ])
@@ -123,11 +135,15 @@ def test_layouts_the_meter_cannot_read_are_refused_in_one_line(spec, ranks, mess
 
 @pytest.mark.slow
 def test_data_parallel_composed_with_a_split_measures_the_same_noise_scale_on_four_ranks():
-    """dp 2 × tp 2 (the hand-rolled split and the DTensor reference) and dp 2 × pp 2, against single."""
+    """dp 2 × tp 2 (the hand-rolled split and the DTensor reference), dp 2 × pp 2, and experts split two ways over
+    four data-parallel ranks and beside tp 2, against single."""
     specs = ["zero2:tp=2", "fsdp:tp=2", "zero3:pp=2", "ddp:tp=2,tp_impl=torch"]
     by_layout = run_pooled(_noise_by_layout, 4, specs, SETUP, deadline_s=240)[0]
     assert by_layout["unchanged"]
     _assert_agree(by_layout, specs)
+    moe_specs = ["zero2:ep=2", "ddp:ep=2,tp=2"]  # two expert groups of 2 (each expert on 2 ranks); ep beside tp
+    by_layout = run_pooled(_noise_by_layout, 4, moe_specs, dataclasses.replace(SETUP, model=MOE), deadline_s=240)[0]
+    _assert_agree(by_layout, moe_specs)
 
 
 def _last_record(run_dir) -> dict:

@@ -14,7 +14,9 @@ are) before their ratio is taken: the ratio of two noisy estimates is biased, th
 
 Each micro-batch's gradient is read by a hook on every tensor autograd accumulates gradients into
 (``Strategy.gradient_leaves``): the hook sees the gradient of one backward before anything adds or syncs it, so every
-data-parallel strategy's sync is left as it is. Where a micro-step runs several backwards (a pipeline's
+data-parallel strategy's sync is left as it is. An expert's weights take other ranks' tokens in the same backward:
+each use of them (one source rank's rows) goes through a tap (``Transform.tap_uses``) that reads its part apart; the
+step's sum of squares needs no more (every micro-batch's part of every weight is counted once, wherever it is). Where a micro-step runs several backwards (a pipeline's
 microbatches) or a transform completes a gradient from several ranks' parts (a weight two stages share), the parts
 are added up in a buffer first (one gradient's memory for those weights). Its squares are counted as the global
 norm counts them (``holding.add_counted_squares``: a split weight's replicated rows once), summed over the step's
@@ -63,10 +65,19 @@ class GradientNoise(Figures):
         self.last: dict[str, float | None] = {}
 
     def watch(self, leaves: list[tuple[str, torch.Tensor]]) -> None:
-        """Hook every leaf gradient ``leaves`` name."""
+        """Hook the gradient of every leaf ``leaves`` name; a weight whose gradient adds other ranks' micro-batches'
+        parts (``Transform.mixed_gradients``) is read at each use instead (``tap``)."""
+        mixed = set().union(*(t.mixed_gradients() for t in self.transforms))
         for name, leaf in leaves:
-            self._leaves[name] = leaf
-            leaf.register_hook(lambda grad, name=name: self._arrived(name, grad))
+            if name not in mixed:
+                self._leaves[name] = leaf
+                leaf.register_hook(lambda grad, name=name: self._arrived(name, grad))
+        for transform in self.transforms:
+            transform.tap_uses(self.tap)
+
+    def tap(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as one use runs it: the part of its gradient that use gives is read apart."""
+        return _Tap.apply(weight, self, name)
 
     def _arrived(self, name: str, grad: torch.Tensor) -> None:
         grad = grad.detach()
@@ -152,3 +163,17 @@ class GradientNoise(Figures):
         if "noise_scale" not in rec:
             return ""
         return " | B_noise " + ("n/a" if value is None else f"{value:,.0f} tok")
+
+
+class _Tap(torch.autograd.Function):
+    """Identity forward; the backward hands the gradient of this use to the meter, then passes it on."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, meter: GradientNoise, name: str) -> torch.Tensor:
+        ctx.meter, ctx.name = meter, name
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.meter._arrived(ctx.name, grad)
+        return grad, None, None

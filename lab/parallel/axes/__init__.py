@@ -128,6 +128,14 @@ class Transform(Figures):
         on every rank that holds it."""
         return set()
 
+    def mixed_gradients(self) -> set[str]:
+        """Parameters whose gradient in one backward adds parts of other ranks' micro-batches (an expert's weights
+        fed other ranks' tokens): read per use through ``tap_uses``."""
+        return set()
+
+    def tap_uses(self, tap: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Have each use of a weight ``mixed_gradients`` names go through ``tap(name, weight)``."""
+
     def whole_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Held | Pieces | Blocks | None:
         """Where elements [lo, lo + len(view)) of this rank's flattened ``name`` (``numel`` elements) sit in the whole
         parameter, counting only what this rank hands over (None: this transform does not reshape it)."""
