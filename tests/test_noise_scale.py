@@ -99,10 +99,10 @@ def _assert_agree(by_layout: dict, specs: list[str]) -> None:
 @pytest.mark.parametrize("model", [TINY, dataclasses.replace(TINY, arch="modern", tie_embeddings=False)],
                          ids=["gpt2", "modern"])
 def test_every_layout_measures_the_same_noise_scale_on_two_ranks(model):
-    """ddp, zero2, zero3, fsdp, torch_ddp, a tensor split and a pipeline (its microbatches' parts added up, a tied
-    weight's two stages' parts too) against single accumulating the same four micro-batches: within 1e-3; and the
+    """ddp, zero2, zero3, fsdp, torch_ddp, a tensor split, a pipeline (its microbatches' parts added up, a tied
+    weight's two stages' parts too) and a context split (each sequence's two shards' parts added up) against single accumulating the same four micro-batches: within 1e-3; and the
     meter leaves the training's bits as they are."""
-    specs = ["ddp", "zero2", "zero3", "fsdp", "torch_ddp", "zero1:tp=2", "ddp:pp=2"]
+    specs = ["ddp", "zero2", "zero3", "fsdp", "torch_ddp", "zero1:tp=2", "ddp:pp=2", "zero2:cp=2"]
     by_layout = run_pooled(_noise_by_layout, 2, specs, dataclasses.replace(SETUP, model=model))[0]
     assert by_layout["unchanged"]
     _assert_agree(by_layout, specs)
@@ -123,7 +123,7 @@ def test_a_mixture_of_experts_measures_the_same_noise_scale_with_its_experts_spl
 @pytest.mark.parametrize("spec, ranks, message", [
     ("deepspeed", 2, "does not run under strategy 'deepspeed'"),
     ("ddp:ep=2,pp=2", 4, "parallel.ep > 1 and parallel.pp > 1 together"),
-    ("ddp:cp=2", 2, "parallel.cp > 1 yet"),
+    ("ddp:ep=2,cp=2", 4, "parallel.ep > 1 and parallel.cp > 1 together"),
     ("single", 1, "two or more micro-batches a step"),
 ])
 def test_layouts_the_meter_cannot_read_are_refused_in_one_line(spec, ranks, message):
@@ -135,9 +135,9 @@ def test_layouts_the_meter_cannot_read_are_refused_in_one_line(spec, ranks, mess
 
 @pytest.mark.slow
 def test_data_parallel_composed_with_a_split_measures_the_same_noise_scale_on_four_ranks():
-    """dp 2 × tp 2 (the hand-rolled split and the DTensor reference), dp 2 × pp 2, and experts split two ways over
-    four data-parallel ranks and beside tp 2, against single."""
-    specs = ["zero2:tp=2", "fsdp:tp=2", "zero3:pp=2", "ddp:tp=2,tp_impl=torch"]
+    """dp 2 × tp 2 (the hand-rolled split and the DTensor reference), dp 2 × pp 2, dp 2 × cp 2, cp 2 × tp 2, and
+    experts split two ways over four data-parallel ranks and beside tp 2, against single."""
+    specs = ["zero2:tp=2", "fsdp:tp=2", "zero3:pp=2", "ddp:tp=2,tp_impl=torch", "zero3:cp=2", "ddp:cp=2,tp=2"]
     by_layout = run_pooled(_noise_by_layout, 4, specs, SETUP, deadline_s=240)[0]
     assert by_layout["unchanged"]
     _assert_agree(by_layout, specs)

@@ -85,8 +85,8 @@ class Engine:
         scaler = LossScaler(precision.loss_scale, precision.loss_scale_window) if precision.scales_loss else None
         self.precision_step = PrecisionStep(precision.param_dtype, scaler)
         self.accounts = Accounts(self.strategy)
-        self.noise = GradientNoise(self.transforms, self.strategy.data.world_size * loop.accum_steps,
-                                   self.microbatches > 1) if loop.noise_scale else None
+        micro_batches = round(self.strategy.data.world_size * self.token_share) * loop.accum_steps  # every rank's
+        self.noise = GradientNoise(self.transforms, micro_batches, self.microbatches > 1) if loop.noise_scale else None
         self.meters = RunMeters(self.strategy.comms, self.transforms, self.saved, self.everyone,
                                 [part for part in (scaler, self.noise) if part is not None], self.accounts.record)
         self.accounts.parts = self.meters.figures
@@ -193,10 +193,10 @@ class Engine:
 
     def _unscaling(self) -> float:
         """What turns a backward's gradients into the gradient of its micro-batch's mean loss (``scaled`` and the
-        loop's division by the accumulation steps undone)."""
+        loop's division by the accumulation steps undone; a share of the tokens weighted by its share)."""
         ranks = self.strategy.data.world_size if self.strategy.divides_loss else 1
         scale = self.precision_step.scaler.scale if self.precision_step.scaler is not None else 1.0
-        return self.loop.accum_steps * ranks / scale
+        return self.loop.accum_steps * ranks * self.token_share / scale
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping (``holding.gradient_squares`` summed over every rank); clip to

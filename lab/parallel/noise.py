@@ -18,7 +18,9 @@ data-parallel strategy's sync is left as it is. An expert's weights take other r
 each use of them (one source rank's rows) goes through a tap (``Transform.tap_uses``) that reads its part apart; the
 step's sum of squares needs no more (every micro-batch's part of every weight is counted once, wherever it is). Where a micro-step runs several backwards (a pipeline's
 microbatches) or a transform completes a gradient from several ranks' parts (a weight two stages share), the parts
-are added up in a buffer first (one gradient's memory for those weights). Its squares are counted as the global
+are added up in a buffer first (one gradient's memory for those weights); where a micro-batch's tokens are split
+over ranks (context parallelism), each gradient is then summed over them (an all-reduce of the whole gradient per
+micro-step, not counted with the data-parallel traffic) and counted by the first. Its squares are counted as the global
 norm counts them (``holding.add_counted_squares``: a split weight's replicated rows once), summed over the step's
 micro-steps, and added over every rank in the all-reduce the global norm already makes: no collective of its own.
 """
@@ -29,6 +31,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from lab.measure.figures import Figures
 from lab.parallel import holding
@@ -53,8 +56,10 @@ class GradientNoise(Figures):
     def __init__(self, transforms: Sequence[Transform], micro_batches: int, buffered: bool):
         self.transforms = transforms
         self.micro_batches = micro_batches  # K: the step's micro-batches over every data-parallel rank
-        self.buffered = buffered  # several backwards a micro-step: each gradient's parts are added up first
         self.apart = set().union(*(t.held_apart() for t in transforms))  # completed from several ranks' parts
+        self.parts = [w for t in transforms if (w := t.micro_batch_parts()) is not None]  # ranks adding up one's
+        # several backwards a micro-step, or ranks that each hold a part: every gradient is added up first
+        self.buffered = buffered or bool(self.parts)
         self.micro_tokens = 0  # tokens of one micro-batch (set by the engine's forward)
         self._parts: dict[str, torch.Tensor] = {}  # this micro-step's buffered gradients, by name
         self._squares: torch.Tensor | None = None  # this micro-step's counted squares so far (fp32, on the device)
@@ -103,6 +108,7 @@ class GradientNoise(Figures):
         if self._parts:
             for transform in self.transforms:
                 transform.complete_gradients(self._part)
+            self._add_up_parts()
             for name, flat in self._parts.items():
                 self._count(name, flat)
             self._parts = {}
@@ -110,6 +116,18 @@ class GradientNoise(Figures):
             scaled = self._squares * gradient_scale ** 2
             self._step = scaled if self._step is None else self._step + scaled
         self._squares = None
+
+    def _add_up_parts(self) -> None:
+        """Each buffered gradient summed over the ranks that each ran a part of the micro-batch, then counted by the
+        first of them alone (one all-reduce of the whole gradient per micro-step and axis)."""
+        for world in self.parts:
+            names = sorted(self._leaves)
+            flat = torch.cat([self._part(name).float() for name in names])
+            dist.all_reduce(flat, group=world.group)
+            if world.rank != 0:
+                self._parts = {}
+                return
+            self._parts = dict(zip(names, flat.split([self._parts[n].numel() for n in names])))
 
     def _part(self, name: str) -> torch.Tensor:
         """The buffered gradient of ``name`` (zeros where no backward of this micro-step reached it)."""

@@ -288,12 +288,10 @@ def check_noise_scale(layout: Layout, strategy: type, loop: LoopSettings) -> Non
     if strategy.owns_step:
         raise ConfigError(f"train.noise_scale does not run under strategy '{strategy.name}': its engine syncs the "
                           "gradients inside its backward and hands no micro-batch's gradient out")
-    if layout.cp > 1:
-        raise ConfigError("train.noise_scale does not run with parallel.cp > 1 yet: a micro-batch's gradient is "
-                          "spread over the ranks of its sequences' shards")
-    if layout.ep > 1 and layout.pp > 1:
-        raise ConfigError("train.noise_scale does not run with parallel.ep > 1 and parallel.pp > 1 together yet: an "
-                          "expert's part of a micro-batch's gradient comes from several microbatches' backwards")
+    for other in ("pp", "cp"):
+        if layout.ep > 1 and getattr(layout, other) > 1:
+            raise ConfigError(f"train.noise_scale does not run with parallel.ep > 1 and parallel.{other} > 1 together "
+                              "yet: each use of an expert would give only a part of a micro-batch's gradient")
     if layout.dp * loop.accum_steps < 2:
         raise ConfigError("train.noise_scale needs two or more micro-batches a step (the small batch against the "
                           "step's): raise train.batch_tokens above one micro-batch of every data-parallel rank")

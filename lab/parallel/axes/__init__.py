@@ -128,6 +128,11 @@ class Transform(Figures):
         on every rank that holds it."""
         return set()
 
+    def micro_batch_parts(self) -> World | None:
+        """The ranks of this axis whose gradients of one micro-batch add up to its gradient (each runs a share of its
+        tokens, ``token_share``); None where each rank's is whole."""
+        return None
+
     def mixed_gradients(self) -> set[str]:
         """Parameters whose gradient in one backward adds parts of other ranks' micro-batches (an expert's weights
         fed other ranks' tokens): read per use through ``tap_uses``."""
