@@ -40,7 +40,7 @@ from lab.measure.device import Precision
 from lab.runtime import checkpoint
 from lab.runtime.files import write_atomic
 from lab.model import GPT
-from lab.training.optim import adamw_factory, param_groups
+from lab.training.optim import optimizer_factory, param_groups
 from lab.parallel import Layout, LoopSettings, RunEngine, World, parse_spec
 from lab.parallel.axes.pipeline import microbatches
 from lab.commands.ranks import RankFailed, run_ranks
@@ -65,6 +65,7 @@ class Setup:
     mixed: bool = False  # train.precision mixed: 16-bit weights and gradients, fp32 masters (else autocast)
     compile: bool = False  # the strategy compiles the model (train.compile)
     noise_scale: bool = False  # the engine measures the gradient noise scale (train.noise_scale)
+    optimizer: str = "adamw"  # or muon (train.optimizer)
     counting: bool = False  # each sequence counts up by one (mod the vocabulary) from a random token: a pattern to
     # learn, so that the gradient has a signal beside its noise (random tokens have almost none to learn)
     model: ModelConfig = dataclasses.field(default_factory=lambda: dataclasses.replace(TINY))
@@ -83,7 +84,7 @@ class Trace:
 def loop_settings(setup: Setup) -> LoopSettings:
     """What ``train_tiny``'s loop does each step, for the strategy's config."""
     return LoopSettings(micro_batch=setup.micro_batch, accum_steps=setup.accum, grad_clip=setup.grad_clip,
-                        compile=setup.compile, noise_scale=setup.noise_scale)
+                        compile=setup.compile, noise_scale=setup.noise_scale, optimizer=setup.optimizer)
 
 
 def precision(setup: Setup) -> Precision:
@@ -152,8 +153,9 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
 
 def _built(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> RunEngine:
     engine = create(parallel, world, precision(setup), loop_settings(setup))
-    engine.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
-                 adamw_factory(TrainConfig(), world.device))
+    engine.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)),
+                 lambda m: param_groups(m, 0.1, setup.optimizer == "muon"),
+                 optimizer_factory(TrainConfig(optimizer=setup.optimizer), world.device))
     return engine
 
 

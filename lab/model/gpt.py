@@ -426,6 +426,13 @@ class GPT(nn.Module):
         return (self.cfg.parametrization == "mup" and name.startswith("blocks.") and name.endswith(".weight")
                 and isinstance(self.get_submodule(name.rpartition(".")[0]), nn.Linear))
 
+    def muon_matrix(self, name: str) -> bool:
+        """Whether Muon steps parameter ``name`` (``train.optimizer muon``): a linear layer's weight inside a block
+        (attention's and the MLP's projections, each expert's), a mixture's router aside (AdamW's, as the
+        embeddings, the head, norms and biases)."""
+        return (name.startswith("blocks.") and name.endswith(".weight") and not name.endswith(".router.weight")
+                and isinstance(self.get_submodule(name.rpartition(".")[0]), nn.Linear))
+
     def lr_multiplier(self, name: str) -> float:
         """The factor on the run's learning rate for parameter ``name``: 1/m for μP's hidden matrices, else 1."""
         return 1.0 / self.width if self.is_hidden(name) else 1.0

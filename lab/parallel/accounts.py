@@ -114,7 +114,20 @@ class Accounts:
     def theory_states(self) -> accounting.StateBytes:
         """Model-state bytes per rank from the ZeRO formulas, each data-parallel group's parameters sharded over its
         ranks (an expert's over those holding it)."""
-        return placement.placed_state_bytes(self.costs(), self.param_counts(), self.strategy.precision.state_widths)
+        return placement.placed_state_bytes(self.costs(), self.param_counts(), self.strategy.precision.state_widths,
+                                            self.one_moment_counts())
+
+    def one_moment_counts(self) -> dict[int, int]:
+        """Trainable elements whose optimizer keeps one moment (Muon's matrices), by data-parallel group size."""
+        s = self.strategy
+        muon = {id(t) for g in s.optimizer.param_groups if g.get("muon") for t in g["params"]}
+        masters = {} if s.masters is None else s.masters.of
+        out: dict[int, int] = {}
+        for name, p in s.module.named_parameters():
+            if id(masters.get(id(p), p)) in muon:
+                n = s.world_of(name).world_size
+                out[n] = out.get(n, 0) + p.numel()
+        return out
 
     def theory_comm(self) -> dict[str, float]:
         """Bytes this rank sends per step in theory, each data-parallel group's over its ranks."""

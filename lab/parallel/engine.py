@@ -140,6 +140,9 @@ class Engine:
             model = transform.running(self, model)
         s.model = model
         s.optimizer = optimizer_factory(s.optimizer_groups(groups))
+        orthogonalizer = s.orthogonalizer(s.optimizer)
+        if orthogonalizer is not None:  # Muon's: it reports what its orthogonalizations cost
+            self.meters.own.append(orthogonalizer)
         self.meters.watch_model(module)
         if self.noise is not None:
             self.noise.watch(s.gradient_leaves())

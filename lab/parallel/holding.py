@@ -52,23 +52,32 @@ class Piece:
         return self.weight if self.master is None else self.master
 
     def views(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weight (its master, if any) and, where it has them (a sharded piece: always, possibly empty), its AdamW
-        moments, flat."""
+        """The weight (its master, if any) and, where it has them (a sharded piece: always, possibly empty), its
+        optimizer's moments (AdamW's two, Muon's momentum), flat."""
         yield f"model/{self.name}", self.value
         if self.moments is None and not self.sharded:
             return
         hi = self.moments_lo + self.weight.numel()
-        for key in ("exp_avg", "exp_avg_sq"):
+        keys = MOMENTUM if self.moments is not None and MOMENTUM[0] in self.moments else ADAM_MOMENTS
+        for key in keys:
             view = self.moments[key].view(-1)[self.moments_lo:hi] if self.moments is not None else torch.empty(0)
             yield f"optim/{self.name}/{key}", view
 
 
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTUM = ("momentum_buffer",)  # Muon's
+
+
 def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's state for parameters that have none yet, as torch does at the first step, so a
-    checkpoint can be loaded into a fresh optimizer (zeros: the loaded values replace them)."""
+    """Create the optimizer's state for parameters that have none yet, as torch does at the first step (AdamW's
+    moments, or Muon's momentum in a Muon group), so a checkpoint can be loaded into a fresh optimizer (zeros: the
+    loaded values replace them)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if optimizer.state.get(p):
+                continue
+            if group.get("muon"):
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
                 continue
             on_device = group.get("fused") or group.get("capturable")
             optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
@@ -163,7 +172,7 @@ def region(piece: Piece, lo: int, view: torch.Tensor, transforms: Sequence[Trans
 
 def checkpoint_state(pieces: list[Piece], transforms: Sequence[Transform],
                      everyone: World) -> tuple[CheckpointState, list[Callable[[], None]]]:
-    """Every weight and AdamW moment as the parts of the whole flattened (or 2-D) tensors this rank hands over; an entry
+    """Every weight and optimizer moment as the parts of the whole flattened (or 2-D) tensors this rank hands over; an entry
     another rank holds a part of, named here with an empty part (the checkpoint builds each with a collective of every
     rank). With it, what gives each loaded part to the ranks holding the same, to run after a load."""
     state: CheckpointState = {}
@@ -175,7 +184,7 @@ def checkpoint_state(pieces: list[Piece], transforms: Sequence[Transform],
             state[key] = region(piece, lo, view, transforms)
             if not isinstance(state[key], torch.Tensor):
                 after[key] = functools.partial(_share_loaded, piece.name, replicas, lo, view, transforms)
-        if piece.moments is not None:
+        if piece.moments is not None and "step" in piece.moments:  # AdamW's counter (Muon keeps none)
             state[f"optim/{piece.name}/step"] = piece.moments["step"]
     state = _named_everywhere(state, everyone, bool(transforms))
     return state, [after[key] for key in state if key in after]

@@ -51,6 +51,7 @@ class LoopSettings:
     grad_clip: float  # the max_norm clip_grad_norm is called with (0: off)
     compile: bool = False  # the strategy compiles the model it builds (train.compile)
     noise_scale: bool = False  # the engine measures the gradient noise scale (train.noise_scale)
+    optimizer: str = "adamw"  # adamw, or muon: matrices stepped whole (train.optimizer)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from lab.runtime.config import ConfigError, RunConfig, print_error
 from lab.runtime.files import (LockHeld, LockUnusable, check_plain_files, dumps, probe_writable, read_json,
                                refuse_foreign_folder, save_json, take_lock)
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
-from lab.training.optim import adamw_factory, param_groups
+from lab.training.optim import optimizer_factory, param_groups
 from lab.training.runlog import RunLog, start_line, summarise
 from lab.training.plan import RunPlan, plan_run
 from lab.training.steps import Start, StepPlan
@@ -271,11 +271,12 @@ def decided_on_main(world: World, decide: Callable[[], T]) -> T:
 
 def build_engine(plan: RunPlan, world: World) -> RunEngine:
     """The run's engine on its resolved layout, built from the model factory (the transforms split it, the strategy
-    places it), the weight-decay rule and AdamW."""
+    places it), the weight-decay rule and the optimizer (AdamW, or Muon with AdamW)."""
     cfg = plan.cfg
     engine = parallel.create(cfg.parallel, plan.layout, world, plan.precision, plan.loop)
     engine.build(functools.partial(GPT, cfg.model, seed=cfg.train.seed),
-                 lambda model: param_groups(model, cfg.train.weight_decay), adamw_factory(cfg.train, world.device))
+                 lambda model: param_groups(model, cfg.train.weight_decay, cfg.train.optimizer == "muon"),
+                 optimizer_factory(cfg.train, world.device))
     return engine
 
 

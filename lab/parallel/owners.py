@@ -1,0 +1,131 @@
+"""Muon's orthogonalizations spread over a data axis: each matrix's Newton-Schulz on one owner rank, the results sent
+to every rank (``lab.training.muon``; where the ranks hold the matrices whole and their synced gradients alike).
+
+The owners are fixed once, from the matrices' shapes: largest first, each to the rank with the least Newton-Schulz
+work so far (the longest-processing-time rule), so that every rank does about the same share of the iteration's
+FLOPs (their largest over their mean: ``muon_owner_load``). A step orthogonalizes each rank's own matrices and
+all-gathers the results in bf16 (what the iteration returns), each rank's laid end to end and padded to the largest
+rank's total: one collective a step, counted by its own meter beside its theory, apart from the gradient sync's.
+``parallel.muon_redundant`` makes every rank orthogonalize every matrix instead (no traffic; to compare).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from lab.measure.accounting import newton_schulz_flops, ring_elements_sent
+from lab.measure.figures import Figures
+from lab.parallel.comm import Comm
+from lab.parallel.layout import World
+
+
+def assign_owners(flops: list[int], ranks: int) -> list[int]:
+    """The owner rank of each matrix: largest first, each to the least-loaded rank (the lowest on a tie)."""
+    loads, owners = [0] * ranks, [0] * len(flops)
+    for i in sorted(range(len(flops)), key=lambda i: (-flops[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[owners[i]] += flops[i]
+    return owners
+
+
+class Owners(Figures):
+    """The orthogonalizer of a ``MuonAdamW`` whose matrices every rank of ``comm`` holds whole."""
+
+    line_place = 96
+
+    def __init__(self, comm: Comm, orthogonalize: Callable[[torch.Tensor], torch.Tensor], ns_steps: int,
+                 redundant: bool = False):
+        self.comm, self.orthogonalize, self.ns_steps = comm, orthogonalize, ns_steps
+        self.redundant = redundant or comm.world_size == 1
+        self.owners: list[int] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.last = {"muon_gather_bytes": 0.0, "muon_orthogonalized": 0, "muon_s": 0.0}  # the last step's
+
+    @classmethod
+    def over(cls, data: World, optimizer: torch.optim.Optimizer, redundant: bool) -> Owners | None:
+        """The owners of ``optimizer``'s matrices over the ranks of ``data``, set as its orthogonalizer; None for an
+        optimizer without one (AdamW)."""
+        if not hasattr(optimizer, "orthogonalizer"):
+            return None
+        owners = cls(Comm(data.world_size, data.group, axis="dp"), optimizer.orthogonalize_one, optimizer.ns_steps,
+                     redundant)
+        optimizer.orthogonalizer = owners
+        return owners
+
+    def _plan(self, updates: list[torch.Tensor]) -> None:
+        shapes = [tuple(u.shape) for u in updates]
+        if shapes != self.shapes:
+            self.shapes = shapes
+            self.owners = assign_owners([newton_schulz_flops(s, self.ns_steps) for s in shapes], self.comm.world_size)
+
+    def __call__(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each update orthogonalized by its owner (or here, every one, when redundant), once a step."""
+        self._plan(updates)
+        t0 = time.perf_counter()
+        if self.redundant:
+            out = [self.orthogonalize(u) for u in updates]
+            self.last = {"muon_gather_bytes": 0.0, "muon_orthogonalized": len(out), "muon_s": time.perf_counter() - t0}
+            return out
+        out = self._exchange(updates)
+        self.last = {"muon_gather_bytes": self.comm.take().bytes.get("all_gather", 0.0),
+                     "muon_orthogonalized": sum(owner == self.comm.rank for owner in self.owners),
+                     "muon_s": time.perf_counter() - t0}
+        return out
+
+    def _exchange(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's matrices orthogonalized, and every rank's all-gathered."""
+        rank, n = self.comm.rank, self.comm.world_size
+        mine = [self.orthogonalize(u) for u, owner in zip(updates, self.owners) if owner == rank]
+        sizes = self._sizes()
+        send = torch.zeros(max(sizes), dtype=torch.bfloat16, device=updates[0].device if updates else None)
+        if mine:
+            torch.cat([m.reshape(-1) for m in mine], out=send[:sizes[rank]])
+        gathered = torch.empty(n * len(send), dtype=send.dtype, device=send.device)
+        self.comm.all_gather(gathered, send)
+        chunks, taken = gathered.view(n, -1), [0] * n
+        out = []
+        for shape, owner in zip(self.shapes, self.owners):
+            numel = shape[0] * shape[1]
+            out.append(chunks[owner, taken[owner]:taken[owner] + numel].view(shape))
+            taken[owner] += numel
+        return out
+
+    def _sizes(self) -> list[int]:
+        """Elements of each rank's results."""
+        sizes = [0] * self.comm.world_size
+        for shape, owner in zip(self.shapes, self.owners):
+            sizes[owner] += shape[0] * shape[1]
+        return sizes
+
+    def theory_bytes(self) -> float:
+        """Bytes this rank sends a step: its padded share of the all-gather (ring convention), bf16."""
+        if self.redundant:
+            return 0.0
+        return ring_elements_sent("all_gather", self.comm.world_size * max(self._sizes()), self.comm.world_size) * 2
+
+    def load(self) -> float:
+        """The owners' Newton-Schulz FLOPs: the largest rank's over the mean."""
+        if self.redundant or not self.shapes:
+            return 1.0
+        loads = [0] * self.comm.world_size
+        for shape, owner in zip(self.shapes, self.owners):
+            loads[owner] += newton_schulz_flops(shape, self.ns_steps)
+        return max(loads) / (sum(loads) / len(loads))
+
+    def record(self) -> dict[str, object]:
+        return self.last | {"muon_gather_bytes_theory": self.theory_bytes(), "muon_owner_load": self.load()}
+
+    def meters(self) -> dict[str, object]:
+        return {"muon_gather_bytes_per_step_theory": self.theory_bytes(), "muon_owner_load": self.load(),
+                "muon_redundant": self.redundant}
+
+    @staticmethod
+    def line(rec: dict) -> str:
+        """Muon's orthogonalization time and its gather beside theory."""
+        if "muon_s" not in rec:
+            return ""
+        return (f" | muon {rec['muon_s'] * 1e3:,.0f} ms, gather {rec['muon_gather_bytes'] / 2**10:,.0f} KiB "
+                f"(theory {rec['muon_gather_bytes_theory'] / 2**10:,.0f})")
