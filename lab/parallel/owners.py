@@ -1,5 +1,6 @@
-"""Muon's orthogonalizations spread over a data axis: each matrix's Newton-Schulz on one owner rank, the results sent
-to every rank (``lab.training.muon``; where the ranks hold the matrices whole and their synced gradients alike).
+"""Muon's orthogonalization (``newton_schulz``) and where it runs: over a data axis, each matrix's on one owner rank,
+the results sent to every rank (``lab.training.muon``; where the ranks hold the matrices whole and their synced
+gradients alike).
 
 The owners are fixed once, from the matrices' shapes: largest first, each to the rank with the least Newton-Schulz
 work so far (the longest-processing-time rule), so that every rank does about the same share of the iteration's
@@ -11,8 +12,9 @@ rank's total: one collective a step, counted by its own meter beside its theory,
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,6 +22,33 @@ from lab.measure.accounting import newton_schulz_flops, ring_elements_sent
 from lab.measure.figures import Figures
 from lab.parallel.comm import Comm
 from lab.parallel.layout import World
+
+EPS = 1e-7  # the norm's floor before the iteration (torch.optim.Muon's)
+
+
+def newton_schulz(update: torch.Tensor, coefficients: Sequence[float], steps: int) -> torch.Tensor:
+    """U's orthogonalization: ``steps`` iterations of X ← aX + (bA + cA²)X with A = XXᵀ, in bf16, from X = U/‖U‖
+    (the wide orientation: a tall matrix is transposed and back)."""
+    a, b, c = coefficients
+    tall = update.size(0) > update.size(1)
+    x = update.bfloat16()
+    x = x.T if tall else x
+    x.div_(x.norm().clamp(min=EPS))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def rms_scale(shape: Sequence[int]) -> float:
+    """Moonlight's factor on a matrix's orthogonalized update: 0.2 · √max(rows, cols), AdamW's update RMS."""
+    return 0.2 * math.sqrt(max(shape[:2]))
+
+
+# What an orthogonalizer returns for each tensor Muon steps: its parts, each a range of the flattened tensor (None:
+# all of it, as the tensor's shape), the orthogonalized update of those elements, and the RMS factor of their matrix.
+Part = tuple[slice | None, torch.Tensor, float]
+Orthogonalizer = Callable[[list[torch.Tensor], list[torch.Tensor]], list[list[Part]]]
 
 
 def assign_owners(flops: list[int], ranks: int) -> list[int]:
@@ -61,19 +90,19 @@ class Owners(Figures):
             self.shapes = shapes
             self.owners = assign_owners([newton_schulz_flops(s, self.ns_steps) for s in shapes], self.comm.world_size)
 
-    def __call__(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[list[Part]]:
         """Each update orthogonalized by its owner (or here, every one, when redundant), once a step."""
         self._plan(updates)
         t0 = time.perf_counter()
         if self.redundant:
             out = [self.orthogonalize(u) for u in updates]
             self.last = {"muon_gather_bytes": 0.0, "muon_orthogonalized": len(out), "muon_s": time.perf_counter() - t0}
-            return out
-        out = self._exchange(updates)
-        self.last = {"muon_gather_bytes": self.comm.take().bytes.get("all_gather", 0.0),
-                     "muon_orthogonalized": sum(owner == self.comm.rank for owner in self.owners),
-                     "muon_s": time.perf_counter() - t0}
-        return out
+        else:
+            out = self._exchange(updates)
+            self.last = {"muon_gather_bytes": self.comm.take().bytes.get("all_gather", 0.0),
+                         "muon_orthogonalized": sum(owner == self.comm.rank for owner in self.owners),
+                         "muon_s": time.perf_counter() - t0}
+        return [[(None, o, rms_scale(o.shape))] for o in out]
 
     def _exchange(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's matrices orthogonalized, and every rank's all-gathered."""

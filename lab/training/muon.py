@@ -12,21 +12,18 @@ The factor 0.2 · √max(rows, cols) (Moonlight's RMS matching, torch's ``adjust
 update the RMS of a typical AdamW update, so that Muon's matrices and AdamW's other weights share the schedule's
 learning rate and weight decay. The orthogonalization needs each matrix whole; ``orthogonalizer`` decides where each
 one is computed (here by default; over a data axis, by one owner rank each: ``lab.parallel.owners``, which a strategy
-sets: ``Strategy.orthogonalizer``). The other
-groups step as ``torch.optim.AdamW`` steps them.
+sets: ``Strategy.orthogonalizer``). The other groups step as ``torch.optim.AdamW`` steps them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from lab.parallel.owners import Orthogonalizer, Part, newton_schulz, rms_scale
 from lab.runtime.config import ConfigError
-
-COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's default
-EPS = 1e-7
 
 
 def parse_coefficients(text: str) -> tuple[float, float, float]:
@@ -40,25 +37,12 @@ def parse_coefficients(text: str) -> tuple[float, float, float]:
     return values  # type: ignore[return-value]
 
 
-def newton_schulz(update: torch.Tensor, coefficients: Sequence[float], steps: int) -> torch.Tensor:
-    """U's orthogonalization: ``steps`` iterations of X ← aX + (bA + cA²)X with A = XXᵀ, in bf16, from X = U/‖U‖
-    (the wide orientation: a tall matrix is transposed and back)."""
-    a, b, c = coefficients
-    tall = update.size(0) > update.size(1)
-    x = update.bfloat16()
-    x = x.T if tall else x
-    x.div_(x.norm().clamp(min=EPS))
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-Orthogonalizer = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-
-
 class MuonAdamW(torch.optim.AdamW):
-    """AdamW over the groups without ``muon``; Muon over those with it (each group's ``lr`` and ``weight_decay``)."""
+    """AdamW over the groups without ``muon``; Muon over those with it (each group's ``lr`` and ``weight_decay``).
+
+    Its tensors may be whole matrices or parts of them (a sharding strategy's): the momentum and the final update are
+    elementwise, and ``orthogonalizer`` (tensors, their updates) -> each tensor's parts, set by the strategy that
+    places them, brings each matrix's update together for its orthogonalization."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float, fused: bool,
                  momentum: float, nesterov: bool, ns_steps: int, ns_coefficients: Sequence[float]):
@@ -68,12 +52,10 @@ class MuonAdamW(torch.optim.AdamW):
         self.orthogonalizer: Orthogonalizer = self.orthogonalize  # where each matrix is orthogonalized
         for group in self.param_groups:
             group.setdefault("muon", False)
-            if group["muon"] and any(p.dim() != 2 for p in group["params"]):
-                raise ValueError("Muon's groups take matrices only")
 
-    def orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every update orthogonalized here."""
-        return [self.orthogonalize_one(u) for u in updates]
+    def orthogonalize(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[list[Part]]:
+        """Every update orthogonalized here: each tensor a whole matrix."""
+        return [[(None, self.orthogonalize_one(u), rms_scale(t.shape))] for t, u in zip(tensors, updates, strict=True)]
 
     def orthogonalize_one(self, update: torch.Tensor) -> torch.Tensor:
         return newton_schulz(update, self.ns_coefficients, self.ns_steps)
@@ -93,9 +75,13 @@ class MuonAdamW(torch.optim.AdamW):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - self.momentum)
                 jobs.append((group, p, p.grad.lerp(buf, self.momentum) if self.nesterov else buf))
-        for (group, p, _), ortho in zip(jobs, self.orthogonalizer([u for _, _, u in jobs]), strict=True):
+        every_part = self.orthogonalizer([p for _, p, _ in jobs], [u for _, _, u in jobs])
+        for (group, p, _), parts in zip(jobs, every_part, strict=True):
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(ortho, alpha=-group["lr"] * (0.2 * math.sqrt(max(p.shape))))
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor's: this rank's rows
+            for where, ortho, scale in parts:
+                target, ortho = (local, ortho) if where is None else (local.view(-1)[where], ortho.reshape(-1))
+                target.add_(ortho, alpha=-group["lr"] * scale)
         every = self.param_groups
         self.param_groups = [g for g in every if not g["muon"]]
         try:
