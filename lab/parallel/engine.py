@@ -140,7 +140,7 @@ class Engine:
             model = transform.running(self, model)
         s.model = model
         s.optimizer = optimizer_factory(s.optimizer_groups(groups))
-        orthogonalizer = s.orthogonalizer(s.optimizer)
+        orthogonalizer = s.orthogonalizer(s.optimizer, [n for g in groups if g.muon for n in g.names])
         if orthogonalizer is not None:  # Muon's: it reports what its orthogonalizations cost
             self.meters.own.append(orthogonalizer)
         self.meters.watch_model(module)

@@ -45,6 +45,8 @@ class Piece:
     shape: tuple[int, ...] = ()
     replicas: Replicas | None = None
     master: torch.Tensor | None = None
+    moment_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")  # where it has no moments: its optimizer's (Muon's:
+    # momentum_buffer), named empty so that every rank names the same entries
 
     @property
     def value(self) -> torch.Tensor:
@@ -58,14 +60,14 @@ class Piece:
         if self.moments is None and not self.sharded:
             return
         hi = self.moments_lo + self.weight.numel()
-        keys = MOMENTUM if self.moments is not None and MOMENTUM[0] in self.moments else ADAM_MOMENTS
+        keys = self.moment_keys if self.moments is None else [k for k in MOMENTS if k in self.moments]
         for key in keys:
             view = self.moments[key].view(-1)[self.moments_lo:hi] if self.moments is not None else torch.empty(0)
             yield f"optim/{self.name}/{key}", view
 
 
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-MOMENTUM = ("momentum_buffer",)  # Muon's
+MOMENTUM = ("momentum_buffer",)  # Muon's moment (``Piece.moment_keys``)
+MOMENTS = ("exp_avg", "exp_avg_sq", *MOMENTUM)  # every optimizer's, in the order checkpoints name them
 
 
 def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:

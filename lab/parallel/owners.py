@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from lab.measure.accounting import newton_schulz_flops, ring_elements_sent
 from lab.measure.figures import Figures
 from lab.parallel.comm import Comm
+from lab.parallel.holding import Piece
 from lab.parallel.layout import World
 
 EPS = 1e-7  # the norm's floor before the iteration (torch.optim.Muon's)
@@ -71,7 +73,7 @@ class Owners(Figures):
         self.redundant = redundant or comm.world_size == 1
         self.owners: list[int] = []
         self.shapes: list[tuple[int, ...]] = []
-        self.last = {"muon_gather_bytes": 0.0, "muon_orthogonalized": 0, "muon_s": 0.0}  # the last step's
+        self.last = {"muon_sent_bytes": 0.0, "muon_orthogonalized": 0, "muon_s": 0.0}  # the last step's
 
     @classmethod
     def over(cls, data: World, optimizer: torch.optim.Optimizer, redundant: bool) -> Owners | None:
@@ -96,10 +98,10 @@ class Owners(Figures):
         t0 = time.perf_counter()
         if self.redundant:
             out = [self.orthogonalize(u) for u in updates]
-            self.last = {"muon_gather_bytes": 0.0, "muon_orthogonalized": len(out), "muon_s": time.perf_counter() - t0}
+            self.last = {"muon_sent_bytes": 0.0, "muon_orthogonalized": len(out), "muon_s": time.perf_counter() - t0}
         else:
             out = self._exchange(updates)
-            self.last = {"muon_gather_bytes": self.comm.take().bytes.get("all_gather", 0.0),
+            self.last = {"muon_sent_bytes": self.comm.take().bytes.get("all_gather", 0.0),
                          "muon_orthogonalized": sum(owner == self.comm.rank for owner in self.owners),
                          "muon_s": time.perf_counter() - t0}
         return [[(None, o, rms_scale(o.shape))] for o in out]
@@ -145,16 +147,140 @@ class Owners(Figures):
         return max(loads) / (sum(loads) / len(loads))
 
     def record(self) -> dict[str, object]:
-        return self.last | {"muon_gather_bytes_theory": self.theory_bytes(), "muon_owner_load": self.load()}
+        return self.last | {"muon_sent_bytes_theory": self.theory_bytes(), "muon_owner_load": self.load()}
 
     def meters(self) -> dict[str, object]:
-        return {"muon_gather_bytes_per_step_theory": self.theory_bytes(), "muon_owner_load": self.load(),
+        return {"muon_sent_bytes_per_step_theory": self.theory_bytes(), "muon_owner_load": self.load(),
                 "muon_redundant": self.redundant}
 
     @staticmethod
     def line(rec: dict) -> str:
-        """Muon's orthogonalization time and its gather beside theory."""
+        """Muon's orthogonalization time and the bytes it sent beside theory."""
         if "muon_s" not in rec:
             return ""
-        return (f" | muon {rec['muon_s'] * 1e3:,.0f} ms, gather {rec['muon_gather_bytes'] / 2**10:,.0f} KiB "
-                f"(theory {rec['muon_gather_bytes_theory'] / 2**10:,.0f})")
+        return (f" | muon {rec['muon_s'] * 1e3:,.0f} ms, sent {rec['muon_sent_bytes'] / 2**10:,.0f} KiB "
+                f"(theory {rec['muon_sent_bytes_theory'] / 2**10:,.0f})")
+
+
+class Gathered(Owners):
+    """The orthogonalizer of a ``MuonAdamW`` stepping pieces of matrices that the ranks of ``comm`` hold apart (a
+    sharding strategy's: flat chunks cut across matrices, or rows). ``matrices``: every matrix's shape, in one order
+    on every rank; ``segments``: for each tensor this rank steps (by id), the (matrix, lo, hi, at) of each run of one
+    matrix's flattened elements [lo, hi) it holds from its own flattened element ``at`` on.
+
+    A step sends each segment's update (bf16, what the iteration reads) to its matrix's owner in one all-to-all, the
+    owner assembles and orthogonalizes the matrix, and a second all-to-all sends each segment its part of the result:
+    each rank sends the elements it holds of matrices it does not own, and back the elements others hold of those it
+    owns. Who holds what is exchanged once, at the first step."""
+
+    def __init__(self, comm: Comm, orthogonalize: Callable[[torch.Tensor], torch.Tensor], ns_steps: int,
+                 matrices: list[tuple[int, int]], segments: dict[int, list[tuple[int, int, int, int]]]):
+        super().__init__(comm, orthogonalize, ns_steps)
+        self.redundant = False
+        self.shapes, self.segments = [tuple(s) for s in matrices], segments
+        self.owners = assign_owners([newton_schulz_flops(s, ns_steps) for s in self.shapes], comm.world_size)
+        self.held: list[list[tuple[int, int, int]]] | None = None  # every rank's (matrix, lo, hi), in sending order
+
+    @classmethod
+    def of_pieces(cls, data: World, optimizer: torch.optim.Optimizer, matrices: list[str],
+                  pieces: list[Piece]) -> Gathered | None:
+        """The owners of ``optimizer``'s ``matrices`` over the ranks of ``data``, from what this rank holds of them
+        (``pieces``: ``Strategy.holding``; each piece found in the optimizer tensor whose memory it lies in), set as
+        its orthogonalizer; None for an optimizer without one (AdamW)."""
+        if not hasattr(optimizer, "orthogonalizer"):
+            return None
+        tensors = [t for g in optimizer.param_groups if g.get("muon") for t in g["params"]]
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        index = {name: i for i, name in enumerate(matrices)}
+        shapes: list[tuple[int, int]] = [(0, 0)] * len(matrices)
+        segments: dict[int, list[tuple[int, int, int, int]]] = {id(t): [] for t in tensors}
+        for piece in pieces:
+            if piece.name not in index:
+                continue
+            shapes[index[piece.name]] = piece.shape
+            value, size = piece.value, piece.value.element_size()
+            for t, held in zip(tensors, local):
+                at = (value.data_ptr() - held.data_ptr()) // size
+                if value.numel() and held.dtype == value.dtype and 0 <= at < held.numel():
+                    segments[id(t)].append((index[piece.name], piece.lo, piece.lo + value.numel(), at))
+                    break
+        owners = cls(Comm(data.world_size, data.group, axis="dp"), optimizer.orthogonalize_one, optimizer.ns_steps,
+                     shapes, segments)
+        optimizer.orthogonalizer = owners
+        return owners
+
+    def _plan(self, updates: list[torch.Tensor]) -> None:
+        """Who holds what: every rank's segments, in the order it sends them (by owner, then as it holds them)."""
+        if self.held is None:
+            mine = sorted((m, lo, hi) for runs in self.segments.values() for m, lo, hi, _ in runs)
+            mine.sort(key=lambda run: self.owners[run[0]])  # stable: by owner, then as held
+            self.held = [mine] * self.comm.world_size
+            if self.comm.world_size > 1:
+                dist.all_gather_object(self.held, mine, group=self.comm.group)
+
+    def __call__(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[list[Part]]:
+        self._plan(updates)
+        t0 = time.perf_counter()
+        self.last = {"muon_sent_bytes": 0.0, "muon_orthogonalized": 0, "muon_s": 0.0}
+        rank, n = self.comm.rank, self.comm.world_size
+        runs = {}  # (matrix, lo) -> (tensor index, at, hi)
+        for i, t in enumerate(tensors):
+            for m, lo, hi, at in self.segments[id(t)]:
+                runs[m, lo] = (i, at, hi)
+        flats = [(u.to_local() if hasattr(u, "to_local") else u).reshape(-1) for u in updates]
+        order = self.held[rank]
+        send = [flats[runs[m, lo][0]][runs[m, lo][1]:runs[m, lo][1] + hi - lo] for m, lo, hi in order]
+        split = [sum(hi - lo for m, lo, hi in order if self.owners[m] == d) for d in range(n)]
+        back = self._exchange_pieces(torch.cat(send).bfloat16() if send else torch.empty(0, dtype=torch.bfloat16),
+                                     split, self._assemble_and_orthogonalize)
+        parts: list[list[Part]] = [[] for _ in tensors]
+        taken = 0
+        for m, lo, hi in order:
+            i, at, _ = runs[m, lo]
+            parts[i].append((slice(at, at + hi - lo), back[taken:taken + hi - lo], rms_scale(self.shapes[m])))
+            taken += hi - lo
+        self.last["muon_s"] = time.perf_counter() - t0
+        return parts
+
+    def _exchange_pieces(self, send: torch.Tensor, split: list[int],
+                         orthogonalized: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Send ``send`` (``split`` elements to each rank) to the owners, turn what arrives into its orthogonalized
+        counterpart (``orthogonalized``), and send that back the reverse way."""
+        rank, n = self.comm.rank, self.comm.world_size
+        arriving = [sum(hi - lo for m, lo, hi in self.held[s] if self.owners[m] == rank) for s in range(n)]
+        received = self._all_to_all(send, split, arriving)
+        return self._all_to_all(orthogonalized(received), arriving, split)
+
+    def _all_to_all(self, send: torch.Tensor, split: list[int], arriving: list[int]) -> torch.Tensor:
+        """``send`` cut by ``split`` to each rank; what arrives (``arriving`` from each), in rank order. Counts the
+        bytes sent to other ranks."""
+        out = send.new_empty(sum(arriving))
+        self.last["muon_sent_bytes"] += (sum(split) - split[self.comm.rank]) * send.element_size()
+        dist.all_to_all_single(out, send, arriving, split, group=self.comm.group)
+        return out
+
+    def theory_bytes(self) -> float:
+        """Bytes this rank sends a step, bf16: the elements it holds of matrices others own, and back the elements
+        others hold of those it owns."""
+        if self.held is None:
+            return 0.0
+        rank = self.comm.rank
+        out = sum(hi - lo for m, lo, hi in self.held[rank] if self.owners[m] != rank)
+        back = sum(hi - lo for s, held in enumerate(self.held) if s != rank for m, lo, hi in held
+                   if self.owners[m] == rank)
+        return 2.0 * (out + back)
+
+    def _assemble_and_orthogonalize(self, received: torch.Tensor) -> torch.Tensor:
+        """The owned matrices from every rank's pieces (in the order they came), orthogonalized, cut back into the
+        same pieces."""
+        rank = self.comm.rank
+        pieces = [(s, m, lo, hi) for s in range(self.comm.world_size) for m, lo, hi in self.held[s]
+                  if self.owners[m] == rank]
+        whole = {m: received.new_empty(self.shapes[m][0] * self.shapes[m][1]) for m in {m for _, m, _, _ in pieces}}
+        taken = 0
+        for _, m, lo, hi in pieces:
+            whole[m][lo:hi] = received[taken:taken + hi - lo]
+            taken += hi - lo
+        done = {m: self.orthogonalize(flat.view(self.shapes[m])).reshape(-1) for m, flat in whole.items()}
+        self.last["muon_orthogonalized"] = len(done)
+        return torch.cat([done[m][lo:hi] for _, m, lo, hi in pieces]) if pieces else received

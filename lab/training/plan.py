@@ -295,10 +295,12 @@ def check_combination(layout: Layout, cfg: ParallelConfig, strategy: type, loop:
         check_noise_scale(layout, strategy, loop)
     if cfg.muon_redundant and loop.optimizer != "muon":
         raise ConfigError("parallel.muon_redundant has no effect without train.optimizer muon")
-    if loop.optimizer == "muon" and (strategy.shards != "nothing" or strategy.owns_step or split):
-        raise ConfigError(f"train.optimizer muon runs under single, ddp_naive, ddp and torch_ddp without other axes "
-                          f"for now (asked: {strategy.name}{''.join(f', {a} > 1' for a in split)}): the sharded "
-                          "strategies and the split axes do not yet hand each matrix whole to Newton-Schulz")
+    if loop.optimizer == "muon" and strategy.owns_step:
+        raise ConfigError(f"train.optimizer muon does not run under strategy '{strategy.name}': its engine steps its "
+                          "own optimizer (AdamW)")
+    if loop.optimizer == "muon" and split:
+        raise ConfigError(f"train.optimizer muon runs without parallel.{split[0]} > 1 for now: a split axis does not "
+                          "yet hand each matrix whole to Newton-Schulz")
     if loop.compile and layout.ep > 1:
         raise ConfigError("train.compile with parallel.ep > 1 is not supported yet: the exchanges' split sizes are "
                           "read on the host mid-forward; set train.compile false")
