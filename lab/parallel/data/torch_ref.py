@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lab.measure.placement import Costs
 from lab.parallel.base import ParamGroup, Strategy
-from lab.parallel.comm import Comm
 from lab.parallel.data.ddp import broadcast_from_rank0
 from lab.parallel.holding import Piece
 from lab.parallel.layout import World
