@@ -32,7 +32,8 @@ from lab.parallel.axes import GroupReplicas, Transform
 from lab.parallel.comm import Comm
 from lab.parallel.holding import Piece
 from lab.parallel.layout import LoopSettings, Mesh, World
-from lab.parallel.owners import Gathered, Owners
+from lab.measure.figures import Figures
+from lab.parallel import owners
 from lab.parallel.precision import Masters
 from lab.runtime.config import ParallelConfig
 
@@ -120,13 +121,12 @@ class Strategy:
         watches): the trainable parameters."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
 
-    def orthogonalizer(self, optimizer: torch.optim.Optimizer, matrices: list[str]) -> Owners | None:
+    def orthogonalizer(self, optimizer: torch.optim.Optimizer, matrices: list[str]) -> Figures | None:
         """Where a Muon optimizer (one with an ``orthogonalizer``) orthogonalizes the ``matrices`` it steps: each on
-        one owner rank of the data axis, from whole matrices every rank holds alike, or brought together from the
-        pieces the ranks hold (``lab.parallel.owners``). None for another optimizer."""
-        if self.shards == "nothing":
-            return Owners.over(self.data, optimizer, self.cfg.muon_redundant)
-        return Gathered.of_pieces(self.data, optimizer, matrices, self.holding())
+        one owner rank of the ranks that share it (``world_of``), from whole matrices they hold alike, or brought
+        together from the pieces they hold (``lab.parallel.owners``). None for another optimizer."""
+        return owners.distribute(optimizer, matrices, self.world_of, self.shards == "nothing", self.cfg.muon_redundant,
+                                 self.holding())
 
     def comm_of(self, name: str) -> Comm:
         """The collectives over the ranks parameter ``name``'s gradient is averaged over (``world_of``)."""

@@ -75,17 +75,6 @@ class Owners(Figures):
         self.shapes: list[tuple[int, ...]] = []
         self.last = {"muon_sent_bytes": 0.0, "muon_orthogonalized": 0, "muon_s": 0.0}  # the last step's
 
-    @classmethod
-    def over(cls, data: World, optimizer: torch.optim.Optimizer, redundant: bool) -> Owners | None:
-        """The owners of ``optimizer``'s matrices over the ranks of ``data``, set as its orthogonalizer; None for an
-        optimizer without one (AdamW)."""
-        if not hasattr(optimizer, "orthogonalizer"):
-            return None
-        owners = cls(Comm(data.world_size, data.group, axis="dp"), optimizer.orthogonalize_one, optimizer.ns_steps,
-                     redundant)
-        optimizer.orthogonalizer = owners
-        return owners
-
     def _plan(self, updates: list[torch.Tensor]) -> None:
         shapes = [tuple(u.shape) for u in updates]
         if shapes != self.shapes:
@@ -181,34 +170,6 @@ class Gathered(Owners):
         self.owners = assign_owners([newton_schulz_flops(s, ns_steps) for s in self.shapes], comm.world_size)
         self.held: list[list[tuple[int, int, int]]] | None = None  # every rank's (matrix, lo, hi), in sending order
 
-    @classmethod
-    def of_pieces(cls, data: World, optimizer: torch.optim.Optimizer, matrices: list[str],
-                  pieces: list[Piece]) -> Gathered | None:
-        """The owners of ``optimizer``'s ``matrices`` over the ranks of ``data``, from what this rank holds of them
-        (``pieces``: ``Strategy.holding``; each piece found in the optimizer tensor whose memory it lies in), set as
-        its orthogonalizer; None for an optimizer without one (AdamW)."""
-        if not hasattr(optimizer, "orthogonalizer"):
-            return None
-        tensors = [t for g in optimizer.param_groups if g.get("muon") for t in g["params"]]
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        index = {name: i for i, name in enumerate(matrices)}
-        shapes: list[tuple[int, int]] = [(0, 0)] * len(matrices)
-        segments: dict[int, list[tuple[int, int, int, int]]] = {id(t): [] for t in tensors}
-        for piece in pieces:
-            if piece.name not in index:
-                continue
-            shapes[index[piece.name]] = piece.shape
-            value, size = piece.value, piece.value.element_size()
-            for t, held in zip(tensors, local):
-                at = (value.data_ptr() - held.data_ptr()) // size
-                if value.numel() and held.dtype == value.dtype and 0 <= at < held.numel():
-                    segments[id(t)].append((index[piece.name], piece.lo, piece.lo + value.numel(), at))
-                    break
-        owners = cls(Comm(data.world_size, data.group, axis="dp"), optimizer.orthogonalize_one, optimizer.ns_steps,
-                     shapes, segments)
-        optimizer.orthogonalizer = owners
-        return owners
-
     def _plan(self, updates: list[torch.Tensor]) -> None:
         """Who holds what: every rank's segments, in the order it sends them (by owner, then as it holds them)."""
         if self.held is None:
@@ -284,3 +245,80 @@ class Gathered(Owners):
         done = {m: self.orthogonalize(flat.view(self.shapes[m])).reshape(-1) for m, flat in whole.items()}
         self.last["muon_orthogonalized"] = len(done)
         return torch.cat([done[m][lo:hi] for _, m, lo, hi in pieces]) if pieces else received
+
+
+class Grouped(Figures):
+    """Several orthogonalizers, each over the ranks that share its matrices (the data axis's, an expert group's),
+    called in one order on every rank; their figures added up (the load: the largest)."""
+
+    line_place = Owners.line_place
+    line = Owners.line
+
+    def __init__(self, parts: list[tuple[Owners, set[int]]]):
+        self.parts = parts  # each with the ids of the tensors it orthogonalizes
+
+    def __call__(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[list[Part]]:
+        out: list[list[Part]] = [[] for _ in tensors]
+        for owners, ids in self.parts:
+            mine = [i for i, t in enumerate(tensors) if id(t) in ids]
+            for i, parts in zip(mine, owners([tensors[i] for i in mine], [updates[i] for i in mine]), strict=True):
+                out[i] = parts
+        return out
+
+    def record(self) -> dict[str, object]:
+        records = [owners.record() for owners, _ in self.parts]
+        total = {key: sum(r[key] for r in records) for key in records[0] if key != "muon_owner_load"}
+        return total | {"muon_owner_load": max(r["muon_owner_load"] for r in records)}
+
+    def meters(self) -> dict[str, object]:
+        parts = [owners.meters() for owners, _ in self.parts]
+        return {"muon_sent_bytes_per_step_theory": sum(m["muon_sent_bytes_per_step_theory"] for m in parts),
+                "muon_owner_load": max(m["muon_owner_load"] for m in parts),
+                "muon_redundant": all(m["muon_redundant"] for m in parts)}
+
+
+def locate(tensors: list[torch.Tensor], pieces: list[Piece], names: list[str]
+           ) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int, int, int]]]]:
+    """Each of ``names``' shape, and for each of ``tensors`` (an optimizer's, by id) the (matrix, lo, hi, at) of each
+    run of a matrix's flattened elements [lo, hi) it holds from its own element ``at`` on: each piece (``Strategy.
+    holding``) found in the tensor whose memory it lies in."""
+    index = {name: i for i, name in enumerate(names)}
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    shapes: list[tuple[int, int]] = [(0, 0)] * len(names)
+    segments: dict[int, list[tuple[int, int, int, int]]] = {id(t): [] for t in tensors}
+    for piece in pieces:
+        if piece.name not in index:
+            continue
+        shapes[index[piece.name]] = piece.shape
+        value = piece.value
+        for t, held in zip(tensors, local):
+            at = (value.data_ptr() - held.data_ptr()) // value.element_size()
+            if value.numel() and held.dtype == value.dtype and 0 <= at < held.numel():
+                segments[id(t)].append((index[piece.name], piece.lo, piece.lo + value.numel(), at))
+                break
+    return shapes, segments
+
+
+def distribute(optimizer: torch.optim.Optimizer, matrices: list[str], world_of: Callable[[str], World], whole: bool,
+               redundant: bool, pieces: list[Piece]) -> Figures | None:
+    """Set ``optimizer``'s orthogonalizer: for the ``matrices`` each world shares (``world_of``), owners over its
+    ranks, of whole matrices every rank holds alike (``whole``) or of the pieces the ranks hold (``pieces``:
+    ``Strategy.holding``). None, and nothing set, for an optimizer without one (AdamW)."""
+    if not hasattr(optimizer, "orthogonalizer"):
+        return None
+    worlds: dict[int, tuple[World, list[str]]] = {}
+    for name in matrices:
+        world = world_of(name)
+        worlds.setdefault(id(world.group), (world, []))[1].append(name)
+    tensors = [t for g in optimizer.param_groups if g.get("muon") for t in g["params"]]
+    parts: list[tuple[Owners, set[int]]] = []
+    for world, names in worlds.values():
+        shapes, segments = locate(tensors, pieces, names)
+        comm = Comm(world.world_size, world.group, axis="dp")
+        ids = {i for i, runs in segments.items() if runs}
+        owners = Owners(comm, optimizer.orthogonalize_one, optimizer.ns_steps, redundant) if whole else \
+            Gathered(comm, optimizer.orthogonalize_one, optimizer.ns_steps, shapes,
+                     {i: runs for i, runs in segments.items() if i in ids})
+        parts.append((owners, ids))
+    optimizer.orthogonalizer = parts[0][0] if len(parts) == 1 else Grouped(parts)
+    return optimizer.orthogonalizer
