@@ -51,6 +51,7 @@ class Accounts:
         self.last_comm_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         self.most_saved = 0
         self.parts: Callable[[], list[Figures]] = list  # every part that reports on the run (set by the engine)
+        self.one_moment: set[str] = set()  # matrices whose optimizer keeps one moment, Muon's (set by the engine)
 
     def measure_once(self) -> None:
         """Measure the model states at the end of the first step (states exist; gradients until they are cleared)."""
@@ -118,15 +119,15 @@ class Accounts:
                                             self.one_moment_counts())
 
     def one_moment_counts(self) -> dict[int, int]:
-        """Trainable elements whose optimizer keeps one moment (Muon's matrices), by data-parallel group size."""
-        s = self.strategy
-        muon = {id(t) for g in s.optimizer.param_groups if g.get("muon") for t in g["params"]}
-        masters = {} if s.masters is None else s.masters.of
+        """Elements of the matrices whose optimizer keeps one moment (``one_moment``: Muon's), by data-parallel group
+        size, as the formulas take them: whole, sharded by them. A sharding layout cuts its chunks across matrices
+        without regard to the groups, so a rank's share of them is what it holds (times the group's size), not the
+        even share."""
         out: dict[int, int] = {}
-        for name, p in s.module.named_parameters():
-            if id(masters.get(id(p), p)) in muon:
-                n = s.world_of(name).world_size
-                out[n] = out.get(n, 0) + p.numel()
+        for piece in self.strategy.holding():
+            if piece.name in self.one_moment:
+                n = self.strategy.world_of(piece.name).world_size
+                out[n] = out.get(n, 0) + (piece.weight.numel() * n if piece.sharded else piece.numel)
         return out
 
     def theory_comm(self) -> dict[str, float]:

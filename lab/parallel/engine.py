@@ -140,9 +140,11 @@ class Engine:
             model = transform.running(self, model)
         s.model = model
         s.optimizer = optimizer_factory(s.optimizer_groups(groups))
-        orthogonalizer = s.orthogonalizer(s.optimizer, [n for g in groups if g.muon for n in g.names])
+        matrices = [n for g in groups if g.muon for n in g.names]
+        orthogonalizer = s.orthogonalizer(s.optimizer, matrices)
         if orthogonalizer is not None:  # Muon's: it reports what its orthogonalizations cost
             self.meters.own.append(orthogonalizer)
+            self.accounts.one_moment = set(matrices)
         self.meters.watch_model(module)
         if self.noise is not None:
             self.noise.watch(s.gradient_leaves())
