@@ -66,6 +66,7 @@ class Setup:
     compile: bool = False  # the strategy compiles the model (train.compile)
     noise_scale: bool = False  # the engine measures the gradient noise scale (train.noise_scale)
     optimizer: str = "adamw"  # or muon (train.optimizer)
+    muon_ns_steps: int = 5  # Muon's Newton-Schulz iterations (train.muon_ns_steps)
     counting: bool = False  # each sequence counts up by one (mod the vocabulary) from a random token: a pattern to
     # learn, so that the gradient has a signal beside its noise (random tokens have almost none to learn)
     model: ModelConfig = dataclasses.field(default_factory=lambda: dataclasses.replace(TINY))
@@ -155,7 +156,8 @@ def _built(world: World, setup: Setup, parallel: ParallelConfig, model_factory=N
     engine = create(parallel, world, precision(setup), loop_settings(setup))
     engine.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)),
                  lambda m: param_groups(m, 0.1, setup.optimizer == "muon"),
-                 optimizer_factory(TrainConfig(optimizer=setup.optimizer), world.device))
+                 optimizer_factory(TrainConfig(optimizer=setup.optimizer, muon_ns_steps=setup.muon_ns_steps),
+                                   world.device))
     return engine
 
 

@@ -126,7 +126,7 @@ class Strategy:
         one owner rank of the ranks that share it (``world_of``), from whole matrices they hold alike, or brought
         together from the pieces they hold (``lab.parallel.owners``). None for another optimizer."""
         return owners.distribute(optimizer, matrices, self.world_of, self.shards == "nothing", self.cfg.muon_redundant,
-                                 self.holding())
+                                 self.holding(), self.transforms, self.mesh.stage)
 
     def comm_of(self, name: str) -> Comm:
         """The collectives over the ranks parameter ``name``'s gradient is averaged over (``world_of``)."""

@@ -112,8 +112,9 @@ def alone(world: World) -> World:
 
 @dataclass(frozen=True)
 class Mesh:
-    """The world and this rank's place on each named axis: ``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp`` and the
-    strategy's ``data`` (dp × cp) and ``expert_data`` (edp × cp); ``layout``, the record it places."""
+    """The world and this rank's place on each named axis: ``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp``, the
+    strategy's ``data`` (dp × cp) and ``expert_data`` (edp × cp), and ``stage`` (every rank of this rank's pipeline
+    stage: dp × cp × tp); ``layout``, the record it places."""
 
     world: World
     axes: dict[str, World]
@@ -177,7 +178,7 @@ class Layout:
         one = alone(world)
         if all(sizes[d] == 1 for d in ("pp", "ep", "cp", "tp")):
             return Mesh(world, {"pp": one, "dp": world, "cp": one, "tp": one, "ep": one, "edp": world, "data": world,
-                                "expert_data": world}, self)
+                                "expert_data": world, "stage": world}, self)
         key = (dist.group.WORLD, world.rank, world.device, tuple(sizes.values()))  # the group held: no id reused
         if key not in _MESHES:
             _MESHES[key] = self._build_mesh(world, sizes, one)
@@ -204,7 +205,7 @@ class Layout:
 
         return Mesh(world, {"pp": axis("pp"), "dp": axis("edp", "ep"), "cp": axis("cp"), "tp": axis("tp"),
                             "ep": axis("ep"), "edp": axis("edp"), "data": axis("edp", "ep", "cp"),
-                            "expert_data": axis("edp", "cp")})
+                            "expert_data": axis("edp", "cp"), "stage": axis("edp", "ep", "cp", "tp")})
 
     # ------------------------------------------------------------ what one rank holds, in theory
 

@@ -22,7 +22,10 @@ import torch.distributed as dist
 from lab.measure.accounting import newton_schulz_flops, ring_elements_sent
 from lab.measure.figures import Figures
 from lab.parallel.comm import Comm
+from lab.parallel import holding
+from lab.parallel.axes import Transform
 from lab.parallel.holding import Piece
+from lab.runtime.checkpoint import Blocks, Held, Pieces
 from lab.parallel.layout import World
 
 EPS = 1e-7  # the norm's floor before the iteration (torch.optim.Muon's)
@@ -153,14 +156,14 @@ class Owners(Figures):
 
 class Gathered(Owners):
     """The orthogonalizer of a ``MuonAdamW`` stepping pieces of matrices that the ranks of ``comm`` hold apart (a
-    sharding strategy's: flat chunks cut across matrices, or rows). ``matrices``: every matrix's shape, in one order
-    on every rank; ``segments``: for each tensor this rank steps (by id), the (matrix, lo, hi, at) of each run of one
-    matrix's flattened elements [lo, hi) it holds from its own flattened element ``at`` on.
+    sharding strategy's flat chunks cut across matrices, or row blocks; a tensor split's columns or rows). ``matrices``:
+    every matrix's whole shape, in one order on every rank; ``segments``: for each tensor this rank steps (by id), the
+    (matrix, lo, hi, at) of each run of a matrix's flattened elements [lo, hi) it holds from its own element ``at``.
 
-    A step sends each segment's update (bf16, what the iteration reads) to its matrix's owner in one all-to-all, the
-    owner assembles and orthogonalizes the matrix, and a second all-to-all sends each segment its part of the result:
-    each rank sends the elements it holds of matrices it does not own, and back the elements others hold of those it
-    owns. Who holds what is exchanged once, at the first step."""
+    A step sends each run's update (bf16, what the iteration reads) to its matrix's owner in one all-to-all, from the
+    first rank that holds the run (ranks that hold the same run, replicas, send it once); the owner assembles and
+    orthogonalizes the matrix, and a second all-to-all sends every holder of a run its part of the result. Who holds
+    what is exchanged once, at the first step."""
 
     def __init__(self, comm: Comm, orthogonalize: Callable[[torch.Tensor], torch.Tensor], ns_steps: int,
                  matrices: list[tuple[int, int]], segments: dict[int, list[tuple[int, int, int, int]]]):
@@ -169,48 +172,63 @@ class Gathered(Owners):
         self.shapes, self.segments = [tuple(s) for s in matrices], segments
         self.owners = assign_owners([newton_schulz_flops(s, ns_steps) for s in self.shapes], comm.world_size)
         self.held: list[list[tuple[int, int, int]]] | None = None  # every rank's (matrix, lo, hi), in sending order
+        self.sender: dict[tuple[int, int, int], int] = {}  # each run's first holder
 
     def _plan(self, updates: list[torch.Tensor]) -> None:
-        """Who holds what: every rank's segments, in the order it sends them (by owner, then as it holds them)."""
+        """Who holds what: every rank's runs, in the order it sends them (by owner, then as it holds them)."""
         if self.held is None:
-            mine = sorted((m, lo, hi) for runs in self.segments.values() for m, lo, hi, _ in runs)
+            mine = sorted({(m, lo, hi) for runs in self.segments.values() for m, lo, hi, _ in runs})
             mine.sort(key=lambda run: self.owners[run[0]])  # stable: by owner, then as held
             self.held = [mine] * self.comm.world_size
             if self.comm.world_size > 1:
                 dist.all_gather_object(self.held, mine, group=self.comm.group)
+            for rank in reversed(range(self.comm.world_size)):
+                self.sender |= dict.fromkeys(self.held[rank], rank)
+            ends = {m: 0 for m in range(len(self.shapes))}
+            for m, lo, hi in sorted(self.sender):  # the runs tile each matrix: no element missing, none twice
+                if lo != ends[m]:
+                    raise RuntimeError(f"Muon: the ranks' runs of matrix {m} {self.shapes[m]} leave a gap or overlap "
+                                       f"at element {min(lo, ends[m])}")
+                ends[m] = hi
+            if any(end != self.shapes[m][0] * self.shapes[m][1] for m, end in ends.items()):
+                raise RuntimeError("Muon: the ranks hold less than every element of every matrix")
+
+    def _sent(self, source: int, owner: int) -> list[tuple[int, int, int]]:
+        """The runs ``source`` sends ``owner``: those of its matrices it is the first to hold."""
+        return [run for run in self.held[source] if self.owners[run[0]] == owner and self.sender[run] == source]
+
+    def _returned(self, holder: int, owner: int) -> list[tuple[int, int, int]]:
+        """The runs ``owner`` sends back to ``holder``: every run of its matrices ``holder`` holds."""
+        return [run for run in self.held[holder] if self.owners[run[0]] == owner]
 
     def __call__(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[list[Part]]:
         self._plan(updates)
         t0 = time.perf_counter()
         self.last = {"muon_sent_bytes": 0.0, "muon_orthogonalized": 0, "muon_s": 0.0}
         rank, n = self.comm.rank, self.comm.world_size
-        runs = {}  # (matrix, lo) -> (tensor index, at, hi)
+        runs = {}  # (matrix, lo, hi) -> (tensor index, at), one of this rank's copies
         for i, t in enumerate(tensors):
             for m, lo, hi, at in self.segments[id(t)]:
-                runs[m, lo] = (i, at, hi)
+                runs[m, lo, hi] = (i, at)
         flats = [(u.to_local() if hasattr(u, "to_local") else u).reshape(-1) for u in updates]
-        order = self.held[rank]
-        send = [flats[runs[m, lo][0]][runs[m, lo][1]:runs[m, lo][1] + hi - lo] for m, lo, hi in order]
-        split = [sum(hi - lo for m, lo, hi in order if self.owners[m] == d) for d in range(n)]
-        back = self._exchange_pieces(torch.cat(send).bfloat16() if send else torch.empty(0, dtype=torch.bfloat16),
-                                     split, self._assemble_and_orthogonalize)
+        sent = [run for d in range(n) for run in self._sent(rank, d)]
+        send = [flats[runs[r][0]][runs[r][1]:runs[r][1] + r[2] - r[1]] for r in sent]
+        received = self._all_to_all(torch.cat(send).bfloat16() if send else torch.zeros(0, dtype=torch.bfloat16),
+                                    [sum(hi - lo for _, lo, hi in self._sent(rank, d)) for d in range(n)],
+                                    [sum(hi - lo for _, lo, hi in self._sent(s, rank)) for s in range(n)])
+        results = self._assemble_and_orthogonalize(received)
+        back = self._all_to_all(torch.cat([results[m][lo:hi] for s in range(n) for m, lo, hi in self._returned(s, rank)]
+                                          or [received[:0]]),
+                                [sum(hi - lo for _, lo, hi in self._returned(s, rank)) for s in range(n)],
+                                [sum(hi - lo for _, lo, hi in self._returned(rank, d)) for d in range(n)])
         parts: list[list[Part]] = [[] for _ in tensors]
         taken = 0
-        for m, lo, hi in order:
-            i, at, _ = runs[m, lo]
+        for m, lo, hi in (run for d in range(n) for run in self._returned(rank, d)):
+            i, at = runs[m, lo, hi]
             parts[i].append((slice(at, at + hi - lo), back[taken:taken + hi - lo], rms_scale(self.shapes[m])))
             taken += hi - lo
         self.last["muon_s"] = time.perf_counter() - t0
         return parts
-
-    def _exchange_pieces(self, send: torch.Tensor, split: list[int],
-                         orthogonalized: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Send ``send`` (``split`` elements to each rank) to the owners, turn what arrives into its orthogonalized
-        counterpart (``orthogonalized``), and send that back the reverse way."""
-        rank, n = self.comm.rank, self.comm.world_size
-        arriving = [sum(hi - lo for m, lo, hi in self.held[s] if self.owners[m] == rank) for s in range(n)]
-        received = self._all_to_all(send, split, arriving)
-        return self._all_to_all(orthogonalized(received), arriving, split)
 
     def _all_to_all(self, send: torch.Tensor, split: list[int], arriving: list[int]) -> torch.Tensor:
         """``send`` cut by ``split`` to each rank; what arrives (``arriving`` from each), in rank order. Counts the
@@ -221,35 +239,34 @@ class Gathered(Owners):
         return out
 
     def theory_bytes(self) -> float:
-        """Bytes this rank sends a step, bf16: the elements it holds of matrices others own, and back the elements
-        others hold of those it owns."""
+        """Bytes this rank sends a step, bf16: the runs it sends owners, and back the runs other ranks hold of the
+        matrices it owns."""
         if self.held is None:
             return 0.0
-        rank = self.comm.rank
-        out = sum(hi - lo for m, lo, hi in self.held[rank] if self.owners[m] != rank)
-        back = sum(hi - lo for s, held in enumerate(self.held) if s != rank for m, lo, hi in held
-                   if self.owners[m] == rank)
+        rank, n = self.comm.rank, self.comm.world_size
+        out = sum(hi - lo for d in range(n) if d != rank for _, lo, hi in self._sent(rank, d))
+        back = sum(hi - lo for s in range(n) if s != rank for _, lo, hi in self._returned(s, rank))
         return 2.0 * (out + back)
 
-    def _assemble_and_orthogonalize(self, received: torch.Tensor) -> torch.Tensor:
-        """The owned matrices from every rank's pieces (in the order they came), orthogonalized, cut back into the
-        same pieces."""
+    def _assemble_and_orthogonalize(self, received: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The owned matrices from the runs that came (in rank order), each orthogonalized and flattened."""
         rank = self.comm.rank
-        pieces = [(s, m, lo, hi) for s in range(self.comm.world_size) for m, lo, hi in self.held[s]
-                  if self.owners[m] == rank]
-        whole = {m: received.new_empty(self.shapes[m][0] * self.shapes[m][1]) for m in {m for _, m, _, _ in pieces}}
+        whole = {m: received.new_empty(self.shapes[m][0] * self.shapes[m][1])
+                 for m in range(len(self.shapes)) if self.owners[m] == rank}
         taken = 0
-        for _, m, lo, hi in pieces:
-            whole[m][lo:hi] = received[taken:taken + hi - lo]
-            taken += hi - lo
+        for s in range(self.comm.world_size):
+            for m, lo, hi in self._sent(s, rank):
+                whole[m][lo:hi] = received[taken:taken + hi - lo]
+                taken += hi - lo
         done = {m: self.orthogonalize(flat.view(self.shapes[m])).reshape(-1) for m, flat in whole.items()}
         self.last["muon_orthogonalized"] = len(done)
-        return torch.cat([done[m][lo:hi] for _, m, lo, hi in pieces]) if pieces else received
+        return done
 
 
 class Grouped(Figures):
-    """Several orthogonalizers, each over the ranks that share its matrices (the data axis's, an expert group's),
-    called in one order on every rank; their figures added up (the load: the largest)."""
+    """Several orthogonalizers, each over the ranks that share its matrices (the data axis's, an expert group's, a
+    pipeline stage's for a tensor split's), called in one order on every rank, each tensor's parts gathered from all
+    of them; their figures added up (the load: the largest)."""
 
     line_place = Owners.line_place
     line = Owners.line
@@ -262,7 +279,7 @@ class Grouped(Figures):
         for owners, ids in self.parts:
             mine = [i for i, t in enumerate(tensors) if id(t) in ids]
             for i, parts in zip(mine, owners([tensors[i] for i in mine], [updates[i] for i in mine]), strict=True):
-                out[i] = parts
+                out[i] += parts  # a sharded tensor may hold pieces of matrices of several groups
         return out
 
     def record(self) -> dict[str, object]:
@@ -277,11 +294,29 @@ class Grouped(Figures):
                 "muon_redundant": all(m["muon_redundant"] for m in parts)}
 
 
-def locate(tensors: list[torch.Tensor], pieces: list[Piece], names: list[str]
+def whole_runs(piece: Piece, transforms: Sequence[Transform]) -> list[tuple[int, torch.Tensor]]:
+    """Where this rank's elements of ``piece`` (its fp32 value) sit in the whole flattened parameter: (first element,
+    a flat view of them) for each run of consecutive ones (a tensor split's column shard: one run per row)."""
+    value = piece.value
+    found = next((r for t in transforms if (r := t.held_region(piece.name, piece.lo, value, piece.numel))), None)
+    if found is None:
+        return [(piece.lo, value)] if value.numel() else []
+    if isinstance(found, Held):
+        return [(found.lo, found.view)] if found.view.numel() else []
+    if isinstance(found, Pieces):
+        return [(lo, view) for lo, view in found.pieces if view.numel()]
+    if isinstance(found, Blocks):
+        cols = found.shape[1]
+        return [((row + i) * cols + col, view[i]) for row, col, view in found.blocks for i in range(view.shape[0])]
+    return [(0, found.reshape(-1))]
+
+
+def locate(tensors: list[torch.Tensor], pieces: list[Piece], names: list[str], transforms: Sequence[Transform]
            ) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int, int, int]]]]:
-    """Each of ``names``' shape, and for each of ``tensors`` (an optimizer's, by id) the (matrix, lo, hi, at) of each
-    run of a matrix's flattened elements [lo, hi) it holds from its own element ``at`` on: each piece (``Strategy.
-    holding``) found in the tensor whose memory it lies in."""
+    """Each of ``names``' whole shape, and for each of ``tensors`` (an optimizer's, by id) the (matrix, lo, hi, at) of
+    each run of a matrix's flattened elements [lo, hi) it holds from its own element ``at`` on: each piece
+    (``Strategy.holding``) placed in the whole matrix (``whole_runs``) and found in the tensor whose memory it lies
+    in."""
     index = {name: i for i, name in enumerate(names)}
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     shapes: list[tuple[int, int]] = [(0, 0)] * len(names)
@@ -289,34 +324,38 @@ def locate(tensors: list[torch.Tensor], pieces: list[Piece], names: list[str]
     for piece in pieces:
         if piece.name not in index:
             continue
-        shapes[index[piece.name]] = piece.shape
-        value = piece.value
-        for t, held in zip(tensors, local):
-            at = (value.data_ptr() - held.data_ptr()) // value.element_size()
-            if value.numel() and held.dtype == value.dtype and 0 <= at < held.numel():
-                segments[id(t)].append((index[piece.name], piece.lo, piece.lo + value.numel(), at))
-                break
+        shapes[index[piece.name]] = holding.whole_shape(piece, transforms)
+        for lo, view in whole_runs(piece, transforms):
+            for t, held in zip(tensors, local):
+                at = (view.data_ptr() - held.data_ptr()) // view.element_size()
+                if held.dtype == view.dtype and 0 <= at < held.numel():
+                    segments[id(t)].append((index[piece.name], lo, lo + view.numel(), at))
+                    break
     return shapes, segments
 
 
 def distribute(optimizer: torch.optim.Optimizer, matrices: list[str], world_of: Callable[[str], World], whole: bool,
-               redundant: bool, pieces: list[Piece]) -> Figures | None:
-    """Set ``optimizer``'s orthogonalizer: for the ``matrices`` each world shares (``world_of``), owners over its
-    ranks, of whole matrices every rank holds alike (``whole``) or of the pieces the ranks hold (``pieces``:
-    ``Strategy.holding``). None, and nothing set, for an optimizer without one (AdamW)."""
+               redundant: bool, pieces: list[Piece], transforms: Sequence[Transform], stage: World
+               ) -> Figures | None:
+    """Set ``optimizer``'s orthogonalizer: for the ``matrices`` each world shares (``world_of``; a matrix a transform
+    splits, the ranks of its pipeline stage, ``stage``), owners over its ranks, of whole matrices every rank holds
+    alike (``whole``) or of the pieces the ranks hold (``pieces``: ``Strategy.holding``). None, and nothing set, for
+    an optimizer without one (AdamW)."""
     if not hasattr(optimizer, "orthogonalizer"):
         return None
+    split = {p.name for p in pieces if any(t.whole_shape(p.name) is not None for t in transforms)}
     worlds: dict[int, tuple[World, list[str]]] = {}
     for name in matrices:
-        world = world_of(name)
+        world = stage if name in split else world_of(name)
         worlds.setdefault(id(world.group), (world, []))[1].append(name)
     tensors = [t for g in optimizer.param_groups if g.get("muon") for t in g["params"]]
     parts: list[tuple[Owners, set[int]]] = []
     for world, names in worlds.values():
-        shapes, segments = locate(tensors, pieces, names)
+        shapes, segments = locate(tensors, pieces, names, transforms)
         comm = Comm(world.world_size, world.group, axis="dp")
         ids = {i for i, runs in segments.items() if runs}
-        owners = Owners(comm, optimizer.orthogonalize_one, optimizer.ns_steps, redundant) if whole else \
+        owners = Owners(comm, optimizer.orthogonalize_one, optimizer.ns_steps, redundant) \
+            if whole and not split & set(names) else \
             Gathered(comm, optimizer.orthogonalize_one, optimizer.ns_steps, shapes,
                      {i: runs for i, runs in segments.items() if i in ids})
         parts.append((owners, ids))

@@ -298,10 +298,6 @@ def check_combination(layout: Layout, cfg: ParallelConfig, strategy: type, loop:
     if loop.optimizer == "muon" and strategy.owns_step:
         raise ConfigError(f"train.optimizer muon does not run under strategy '{strategy.name}': its engine steps its "
                           "own optimizer (AdamW)")
-    muon_split = [name for name in split if name == "tp"]
-    if loop.optimizer == "muon" and muon_split:
-        raise ConfigError(f"train.optimizer muon runs without parallel.{muon_split[0]} > 1 for now: a split axis does "
-                          "not yet hand each matrix whole to Newton-Schulz")
     if loop.compile and layout.ep > 1:
         raise ConfigError("train.compile with parallel.ep > 1 is not supported yet: the exchanges' split sizes are "
                           "read on the host mid-forward; set train.compile false")

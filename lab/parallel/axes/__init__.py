@@ -146,6 +146,10 @@ class Transform(Figures):
         parameter, counting only what this rank hands over (None: this transform does not reshape it)."""
         return None
 
+    def held_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Held | Pieces | Blocks | None:
+        """As ``whole_region``, every element this rank holds, those other ranks also hold and hand over included."""
+        return self.whole_region(name, lo, view, numel)
+
     def whole_shape(self, name: str) -> tuple[int, ...] | None:
         """The whole parameter's shape, where this rank holds a part of ``name`` cut by this transform."""
         return None
