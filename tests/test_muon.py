@@ -253,9 +253,14 @@ def test_muon_under_a_pipeline_a_context_split_and_experts_split_on_two_ranks(mo
     matrices are orthogonalized among the ranks holding that expert (here each rank alone), the others over the data
     axis. Against single accumulating the same micro-batches, every matrix orthogonalized once a step over the ranks,
     and the weights within ``SPLIT_TOLERANCE`` (see there)."""
-    setup = dataclasses.replace(SETUP, model=model, muon_ns_steps=1)
+    _assert_split_layouts(dataclasses.replace(SETUP, model=model, muon_ns_steps=1), specs)
+
+
+def _assert_split_layouts(setup: Setup, specs: list[str]) -> None:
+    """On 2 ranks, each layout within ``SPLIT_TOLERANCE`` of single, each matrix orthogonalized once a step over the
+    ranks, the bytes at theory."""
     got = run_pooled(_by_layout, 2, specs, setup)
-    matrices = sum(len(g.names) for g in param_groups(GPT(model), 0.1, muon=True) if g.muon)
+    matrices = sum(len(g.names) for g in param_groups(GPT(setup.model), 0.1, muon=True) if g.muon)
     for spec in specs:
         ref, params = got[0][spec]["single"], got[0][spec]["params"]
         assert max((params[n] - ref[n]).abs().max().item() for n in ref) <= SPLIT_TOLERANCE, spec
@@ -263,7 +268,6 @@ def test_muon_under_a_pipeline_a_context_split_and_experts_split_on_two_ranks(mo
             records = [rank[spec]["records"][step] for rank in got]
             assert sum(r["muon_orthogonalized"] for r in records) == matrices, (spec, step, records)
             assert all(r["muon_sent_bytes"] == r["muon_sent_bytes_theory"] for r in records), (spec, records)
-
 
 
 GQA = dataclasses.replace(MODERN, n_head=4, n_kv_head=1)  # one key/value head on 2 tensor ranks: its rows replicated
@@ -278,16 +282,7 @@ def test_muon_gathers_a_matrix_split_over_tensor_ranks_on_two_ranks(model, specs
     brought whole to its owner among the ranks of its pipeline stage, from the first holder of each run, and its
     result sent to every holder: within ``SPLIT_TOLERANCE`` of single, each matrix orthogonalized once a step, bytes
     at theory."""
-    setup = dataclasses.replace(SETUP, accum=1, model=model, muon_ns_steps=1)
-    got = run_pooled(_by_layout, 2, specs, setup)
-    matrices = sum(len(g.names) for g in param_groups(GPT(model), 0.1, muon=True) if g.muon)
-    for spec in specs:
-        ref, params = got[0][spec]["single"], got[0][spec]["params"]
-        assert max((params[n] - ref[n]).abs().max().item() for n in ref) <= SPLIT_TOLERANCE, spec
-        for step in range(setup.steps):
-            records = [rank[spec]["records"][step] for rank in got]
-            assert sum(r["muon_orthogonalized"] for r in records) == matrices, (spec, step, records)
-            assert all(r["muon_sent_bytes"] == r["muon_sent_bytes_theory"] > 0 for r in records), (spec, records)
+    _assert_split_layouts(dataclasses.replace(SETUP, accum=1, model=model, muon_ns_steps=1), specs)
 
 
 @pytest.mark.slow
