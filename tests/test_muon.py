@@ -338,3 +338,18 @@ def test_a_muon_checkpoint_of_zero3_pp2_tp2_resumes_under_zero1_and_under_single
         got, state = _losses(run_dir), _final_weights(run_dir)
         assert all(abs(got[step] - ref[step]) <= 1e-4 * ref[step] for step in range(5, 9)), (run_dir.name, got, ref)
         assert momenta and max((state[k] - ref_state[k]).norm() / ref_state[k].norm() for k in momenta) <= 1e-3
+
+
+def test_the_plan_counts_one_moment_for_muon_s_share(capsys):
+    """``lab plan memory --muon-share``: Muon's elements hold one fp32 moment (4 B fewer each, sharded where the
+    optimizer is), so each row's bytes per parameter fall by 4 · share (ddp) or 4 · share / N_d (zero1-3)."""
+    from lab.commands.resources import main
+    from lab.measure import accounting
+
+    for row, n in (("ddp", 8), ("zero1", 8), ("zero3", 8)):
+        adamw = accounting.model_state_bytes(1.0, row, n, "mixed")
+        muon = accounting.model_state_bytes(1.0, row, n, "mixed", one_moment=0.95)
+        assert adamw.total - muon.total == pytest.approx(4 * 0.95 / (1 if row == "ddp" else n))
+    assert main(["memory", "--n-gpus", "8", "--precision", "mixed", "--muon-share", "0.95"]) == 0
+    out = capsys.readouterr().out
+    assert "12.2" in out and "Muon on 95% of Ψ" in out
