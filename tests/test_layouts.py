@@ -105,8 +105,28 @@ def test_a_sample_of_the_matrix_reproduces_single_on_two_and_four_ranks(tmp_path
     _check(run_pooled(_matrix, 4, four, tmp_path)[0])
 
 
+def _muon_matrix(world: World, cells: list, folder: Path) -> list:
+    return matrix._run(world, cells, dataclasses.replace(matrix.SETUP, **matrix.MUON), folder)
+
+
+@pytest.mark.slow
+def test_a_sample_of_the_matrix_reproduces_single_under_muon(tmp_path):
+    """Under Muon, layouts of every kind of placement of its matrices on 2 and 4 ranks: replicated (ddp), flat chunks
+    (zero2, zero3), row blocks (fsdp), a tensor split beside them, stages, experts apart and a context split; each
+    within AdamW's tolerance of single, meters at theory (Muon's theory of one moment among them), saved and
+    resumed."""
+    two = [matrix.Cell("ddp", 1, 2, 1, 1, "dense", "modern"), matrix.Cell("zero3", 2, 1, 1, 2, "moe", "gpt2"),
+           matrix.Cell("fsdp", 1, 1, 1, 1, "dense", "gpt2", 2)]
+    four = [matrix.Cell("zero2", 2, 2, 1, 1, "dense", "gpt2"), matrix.Cell("fsdp", 1, 2, 2, 1, "dense", "modern"),
+            matrix.Cell("zero3", 2, 2, 1, 2, "moe", "modern")]
+    _check(run_pooled(_muon_matrix, 2, two, tmp_path)[0])
+    _check(run_pooled(_muon_matrix, 4, four, tmp_path)[0])
+
+
 MATRIX = [cell for cell in matrix.layouts(8, list(matrix.STRATEGIES), ["dense", "moe"], ["gpt2", "modern"])
           if matrix.refusal(cell) is None]
+MUON_BASE = dataclasses.replace(matrix.SETUP, **matrix.MUON)
+MUON_MATRIX = [cell for cell in MATRIX if matrix.refusal(cell, MUON_BASE) is None]
 
 
 @pytest.mark.long
@@ -114,6 +134,14 @@ MATRIX = [cell for cell in matrix.layouts(8, list(matrix.STRATEGIES), ["dense", 
 @pytest.mark.parametrize("ranks, strategy", sorted({(cell.ranks, cell.strategy) for cell in MATRIX}))
 def test_every_layout_of_the_matrix_reproduces_single(ranks, strategy, tmp_path):
     _check(run_pooled(_matrix, ranks, [c for c in MATRIX if (c.ranks, c.strategy) == (ranks, strategy)], tmp_path)[0])
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, strategy", sorted({(cell.ranks, cell.strategy) for cell in MUON_MATRIX}))
+def test_every_layout_of_the_matrix_reproduces_single_under_muon(ranks, strategy, tmp_path):
+    _check(run_pooled(_muon_matrix, ranks, [c for c in MUON_MATRIX if (c.ranks, c.strategy) == (ranks, strategy)],
+                      tmp_path)[0])
 
 
 def test_the_matrix_refuses_only_what_owns_the_step():

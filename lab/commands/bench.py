@@ -69,7 +69,7 @@ from lab.measure.device import (
 )
 from lab.runtime.files import save_json, write_atomic
 from lab.model import GPT
-from lab.training.optim import adamw_factory, param_groups
+from lab.training.optim import adamw_factory, optimizer_factory, param_groups
 from lab.parallel import LoopSettings, RunEngine, World, parse_spec
 from lab.parallel.comm import loopback_tx_bytes
 from lab.commands.ranks import RankFailed, run_ranks
@@ -146,14 +146,19 @@ BENCH_MODEL = ModelConfig(n_layer=4, n_head=4, d_model=256, block_size=128, voca
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One row of the table: a strategy and its [parallel] options, written ``name[:key=value,...]``."""
+    """One row of the table: a strategy and its [parallel] options, written ``name[:key=value,...]``, and
+    ``+muon`` after them for Muon on the hidden matrices (else AdamW)."""
 
     label: str
     parallel: ParallelConfig
+    optimizer: str = "adamw"
 
     @classmethod
     def parse(cls, text: str) -> Case:
-        return cls(text, parse_spec(text))
+        spec, plus, optimizer = text.partition("+")
+        if plus and optimizer != "muon":
+            raise ValueError(f"'{text}': the only optimizer a case names is +muon")
+        return cls(text, parse_spec(spec), optimizer if plus else "adamw")
 
 
 def model_fields(text: str) -> dict[str, int]:
@@ -166,9 +171,9 @@ def model_fields(text: str) -> dict[str, int]:
     return {name: int(value) for name, value in fields.items()}
 
 
-def bench_loop(micro_batch: int) -> LoopSettings:
+def bench_loop(micro_batch: int, optimizer: str = "adamw") -> LoopSettings:
     """The loop every row runs: one micro-batch per step, clipping at 1."""
-    return LoopSettings(micro_batch, accum_steps=1, grad_clip=1.0)
+    return LoopSettings(micro_batch, accum_steps=1, grad_clip=1.0, optimizer=optimizer)
 
 
 def _alone(case: Case, world: World) -> World:
@@ -191,8 +196,10 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
         if w.world_size == 1 and not world.is_main:
             built.append(None)
             continue
-        s = create(case.parallel, w, precision, loop)
-        s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1), adamw_factory(TrainConfig(), w.device))
+        s = create(case.parallel, w, precision, bench_loop(micro_batch, case.optimizer))
+        muon = case.optimizer == "muon"
+        s.build(lambda: GPT(shape, seed=0), lambda m: param_groups(m, 0.1, muon),
+                optimizer_factory(TrainConfig(optimizer=case.optimizer), w.device))
         built.append(s)
     def replica_batch(s: RunEngine, case: Case) -> torch.Tensor:  # this rank's micro-batch: its replica's
         g = torch.Generator().manual_seed(s.mesh.layout.data_replica(_alone(case, world).rank)[0])
@@ -202,6 +209,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
     waits = {c.label: [] for c in cases}
     cpus = {c.label: [] for c in cases}
     page_faults = {c.label: [] for c in cases}
+    muon_s = {c.label: [] for c in cases}  # Muon's orthogonalizations and their exchanges, per step
     pairs = list(zip(cases, built, strict=True))
     for r in range(-1, rounds):  # round -1 warms up
         first = max(r, 0) % len(pairs)
@@ -219,6 +227,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
                     waits[case.label].append(meters.comm_wait_s)
                     cpus[case.label].append(cpu - cpu0)
                     page_faults[case.label].append(faults - faults0)
+                    muon_s[case.label].append(s.take_record().get("muon_s", 0.0))
             if _alone(case, world).world_size == 1 and world.world_size > 1:
                 dist.barrier()
             if world.is_main and r >= 0:
@@ -235,6 +244,7 @@ def _bench_strategies(world: World, cases: list[Case], shape: ModelConfig, micro
                      "tokens_per_s": tokens_per_step / step, "exposed_comm_s": statistics.median(waits[case.label]),
                      "cpu_time_s": statistics.median(cpus[case.label]),
                      "minor_faults": statistics.median(page_faults[case.label]),
+                     "muon_s": statistics.median(muon_s[case.label]),
                      "round_tokens_per_s": [tokens_per_step / statistics.median(ts) for ts in times[case.label]],
                      **s.accounts.meters()})
     return rows
@@ -265,6 +275,18 @@ def add_ratios(rows: list[dict], reference: str = "torch_ddp") -> None:
     for r in rows:
         median, low, high = paired_ratio(r["round_tokens_per_s"], ref["round_tokens_per_s"])
         r["vs_reference"] = {"reference": reference, "median": median, "ci95": [low, high]}
+
+
+def add_muon_ratios(rows: list[dict]) -> None:
+    """Give every ``+muon`` row ``vs_adamw``: its step time over the same case's under AdamW (a row without the
+    suffix), paired by round, with a 95 % interval; and ``muon_share``, Muon's part of its step."""
+    by_label = {r["label"]: r for r in rows}
+    for r in rows:
+        adamw = by_label.get(r["label"].removesuffix("+muon")) if r["label"].endswith("+muon") else None
+        if adamw is not None:
+            median, low, high = paired_ratio(adamw["round_tokens_per_s"], r["round_tokens_per_s"])
+            r["vs_adamw"] = {"median": median, "ci95": [low, high]}
+            r["muon_share"] = r["muon_s"] / r["step_time_s"]
 
 
 def plot_strategies(rows: list[dict], path: Path) -> None:
@@ -302,8 +324,9 @@ def format_strategies(rows: list[dict]) -> str:
     lines = ["| strategy | step ms | CPU ms/step, rank 0 | tokens/s | vs torch_ddp (tokens/s): paired median "
              "[95 % interval] | exposed comm ms | comm MB/step: counted / theory "
              "| model states MB/rank: measured / theory | saved activations MB | page faults/step, rank 0 "
-             "| pipeline: bubble by stage (theory) · activations in flight MB by stage (theory) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| pipeline: bubble by stage (theory) · activations in flight MB by stage (theory) "
+             "| Muon: step time / AdamW's, paired [95 % interval] · its share of the step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:  # bytes over both axes of the mesh (tensor-parallel ones where parallel.tp > 1)
         counted = sum(r["comm_bytes_per_step"].values()) + sum(r.get("tp_comm_bytes_per_step", {}).values())
         theory = (sum(r["comm_bytes_per_step_theory"].values())
@@ -315,8 +338,17 @@ def format_strategies(rows: list[dict]) -> str:
                      f"{1e3 * r['exposed_comm_s']:.1f} | {counted / 1e6:.3f} / {theory / 1e6:.3f} | "
                      f"{r['model_state_bytes']['total'] / 1e6:.2f} / "
                      f"{r['model_state_bytes_theory']['total'] / 1e6:.2f} | "
-                     f"{r['activation_saved_bytes'] / 1e6:.1f} | {r['minor_faults']:,.0f} | {_pipeline_cell(r)} |")
+                     f"{r['activation_saved_bytes'] / 1e6:.1f} | {r['minor_faults']:,.0f} | {_pipeline_cell(r)} | "
+                     f"{_muon_cell(r)} |")
     return "\n".join(lines)
+
+
+def _muon_cell(row: dict) -> str:
+    """A Muon row's step time over its AdamW row's and the orthogonalizations' share of the step; else '-'."""
+    vs = row.get("vs_adamw")
+    if vs is None:
+        return "-"
+    return f"{vs['median']:.3f}× [{vs['ci95'][0]:.3f}, {vs['ci95'][1]:.3f}] · {row['muon_share']:.1%}"
 
 
 def _pipeline_cell(row: dict) -> str:
@@ -335,7 +367,7 @@ def strategies(args: argparse.Namespace) -> int:
         cases = [Case.parse(t) for t in (text.split() if any(c.isspace() for c in text) else text.split(",")) if t]
         for case in cases:
             check_layout(case.parallel, 1 if _one_process(case.parallel) else args.nproc,
-                              bench_loop(args.micro_batch))
+                         bench_loop(args.micro_batch, case.optimizer))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -356,6 +388,7 @@ def strategies(args: argparse.Namespace) -> int:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     add_ratios(rows)
+    add_muon_ratios(rows)
     table = format_strategies(rows)
     print(table)
     if args.out:
@@ -480,7 +513,8 @@ def main(argv: list[str] | None = None, prog: str = "launch/bench.py") -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--strategies", help="compare these strategies, e.g. ddp_naive,ddp,torch_ddp or "
                                         "ddp:bucket_mb=1 (name[:option=value,...]); space-separated when a spec "
-                                        "has several options ('zero3 deepspeed:zero_stage=3,offload=optimizer')")
+                                        "has several options ('zero3 deepspeed:zero_stage=3,offload=optimizer'); "
+                                        "+muon after a spec: Muon on the hidden matrices (zero2+muon)")
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks for --strategies")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --strategies")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step for --strategies")

@@ -40,7 +40,7 @@ from lab.measure.device import Precision
 from lab.runtime import checkpoint
 from lab.runtime.files import write_atomic
 from lab.model import GPT
-from lab.training.optim import adamw_factory, param_groups
+from lab.training.optim import optimizer_factory, param_groups
 from lab.parallel import Layout, LoopSettings, RunEngine, World, parse_spec
 from lab.parallel.axes.pipeline import microbatches
 from lab.commands.ranks import RankFailed, run_ranks
@@ -64,6 +64,11 @@ class Setup:
     dtype: str = "fp32"  # what the matmuls compute in (lab.measure.device.Precision)
     mixed: bool = False  # train.precision mixed: 16-bit weights and gradients, fp32 masters (else autocast)
     compile: bool = False  # the strategy compiles the model (train.compile)
+    noise_scale: bool = False  # the engine measures the gradient noise scale (train.noise_scale)
+    optimizer: str = "adamw"  # or muon (train.optimizer)
+    muon_ns_steps: int = 5  # Muon's Newton-Schulz iterations (train.muon_ns_steps)
+    counting: bool = False  # each sequence counts up by one (mod the vocabulary) from a random token: a pattern to
+    # learn, so that the gradient has a signal beside its noise (random tokens have almost none to learn)
     model: ModelConfig = dataclasses.field(default_factory=lambda: dataclasses.replace(TINY))
 
 
@@ -73,13 +78,14 @@ class Trace:
     grad_norms: list[float]
     params: dict[str, torch.Tensor]  # the final weights (rank 0), under the model's names
     meters: dict = dataclasses.field(default_factory=dict)  # this rank's accounts and the last step's record
+    records: list[dict] = dataclasses.field(default_factory=list)  # each step's record of its parts' figures
     resumed_diff: float | None = None  # saved at the end and loaded into a fresh engine: how far its next step is
 
 
 def loop_settings(setup: Setup) -> LoopSettings:
     """What ``train_tiny``'s loop does each step, for the strategy's config."""
     return LoopSettings(micro_batch=setup.micro_batch, accum_steps=setup.accum, grad_clip=setup.grad_clip,
-                        compile=setup.compile)
+                        compile=setup.compile, noise_scale=setup.noise_scale, optimizer=setup.optimizer)
 
 
 def precision(setup: Setup) -> Precision:
@@ -90,7 +96,11 @@ def precision(setup: Setup) -> Precision:
 def batch(setup: Setup, step: int, global_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: random tokens, the same for every world size."""
     g = torch.Generator().manual_seed(setup.seed * 100_003 + step)
-    tokens = torch.randint(0, setup.model.vocab_size, (global_sequences, setup.model.block_size + 1), generator=g)
+    vocab, shape = setup.model.vocab_size, (global_sequences, setup.model.block_size + 1)
+    if setup.counting:
+        tokens = (torch.randint(0, vocab, (global_sequences, 1), generator=g) + torch.arange(shape[1])) % vocab
+    else:
+        tokens = torch.randint(0, vocab, shape, generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -118,6 +128,7 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
         trace.losses.append(result.loss)
         trace.grad_norms.append(result.grad_norm)
         step_record = engine.take_step_meters().layout
+        trace.records.append(engine.take_record())
     trace.params = engine.full_state_dict()
     trace.meters = engine.accounts.meters() | {"step": step_record}
     if resume_dir is not None:  # as the loop ends: an evaluation, the finiteness check, the save
@@ -126,11 +137,11 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
         if not engine.params_finite():
             raise ValueError("weights are not finite at the end; not saved")
         saved = checkpoint.save(resume_dir, setup.steps, world.rank, world.world_size, engine.checkpoint_state(),
-                                engine.precision_state(), keep=1)
+                                engine.checkpoint_meta(), keep=1)
         resumed = _built(world, setup, parallel, model_factory)
         meta = checkpoint.load(saved, world.rank, world.world_size, resumed.checkpoint_state())
         resumed.after_load()
-        resumed.load_precision_state(meta)
+        resumed.load_checkpoint_meta(meta)
         going_on, again = step(engine, setup.steps), step(resumed, setup.steps)
         weights, reloaded = engine.full_state_dict(), resumed.full_state_dict()
         if world.is_main:
@@ -143,8 +154,10 @@ def train_tiny(world: World, setup: Setup, parallel: ParallelConfig, model_facto
 
 def _built(world: World, setup: Setup, parallel: ParallelConfig, model_factory=None) -> RunEngine:
     engine = create(parallel, world, precision(setup), loop_settings(setup))
-    engine.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)), lambda m: param_groups(m, 0.1),
-                 adamw_factory(TrainConfig(), world.device))
+    engine.build(model_factory or (lambda: GPT(setup.model, seed=setup.seed)),
+                 lambda m: param_groups(m, 0.1, setup.optimizer == "muon"),
+                 optimizer_factory(TrainConfig(optimizer=setup.optimizer, muon_ns_steps=setup.muon_ns_steps),
+                                   world.device))
     return engine
 
 

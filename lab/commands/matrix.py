@@ -3,6 +3,7 @@ a few steps against single.
 
     python -m lab matrix [--max-ranks 8] [--models dense,moe] [--archs gpt2,modern] [--strategies zero3,fsdp]
     python -m lab matrix --dtype bf16 --precision mixed   # every layout and single under the bf16 mixed policy
+    python -m lab matrix --optimizer muon                 # every layout and single under Muon (one iteration)
 
 Each layout is data parallel over dp ∈ {1, 2} replicas (expert parallelism carved out of them), tensor parallel over
 tp ∈ {1, 2}, pipelined over pp ∈ {1, 2} stages, expert parallel over ep ∈ {1, 2} (a mixture of experts only) and
@@ -21,6 +22,10 @@ Under a 16-bit policy (``--dtype``, ``--precision``) both the layout and single 
 to 8 (bf16) or 11 (fp16) bits: the tolerances are ``TOLERANCE_16`` (the weights by their relative difference over
 the whole model, ``Comparison.rel_param_diff``: AdamW turns a near-zero gradient's rounding into a whole step of a
 few elements), and the meters are held to their theory in the policy's widths alike (docs/precision.md).
+
+Under Muon (``--optimizer muon``) both run one Newton-Schulz iteration (``MUON``): with five, the quintic amplifies
+the layouts' last-bit gradient differences past these tolerances (docs/optimizers.md, Sensitivity); with one, a
+layout is held to AdamW's tolerances, so a matrix whose pieces were gathered wrong cannot pass.
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab.commands.equivalence import TINY, Setup, equivalence, precision
+from lab.commands.equivalence import TINY, Setup, equivalence, loop_settings, precision
 from lab.commands.ranks import RankFailed, run_ranks
 from lab.parallel import STRATEGIES, parse_spec
-from lab.parallel.layout import LoopSettings, World
+from lab.parallel.layout import World
 from lab.runtime.config import ConfigError, ModelConfig
 from lab.runtime.files import write_atomic
 from lab.training.plan import check_layout
@@ -52,6 +57,7 @@ TOLERANCE_16 = {"loss": 1e-3, "grad_norm": 3e-2, "rel_params": {"dense": 5e-2, "
 MOE = {"moe_experts": 4, "moe_top_k": 2}
 ARCHS = {"gpt2": TINY, "modern": dataclasses.replace(TINY, arch="modern", n_kv_head=1)}
 SETUP = Setup(steps=3, accum=2, micro_batch=4, grad_clip=0.05)
+MUON = {"optimizer": "muon", "muon_ns_steps": 1}  # --optimizer muon's setup
 
 
 @dataclass(frozen=True)
@@ -152,12 +158,10 @@ def layouts(max_ranks: int, strategies: list[str], models: list[str], archs: lis
     return out
 
 
-def refusal(layout: Cell) -> str | None:
-    """The one line the lab refuses ``layout`` with before any rank starts, or None when it runs."""
+def refusal(layout: Cell, base: Setup = SETUP) -> str | None:
+    """The one line the lab refuses ``layout`` with before any rank starts under ``base``, or None when it runs."""
     try:
-        check_layout(parse_spec(layout.spec), layout.ranks, LoopSettings(micro_batch=SETUP.micro_batch,
-                                                                     accum_steps=SETUP.accum,
-                                                                     grad_clip=SETUP.grad_clip))
+        check_layout(parse_spec(layout.spec), layout.ranks, loop_settings(base))
     except ConfigError as e:
         return str(e)
     return None
@@ -208,10 +212,10 @@ def format_row(row: Row) -> str:
 def run(cells: list[Cell], deadline_s: float = 1800.0, base: Setup = SETUP) -> list[Row]:
     """Every cell: refused ones from ``refusal``, the others trained under ``base``'s precision on worlds of their rank
     count (one each), their checkpoints in a temporary folder removed at the end."""
-    rows = [Row(cell, refused=reason) for cell in cells if (reason := refusal(cell)) is not None]
+    rows = [Row(cell, refused=reason) for cell in cells if (reason := refusal(cell, base)) is not None]
     for row in rows:
         print(format_row(row), flush=True)
-    runnable = [cell for cell in cells if refusal(cell) is None]
+    runnable = [cell for cell in cells if refusal(cell, base) is None]
     with tempfile.TemporaryDirectory(prefix="lab-matrix-") as folder:
         for n in sorted({cell.ranks for cell in runnable}):
             rows += run_ranks(_run, n, [cell for cell in runnable if cell.ranks == n], base, Path(folder),
@@ -265,12 +269,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab matrix") -> i
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="what the matmuls compute in")
     p.add_argument("--precision", choices=("autocast", "mixed"), default="autocast",
                    help="autocast over fp32 weights, or mixed: 16-bit weights and gradients, fp32 masters")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="every layout and single under this optimizer (muon: one Newton-Schulz iteration)")
     p.add_argument("--out", help="also write the table as Markdown to this file")
     args = p.parse_args(argv)
     if args.precision == "mixed" and args.dtype == "fp32":
         print("error: --precision mixed needs --dtype bf16 or fp16", file=sys.stderr)
         return 2
-    base = dataclasses.replace(SETUP, dtype=args.dtype, mixed=args.precision == "mixed")
+    base = dataclasses.replace(SETUP, dtype=args.dtype, mixed=args.precision == "mixed",
+                               **(MUON if args.optimizer == "muon" else {}))
     strategies, models, archs = (text.split(",") for text in (args.strategies, args.models, args.archs))
     for given, known, what in ((strategies, STRATEGIES, "strategy"), (models, ("dense", "moe"), "model"),
                                (archs, ARCHS, "arch")):
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab matrix") -> i
         return 2
     cells = layouts(args.max_ranks, strategies, models, archs, cps)
     header = (f"{len(cells)} layouts on up to {args.max_ranks} gloo ranks, each against single ({SETUP.steps} steps of "
-              f"{SETUP.accum} micro-steps, clipped at {SETUP.grad_clip}, {precision(base).name}); "
+              f"{SETUP.accum} micro-steps, clipped at {SETUP.grad_clip}, {precision(base).name}, {args.optimizer}); "
               f"{time.strftime('%Y-%m-%d')}, "
               f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start")
     print(header, flush=True)

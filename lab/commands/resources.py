@@ -60,6 +60,13 @@ def _fraction(text: str) -> float:
     return x
 
 
+def _share(text: str) -> float:
+    x = _number(text)
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return x
+
+
 def _tp_by_pp(text: str) -> tuple[int, int]:
     parts = text.lower().replace("×", "x").split("x")
     if len(parts) != 2:
@@ -162,17 +169,18 @@ def _memory(args: argparse.Namespace) -> str:
     rows = []
     for strategy in accounting.STRATEGIES:
         for precision in args.precision or accounting.PRECISIONS:
-            per_param = accounting.model_state_bytes(1.0, strategy, args.n_gpus, precision, args.offload)
+            per_param = accounting.model_state_bytes(1.0, strategy, args.n_gpus, precision, args.offload,
+                                                     args.muon_share)
             row = [strategy, precision, f"{per_param.gpu:.4g}"]
             if args.offload:
                 row.append(f"{per_param.cpu:.4g}")
             row.append(f"{accounting.comm_elements_per_step(1.0, strategy, args.n_gpus):.4g}Ψ")
             row.append(_si(fits.largest_model(memory, args.n_gpus, strategy, precision, args.usable,
-                                                    args.offload), _COUNT))
+                                                    args.offload, args.muon_share), _COUNT))
             if shape is not None:
                 fit = fits.largest_depth(shape, args.micro_batch, memory, args.n_gpus, strategy, precision,
                                                args.usable, args.offload, checkpointing=args.checkpointing,
-                                               flash=not args.naive_attention)
+                                               flash=not args.naive_attention, one_moment=args.muon_share)
                 row += ["-", "-", "-"] if fit is None else [
                     str(fit.n_layer), _si(fit.params, _COUNT), f"{fit.gpu_bytes / 1e9:.2f}"]
             rows.append(row)
@@ -181,6 +189,9 @@ def _memory(args: argparse.Namespace) -> str:
                  "with --train.precision mixed holds (ddp, zero1-3; fsdp keeps fp32 shards: its fp32 row); fp32: 4 + 4 "
                  "+ 8, --train.precision autocast (bf16 autocast adds 16-bit copies of the weights in the forward); "
                  "comm/step: elements each rank sends per step in a ring (2 B each under mixed), Ψ = params")
+    if args.muon_share:
+        lines.append(f"optimizer: Muon on {args.muon_share:.0%} of Ψ (one fp32 moment, 4 B fewer each), AdamW on the "
+                     "rest (docs/optimizers.md)")
     if shape is not None:
         lines.append("layers: deepest model at this width whose states + activations fit; '-': not even one layer")
     return "\n".join(lines)
@@ -351,6 +362,9 @@ def build_parser(prog: str = "plan") -> argparse.ArgumentParser:
     m.add_argument("--memory-gb", type=_positive, help="memory per GPU in GB (default: the GPU's)")
     m.add_argument("--usable", type=_fraction, default=USABLE, help=USABLE_HELP)
     m.add_argument("--offload", action="store_true", help="optimizer states on the host (ZeRO-Offload)")
+    m.add_argument("--muon-share", type=_share, default=0.0,
+                   help="the share of the parameters Muon steps (train.optimizer muon: the hidden matrices), each "
+                        "with one fp32 moment instead of AdamW's two (default: 0, AdamW alone)")
     m.add_argument("--precision", choices=accounting.PRECISIONS, action="append",
                    help="only this precision's rows: mixed (--train.precision mixed) or fp32 (--train.precision "
                         "autocast); default: both")

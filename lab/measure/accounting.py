@@ -329,7 +329,7 @@ class StateBytes:
 
 
 def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precision: str = "mixed",
-                      offload: bool = False) -> StateBytes:
+                      offload: bool = False, one_moment: float = 0.0) -> StateBytes:
     """Per-rank bytes of weights, gradients and AdamW states for Ψ = ``params`` over N_d = ``n_devices``.
 
     ZeRO (Rajbhandari et al. 2019, §5), mixed precision, K = 12 (fp32 master weights + two moments):
@@ -339,7 +339,8 @@ def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precisio
     autocast). ``offload`` moves the optimizer states (and the update) to host memory as in
     ZeRO-Offload (Ren et al. 2021), sharded as the strategy shards them; in fp32 training that adds
     a 4-byte fp32 master copy of the weights beside the moments (mixed precision's K = 12 already
-    holds one), since the update no longer runs where the weights live. Activations,
+    holds one), since the update no longer runs where the weights live. ``one_moment`` of the ``params`` keep one
+    fp32 moment instead of two (Muon's momentum: 4 bytes fewer each). Activations,
     communication buckets and allocator slack are not included.
     """
     if strategy not in _SHARDED:
@@ -351,8 +352,9 @@ def model_state_bytes(params: float, strategy: str, n_devices: int = 1, precisio
     widths = list(_STATE_WIDTHS[precision])
     if offload and precision == "fp32":
         widths[2] += 4  # the host's master copy of the weights
-    weights, grads, optim = (params * width / (n_devices if sharded else 1)
-                             for width, sharded in zip(widths, _SHARDED[strategy]))
+    weights, grads, optim = (count * width / (n_devices if sharded else 1) for width, sharded, count
+                             in zip(widths, _SHARDED[strategy], (params, params, params - one_moment)))
+    optim += one_moment * (widths[2] - 4) / (n_devices if _SHARDED[strategy][2] else 1)
     return StateBytes(params=weights, grads=grads, optimizer=optim, offload=offload)
 
 
@@ -553,3 +555,10 @@ def autocast_weight_bytes(cfg: ModelShape, tp: int = 1) -> float:
     expert's; split ``tp`` ways). Autocast caches each cast for the forward and the matmuls save them for the
     backward, so all of them are held at the forward's end, beside the fp32 weights."""
     return 2.0 * param_counts(cfg).matmul / tp
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int) -> int:
+    """FLOPs of Muon's orthogonalization (``lab.training.muon.newton_schulz``) of a matrix of ``shape``: per
+    iteration XXᵀ (2m²n), A² (2m³) and the product with X (2m²n), m ≤ n."""
+    m, n = sorted(shape[:2])
+    return steps * (4 * m * m * n + 2 * m ** 3)

@@ -11,16 +11,17 @@ from lab.measure.accounting import ModelShape, activation_bytes, model_state_byt
 
 
 def largest_model(memory_bytes: float, n_devices: int, strategy: str, precision: str = "mixed",
-                  usable: float = 1.0, offload: bool = False) -> int:
+                  usable: float = 1.0, offload: bool = False, one_moment: float = 0.0) -> int:
     """The most parameters whose model states fit ``usable``·``memory_bytes`` on each of ``n_devices`` GPUs.
 
     States only (``model_state_bytes``), no activations. ``usable`` defaults to 1.0: the whole memory,
     with no headroom for the CUDA context, buffers or fragmentation (0.9 is a more honest planning
-    figure). With ``offload`` only the GPU side limits; host memory is assumed sufficient.
+    figure). With ``offload`` only the GPU side limits; host memory is assumed sufficient. ``one_moment``: the share
+    of the parameters whose optimizer keeps one moment (Muon's matrices).
     """
     if memory_bytes <= 0 or not 0 < usable <= 1:
         raise ValueError("need memory_bytes > 0 and 0 < usable <= 1")
-    per_param = model_state_bytes(1.0, strategy, n_devices, precision, offload).gpu
+    per_param = model_state_bytes(1.0, strategy, n_devices, precision, offload, one_moment).gpu
     return math.floor(usable * memory_bytes / per_param)
 
 
@@ -35,13 +36,13 @@ class DepthFit:
 
 def largest_depth(shape: ModelShape, micro_batch: int, memory_bytes: float, n_devices: int, strategy: str,
                   precision: str = "mixed", usable: float = 1.0, offload: bool = False, bytes_per_act: int = 2,
-                  checkpointing: bool = False, flash: bool = True) -> DepthFit | None:
+                  checkpointing: bool = False, flash: bool = True, one_moment: float = 0.0) -> DepthFit | None:
     """The largest ``n_layer`` at the width of ``shape`` whose states and activations fit each GPU.
 
     ``shape`` gives everything but the depth (its ``n_layer`` is ignored); parameters come from
     ``param_counts``, states from ``model_state_bytes``, activations of ``micro_batch`` sequences of
     ``block_size`` tokens from ``activation_bytes`` (data parallelism does not shard activations).
-    None when not even one layer fits.
+    None when not even one layer fits. ``one_moment``: as ``largest_model``'s.
     """
     if memory_bytes <= 0 or not 0 < usable <= 1:
         raise ValueError("need memory_bytes > 0 and 0 < usable <= 1")
@@ -50,7 +51,7 @@ def largest_depth(shape: ModelShape, micro_batch: int, memory_bytes: float, n_de
     def footprint(n_layer: int) -> tuple[int, float]:
         cfg = dataclasses.replace(shape, n_layer=n_layer)
         params = param_counts(cfg).total
-        states = model_state_bytes(params, strategy, n_devices, precision, offload).gpu
+        states = model_state_bytes(params, strategy, n_devices, precision, offload, one_moment * params).gpu
         return params, states + activation_bytes(cfg, micro_batch, bytes_per_act, checkpointing, flash)
 
     if footprint(1)[1] > budget:

@@ -29,11 +29,14 @@ class Costs:
     pool: int = 0  # elements of the gather pool when full (held from the first forward through the step)
 
 
-def placed_state_bytes(costs: Costs, counts: dict[int, int], precision: str) -> StateBytes:
-    """``model_state_bytes`` of a placement holding ``counts`` parameters by group size, each sharded over its group;
-    ``precision`` is the policy's widths (fp32 where the placement keeps fp32 shards)."""
-    widths = "fp32" if costs.fp32_states else precision
-    parts = [model_state_bytes(count, costs.states, n, widths, costs.offloaded) for n, count in counts.items()]
+def placed_state_bytes(costs: Costs, counts: dict[int, int], precision: str,
+                       one_moment: dict[int, int] | None = None) -> StateBytes:
+    """``model_state_bytes`` of a placement holding ``counts`` parameters by group size, each sharded over its group,
+    ``one_moment`` of them (by group size) with one optimizer moment (Muon's); ``precision`` is the policy's widths
+    (fp32 where the placement keeps fp32 shards)."""
+    widths, single = "fp32" if costs.fp32_states else precision, one_moment or {}
+    parts = [model_state_bytes(count, costs.states, n, widths, costs.offloaded, single.get(n, 0))
+             for n, count in counts.items()]
     return StateBytes(sum(p.params for p in parts), sum(p.grads for p in parts), sum(p.optimizer for p in parts),
                       costs.offloaded)
 

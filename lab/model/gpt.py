@@ -188,10 +188,18 @@ class MLP(nn.Module):
 
 class Experts(nn.ModuleList):
     """A mixture of experts' routed experts, run in one call: each ``(index, rows)`` through expert ``index`` apart
-    (a strategy that gathers a module's weights around its forward gathers them once for every call)."""
+    (a strategy that gathers a module's weights around its forward gathers them once for every call). ``tap``, when
+    set, takes each call's weights (``tap("<index>.<name>", weight)``) and returns what the call runs with: a meter
+    that reads each call's part of a weight's gradient (``lab.parallel.noise``)."""
+
+    tap: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, calls: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        return [self[index](rows) for index, rows in calls]
+        if self.tap is None:
+            return [self[index](rows) for index, rows in calls]
+        return [torch.func.functional_call(self[index], {name: self.tap(f"{index}.{name}", weight)
+                                                        for name, weight in self[index].named_parameters()}, (rows,))
+                for index, rows in calls]
 
 
 class MoE(nn.Module):
@@ -416,6 +424,13 @@ class GPT(nn.Module):
     def is_hidden(self, name: str) -> bool:
         """Whether parameter ``name`` is a hidden matrix under μP: a linear layer's weight inside a block."""
         return (self.cfg.parametrization == "mup" and name.startswith("blocks.") and name.endswith(".weight")
+                and isinstance(self.get_submodule(name.rpartition(".")[0]), nn.Linear))
+
+    def muon_matrix(self, name: str) -> bool:
+        """Whether Muon steps parameter ``name`` (``train.optimizer muon``): a linear layer's weight inside a block
+        (attention's and the MLP's projections, each expert's), a mixture's router aside (AdamW's, as the
+        embeddings, the head, norms and biases)."""
+        return (name.startswith("blocks.") and name.endswith(".weight") and not name.endswith(".router.weight")
                 and isinstance(self.get_submodule(name.rpartition(".")[0]), nn.Linear))
 
     def lr_multiplier(self, name: str) -> float:

@@ -7,6 +7,8 @@ that places the model over the data axis and loops over the layout's transforms 
     holding.py                  what each rank holds: the global norm, checkpoint state and export, written once
     precision.py                mixed precision's fp32 masters and fp16's loss scale (docs/precision.md)
     meters.py, accounts.py      what the steps cost, measured and in theory (lab.measure.placement: the record)
+    noise.py                    the gradient noise scale, from each micro-batch's gradient (train.noise_scale)
+    owners.py                   Muon's orthogonalizations spread over the data axis, one owner rank a matrix
     engine.py                   parallelize() and the engine the loop drives: the parts above, in reading order
     data/                       the data-parallel strategies: single, ddp, zero, torch's; DeepSpeed's own engine
 """
@@ -28,6 +30,8 @@ from lab.parallel.data.zero import Zero1, Zero2
 from lab.parallel.data.zero3 import Zero3
 from lab.parallel.engine import Engine
 from lab.parallel.layout import Layout, LoopSettings, World
+from lab.parallel.noise import GradientNoise
+from lab.parallel.owners import Owners
 from lab.parallel.precision import LossScaler
 from lab.runtime.config import ConfigError, ParallelConfig, did_you_mean
 
@@ -69,8 +73,9 @@ def create(cfg: ParallelConfig, layout: Layout, world: World, precision: Precisi
 
 def line_parts() -> list[type[Figures]]:
     """Every part a run can have that reports on it, in the step line's order (each part's ``line_place``): fp16's loss
-    scaler, the transforms' one list (``axes.kinds``) and the model's features (``GPT.FIGURES``)."""
-    return sorted((LossScaler, *axes.kinds(), *GPT.FIGURES), key=lambda part: part.line_place)
+    scaler, the transforms' one list (``axes.kinds``), the model's features (``GPT.FIGURES``), the noise scale and
+    Muon's orthogonalizations."""
+    return sorted((LossScaler, *axes.kinds(), *GPT.FIGURES, GradientNoise, Owners), key=lambda part: part.line_place)
 
 
 def step_line(rec: dict) -> str:

@@ -51,6 +51,7 @@ class Accounts:
         self.last_comm_bytes = dict.fromkeys(accounting.COLLECTIVES, 0.0)
         self.most_saved = 0
         self.parts: Callable[[], list[Figures]] = list  # every part that reports on the run (set by the engine)
+        self.one_moment: set[str] = set()  # matrices whose optimizer keeps one moment, Muon's (set by the engine)
 
     def measure_once(self) -> None:
         """Measure the model states at the end of the first step (states exist; gradients until they are cleared)."""
@@ -114,7 +115,20 @@ class Accounts:
     def theory_states(self) -> accounting.StateBytes:
         """Model-state bytes per rank from the ZeRO formulas, each data-parallel group's parameters sharded over its
         ranks (an expert's over those holding it)."""
-        return placement.placed_state_bytes(self.costs(), self.param_counts(), self.strategy.precision.state_widths)
+        return placement.placed_state_bytes(self.costs(), self.param_counts(), self.strategy.precision.state_widths,
+                                            self.one_moment_counts())
+
+    def one_moment_counts(self) -> dict[int, int]:
+        """Elements of the matrices whose optimizer keeps one moment (``one_moment``: Muon's), by data-parallel group
+        size, as the formulas take them: whole, sharded by them. A sharding layout cuts its chunks across matrices
+        without regard to the groups, so a rank's share of them is what it holds (times the group's size), not the
+        even share."""
+        out: dict[int, int] = {}
+        for piece in self.strategy.holding():
+            if piece.name in self.one_moment:
+                n = self.strategy.world_of(piece.name).world_size
+                out[n] = out.get(n, 0) + (piece.weight.numel() * n if piece.sharded else piece.numel)
+        return out
 
     def theory_comm(self) -> dict[str, float]:
         """Bytes this rank sends per step in theory, each data-parallel group's over its ranks."""

@@ -32,6 +32,8 @@ from lab.parallel.axes import GroupReplicas, Transform
 from lab.parallel.comm import Comm
 from lab.parallel.holding import Piece
 from lab.parallel.layout import LoopSettings, Mesh, World
+from lab.measure.figures import Figures
+from lab.parallel import owners
 from lab.parallel.precision import Masters
 from lab.runtime.config import ParallelConfig
 
@@ -43,10 +45,11 @@ class ParamGroup:
     names: tuple[str, ...]
     weight_decay: float
     lr_scale: float = 1.0  # the group's learning rate is the schedule's times this (μP's per-layer rates)
+    muon: bool = False  # matrices Muon steps (``lab.training.muon``), each needed whole
 
-    def options(self) -> dict[str, float]:
+    def options(self) -> dict[str, float | bool]:
         """The torch optimizer group's settings besides its tensors (``lr_scale`` rides along for ``set_lr``)."""
-        return {"weight_decay": self.weight_decay, "lr_scale": self.lr_scale}
+        return {"weight_decay": self.weight_decay, "lr_scale": self.lr_scale} | ({"muon": True} if self.muon else {})
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -65,7 +68,7 @@ class Strategy:
 
     name: ClassVar[str]
     # [parallel] options it reads, beyond strategy, timeout_s and the layout's (``lab.parallel.layout.OPTIONS``)
-    options: ClassVar[frozenset[str]] = frozenset()
+    options: ClassVar[frozenset[str]] = frozenset({"muon_redundant"})
     costs: Costs = Costs()  # how it places the model, for the cost formulas (``wrap`` fills in what it laid out)
     offload_modes: ClassVar[tuple[str, ...]] = ("none", "optimizer")  # values of parallel.offload it accepts
     min_world_size: ClassVar[int] = 1
@@ -112,6 +115,18 @@ class Strategy:
         masters = {} if self.masters is None else self.masters.of
         return [{"params": [masters.get(id(params[n]), params[n]) for n in g.names], **g.options()}
                 for g in groups if g.names]
+
+    def gradient_leaves(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors autograd accumulates this rank's gradients into, under the model's names (what a gradient hook
+        watches): the trainable parameters."""
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def orthogonalizer(self, optimizer: torch.optim.Optimizer, matrices: list[str]) -> Figures | None:
+        """Where a Muon optimizer (one with an ``orthogonalizer``) orthogonalizes the ``matrices`` it steps: each on
+        one owner rank of the ranks that share it (``world_of``), from whole matrices they hold alike, or brought
+        together from the pieces they hold (``lab.parallel.owners``). None for another optimizer."""
+        return owners.distribute(optimizer, matrices, self.world_of, self.shards == "nothing", self.cfg.muon_redundant,
+                                 self.holding(), self.transforms, self.mesh.stage)
 
     def comm_of(self, name: str) -> Comm:
         """The collectives over the ranks parameter ``name``'s gradient is averaged over (``world_of``)."""

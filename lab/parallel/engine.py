@@ -7,6 +7,7 @@ It puts the parts together in reading order, and each part keeps one job:
     precision                               fp32 masters and fp16's loss scale (``lab.parallel.precision``)
     holding                                 the global norm, checkpoint state and export, from what each rank holds
     meters, accounts                        what the steps cost, measured and in theory
+    noise                                   the gradient noise scale, from each micro-batch's gradient (optional)
 
 The loop's side, in order::
 
@@ -48,6 +49,7 @@ from lab.parallel.axes.activations import SavedBytes
 from lab.parallel.base import ModelFactory, OptimizerFactory, ParamGroupRule, Strategy
 from lab.parallel.layout import LoopSettings, Mesh
 from lab.parallel.meters import RunMeters, StepMeters
+from lab.parallel.noise import GradientNoise
 from lab.parallel.precision import LossScaler, PrecisionStep
 from lab.runtime.checkpoint import CheckpointState
 from lab.runtime.config import ParallelConfig
@@ -83,8 +85,10 @@ class Engine:
         scaler = LossScaler(precision.loss_scale, precision.loss_scale_window) if precision.scales_loss else None
         self.precision_step = PrecisionStep(precision.param_dtype, scaler)
         self.accounts = Accounts(self.strategy)
+        micro_batches = round(self.strategy.data.world_size * self.token_share) * loop.accum_steps  # every rank's
+        self.noise = GradientNoise(self.transforms, micro_batches, self.microbatches > 1) if loop.noise_scale else None
         self.meters = RunMeters(self.strategy.comms, self.transforms, self.saved, self.everyone,
-                                [scaler] if scaler is not None else [], self.accounts.record)
+                                [part for part in (scaler, self.noise) if part is not None], self.accounts.record)
         self.accounts.parts = self.meters.figures
         self._after_load: list[Callable[[], None]] = []
 
@@ -136,7 +140,14 @@ class Engine:
             model = transform.running(self, model)
         s.model = model
         s.optimizer = optimizer_factory(s.optimizer_groups(groups))
+        matrices = [n for g in groups if g.muon for n in g.names]
+        orthogonalizer = s.orthogonalizer(s.optimizer, matrices)
+        if orthogonalizer is not None:  # Muon's: it reports what its orthogonalizations cost
+            self.meters.own.append(orthogonalizer)
+            self.accounts.one_moment = set(matrices)
         self.meters.watch_model(module)
+        if self.noise is not None:
+            self.noise.watch(s.gradient_leaves())
 
     def _share_first(self, name: str, tensor: torch.Tensor) -> None:
         comm = self.strategy.comm_of(name)
@@ -149,6 +160,8 @@ class Engine:
     def forward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """The loss of one micro-batch; ``sync`` says this micro-step's backward synchronises gradients."""
         self.syncing = sync
+        if self.noise is not None:
+            self.noise.micro_tokens = x.numel()
         with self.precision.autocast(), self.saved.counting(self.module):
             return self.strategy.forward(x, y, sync=sync)
 
@@ -156,6 +169,8 @@ class Engine:
         """Gradients of ``loss``; on a synced micro-step the strategy syncs them and the transforms finish what that
         leaves partial (a weight two ranks of another axis hold): complete when it returns."""
         self.autograd(self.scaled(loss))
+        if self.noise is not None:  # every backward of the micro-step has run; nothing is synced yet
+            self.noise.end_micro_step(self._unscaling())
         sync = self.syncing
         self.strategy.finish_backward(sync)
         if sync:
@@ -181,12 +196,23 @@ class Engine:
             loss = loss / self.strategy.data.world_size
         return self.precision_step.scaled(loss)
 
+    def _unscaling(self) -> float:
+        """What turns a backward's gradients into the gradient of its micro-batch's mean loss (``scaled`` and the
+        loop's division by the accumulation steps undone; a share of the tokens weighted by its share)."""
+        ranks = self.strategy.data.world_size if self.strategy.divides_loss else 1
+        scale = self.precision_step.scaler.scale if self.precision_step.scaler is not None else 1.0
+        return self.loop.accum_steps * ranks * self.token_share / scale
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping (``holding.gradient_squares`` summed over every rank); clip to
         ``max_norm`` when it is positive. Under fp16 the gradients and the norm are unscaled first, and the norm's
         finiteness sets the next scale. Clipping and unscaling act on the optimizer's gradients (the masters')."""
         squares = holding.gradient_squares(self.strategy.holding(), self.transforms, self.strategy.data.device)
-        norm = self.everyone.sum(squares).sqrt()
+        if self.noise is not None:  # the micro-batches' squares ride along in the same all-reduce
+            squares, small = self.everyone.sum(torch.stack([squares, self.noise.take_squares(squares.device)]))
+        else:
+            squares = self.everyone.sum(squares)
+        norm = squares.sqrt()
         by_mesh: dict[int, list[torch.Tensor]] = {}  # DTensors of different meshes (FSDP over two groups) apart
         for group in self.strategy.optimizer.param_groups:
             for p in group["params"]:
@@ -196,6 +222,8 @@ class Engine:
         if max_norm > 0:
             for params in by_mesh.values():
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        if self.noise is not None:
+            self.noise.end_step(small.item(), norm.item())
         return norm
 
     def step(self, lr: float) -> None:
@@ -260,8 +288,13 @@ class Engine:
     def precision_record(self) -> dict[str, float]:
         return self.precision_step.record()
 
-    def precision_state(self) -> dict[str, dict]:
-        return self.precision_step.state()
+    def checkpoint_meta(self) -> dict[str, dict]:
+        """What a checkpoint's metadata keeps of the engine besides the weights: fp16's loss scale, the noise scale's
+        averages."""
+        return self.precision_step.state() | ({} if self.noise is None else {"noise_scale": self.noise.state_dict()})
 
-    def load_precision_state(self, meta: dict) -> None:
+    def load_checkpoint_meta(self, meta: dict) -> None:
+        """Go on from what ``checkpoint_meta`` kept (a checkpoint written without a part leaves that part as it is)."""
         self.precision_step.load_state(meta)
+        if self.noise is not None and "noise_scale" in meta:
+            self.noise.load_state_dict(meta["noise_scale"])

@@ -45,6 +45,8 @@ class Piece:
     shape: tuple[int, ...] = ()
     replicas: Replicas | None = None
     master: torch.Tensor | None = None
+    moment_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")  # where it has no moments: its optimizer's (Muon's:
+    # momentum_buffer), named empty so that every rank names the same entries
 
     @property
     def value(self) -> torch.Tensor:
@@ -52,23 +54,32 @@ class Piece:
         return self.weight if self.master is None else self.master
 
     def views(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weight (its master, if any) and, where it has them (a sharded piece: always, possibly empty), its AdamW
-        moments, flat."""
+        """The weight (its master, if any) and, where it has them (a sharded piece: always, possibly empty), its
+        optimizer's moments (AdamW's two, Muon's momentum), flat."""
         yield f"model/{self.name}", self.value
         if self.moments is None and not self.sharded:
             return
         hi = self.moments_lo + self.weight.numel()
-        for key in ("exp_avg", "exp_avg_sq"):
+        keys = self.moment_keys if self.moments is None else [k for k in MOMENTS if k in self.moments]
+        for key in keys:
             view = self.moments[key].view(-1)[self.moments_lo:hi] if self.moments is not None else torch.empty(0)
             yield f"optim/{self.name}/{key}", view
 
 
+MOMENTUM = ("momentum_buffer",)  # Muon's moment (``Piece.moment_keys``)
+MOMENTS = ("exp_avg", "exp_avg_sq", *MOMENTUM)  # every optimizer's, in the order checkpoints name them
+
+
 def materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's state for parameters that have none yet, as torch does at the first step, so a
-    checkpoint can be loaded into a fresh optimizer (zeros: the loaded values replace them)."""
+    """Create the optimizer's state for parameters that have none yet, as torch does at the first step (AdamW's
+    moments, or Muon's momentum in a Muon group), so a checkpoint can be loaded into a fresh optimizer (zeros: the
+    loaded values replace them)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if optimizer.state.get(p):
+                continue
+            if group.get("muon"):
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
                 continue
             on_device = group.get("fused") or group.get("capturable")
             optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
@@ -93,15 +104,26 @@ def gradient_squares(pieces: list[Piece], transforms: Sequence[Transform], devic
     once). Summed over every rank of the run, the squared norm."""
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for piece in pieces:
-        if piece.grad is None or not handed_over(piece, transforms):
-            continue
-        ranges = [(piece.lo, piece.lo + piece.grad.numel())]
-        for transform in transforms:
-            ranges = transform.counted(piece.name, ranges)
-        for lo, hi in ranges:  # a reduction: no temporary the size of the range
-            part = piece.grad[lo - piece.lo:hi - piece.lo]
-            squares += torch.linalg.vector_norm(part, dtype=torch.float32).square().to(device)
+        if piece.grad is not None and handed_over(piece, transforms):
+            add_counted_squares(squares, piece.name, piece.grad, piece.lo, transforms)
     return squares
+
+
+def add_counted_squares(squares: torch.Tensor, name: str, grad: torch.Tensor, lo: int,
+                        transforms: Sequence[Transform]) -> None:
+    """Add to ``squares`` (fp32, in place) the squares of the parts of ``grad`` (elements [lo, lo + len(grad)) of this
+    rank's flattened ``name``) each transform lets this rank count."""
+    ranges = [(lo, lo + grad.numel())]
+    for transform in transforms:
+        ranges = transform.counted(name, ranges)
+    for a, b in ranges:  # a reduction: no temporary the size of the range
+        squares += torch.linalg.vector_norm(grad[a - lo:b - lo], dtype=torch.float32).square().to(squares.device)
+
+
+def first_of_axes(name: str, transforms: Sequence[Transform]) -> bool:
+    """Whether this rank is the first of the ranks of every other axis than the data axis that hold the same values of
+    ``name``."""
+    return all(r.is_first for t in transforms if (r := t.replicas(name)) is not None)
 
 
 @torch.no_grad()
@@ -152,7 +174,7 @@ def region(piece: Piece, lo: int, view: torch.Tensor, transforms: Sequence[Trans
 
 def checkpoint_state(pieces: list[Piece], transforms: Sequence[Transform],
                      everyone: World) -> tuple[CheckpointState, list[Callable[[], None]]]:
-    """Every weight and AdamW moment as the parts of the whole flattened (or 2-D) tensors this rank hands over; an entry
+    """Every weight and optimizer moment as the parts of the whole flattened (or 2-D) tensors this rank hands over; an entry
     another rank holds a part of, named here with an empty part (the checkpoint builds each with a collective of every
     rank). With it, what gives each loaded part to the ranks holding the same, to run after a load."""
     state: CheckpointState = {}
@@ -164,7 +186,7 @@ def checkpoint_state(pieces: list[Piece], transforms: Sequence[Transform],
             state[key] = region(piece, lo, view, transforms)
             if not isinstance(state[key], torch.Tensor):
                 after[key] = functools.partial(_share_loaded, piece.name, replicas, lo, view, transforms)
-        if piece.moments is not None:
+        if piece.moments is not None and "step" in piece.moments:  # AdamW's counter (Muon keeps none)
             state[f"optim/{piece.name}/step"] = piece.moments["step"]
     state = _named_everywhere(state, everyone, bool(transforms))
     return state, [after[key] for key in state if key in after]

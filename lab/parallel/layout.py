@@ -50,6 +50,8 @@ class LoopSettings:
     accum_steps: int  # micro-steps per optimizer step
     grad_clip: float  # the max_norm clip_grad_norm is called with (0: off)
     compile: bool = False  # the strategy compiles the model it builds (train.compile)
+    noise_scale: bool = False  # the engine measures the gradient noise scale (train.noise_scale)
+    optimizer: str = "adamw"  # adamw, or muon: matrices stepped whole (train.optimizer)
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,9 @@ def alone(world: World) -> World:
 
 @dataclass(frozen=True)
 class Mesh:
-    """The world and this rank's place on each named axis: ``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp`` and the
-    strategy's ``data`` (dp × cp) and ``expert_data`` (edp × cp); ``layout``, the record it places."""
+    """The world and this rank's place on each named axis: ``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp``, the
+    strategy's ``data`` (dp × cp) and ``expert_data`` (edp × cp), and ``stage`` (every rank of this rank's pipeline
+    stage: dp × cp × tp); ``layout``, the record it places."""
 
     world: World
     axes: dict[str, World]
@@ -175,7 +178,7 @@ class Layout:
         one = alone(world)
         if all(sizes[d] == 1 for d in ("pp", "ep", "cp", "tp")):
             return Mesh(world, {"pp": one, "dp": world, "cp": one, "tp": one, "ep": one, "edp": world, "data": world,
-                                "expert_data": world}, self)
+                                "expert_data": world, "stage": world}, self)
         key = (dist.group.WORLD, world.rank, world.device, tuple(sizes.values()))  # the group held: no id reused
         if key not in _MESHES:
             _MESHES[key] = self._build_mesh(world, sizes, one)
@@ -202,7 +205,7 @@ class Layout:
 
         return Mesh(world, {"pp": axis("pp"), "dp": axis("edp", "ep"), "cp": axis("cp"), "tp": axis("tp"),
                             "ep": axis("ep"), "edp": axis("edp"), "data": axis("edp", "ep", "cp"),
-                            "expert_data": axis("edp", "cp")})
+                            "expert_data": axis("edp", "cp"), "stage": axis("edp", "ep", "cp", "tp")})
 
     # ------------------------------------------------------------ what one rank holds, in theory
 

@@ -120,6 +120,12 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    optimizer: str = _f("adamw", "adamw, or muon: Muon (momentum orthogonalized by Newton-Schulz) for the hidden "
+                                 "matrices, AdamW for the rest, one schedule (docs/optimizers.md)")
+    muon_momentum: float = _f(0.95, "Muon's momentum")
+    muon_nesterov: bool = _f(True, "Muon's Nesterov momentum")
+    muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations")
+    muon_ns_coefficients: str = _f("3.4445,-4.775,2.0315", "Muon's Newton-Schulz quintic coefficients a,b,c")
     seed: int = _f(1337, "seed for initialisation and data order")
     device: str = _f("auto", "auto, cpu or cuda")
     dtype: str = _f("auto", "what the matmuls compute in: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16 "
@@ -138,6 +144,9 @@ class TrainConfig:
     memory_meter: bool = _f(False, "on the CPU, measure the peak bytes of each phase by tracking every tensor "
                                    "allocation (about 9 %% slower steps on an 85M model, twice as slow on a tiny one; "
                                    "CUDA reads its allocator's peak always)")
+    noise_scale: bool = _f(False, "measure the gradient noise scale B_simple (McCandlish et al. 2018) from each "
+                                  "micro-batch's gradient and the step's, in the step line, metrics and summary "
+                                  "(docs/training.md); needs two or more micro-batches a step")
     log_every: int = _f(10, "steps between metric records")
     eval_every: int = _f(0, "steps between held-out evaluations (0: only at the end)")
     eval_tokens: int = _f(65_536, "held-out tokens per evaluation")
@@ -176,6 +185,8 @@ class ParallelConfig:
                             "parameters (deepspeed)")
     deepspeed_config: str | None = _f(None, "a DeepSpeed JSON file passed through to the engine; it may repeat the "
                                             "values the lab owns but not contradict them (deepspeed)")
+    muon_redundant: bool = _f(False, "train.optimizer muon: every rank of the data axis orthogonalizes every matrix "
+                                     "(instead of one owner rank each, the results all-gathered); to compare")
     reshard_after_forward: bool | None = _f(None, "free gathered weights after each block's forward and gather them "
                                                   "again for its backward (zero3, fsdp); false: keep them gathered "
                                                   "until the step's last backward (one gather a step, ZeRO-2-like "
@@ -251,6 +262,7 @@ SLURM_SETTINGS = {"partition": SLURM_PLAIN, "account": SLURM_PLAIN, "qos": SLURM
                   "constraint": re.compile(r"[A-Za-z0-9_.:+&|*\[\]()-]+")}
 RESUME_MODES = ("latest", "auto", "never")
 NONFINITE = ("skip", "stop")
+OPTIMIZERS = ("adamw", "muon")
 
 
 # ---------------------------------------------------------------- value parsing

@@ -42,7 +42,7 @@ from lab.runtime.config import ConfigError, RunConfig, print_error
 from lab.runtime.files import (LockHeld, LockUnusable, check_plain_files, dumps, probe_writable, read_json,
                                refuse_foreign_folder, save_json, take_lock)
 from lab.runtime.loopback import LOOPBACK_HOSTS, listen_on_loopback
-from lab.training.optim import adamw_factory, param_groups
+from lab.training.optim import optimizer_factory, param_groups
 from lab.training.runlog import RunLog, start_line, summarise
 from lab.training.plan import RunPlan, plan_run
 from lab.training.steps import Start, StepPlan
@@ -271,11 +271,12 @@ def decided_on_main(world: World, decide: Callable[[], T]) -> T:
 
 def build_engine(plan: RunPlan, world: World) -> RunEngine:
     """The run's engine on its resolved layout, built from the model factory (the transforms split it, the strategy
-    places it), the weight-decay rule and AdamW."""
+    places it), the weight-decay rule and the optimizer (AdamW, or Muon with AdamW)."""
     cfg = plan.cfg
     engine = parallel.create(cfg.parallel, plan.layout, world, plan.precision, plan.loop)
     engine.build(functools.partial(GPT, cfg.model, seed=cfg.train.seed),
-                 lambda model: param_groups(model, cfg.train.weight_decay), adamw_factory(cfg.train, world.device))
+                 lambda model: param_groups(model, cfg.train.weight_decay, cfg.train.optimizer == "muon"),
+                 optimizer_factory(cfg.train, world.device))
     return engine
 
 
@@ -291,7 +292,7 @@ def restore(strategy: RunEngine, run_dir: Path, world: World, cfg: RunConfig, pl
     world.check_same(checkpoint.digest(folder), f"checkpoint {folder.name} (its metadata as each rank reads it)")
     meta = checkpoint.load(folder, world.rank, world.world_size, strategy.checkpoint_state())
     strategy.after_load()
-    strategy.load_precision_state(meta)
+    strategy.load_checkpoint_meta(meta)
     complete = meta["step"] >= plan.total_steps  # killed before its summary: resuming only writes it
     if cfg.train.stop_after and cfg.train.stop_after <= meta["step"] and not complete:
         raise ConfigError(f"train.stop_after ({cfg.train.stop_after}) is not beyond the checkpoint's step "

@@ -25,8 +25,9 @@ from lab.parallel.layout import OPTIONS as LAYOUT_OPTIONS
 from lab.parallel.axes import activations, context, pipeline, tensor
 from lab.parallel.data.deepspeed import ZERO_STAGES, DeepSpeed, engine_config, import_deepspeed
 from lab.runtime import compat
-from lab.runtime.config import NONFINITE, ConfigError, ModelConfig, ParallelConfig, RunConfig, did_you_mean
+from lab.runtime.config import NONFINITE, OPTIMIZERS, ConfigError, ModelConfig, ParallelConfig, RunConfig, did_you_mean
 from lab.training import expect, schedule, trackers
+from lab.training.muon import parse_coefficients
 from lab.training.steps import StepPlan, checkpoint_steps, loop_settings
 
 
@@ -115,6 +116,7 @@ def check_train(cfg: RunConfig, plan: StepPlan) -> None:
     if cfg.train.nonfinite not in NONFINITE:
         raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE)}, got '{cfg.train.nonfinite}'"
                           f"{did_you_mean(cfg.train.nonfinite, NONFINITE)}")
+    check_optimizer(cfg)
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(cfg.train, name)}")
@@ -127,6 +129,19 @@ def check_train(cfg: RunConfig, plan: StepPlan) -> None:
             expect.read_law(cfg.train.expect)
         except expect.LawError as e:
             raise ConfigError(f"train.expect: {e}") from None
+
+
+def check_optimizer(cfg: RunConfig) -> None:
+    """Raise ConfigError (one line) for a train.optimizer or Muon option that cannot run."""
+    t = cfg.train
+    if t.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'"
+                          f"{did_you_mean(t.optimizer, OPTIMIZERS)}")
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
+    if not 1 <= t.muon_ns_steps < 100:
+        raise ConfigError(f"train.muon_ns_steps must be in 1..99, got {t.muon_ns_steps}")
+    parse_coefficients(t.muon_ns_coefficients)
 
 
 # ---------------------------------------------------------------- the layout
@@ -276,9 +291,30 @@ def check_combination(layout: Layout, cfg: ParallelConfig, strategy: type, loop:
     if loop.compile and layout.cp > 1:
         raise ConfigError("train.compile with parallel.cp > 1 is not supported yet: the ring's sends are not "
                           "traced; set train.compile false")
+    if loop.noise_scale:
+        check_noise_scale(layout, strategy, loop)
+    if cfg.muon_redundant and loop.optimizer != "muon":
+        raise ConfigError("parallel.muon_redundant has no effect without train.optimizer muon")
+    if loop.optimizer == "muon" and strategy.owns_step:
+        raise ConfigError(f"train.optimizer muon does not run under strategy '{strategy.name}': its engine steps its "
+                          "own optimizer (AdamW)")
     if loop.compile and layout.ep > 1:
         raise ConfigError("train.compile with parallel.ep > 1 is not supported yet: the exchanges' split sizes are "
                           "read on the host mid-forward; set train.compile false")
+
+
+def check_noise_scale(layout: Layout, strategy: type, loop: LoopSettings) -> None:
+    """Raise ConfigError (one line) where train.noise_scale cannot read each micro-batch's whole gradient."""
+    if strategy.owns_step:
+        raise ConfigError(f"train.noise_scale does not run under strategy '{strategy.name}': its engine syncs the "
+                          "gradients inside its backward and hands no micro-batch's gradient out")
+    for other in ("pp", "cp"):
+        if layout.ep > 1 and getattr(layout, other) > 1:
+            raise ConfigError(f"train.noise_scale does not run with parallel.ep > 1 and parallel.{other} > 1 together "
+                              "yet: each use of an expert would give only a part of a micro-batch's gradient")
+    if layout.dp * loop.accum_steps < 2:
+        raise ConfigError("train.noise_scale needs two or more micro-batches a step (the small batch against the "
+                          "step's): raise train.batch_tokens above one micro-batch of every data-parallel rank")
 
 
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:

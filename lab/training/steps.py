@@ -44,7 +44,7 @@ class Start:
 def loop_settings(cfg: RunConfig, plan: StepPlan) -> LoopSettings:
     """What the loop will do that a strategy may need to know before it builds."""
     return LoopSettings(micro_batch=plan.micro_batch, accum_steps=plan.accum_steps, grad_clip=cfg.train.grad_clip,
-                        compile=cfg.train.compile)
+                        compile=cfg.train.compile, noise_scale=cfg.train.noise_scale, optimizer=cfg.train.optimizer)
 
 
 def checkpoint_steps(cfg: RunConfig, total_steps: int) -> frozenset[int]:

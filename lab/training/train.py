@@ -139,7 +139,7 @@ def run_steps(run: RunPlan, world: World, strategy: RunEngine, data: PreparedDat
             raise TrainingDiverged(f"weights are not finite after step {step}; not saved")
         meta = {"tokens": step * t.batch_tokens, "wall_time_s": start.wall_time_s + time.perf_counter() - started,
                 "strategy": cfg.parallel.strategy, "recent_losses": recent, "skipped_steps": skipped,
-                "eval_loss": eval_loss} | strategy.precision_state()
+                "eval_loss": eval_loss} | strategy.checkpoint_meta()
         with log.checkpointing(step):
             checkpoint.save(run_dir, step, world.rank, world.world_size, strategy.checkpoint_state(), meta,
                             t.keep_checkpoints, pinned)

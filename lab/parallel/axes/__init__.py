@@ -128,10 +128,27 @@ class Transform(Figures):
         on every rank that holds it."""
         return set()
 
+    def micro_batch_parts(self) -> World | None:
+        """The ranks of this axis whose gradients of one micro-batch add up to its gradient (each runs a share of its
+        tokens, ``token_share``); None where each rank's is whole."""
+        return None
+
+    def mixed_gradients(self) -> set[str]:
+        """Parameters whose gradient in one backward adds parts of other ranks' micro-batches (an expert's weights
+        fed other ranks' tokens): read per use through ``tap_uses``."""
+        return set()
+
+    def tap_uses(self, tap: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Have each use of a weight ``mixed_gradients`` names go through ``tap(name, weight)``."""
+
     def whole_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Held | Pieces | Blocks | None:
         """Where elements [lo, lo + len(view)) of this rank's flattened ``name`` (``numel`` elements) sit in the whole
         parameter, counting only what this rank hands over (None: this transform does not reshape it)."""
         return None
+
+    def held_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Held | Pieces | Blocks | None:
+        """As ``whole_region``, every element this rank holds, those other ranks also hold and hand over included."""
+        return self.whole_region(name, lo, view, numel)
 
     def whole_shape(self, name: str) -> tuple[int, ...] | None:
         """The whole parameter's shape, where this rank holds a part of ``name`` cut by this transform."""

@@ -102,6 +102,10 @@ class ContextParallel(Pausable, Transform):
     def token_share(self) -> float:
         return 1 / self.n
 
+    def micro_batch_parts(self) -> World:
+        """A micro-batch's gradient is the sum of its shards' (each weighted by its share of the tokens)."""
+        return self.axis
+
     # ------------------------------------------------------------ the shard
 
     def indices(self, length: int, device: torch.device) -> torch.Tensor:

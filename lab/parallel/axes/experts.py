@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,16 @@ class ExpertParallel(Pausable, Transform):
     def data_group(self, name: str) -> World | None:
         """An expert's gradient is averaged over the ranks holding the same experts."""
         return self.holders if self.holds(name) else None
+
+    def mixed_gradients(self) -> set[str]:
+        """This rank's experts' weights: a backward adds the gradients of every source rank's rows."""
+        return {name for name, _ in self.model.named_parameters() if self.holds(name)}
+
+    def tap_uses(self, tap: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Each source rank's rows run through tapped weights (``Experts.tap``), so each use is read apart."""
+        for layer in self.plan.layers:
+            prefix = f"{layer}.experts."
+            self.model.get_submodule(layer).experts.tap = lambda name, weight, p=prefix: tap(p + name, weight)
 
     def _expert_prefix(self, name: str) -> str | None:
         layer, sep, rest = name.partition(".experts.")

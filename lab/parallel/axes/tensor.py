@@ -103,12 +103,12 @@ class Split:
         """Rank ``rank``'s shard of ``whole`` (a copy; on the meta device, a meta tensor)."""
         return torch.cat([whole.narrow(self.dim, g, size) for _, g, size in self.segments(rank, n)], dim=self.dim)
 
-    def checkpoint_pieces(self, rank: int, n: int, lo: int, view: torch.Tensor) -> Pieces | Blocks:
+    def checkpoint_pieces(self, rank: int, n: int, lo: int, view: torch.Tensor, every: bool = False) -> Pieces | Blocks:
         """Where elements [lo, lo + len(view)) of the flattened shard sit in the whole weight, counting only what this
-        rank hands over: cut along rows, ranges of the flattened whole weight (one per block); cut along columns,
-        rectangles of the 2-D whole weight (one per row range of the shard, at most three), where its flattened
-        rows would be one range per row and DCP's cost grows with the pieces."""
-        segments = [s for b, s in enumerate(self.segments(rank, n)) if rank % self.sharing(b) == 0]
+        rank hands over (``every``: its replicated blocks too): cut along rows, ranges of the flattened whole weight
+        (one per block); cut along columns, rectangles of the 2-D whole weight (one per row range of the shard, at
+        most three), where its flattened rows would be one range per row and DCP's cost grows with the pieces."""
+        segments = [s for b, s in enumerate(self.segments(rank, n)) if every or rank % self.sharing(b) == 0]
         if self.dim == 1:
             blocks = []
             for row, column, rect in row_blocks(sum(size for _, _, size in self.segments(rank, n)), lo, view):
@@ -500,6 +500,10 @@ class TensorParallel(Transform):
     def whole_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Pieces | Blocks | None:
         split = self.splits.get(name)
         return None if split is None else split.checkpoint_pieces(self.rank, self.n, lo, view)
+
+    def held_region(self, name: str, lo: int, view: torch.Tensor, numel: int) -> Pieces | Blocks | None:
+        split = self.splits.get(name)
+        return None if split is None else split.checkpoint_pieces(self.rank, self.n, lo, view, every=True)
 
     def whole_shape(self, name: str) -> tuple[int, ...] | None:
         split = self.splits.get(name)

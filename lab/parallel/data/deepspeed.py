@@ -354,11 +354,11 @@ class DeepSpeed:
     def precision_record(self) -> dict[str, float]:
         return {}  # no loss scale: fp16 is refused
 
-    def precision_state(self) -> dict[str, dict]:
+    def checkpoint_meta(self) -> dict[str, dict]:
         return {}
 
-    def load_precision_state(self, meta: dict) -> None:
-        """Nothing to go on with: the lab's bf16 policies keep no loss scale."""
+    def load_checkpoint_meta(self, meta: dict) -> None:
+        """Nothing to go on with: the lab's bf16 policies keep no loss scale, and the noise scale is refused."""
 
     # ------------------------------------------------------------ communication, from DeepSpeed's comms logger
 

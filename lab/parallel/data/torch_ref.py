@@ -145,6 +145,21 @@ class FSDP(Strategy):
         self.costs = self._placed(module)
         return module
 
+    def gradient_leaves(self) -> list[tuple[str, torch.Tensor]]:
+        """The unsharded parameters FSDP computes with and autograd reaches (not its shards): made by one gather of
+        each sharded module, freed at once, and kept by FSDP for every later gather."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        leaves = []
+        for name, _, _ in self.shards:
+            sub = self.module.get_submodule(name) if name else self.module
+            sub.unshard()
+            group = sub._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group is not None else []:
+                if param.sharded_param.requires_grad:
+                    leaves.append((names[id(param.sharded_param)], param._unsharded_param))
+            sub.reshard()
+        return leaves
+
     def _placed(self, module: nn.Module) -> Costs:
         """The record of its placement: each module ``fully_shard`` was applied to as FSDP sends it (each parameter's
         first dimension padded to a multiple of its group's size), reduce-scattered once a step and gathered as FSDP2

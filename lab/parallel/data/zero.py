@@ -82,7 +82,7 @@ from lab.measure.placement import Costs
 from lab.runtime.checkpoint import overlap
 from lab.parallel.axes import GroupReplicas
 from lab.parallel.base import ParamGroup, Strategy
-from lab.parallel.holding import Piece
+from lab.parallel.holding import MOMENTUM, Piece
 from lab.parallel.comm import Comm, Exchange, InOrder, SummedOnWait, buckets
 from lab.parallel.data.ddp import broadcast_from_rank0
 
@@ -241,6 +241,7 @@ class Zero(Strategy):
 
     def optimizer_groups(self, groups: list[ParamGroup]) -> list[dict]:
         """Each group's tensors: views of this rank's chunks (of the host master copy when offloaded)."""
+        self._muon_groups = {i for i, g in enumerate(groups) if g.muon}  # their moment is Muon's
         self.optimizer_pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
         per_group: list[list[torch.Tensor]] = [[] for _ in groups]
         for unit in self.units:
@@ -368,21 +369,22 @@ class Zero(Strategy):
         piece_at = {(id(unit), lo): piece for unit, lo, _, piece in self.optimizer_pieces}
         out = []
         for unit in self.units:
-            for name, offset, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
+            for name, offset, shape, g in zip(unit.names, unit.offsets, unit.shapes, unit.groups, strict=True):
                 size = math.prod(shape)
                 a, b = unit.in_chunk(unit.rank, offset, size)
                 master = unit.master
+                keys = MOMENTUM if g in self._muon_groups else Piece.moment_keys
                 if a >= b:  # empty views: the shards' bytes still count
                     grad = None if unit.grad_shard is None else unit.grad_shard[:0]
                     out.append(Piece(name, size, 0, unit.shard[:0], grad, sharded=True, shape=tuple(shape),
-                                     master=None if master is None else master[:0]))
+                                     master=None if master is None else master[:0], moment_keys=keys))
                     continue
                 first = max(lo for lo in starts[id(unit)] if lo <= a)  # the optimizer's piece that holds it
                 grad = None if unit.grad_shard is None else unit.grad_shard[a:b]
                 moments = self.optimizer.state.get(piece_at[(id(unit), first)]) or None
                 out.append(Piece(name, size, a + unit.rank * unit.chunk - offset, unit.shard[a:b], grad, moments,
                                  a - first, sharded=True, shape=tuple(shape),
-                                 master=None if master is None else master[a:b]))
+                                 master=None if master is None else master[a:b], moment_keys=keys))
         return out + [Piece(name, p.numel(), 0, p.detach().view(-1), shape=tuple(p.shape),
                             replicas=GroupReplicas(self.data)) for name, p in self.module.named_parameters()
                       if not p.requires_grad]
