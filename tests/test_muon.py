@@ -104,6 +104,7 @@ def _by_layout(world: World, specs: list[str], setup: Setup) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [TINY, MOE], ids=["gpt2", "moe"])
 def test_replicated_data_parallel_muon_is_single_s_to_the_bit_on_two_ranks(model):
     """ddp_naive, ddp, torch_ddp (owners) and ddp with every rank orthogonalizing everything, against single
@@ -124,6 +125,7 @@ def test_replicated_data_parallel_muon_is_single_s_to_the_bit_on_two_ranks(model
     assert all(r["muon_sent_bytes"] == 0 for r in redundant)
 
 
+@pytest.mark.slow
 def test_four_owners_share_the_work_and_send_what_theory_says():
     """On 4 ranks: each matrix orthogonalized once over the ranks in every step, the owners' Newton-Schulz FLOPs
     within 1.3 of their mean, the bytes all-gathered equal to theory, and the weights single's within the
@@ -149,6 +151,7 @@ def _final_weights(run_dir) -> dict[str, torch.Tensor]:
             if k.startswith(("model/", "optim/"))}
 
 
+@pytest.mark.slow
 def test_a_muon_run_resumes_with_its_momentum_on_one_rank_and_from_two(args, tmp_path, capsys):
     """The tiny run under Muon: stopped at step 5 and resumed, its final weights and moments (Muon's momentum
     buffers among them) are the uninterrupted run's to the bit; saved by ddp on 2 ranks at step 4 and resumed by
@@ -172,6 +175,7 @@ def test_a_muon_run_resumes_with_its_momentum_on_one_rank_and_from_two(args, tmp
     assert max((resumed[k] - ref[k]).abs().max().item() for k in ref if k.startswith("model/")) <= 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, mixed", [(TINY, False), (MODERN, False), (TINY, True)],
                          ids=["gpt2", "modern", "gpt2-bf16-mixed"])
 def test_sharded_muon_gathers_each_matrix_to_its_owner_and_trains_single_s_bits(model, mixed):
@@ -207,6 +211,7 @@ def test_sharded_muon_on_four_ranks_balances_its_owners():
             assert r["muon_owner_load"] <= 1.3 and r["muon_sent_bytes"] == r["muon_sent_bytes_theory"]
 
 
+@pytest.mark.slow
 def test_a_sharded_muon_run_resumes_under_another_strategy_and_world_size(args, tmp_path):
     """Saved by zero3 on 2 ranks at step 4 (each matrix's momentum cut across the ranks' chunks), resumed by zero1 on
     2 ranks and, from fsdp's save, by single: the uninterrupted single run's final weights within the equivalence
@@ -244,6 +249,7 @@ def test_a_sharded_muon_run_resumes_under_another_strategy_and_world_size(args, 
 SPLIT_TOLERANCE = 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, specs", [
     (MODERN, ["ddp:pp=2", "zero2:pp=2", "fsdp:pp=2", "zero3:cp=2", "fsdp:cp=2"]),
     (MOE, ["ddp:ep=2", "zero1:ep=2", "zero3:ep=2", "fsdp:ep=2"]),
@@ -273,6 +279,7 @@ def _assert_split_layouts(setup: Setup, specs: list[str]) -> None:
 GQA = dataclasses.replace(MODERN, n_head=4, n_kv_head=1)  # one key/value head on 2 tensor ranks: its rows replicated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, specs", [
     (TINY, ["ddp:tp=2", "single:tp=2", "zero2:tp=2", "zero3:tp=2", "fsdp:tp=2"]),
     (GQA, ["zero2:tp=2", "ddp:tp=2,tp_impl=torch"]),

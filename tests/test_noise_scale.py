@@ -111,6 +111,7 @@ def test_every_layout_measures_the_same_noise_scale_on_two_ranks(model):
 MOE = dataclasses.replace(TINY, moe_experts=4, moe_top_k=2, moe_granularity=2, moe_shared_experts=1)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_measures_the_same_noise_scale_with_its_experts_split_on_two_ranks():
     """Expert parallelism: a rank's experts take both ranks' tokens in one backward, and each source's part is read
     at its use; against single (and ddp, fsdp, zero3 holding every expert) within 1e-3."""
@@ -151,6 +152,7 @@ def _last_record(run_dir) -> dict:
     return [r for r in records if "noise_scale" in r][-1]
 
 
+@pytest.mark.slow
 def test_a_run_reports_the_noise_scale_and_a_resumed_one_goes_on_from_its_averages(args, tmp_path, capsys):
     """The tiny run (2 micro-steps a step): the step line, the metrics and the summary carry the noise scale, and a
     run stopped at step 5 and resumed logs the uninterrupted run's figures at its last step, to the last digit."""
